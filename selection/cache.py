@@ -1,0 +1,84 @@
+"""The JIT cache: solved programs on disk, keyed by everything that can change the answer.
+
+Location: `--cache-dir`, else `$DETENT_AUDIT_CACHE/selir`, else the user cache directory. An entry is JSON
+`{"key", "sha256", "body"}` written atomically (temporary file, fsync, rename). On load the key and the
+SHA-256 of the canonical body must match; anything else (truncation, corruption, a different key) is a
+miss, the entry is removed and the program solved again: a bad entry is never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ENV_VAR = "DETENT_AUDIT_CACHE"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env) / "selir"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("detent-audit")) / "selir"
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical(parts)).hexdigest()
+
+
+class JitCache:
+    """get/put of solve results by key. `last_status` says 'hit', 'miss' or 'corrupt' for the last get."""
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else default_cache_dir()
+        self.last_status = "miss"
+
+    def path(self, key: str) -> Path:
+        return self.directory / key[:2] / f"{key}.json"
+
+    def get(self, key: str) -> dict | None:
+        path = self.path(key)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            self.last_status = "miss"
+            return None
+        except OSError:
+            self.last_status = "corrupt"
+            return None
+        try:
+            entry = json.loads(raw)
+            body = entry["body"]
+            ok = entry["key"] == key and entry["sha256"] == hashlib.sha256(canonical(body)).hexdigest()
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            self.last_status = "corrupt"
+            path.unlink(missing_ok=True)
+            return None
+        self.last_status = "hit"
+        return body
+
+    def put(self, key: str, body: dict) -> None:
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = canonical({"key": key, "sha256": hashlib.sha256(canonical(body)).hexdigest(), "body": body})
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -1,0 +1,108 @@
+"""Code generation: IR nodes -> straight-line Python.
+
+`emit` turns the nodes the roots read into one assignment each, in program order. Pinned nodes and knobs are
+leaves spelled by the caller: parameters while the solver explores them, literal constants in a compiled
+selector. Static values that have no literal spelling (tables, non-finite floats) become module constants.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from detent_audit.selection import lang
+from detent_audit.selection.ir import Node, Op
+
+_SIMPLE = (int, bool, str, type(None))
+
+
+@dataclass
+class Emitted:
+    lines: list[str]
+    names: dict[int, str]                       # node id -> expression naming its value
+    consts: dict[str, Any] = field(default_factory=dict)
+    inputs_read: set[str] = field(default_factory=set)
+    knobs_read: set[str] = field(default_factory=set)
+    pins_read: set[int] = field(default_factory=set)
+
+
+def literal(value: Any, consts: dict[str, Any]) -> str:
+    """A Python spelling of a static value: a literal when one exists, else a module constant."""
+    if isinstance(value, _SIMPLE) or (isinstance(value, float) and math.isfinite(value)):
+        return repr(value)
+    if isinstance(value, tuple) and type(value) is tuple and all(
+            isinstance(v, _SIMPLE) or (isinstance(v, float) and math.isfinite(v)) for v in value):
+        return repr(value)
+    name = f"_c{len(consts)}"
+    consts[name] = value
+    return name
+
+
+def builtins_namespace() -> dict[str, Any]:
+    return {f"_b_{k}": v for k, v in lang.BUILTINS.items()}
+
+
+def emit(roots: Iterable[Node], *, input_names: dict[str, str], knob_names: dict[str, str],
+         pin_names: dict[int, str], consts: dict[str, Any] | None = None) -> Emitted:
+    """Assignments computing every root; pinned nodes and knobs are read from the given spellings."""
+    out = Emitted([], {}, consts if consts is not None else {})
+    order: dict[int, Node] = {}
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node.id in order:
+            continue
+        order[node.id] = node
+        if node.id not in pin_names:
+            stack.extend(node.src)
+    for node_id in sorted(order):
+        node = order[node_id]
+        if node_id in pin_names:
+            out.names[node_id] = pin_names[node_id]
+            out.pins_read.add(node_id)
+            continue
+        expr = _expr(node, out, input_names, knob_names)
+        if node.op in (Op.CONST, Op.INPUT, Op.KNOB):
+            out.names[node_id] = expr
+        else:
+            var = f"v{node_id}"
+            out.lines.append(f"{var} = {expr}")
+            out.names[node_id] = var
+    return out
+
+
+def _expr(node: Node, out: Emitted, input_names: dict[str, str], knob_names: dict[str, str]) -> str:
+    a = [out.names[s.id] for s in node.src]
+    op = node.op
+    if op is Op.CONST:
+        return literal(node.arg, out.consts)
+    if op is Op.INPUT:
+        out.inputs_read.add(node.arg[0])
+        return input_names[node.arg[0]]
+    if op is Op.KNOB:
+        out.knobs_read.add(node.arg[0])
+        return knob_names[node.arg[0]]
+    if op is Op.UNARY:
+        return f"(not {a[0]})" if node.arg == "not" else f"({node.arg}{a[0]})"
+    if op in (Op.BINARY, Op.COMPARE):
+        return f"({a[0]} {node.arg} {a[1]})"
+    if op is Op.AND:
+        return f"({a[0]} and {a[1]})"
+    if op is Op.OR:
+        return f"({a[0]} or {a[1]})"
+    if op is Op.SELECT:
+        return f"({a[1]} if {a[0]} else {a[2]})"
+    if op is Op.CALL:
+        if node.arg == "getitem":
+            return f"{a[0]}[{a[1]}]"
+        return f"_b_{node.arg}({', '.join(a)})"
+    raise AssertionError(f"no code for {node!r}")
+
+
+def compile_function(source: str, name: str, namespace: dict[str, Any], filename: str) -> Any:
+    """Compile generated `source` and return the function `name` defined in it."""
+    ns = dict(namespace)
+    exec(compile(source, filename, "exec"), ns)  # noqa: S102 - our own generated code
+    return ns[name]

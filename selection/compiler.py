@@ -1,0 +1,253 @@
+"""`solve()`: a SelIR program and its deployment facts -> pins, legal values and a compiled selector.
+
+The compiler is a flat list of passes (see `solve`):
+
+    parse -> inline -> partial evaluation (gated SSA DAG) -> simplify -> dependence graph (networkx, with
+    control-dependence edges) -> taint -> cut -> VRA -> codegen
+
+Ablations: `constant-folding-only` skips the range-based simplification; `no-cut` pins every batch-dependent
+selection point itself instead of solving the cut. The JIT cache is consulted first: a hit skips every pass.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from detent_audit.selection import cut as cut_pass
+from detent_audit.selection.cache import JitCache, cache_key
+from detent_audit.selection.errors import IllegalAssignment, SelIRError
+from detent_audit.selection.frontend import Source, check_grammar, source_of_function
+from detent_audit.selection.graph import build_graph
+from detent_audit.selection.partial_eval import partial_evaluate
+from detent_audit.selection.selector import CompiledSelector, SelectorTemplate, make_template
+from detent_audit.selection.simplify import input_domains, simplify
+from detent_audit.selection.vra import MAX_ASSIGNMENTS, SAMPLED_POINTS, VRA_SEED, analyse
+
+COMPILER_VERSION = "selir-1"
+ABLATIONS = ("constant-folding-only", "no-cut")
+DEBUG = os.environ.get("DETENT_AUDIT_DEBUG") == "1"
+
+
+@dataclass
+class SolveResult:
+    """What `detent-audit solve` reports for one program, plus what a selector needs (all JSON-able)."""
+
+    family: str
+    program: str
+    filename: str
+    ablation: str | None
+    num_values: int
+    selection_points: list[str]
+    batch_dependent_points: list[str]
+    pins: list[dict]          # {name, line, candidates, legal_values}
+    knobs: list[dict]         # {name, choices, default, legal_values}
+    candidate_count: int
+    legal: list[list]         # legal assignments, values in `axes` order
+    default: dict | None      # axis -> value
+    points_tried: int
+    exhaustive: bool
+    template: dict
+    solve_seconds: float = 0.0
+    cache: str = "miss"
+    result_cls: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def axes(self) -> list[str]:
+        return [p["name"] for p in self.pins] + [k["name"] for k in self.knobs]
+
+    @property
+    def legal_count(self) -> int:
+        return len(self.legal)
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "result_cls"}
+        return d
+
+    def report(self) -> dict:
+        """The user-facing summary (no template, no assignment list)."""
+        d = self.to_json()
+        d.pop("template")
+        d.pop("legal")
+        d["legal_count"] = self.legal_count
+        return d
+
+    def is_legal(self, assignment: Mapping[str, Any]) -> bool:
+        if set(assignment) != set(self.axes):
+            return False
+        row = [assignment[a] for a in self.axes]
+        return any(row == list(r) and all(type(x) is type(y) for x, y in zip(row, r)) for r in self.legal)
+
+    def selector(self, assignment: Mapping[str, Any] | None = None) -> CompiledSelector:
+        """The compiled selector for `assignment` (default: the solve's default assignment)."""
+        if assignment is None:
+            if self.default is None:
+                raise IllegalAssignment(f"{self.program}: no legal assignment exists for this deployment",
+                                        remedy="check the deployment facts; see the failing require")
+            assignment = self.default
+        elif not self.is_legal(assignment):
+            raise IllegalAssignment(f"{self.program}: {dict(assignment)} is not a legal assignment of "
+                                    f"{self.axes}", remedy="run `detent-audit solve` for the legal values")
+        pin_names = [p["name"] for p in self.pins]
+        pins = {n: assignment[n] for n in pin_names}
+        knobs = {k["name"]: assignment[k["name"]] for k in self.knobs}
+        return CompiledSelector(SelectorTemplate.from_json(self.template), self.result_cls, pins, knobs,
+                                self.family)
+
+    def repin(self, selector: CompiledSelector, **values: Any) -> CompiledSelector:
+        """Swap pin/knob constants of `selector` (checked legal) without solving again."""
+        pin_names = {p["name"] for p in self.pins}
+        pins = {k: v for k, v in values.items() if k in pin_names}
+        knobs = {k: v for k, v in values.items() if k not in pin_names}
+        return selector.repin(pins, knobs, legal=lambda p, k: self.is_legal({**p, **k}))
+
+
+def _facts_json(facts: Any) -> Any:
+    if dataclasses.is_dataclass(facts):
+        return {"__record__": type(facts).__name__,
+                **{f.name: _facts_json(getattr(facts, f.name)) for f in dataclasses.fields(facts)}}
+    if isinstance(facts, dict):
+        return {"__table__": sorted([repr(k), _facts_json(v)] for k, v in facts.items())}
+    if isinstance(facts, (list, tuple)):
+        return [_facts_json(x) for x in facts]
+    if isinstance(facts, float):
+        return {"__float__": repr(facts)}
+    return facts
+
+
+def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablation: str | None = None,
+          cache: JitCache | None = None, family: str | None = None, debug: bool = DEBUG) -> SolveResult:
+    """Solve one program for one facts record; consult and fill `cache` when given."""
+    if ablation is not None and ablation not in ABLATIONS:
+        raise SelIRError(f"unknown ablation {ablation!r}", remedy=f"choose one of {', '.join(ABLATIONS)}")
+    t0 = time.perf_counter()
+    src, name = program if isinstance(program, tuple) else (source_of_function(program), program.__name__)
+    fn_obj = src.namespace.get(name)
+    family = family or getattr(fn_obj, "__selir_family__", name)
+    key = cache_key({"compiler": COMPILER_VERSION, "source": src.text, "program": name,
+                     "facts": _facts_json(facts), "ablation": ablation, "cut": cut_pass.CUT_WEIGHTS_VERSION,
+                     "vra": [SAMPLED_POINTS, MAX_ASSIGNMENTS, VRA_SEED], "family": family})
+    if cache is not None:
+        body = cache.get(key)
+        if body is not None:
+            result = SolveResult(**body)
+            result.cache, result.result_cls = "hit", _result_cls(src, name)
+            result.solve_seconds = time.perf_counter() - t0
+            return result
+        status = cache.last_status
+    else:
+        status = "off"
+
+    c = compile_passes(src, name, facts, ablation=ablation, debug=debug)
+    prog, dg, tainted, pin_names, vra, template = c.prog, c.graph, c.taint, c.pin_names, c.vra, c.template
+    axes = [*pin_names, *(k.name for k in vra.knobs)]
+    result = SolveResult(
+        family=family, program=name, filename=src.filename, ablation=ablation, num_values=dg.num_values,
+        selection_points=list(prog.outputs), batch_dependent_points=list(tainted.leaking_points),
+        pins=[{"name": p.name, "line": p.line, "candidates": list(p.candidates),
+               "legal_values": list(p.legal_values)} for p in vra.pins],
+        knobs=[{"name": k.name, "choices": list(k.choices), "default": k.default,
+                "legal_values": list(k.legal_values)} for k in vra.knobs],
+        candidate_count=vra.candidate_count, legal=[list(a) for a in vra.legal],
+        default=dict(zip(axes, vra.default)) if vra.default is not None else None,
+        points_tried=vra.points_tried, exhaustive=vra.exhaustive, template=template.to_json())
+    result.solve_seconds = time.perf_counter() - t0
+    if cache is not None:
+        cache.put(key, result.to_json())
+    result.cache, result.result_cls = status, prog.result_cls
+    return result
+
+
+@dataclass
+class Compilation:
+    """Every artifact of the passes, for tests and debugging."""
+
+    prog: Any
+    domains: dict
+    graph: Any
+    taint: Any
+    pins: list
+    pin_names: list[str]
+    vra: Any
+    template: SelectorTemplate
+
+
+def compile_passes(src: Source, name: str, facts: Any, *, ablation: str | None = None,
+                   debug: bool = DEBUG) -> Compilation:
+    """The passes, in order, without the cache."""
+    # parse: the grammar of the program (helpers are checked when inlined)
+    if name in src.functions:
+        check_grammar(src, src.functions[name])
+    # inline: resolve the helpers the program calls; refuse recursion before expanding anything
+    _check_call_graph(src, name)
+    # partial evaluation: fold facts, prune branches, unroll loops, look up tables, inline helpers
+    prog = partial_evaluate(src, name, facts)
+    domains = input_domains(prog)
+    # simplify: range-based folding of comparisons, selects, min/max and lookups; dead code
+    if ablation != "constant-folding-only":
+        prog = simplify(prog, domains)
+    # dependence graph: SSA values, data and control-dependence edges
+    dg = build_graph(prog)
+    if debug:
+        dg.check_integrity()
+    # taint: values reachable from batch-dependent inputs
+    tainted = cut_pass.taint(dg)
+    # cut: the fewest pins nearest the selection points (or, ablated, the selection points themselves)
+    pins = (cut_pass.pin_selection_points(dg, tainted) if ablation == "no-cut"
+            else cut_pass.min_cut(dg, tainted))
+    pin_names = _unique_names(pins)
+    # VRA: candidates and legal assignments
+    vra = analyse(prog, pins, domains, pin_names)
+    # codegen: the selector template with pins and knobs as placeholders
+    template = make_template(prog, pins, pin_names)
+    return Compilation(prog, domains, dg, tainted, pins, pin_names, vra, template)
+
+
+def _result_cls(src: Source, name: str) -> Any:
+    fn = src.functions[name]
+    ann = fn.returns
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        ann = ast.parse(ann.value, mode="eval").body
+    cls = src.namespace.get(ann.id) if isinstance(ann, ast.Name) else None
+    if cls is None:
+        raise SelIRError(f"program `{name}` must annotate its @record return type")
+    return cls
+
+
+def _check_call_graph(src: Source, root: str) -> None:
+    functions = src.functions
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in done:
+            return
+        visiting.append(name)
+        for node in ast.walk(functions[name]):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions:
+                callee = node.func.id
+                if callee in visiting:
+                    raise src.error(node, f"helper `{callee}` is recursive: SelIR inlines helpers")
+                check_grammar(src, functions[callee])
+                visit(callee)
+        visiting.pop()
+        done.add(name)
+
+    if root not in functions:
+        raise SelIRError(f"no function `{root}` in {src.filename}")
+    visit(root)
+
+
+def _unique_names(pins: list) -> list[str]:
+    labels = [p.label for p in pins]
+    names = []
+    for p, label in zip(pins, labels):
+        names.append(label if labels.count(label) == 1 else f"{label}@{p.line}")
+    if len(set(names)) != len(names):
+        names = [f"{n}#{p.id}" for n, p in zip(names, pins)]
+    return names

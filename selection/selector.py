@@ -1,0 +1,132 @@
+"""Compiled selectors: generated Python with the pins (and knobs) as literal constants.
+
+A selector is called at every kernel launch with the call's runtime inputs and returns the program's result
+record. Each new combination of inputs is evaluated once: its require/assume checks run, and the result is
+memoised; a violation raises `SelectionViolation` (and is never memoised), so the engine stops rather than
+launch a kernel the solve did not cover. A new batch never recompiles; `repin` swaps constants by
+regenerating the source from the template, without solving.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from detent_audit.selection.codegen import builtins_namespace, compile_function, emit, literal
+from detent_audit.selection.errors import IllegalAssignment, SelectionViolation
+from detent_audit.selection.ir import Node
+from detent_audit.selection.partial_eval import IRProgram, _Table
+
+MEMO_LIMIT = 1 << 16
+
+
+@dataclass(frozen=True)
+class SelectorTemplate:
+    """Everything needed to build a selector without the IR: stored in the JIT cache."""
+
+    program: str
+    source: str                       # with __PIN_i__ / __KNOB_name__ placeholders
+    consts: dict[str, str]            # name -> repr of a static value
+    inputs: tuple[str, ...]
+    pin_names: tuple[str, ...]
+    knob_names: tuple[str, ...]
+    checks: tuple[tuple[str, str, int], ...]  # (kind, message, line)
+
+    def to_json(self) -> dict:
+        return {"program": self.program, "source": self.source, "consts": dict(sorted(self.consts.items())),
+                "inputs": list(self.inputs), "pin_names": list(self.pin_names),
+                "knob_names": list(self.knob_names), "checks": [list(c) for c in self.checks]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> SelectorTemplate:
+        return cls(d["program"], d["source"], dict(d["consts"]), tuple(d["inputs"]), tuple(d["pin_names"]),
+                   tuple(d["knob_names"]), tuple((k, m, int(ln)) for k, m, ln in d["checks"]))
+
+
+def make_template(prog: IRProgram, pins: Sequence[Node], pin_names: Sequence[str]) -> SelectorTemplate:
+    """Pass: codegen of the pinned program."""
+    inputs = tuple(i.name for i in prog.inputs)
+    knob_names = tuple(sorted(prog.knobs))
+    checks = [c for c in prog.checks if isinstance(c.cond, Node)]
+    outputs = {k: v for k, v in prog.outputs.items() if isinstance(v, Node)}
+    consts: dict[str, Any] = {}
+    em = emit([*outputs.values(), *(c.cond for c in checks)],
+              input_names={n: n for n in inputs}, knob_names={k: f"__KNOB_{k}__" for k in knob_names},
+              pin_names={p.id: f"__PIN_{i}__" for i, p in enumerate(pins)}, consts=consts)
+    key = f"({', '.join(inputs)}{',' if len(inputs) == 1 else ''})"
+    lines = [f"def _select({', '.join(inputs)}):",
+             f"    _key = {key}",
+             "    _hit = _memo.get(_key)",
+             "    if _hit is not None:",
+             "        return _hit"]
+    lines += [f"    {ln}" for ln in em.lines]
+    for i, c in enumerate(checks):
+        lines += [f"    if not {em.names[c.cond.id]}:", f"        _violation({i}, _key)"]
+    fields = ", ".join(f"{k}={em.names[v.id] if isinstance(v, Node) else literal(v, consts)}"
+                       for k, v in prog.outputs.items())
+    lines += [f"    _r = _Result({fields})",
+              f"    if len(_memo) >= {MEMO_LIMIT}:",
+              "        _memo.clear()",
+              "    _memo[_key] = _r",
+              "    return _r"]
+    return SelectorTemplate(prog.name, "\n".join(lines) + "\n", {k: repr(v) for k, v in consts.items()},
+                            inputs, tuple(pin_names), knob_names,
+                            tuple((c.kind, c.msg, c.line) for c in checks))
+
+
+def _restore(text: str) -> Any:
+    return eval(text, {"__builtins__": {}}, {"Table": _Table, "inf": math.inf, "nan": math.nan})  # noqa: S307
+
+
+class CompiledSelector:
+    """A program's selector with every pin and knob fixed. Call it with the runtime inputs."""
+
+    def __init__(self, template: SelectorTemplate, result_cls: type, pins: Mapping[str, Any],
+                 knobs: Mapping[str, Any], family: str = "") -> None:
+        self.template, self.result_cls, self.family = template, result_cls, family
+        self.pins, self.knobs = dict(pins), dict(knobs)
+        source = template.source
+        for i, name in enumerate(template.pin_names):
+            source = source.replace(f"__PIN_{i}__", _spell(self.pins[name]))
+        for name in template.knob_names:
+            source = source.replace(f"__KNOB_{name}__", _spell(self.knobs[name]))
+        self.source = source
+        self._memo: dict[tuple, Any] = {}
+        ns = {**builtins_namespace(), **{k: _restore(v) for k, v in template.consts.items()},
+              "_Result": result_cls, "_memo": self._memo, "_violation": self._violation}
+        self._fn: Callable[..., Any] = compile_function(source, "_select", ns, f"<selector {template.program}>")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    @property
+    def fn(self) -> Callable[..., Any]:
+        """The raw generated function (positional inputs in program order), for hot paths."""
+        return self._fn
+
+    def _violation(self, index: int, key: tuple) -> None:
+        kind, msg, line = self.template.checks[index]
+        raise SelectionViolation(self.template.program, f"{kind}: {msg}", line,
+                                 dict(zip(self.template.inputs, key)), {**self.pins, **self.knobs})
+
+    def repin(self, pins: Mapping[str, Any] | None = None, knobs: Mapping[str, Any] | None = None,
+              legal: Callable[[dict, dict], bool] | None = None) -> CompiledSelector:
+        """A selector with some pins/knobs replaced (no solving); `legal` vetoes illegal assignments."""
+        new_pins = {**self.pins, **(pins or {})}
+        new_knobs = {**self.knobs, **(knobs or {})}
+        unknown = sorted(set(new_pins) - set(self.pins)) + sorted(set(new_knobs) - set(self.knobs))
+        if unknown:
+            raise IllegalAssignment(f"{self.template.program}: no pin or knob named {unknown}")
+        if legal is not None and not legal(new_pins, new_knobs):
+            raise IllegalAssignment(f"{self.template.program}: the assignment {new_pins | new_knobs} is not "
+                                    "legal", remedy="choose values from `detent-audit solve`'s legal values")
+        return CompiledSelector(self.template, self.result_cls, new_pins, new_knobs, self.family)
+
+
+def _spell(value: Any) -> str:
+    text = literal(value, {})
+    if text.startswith("_c"):
+        raise IllegalAssignment(f"pin value {value!r} has no literal form")
+    return text
