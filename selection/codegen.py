@@ -40,12 +40,90 @@ def literal(value: Any, consts: dict[str, Any]) -> str:
     return name
 
 
+class _Poison:
+    """The value of an operation that raised (a division by zero in an arm a SELECT does not take).
+
+    Arithmetic and comparisons on it give it back; taking its truth raises, so it can only be *dropped* by a
+    SELECT whose condition is defined. A poisoned selection point or check is an evaluation error.
+    """
+
+    __slots__ = ()
+
+    def _same(self, *_: Any) -> _Poison:
+        return self
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __neg__ = __pos__ = _same
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _same
+    __pow__ = __rpow__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _same
+    __hash__ = object.__hash__
+
+    def __bool__(self) -> bool:
+        raise ArithmeticError("a poisoned value has no truth")
+
+    def __repr__(self) -> str:
+        return "POISON"
+
+
+POISON = _Poison()
+
+
+def _guarded(fn: Any) -> Any:
+    def call(*args: Any) -> Any:
+        for a in args:
+            if a is POISON:
+                return POISON
+        try:
+            return fn(*args)
+        except (ArithmeticError, LookupError, TypeError, ValueError):
+            return POISON
+
+    return call
+
+
+def _select(c: Any, t: Any, e: Any) -> Any:
+    if c is POISON:
+        return POISON
+    return t if c else e
+
+
+def _and(a: Any, b: Any) -> Any:
+    if a is POISON:
+        return POISON
+    return b if a else a
+
+
+def _or(a: Any, b: Any) -> Any:
+    if a is POISON:
+        return POISON
+    return a if a else b
+
+
+def _not(a: Any) -> Any:
+    return POISON if a is POISON else not a
+
+
+def failed(v: Any) -> bool:
+    """A check that does not hold, or could not be evaluated."""
+    return v is POISON or not v
+
+
+_FALLIBLE = {"/": "_op_div", "//": "_op_floordiv", "%": "_op_mod", "**": "_op_pow"}
+
+
 def builtins_namespace() -> dict[str, Any]:
-    return {f"_b_{k}": v for k, v in lang.BUILTINS.items()}
+    """The names generated code reads: guarded builtins and operators, the poison-aware control ops."""
+    import operator
+
+    ns: dict[str, Any] = {f"_b_{k}": _guarded(v) for k, v in lang.BUILTINS.items()}
+    ns.update(_op_div=_guarded(operator.truediv), _op_floordiv=_guarded(operator.floordiv),
+              _op_mod=_guarded(operator.mod), _op_pow=_guarded(operator.pow),
+              _getitem=_guarded(operator.getitem), _select=_select, _and=_and, _or=_or, _not=_not,
+              _failed=failed, _POISON=POISON)
+    return ns
 
 
 def emit(roots: Iterable[Node], *, input_names: dict[str, str], knob_names: dict[str, str],
-         pin_names: dict[int, str], consts: dict[str, Any] | None = None) -> Emitted:
+         pin_names: dict[int, str], consts: dict[str, Any] | None = None, prefix: str = "v") -> Emitted:
     """Assignments computing every root; pinned nodes and knobs are read from the given spellings."""
     out = Emitted([], {}, consts if consts is not None else {})
     order: dict[int, Node] = {}
@@ -67,7 +145,7 @@ def emit(roots: Iterable[Node], *, input_names: dict[str, str], knob_names: dict
         if node.op in (Op.CONST, Op.INPUT, Op.KNOB):
             out.names[node_id] = expr
         else:
-            var = f"v{node_id}"
+            var = f"{prefix}{node_id}"
             out.lines.append(f"{var} = {expr}")
             out.names[node_id] = var
     return out
@@ -84,19 +162,23 @@ def _expr(node: Node, out: Emitted, input_names: dict[str, str], knob_names: dic
     if op is Op.KNOB:
         out.knobs_read.add(node.arg[0])
         return knob_names[node.arg[0]]
+    # Every node is evaluated, both arms of a SELECT included; what would raise yields POISON instead,
+    # which only an arm the SELECT does not take may hold (Python's lazy `x if c else y`, made eager).
     if op is Op.UNARY:
-        return f"(not {a[0]})" if node.arg == "not" else f"({node.arg}{a[0]})"
+        return f"_not({a[0]})" if node.arg == "not" else f"({node.arg}{a[0]})"
+    if op is Op.BINARY and node.arg in _FALLIBLE:
+        return f"{_FALLIBLE[node.arg]}({a[0]}, {a[1]})"
     if op in (Op.BINARY, Op.COMPARE):
         return f"({a[0]} {node.arg} {a[1]})"
     if op is Op.AND:
-        return f"({a[0]} and {a[1]})"
+        return f"_and({a[0]}, {a[1]})"
     if op is Op.OR:
-        return f"({a[0]} or {a[1]})"
+        return f"_or({a[0]}, {a[1]})"
     if op is Op.SELECT:
-        return f"({a[1]} if {a[0]} else {a[2]})"
+        return f"_select({a[0]}, {a[1]}, {a[2]})"
     if op is Op.CALL:
         if node.arg == "getitem":
-            return f"{a[0]}[{a[1]}]"
+            return f"_getitem({a[0]}, {a[1]})"
         return f"_b_{node.arg}({', '.join(a)})"
     raise AssertionError(f"no code for {node!r}")
 

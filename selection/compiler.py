@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import itertools
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,8 @@ from detent_audit.selection.frontend import Source, check_grammar, source_of_fun
 from detent_audit.selection.graph import build_graph
 from detent_audit.selection.partial_eval import partial_evaluate
 from detent_audit.selection.selector import CompiledSelector, SelectorTemplate, make_template
-from detent_audit.selection.simplify import input_domains, simplify
+from detent_audit.selection.ir import Node, Op, toposort
+from detent_audit.selection.simplify import domain_checks, input_domains, simplify
 from detent_audit.selection.vra import MAX_ASSIGNMENTS, SAMPLED_POINTS, VRA_SEED, analyse
 
 COMPILER_VERSION = "selir-1"
@@ -48,7 +50,8 @@ class SolveResult:
     pins: list[dict]          # {name, line, candidates, legal_values}
     knobs: list[dict]         # {name, choices, default, legal_values}
     candidate_count: int
-    legal: list[list]         # legal assignments, values in `axes` order
+    legal_count: int
+    legal_groups: list[dict]  # {axes, rows}: independent groups; legal = legal in every group
     default: dict | None      # axis -> value
     points_tried: int
     exhaustive: bool
@@ -61,10 +64,6 @@ class SolveResult:
     def axes(self) -> list[str]:
         return [p["name"] for p in self.pins] + [k["name"] for k in self.knobs]
 
-    @property
-    def legal_count(self) -> int:
-        return len(self.legal)
-
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "result_cls"}
         return d
@@ -73,15 +72,25 @@ class SolveResult:
         """The user-facing summary (no template, no assignment list)."""
         d = self.to_json()
         d.pop("template")
-        d.pop("legal")
-        d["legal_count"] = self.legal_count
+        d.pop("legal_groups")
         return d
 
     def is_legal(self, assignment: Mapping[str, Any]) -> bool:
         if set(assignment) != set(self.axes):
             return False
-        row = [assignment[a] for a in self.axes]
-        return any(row == list(r) and all(type(x) is type(y) for x, y in zip(row, r)) for r in self.legal)
+        for g in self.legal_groups:
+            row = [assignment[a] for a in g["axes"]]
+            if not any(row == list(r) and all(type(x) is type(y) for x, y in zip(row, r)) for r in g["rows"]):
+                return False
+        return True
+
+    def legal_assignments(self) -> Iterator[dict]:
+        """Every legal assignment (the product of the groups' rows), in a fixed order."""
+        for combo in itertools.product(*(g["rows"] for g in self.legal_groups)):
+            out: dict = {}
+            for g, row in zip(self.legal_groups, combo):
+                out.update(zip(g["axes"], row))
+            yield {a: out[a] for a in self.axes}
 
     def selector(self, assignment: Mapping[str, Any] | None = None) -> CompiledSelector:
         """The compiled selector for `assignment` (default: the solve's default assignment)."""
@@ -145,7 +154,6 @@ def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablat
 
     c = compile_passes(src, name, facts, ablation=ablation, debug=debug)
     prog, dg, tainted, pin_names, vra, template = c.prog, c.graph, c.taint, c.pin_names, c.vra, c.template
-    axes = [*pin_names, *(k.name for k in vra.knobs)]
     result = SolveResult(
         family=family, program=name, filename=src.filename, ablation=ablation, num_values=dg.num_values,
         selection_points=list(prog.outputs), batch_dependent_points=list(tainted.leaking_points),
@@ -153,8 +161,9 @@ def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablat
                "legal_values": list(p.legal_values)} for p in vra.pins],
         knobs=[{"name": k.name, "choices": list(k.choices), "default": k.default,
                 "legal_values": list(k.legal_values)} for k in vra.knobs],
-        candidate_count=vra.candidate_count, legal=[list(a) for a in vra.legal],
-        default=dict(zip(axes, vra.default)) if vra.default is not None else None,
+        candidate_count=vra.candidate_count, legal_count=vra.legal_count,
+        legal_groups=[{"axes": list(g.axes), "rows": [list(r) for r in g.rows]} for g in vra.groups],
+        default=vra.default,
         points_tried=vra.points_tried, exhaustive=vra.exhaustive, template=template.to_json())
     result.solve_seconds = time.perf_counter() - t0
     if cache is not None:
@@ -199,13 +208,20 @@ def compile_passes(src: Source, name: str, facts: Any, *, ablation: str | None =
     tainted = cut_pass.taint(dg)
     # cut: the fewest pins nearest the selection points (or, ablated, the selection points themselves)
     pins = (cut_pass.pin_selection_points(dg, tainted) if ablation == "no-cut"
-            else cut_pass.min_cut(dg, tainted))
+            else cut_pass.min_cut(dg, tainted, _checked_inputs(prog)))
     pin_names = _unique_names(pins)
     # VRA: candidates and legal assignments
     vra = analyse(prog, pins, domains, pin_names)
     # codegen: the selector template with pins and knobs as placeholders
     template = make_template(prog, pins, pin_names)
     return Compilation(prog, domains, dg, tainted, pins, pin_names, vra, template)
+
+
+def _checked_inputs(prog: Any) -> frozenset[int]:
+    """Inputs a require/assume (other than a domain bound) depends on: the check must see them as they are."""
+    domain = set(domain_checks(prog))
+    roots = [c.cond for i, c in enumerate(prog.checks) if i not in domain and isinstance(c.cond, Node)]
+    return frozenset(n.id for n in toposort(roots) if n.op is Op.INPUT)
 
 
 def _result_cls(src: Source, name: str) -> Any:

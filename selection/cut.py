@@ -42,8 +42,12 @@ def taint(dg: DependenceGraph) -> Taint:
     return Taint(frozenset(tainted), tuple(sources), points)
 
 
-def min_cut(dg: DependenceGraph, t: Taint) -> list[Node]:
-    """Pass: the pins, a minimum weighted vertex cut between batch inputs and leaking selection points."""
+def min_cut(dg: DependenceGraph, t: Taint, checked_inputs: frozenset[int] = frozenset()) -> list[Node]:
+    """Pass: the pins, a minimum weighted vertex cut between batch inputs and leaking selection points.
+
+    `checked_inputs`: Runtime inputs a require/assume reads. A check is about the real batch, so such an
+    input is pinned only when nothing else cuts its paths: its capacity exceeds any cut of other values.
+    """
     if not t.leaking_points:
         return []
     g = dg.graph
@@ -51,12 +55,14 @@ def min_cut(dg: DependenceGraph, t: Taint) -> list[Node]:
     sub = g.subgraph(t.tainted)
     dist = _distance_to(sub, sinks)
     big = (len(t.tainted) + 1) * (max(dist.values(), default=0) + 1)
+    last_resort = big * (len(t.tainted) + 1)
     flow = nx.DiGraph()
     for v in sub.nodes:
         node = dg.node(v)
-        unpinnable = node.op is Op.INPUT and node.arg[1] == "Unpinnable"
-        if unpinnable:
+        if node.op is Op.INPUT and node.arg[1] == "Unpinnable":
             flow.add_edge(("in", v), ("out", v))  # no capacity attribute: infinite
+        elif v in checked_inputs:
+            flow.add_edge(("in", v), ("out", v), capacity=last_resort + dist.get(v, big))
         else:
             flow.add_edge(("in", v), ("out", v), capacity=big + dist.get(v, big))
     for u, v in sub.edges:

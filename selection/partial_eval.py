@@ -207,7 +207,11 @@ class PartialEvaluator:
         if isinstance(value, Node) and value.name is None and value.op is not Op.CONST:
             value.name = name
         live = self.live(frame)
-        frame.env[name] = value if live is True else self.merge(live, value, frame.env.get(name, UNDEF), at)
+        if live is not True:
+            value = self.merge(live, value, frame.env.get(name, UNDEF), at)
+            if isinstance(value, Node) and value.name is None and not name.startswith("$"):
+                value.name = name
+        frame.env[name] = value
 
     def _set_flag(self, frame: _Frame, flag: str) -> None:
         frame.env[flag] = self.or_(frame.env.get(flag, False), self.live(frame))
@@ -278,7 +282,10 @@ class PartialEvaluator:
             envs.append(arm_frame.env)
         then_env, else_env = envs
         for name in sorted(set(then_env) | set(else_env)):
-            frame.env[name] = self.merge(cond, then_env.get(name, UNDEF), else_env.get(name, UNDEF), s)
+            merged = self.merge(cond, then_env.get(name, UNDEF), else_env.get(name, UNDEF), s)
+            if isinstance(merged, Node) and merged.name is None and not name.startswith("$"):
+                merged.name = name  # the phi takes the variable's name
+            frame.env[name] = merged
 
     def _for(self, s: ast.For, frame: _Frame) -> None:
         items = self.eval(s.iter, frame)
@@ -301,9 +308,15 @@ class PartialEvaluator:
 
     def _expr_stmt(self, s: ast.Expr, frame: _Frame) -> None:
         call = s.value
+        if isinstance(call, ast.Constant) and isinstance(call.value, str):
+            return  # a docstring
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in self.src.functions:
+            self.eval(call, frame)  # a helper called for its require/assume; its value is dropped
+            return
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
                 and call.func.id in ("require", "assume")):
-            raise self.src.error(s, "an expression statement has no effect in SelIR (only require/assume)")
+            raise self.src.error(s, "an expression statement has no effect in SelIR (only require/assume "
+                                    "and helper calls)")
         kind = call.func.id
         if len(call.args) != 2 or call.keywords:
             raise self.src.error(call, f"{kind} takes (condition, message)")

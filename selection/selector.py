@@ -18,6 +18,7 @@ from detent_audit.selection.codegen import builtins_namespace, compile_function,
 from detent_audit.selection.errors import IllegalAssignment, SelectionViolation
 from detent_audit.selection.ir import Node
 from detent_audit.selection.partial_eval import IRProgram, _Table
+from detent_audit.selection.simplify import domain_checks
 
 MEMO_LIMIT = 1 << 16
 
@@ -27,7 +28,7 @@ class SelectorTemplate:
     """Everything needed to build a selector without the IR: stored in the JIT cache."""
 
     program: str
-    source: str                       # with __PIN_i__ / __KNOB_name__ placeholders
+    source: str                       # with __PIN_i__ / __KNOB_j__ placeholders
     consts: dict[str, str]            # name -> repr of a static value
     inputs: tuple[str, ...]
     pin_names: tuple[str, ...]
@@ -49,21 +50,31 @@ def make_template(prog: IRProgram, pins: Sequence[Node], pin_names: Sequence[str
     """Pass: codegen of the pinned program."""
     inputs = tuple(i.name for i in prog.inputs)
     knob_names = tuple(sorted(prog.knobs))
-    checks = [c for c in prog.checks if isinstance(c.cond, Node)]
+    domain = set(domain_checks(prog))
+    bounds = [c for i, c in enumerate(prog.checks) if i in domain]
+    checks = bounds + [c for i, c in enumerate(prog.checks) if i not in domain and isinstance(c.cond, Node)]
     outputs = {k: v for k, v in prog.outputs.items() if isinstance(v, Node)}
     consts: dict[str, Any] = {}
-    em = emit([*outputs.values(), *(c.cond for c in checks)],
-              input_names={n: n for n in inputs}, knob_names={k: f"__KNOB_{k}__" for k in knob_names},
+    # the domain bounds read the real inputs, even an input the cut pinned
+    dom = emit([c.cond for c in bounds], input_names={n: n for n in inputs}, knob_names={}, pin_names={},
+               consts=consts, prefix="d")
+    em = emit([*outputs.values(), *(c.cond for c in checks[len(bounds):])],
+              input_names={n: n for n in inputs},
+              knob_names={k: f"__KNOB_{j}__" for j, k in enumerate(knob_names)},
               pin_names={p.id: f"__PIN_{i}__" for i, p in enumerate(pins)}, consts=consts)
     key = f"({', '.join(inputs)}{',' if len(inputs) == 1 else ''})"
-    lines = [f"def _select({', '.join(inputs)}):",
+    lines = [f"def _selector({', '.join(inputs)}):",
              f"    _key = {key}",
              "    _hit = _memo.get(_key)",
              "    if _hit is not None:",
              "        return _hit"]
-    lines += [f"    {ln}" for ln in em.lines]
+    lines += [f"    {ln}" for ln in dom.lines + em.lines]
     for i, c in enumerate(checks):
-        lines += [f"    if not {em.names[c.cond.id]}:", f"        _violation({i}, _key)"]
+        name = (dom if i < len(bounds) else em).names[c.cond.id]
+        lines += [f"    if _failed({name}):", f"        _violation({i}, _key)"]
+    for k, v in outputs.items():
+        if em.names[v.id].startswith("v"):  # a computed value (pins and constants are literals)
+            lines += [f"    if {em.names[v.id]} is _POISON:", f"        _undefined({k!r}, _key)"]
     fields = ", ".join(f"{k}={em.names[v.id] if isinstance(v, Node) else literal(v, consts)}"
                        for k, v in prog.outputs.items())
     lines += [f"    _r = _Result({fields})",
@@ -90,13 +101,14 @@ class CompiledSelector:
         source = template.source
         for i, name in enumerate(template.pin_names):
             source = source.replace(f"__PIN_{i}__", _spell(self.pins[name]))
-        for name in template.knob_names:
-            source = source.replace(f"__KNOB_{name}__", _spell(self.knobs[name]))
+        for j, name in enumerate(template.knob_names):
+            source = source.replace(f"__KNOB_{j}__", _spell(self.knobs[name]))
         self.source = source
         self._memo: dict[tuple, Any] = {}
         ns = {**builtins_namespace(), **{k: _restore(v) for k, v in template.consts.items()},
-              "_Result": result_cls, "_memo": self._memo, "_violation": self._violation}
-        self._fn: Callable[..., Any] = compile_function(source, "_select", ns, f"<selector {template.program}>")
+              "_Result": result_cls, "_memo": self._memo, "_violation": self._violation,
+              "_undefined": self._undefined}
+        self._fn: Callable[..., Any] = compile_function(source, "_selector", ns, f"<selector {template.program}>")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._fn(*args, **kwargs)
@@ -110,6 +122,11 @@ class CompiledSelector:
         kind, msg, line = self.template.checks[index]
         raise SelectionViolation(self.template.program, f"{kind}: {msg}", line,
                                  dict(zip(self.template.inputs, key)), {**self.pins, **self.knobs})
+
+    def _undefined(self, field: str, key: tuple) -> None:
+        raise SelectionViolation(self.template.program, f"selection point `{field}` is undefined (its "
+                                 "computation raised)", 0, dict(zip(self.template.inputs, key)),
+                                 {**self.pins, **self.knobs})
 
     def repin(self, pins: Mapping[str, Any] | None = None, knobs: Mapping[str, Any] | None = None,
               legal: Callable[[dict, dict], bool] | None = None) -> CompiledSelector:

@@ -30,6 +30,8 @@ import itertools
 import math
 import numbers
 import random
+
+import numpy as np
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -281,9 +283,21 @@ class _Meter:
         values = self.times[a]
         self.order = sorted(range(len(values)), key=lambda i: (-values[i], i))
         self.times[a] = [values[i] for i in self.order]
+        total = math.fsum(values)
+        # default_share[k]: the default's share of its cost on the k heaviest calls
+        self.default_share = [math.fsum(self.times[a][:k]) / total if total > 0 else 1.0
+                              for k in range(len(values) + 1)]
 
     def lower_bound(self, a: Assignment) -> float:
         return math.fsum(self.times[a])
+
+    def estimate(self, a: Assignment) -> float:
+        """`a`'s cost, extrapolated from the calls measured so far by the default's share of them."""
+        values = self.times[a]
+        if len(values) == len(self.order):
+            return math.fsum(values)
+        share = self.default_share[len(values)]
+        return math.fsum(values) / share if share > 0 else math.inf
 
     def trace(self) -> tuple[Measurement, ...]:
         n = len(self.calls)
@@ -326,6 +340,23 @@ class _Lattice:
             p[axis] += offset
         return self.at.get(tuple(p))
 
+    def pairs(self, a: Assignment) -> Iterator[Assignment]:
+        """Moves of two axes: one rank on axis j, then the nearest legal point along axis i (i != j); this
+        covers the diagonals and follows a legality boundary (a shared-memory limit) around its corner."""
+        p = self.point[a]
+        for j, i in itertools.permutations(range(len(p)), 2):
+            for dj, di in ((1, 1), (1, -1), (-1, 1), (-1, -1)):
+                if not 0 <= p[j] + dj < self.sizes[j]:
+                    continue
+                q = list(p)
+                q[j] += dj
+                for r in range(p[i] + di, self.sizes[i] if di > 0 else -1, di):
+                    q[i] = r
+                    b = self.at.get(tuple(q))
+                    if b is not None:
+                        yield b
+                        break
+
     def spread(self, k: int, rng: random.Random, taken: list[Assignment]) -> list[Assignment]:
         """`k` legal points chosen greedily to maximise the distance to the nearest point already taken."""
         def coords(a: Assignment) -> list[float]:
@@ -362,7 +393,7 @@ def _dist2(x: list[float], y: list[float]) -> float:
 
 
 def _descend(meter: _Meter, lattice: _Lattice, a: Assignment, cost: float) -> tuple[Assignment, float]:
-    """Coordinate descent from `a`, then diagonal moves at a coordinate minimum; returns the local minimum."""
+    """Coordinate descent from `a`, then pair moves at a coordinate minimum; returns the local minimum."""
     n = len(lattice.sizes)
     while True:
         moved = False
@@ -372,20 +403,41 @@ def _descend(meter: _Meter, lattice: _Lattice, a: Assignment, cost: float) -> tu
                     a, cost, moved = b, c, True
         if moved:
             continue
-        for i, j in itertools.combinations(range(n), 2):
-            for di, dj in ((1, 1), (1, -1), (-1, 1), (-1, -1)):
-                b = lattice.shift(a, {i: di, j: dj})
-                if b is not None and (c := meter.cost(b, cost)) < cost:
-                    a, cost, moved = b, c, True
-                    break
-            if moved:
+        for b in lattice.pairs(a):
+            if (c := meter.cost(b, cost)) < cost:
+                a, cost, moved = b, c, True
                 break
         if not moved:
             return a, cost
 
 
+class _Surrogate:
+    """A quadratic response surface in the axes' normalised ranks, fitted to log cost by ridge regression;
+    it ranks the unmeasured legal points so the search can try the most promising next."""
+
+    def __init__(self, lattice: _Lattice) -> None:
+        u = np.array([[r / max(1, s - 1) for r, s in zip(lattice.point[a], lattice.sizes, strict=True)]
+                      for a in lattice.legal])
+        n = u.shape[1]
+        cross = [u[:, i] * u[:, j] for i, j in itertools.combinations(range(n), 2)]
+        # x: [points, 1 + 2n + n(n-1)/2]
+        self.x = np.column_stack([np.ones(len(u)), u, u * u, *cross])
+        self.index = {a: i for i, a in enumerate(lattice.legal)}
+
+    def ranked(self, meter: _Meter) -> list[int]:
+        measured = [self.index[a] for a in meter.times]
+        y = np.log(np.array([meter.estimate(a) for a in meter.times]) + 1e-30)
+        x = self.x[measured]
+        f = x.shape[1]
+        beta = np.linalg.solve(x.T @ x + 1e-3 * len(measured) * np.eye(f), x.T @ y)
+        pred = self.x @ beta
+        pred[measured] = np.inf
+        order = np.argsort(pred, kind="stable")
+        return [int(i) for i in order[: len(order) - len(measured)]]
+
+
 SAMPLE_SHARE = 5  # one measurement in SAMPLE_SHARE goes to the space-filling sample
-STALE_KICKS = 32  # kicks in a row that measure nothing new end the search
+STALE_ROUNDS = 32  # rounds in a row that measure nothing new end the search
 
 
 def _budgeted(meter: _Meter, lattice: _Lattice, rng: random.Random) -> None:
@@ -393,12 +445,17 @@ def _budgeted(meter: _Meter, lattice: _Lattice, rng: random.Random) -> None:
     sample = lattice.spread(max(1, meter.limit // SAMPLE_SHARE), rng, [default])
     for a in sample:
         meter.cost(a, meter.best[1])
-    for a in sorted([default, *sample], key=lambda a: (meter.lower_bound(a), meter._rank[a])):
-        _descend(meter, lattice, a, meter.cost(a))
+    best_first = sorted([default, *sample], key=lambda a: (meter.lower_bound(a), meter._rank[a]))
+    _descend(meter, lattice, best_first[0], meter.cost(best_first[0]))
+    surrogate = _Surrogate(lattice)
     stale = 0
-    while stale < STALE_KICKS and len(meter.times) < len(lattice.legal):
+    while stale < STALE_ROUNDS and len(meter.times) < len(lattice.legal):
         before = len(meter.times)
+        ranked = surrogate.ranked(meter)
+        b = lattice.legal[ranked[0]]
+        if meter.cost(b, meter.best[1]) < math.inf:
+            _descend(meter, lattice, b, meter.cost(b))
         b = lattice.kick(meter.best[0], rng)
-        if b is not None:
+        if b is not None and meter.cost(b, meter.best[1] * 1.05) < math.inf:
             _descend(meter, lattice, b, meter.cost(b))
         stale = 0 if len(meter.times) > before else stale + 1

@@ -26,7 +26,7 @@ from detent_audit.selection.partial_eval import IRProgram
 
 EXHAUSTIVE_POINTS = 4096
 SAMPLED_POINTS = 512
-MAX_ASSIGNMENTS = 200_000
+MAX_ASSIGNMENTS = 1_000_000
 VRA_SEED = 20261129
 
 
@@ -48,18 +48,27 @@ class KnobInfo:
 
 
 @dataclass(frozen=True)
+class LegalGroup:
+    """Axes (pins and knobs) that some check reads together, and their legal rows. Groups are independent:
+    an assignment is legal when its projection on every group is one of that group's rows."""
+
+    axes: tuple[str, ...]
+    rows: tuple[tuple, ...]
+
+
+@dataclass(frozen=True)
 class VraResult:
     pins: tuple[PinInfo, ...]
     knobs: tuple[KnobInfo, ...]
     candidate_count: int
-    legal: tuple[tuple, ...]      # legal assignments: pin values (program order) then knob values (by name)
-    default: tuple | None         # the default assignment (None when nothing is legal)
+    groups: tuple[LegalGroup, ...]
+    default: dict | None          # axis -> value (None when nothing is legal)
     points_tried: int
     exhaustive: bool
 
     @property
     def legal_count(self) -> int:
-        return len(self.legal)
+        return math.prod(len(g.rows) for g in self.groups) if self.groups else 1
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -123,12 +132,13 @@ def analyse(prog: IRProgram, pins: list[Node], domains: dict[str, Interval], pin
 
     # candidates: the pins' values in the unpinned program wherever all checks hold
     checks = [c for c in prog.checks if isinstance(c.cond, Node)]
+    knob_vars = {k: f"k{j}" for j, k in enumerate(knob_names)}  # knob names may hold dots
     unpinned = emit([*pins, *(c.cond for c in checks)], input_names={n: f"i_{n}" for n in inputs},
-                    knob_names={k: f"k_{k}" for k in knob_names}, pin_names={})
-    params = [f"i_{n}" for n in inputs] + [f"k_{k}" for k in knob_names]
+                    knob_names=knob_vars, pin_names={})
+    params = [f"i_{n}" for n in inputs] + [knob_vars[k] for k in knob_names]
     body = "\n    ".join(unpinned.lines) or "pass"
     pin_vals = ", ".join(unpinned.names[p.id] for p in pins)
-    chk_vals = " and ".join(f"bool({unpinned.names[c.cond.id]})" for c in checks) or "True"
+    chk_vals = " and ".join(f"not _failed({unpinned.names[c.cond.id]})" for c in checks) or "True"
     src = (f"def _eval({', '.join(params)}):\n    {body}\n    return (({pin_vals}{',' if pins else ''}), "
            f"{chk_vals})\n")
     fn = compile_function(src, "_eval", {**ns, **unpinned.consts}, f"<vra {prog.name}>")
@@ -139,32 +149,28 @@ def analyse(prog: IRProgram, pins: list[Node], domains: dict[str, Interval], pin
             if ok:
                 for s, v in zip(cands, values):
                     s.add(v)
-    candidates = [tuple(sorted(s, key=_sort_key)) for s in cands]
+    axes = [*pin_names, *knob_names]
+    candidates = [tuple(sorted(s, key=_sort_key)) for s in cands] + [tuple(c) for c in knob_choices]
+    candidate_count = math.prod(len(c) for c in candidates)
     pin_index = {p.id: i for i, p in enumerate(pins)}
-    candidate_count = math.prod(len(c) for c in candidates) * len(knob_combos)
-    if any(not c for c in candidates):
-        legal: list[tuple] = []
-    elif candidate_count > MAX_ASSIGNMENTS:
-        worst = max(range(len(pins)), key=lambda i: len(candidates[i]))
-        raise SelIRError(f"{prog.name}: {candidate_count} candidate assignments exceed the analysis limit "
-                         f"({MAX_ASSIGNMENTS}); pin `{pin_names[worst]}` alone takes "
-                         f"{len(candidates[worst])} values",
-                         remedy="pin a value with fewer distinct values (a bucket or a tile, not a count)")
-    else:
-        tables = [_check_table(prog, c, pins, pin_index, candidates, inputs, knob_names, knob_choices,
-                               points, ns) for c in checks]
-        legal = []
-        for pv in itertools.product(*candidates):
-            for kv in knob_combos:
-                if all(_table_ok(t, pv, kv) for t in tables):
-                    legal.append((*pv, *kv))
-    default = _default(fn, domains, inputs, prog, knob_names, legal, len(pins))
-    legal_sets = [sorted({a[i] for a in legal}, key=_sort_key) for i in range(len(pins) + len(knob_names))]
-    pin_infos = tuple(PinInfo(pin_names[i], p.line, p.id, candidates[i], tuple(legal_sets[i]))
+    tables = [_check_table(prog, c, pins, pin_index, candidates, inputs, knob_names, points, ns)
+              for c in checks]
+    groups = _legal_groups(prog, axes, candidates, tables)
+    want = dict(zip(axes, (*_call(fn, (*(int(domains[n].lo) for n in inputs), *(
+        prog.knobs[k].arg[2] for k in knob_names)), prog, inputs, knob_names)[0],
+        *(prog.knobs[k].arg[2] for k in knob_names))))
+    default = _default(groups, want, set(knob_names))
+    legal_sets = {a: set() for a in axes}
+    for g in groups:
+        for row in g.rows:
+            for a, v in zip(g.axes, row):
+                legal_sets[a].add(v)
+    legal_vals = {a: tuple(sorted(v, key=_sort_key)) for a, v in legal_sets.items()}
+    pin_infos = tuple(PinInfo(pin_names[i], p.line, p.id, candidates[i], legal_vals[pin_names[i]])
                       for i, p in enumerate(pins))
-    knob_infos = tuple(KnobInfo(k, tuple(prog.knobs[k].arg[1]), prog.knobs[k].arg[2],
-                                tuple(legal_sets[len(pins) + j])) for j, k in enumerate(knob_names))
-    return VraResult(pin_infos, knob_infos, candidate_count, tuple(legal), default, len(points), exhaustive)
+    knob_infos = tuple(KnobInfo(k, tuple(prog.knobs[k].arg[1]), prog.knobs[k].arg[2], legal_vals[k])
+                       for k in knob_names)
+    return VraResult(pin_infos, knob_infos, candidate_count, groups, default, len(points), exhaustive)
 
 
 def _at(node: Node) -> Any:
@@ -185,52 +191,88 @@ def _call(fn: Any, args: tuple, prog: IRProgram, inputs: list[str], knobs: list[
 
 @dataclass(frozen=True)
 class _Table:
-    pin_pos: tuple[int, ...]
-    knob_pos: tuple[int, ...]
-    ok: dict[tuple, bool]
+    axes: tuple[int, ...]          # axis indices (pins first, then knobs) the check reads
+    ok: dict[tuple, bool]          # their values -> holds at every point tried
+
+
+CHECK_BUDGET = 1_000_000  # evaluations per check; beyond it the check's points are subsampled (edges kept)
 
 
 def _check_table(prog: IRProgram, check: Any, pins: list[Node], pin_index: dict[int, int],
-                 candidates: list[tuple], inputs: list[str], knob_names: list[str],
-                 knob_choices: list[tuple], points: list[tuple], ns: dict) -> _Table:
-    pin_names = {p.id: f"p_{pin_index[p.id]}" for p in pins}
+                 candidates: list[tuple], inputs: list[str], knob_names: list[str], points: list[tuple],
+                 ns: dict) -> _Table:
+    num_pins = len(pins)
     em = emit([check.cond], input_names={n: f"i_{n}" for n in inputs},
-              knob_names={k: f"k_{k}" for k in knob_names}, pin_names=pin_names)
+              knob_names={k: f"a{num_pins + j}" for j, k in enumerate(knob_names)},
+              pin_names={p.id: f"a{pin_index[p.id]}" for p in pins})
     in_pos = [i for i, n in enumerate(inputs) if n in em.inputs_read]
-    knob_pos = tuple(j for j, k in enumerate(knob_names) if k in em.knobs_read)
-    pin_pos = tuple(sorted(pin_index[p] for p in em.pins_read))
-    params = ([f"i_{inputs[i]}" for i in in_pos] + [f"k_{knob_names[j]}" for j in knob_pos]
-              + [f"p_{i}" for i in pin_pos])
+    axes = tuple(sorted([pin_index[p] for p in em.pins_read]
+                        + [num_pins + j for j, k in enumerate(knob_names) if k in em.knobs_read]))
+    params = [f"i_{inputs[i]}" for i in in_pos] + [f"a{a}" for a in axes]
     body = "\n    ".join(em.lines) or "pass"
-    src = f"def _chk({', '.join(params)}):\n    {body}\n    return bool({em.names[check.cond.id]})\n"
+    src = f"def _chk({', '.join(params)}):\n    {body}\n    return not _failed({em.names[check.cond.id]})\n"
     fn = compile_function(src, "_chk", {**ns, **em.consts}, f"<check {prog.name}:{check.line}>")
     projected = sorted({tuple(pt[i] for i in in_pos) for pt in points})
-    ok: dict[tuple, bool] = {}
-    for kv in itertools.product(*(knob_choices[j] for j in knob_pos)):
-        for pv in itertools.product(*(candidates[i] for i in pin_pos)):
-            ok[(kv, pv)] = all(_call(fn, (*pt, *kv, *pv), prog, [inputs[i] for i in in_pos], [])
-                               for pt in projected)
-    return _Table(pin_pos, knob_pos, ok)
+    combos = list(itertools.product(*(candidates[a] for a in axes)))
+    limit = max(32, CHECK_BUDGET // max(1, len(combos)))
+    if len(projected) > limit:  # keep the smallest and largest points, a seeded sample of the rest
+        rng = random.Random(VRA_SEED + check.line)
+        middle = projected[8:-8]
+        projected = projected[:8] + sorted(rng.sample(middle, limit - 16)) + projected[-8:]
+    names = [inputs[i] for i in in_pos]
+    ok = {combo: all(_call(fn, (*pt, *combo), prog, names, []) for pt in projected) for combo in combos}
+    return _Table(axes, ok)
 
 
-def _table_ok(t: _Table, pv: tuple, kv: tuple) -> bool:
-    return t.ok[(tuple(kv[j] for j in t.knob_pos), tuple(pv[i] for i in t.pin_pos))]
+def _legal_groups(prog: IRProgram, axes: list[str], candidates: list[tuple], tables: list[_Table]
+                  ) -> tuple[LegalGroup, ...]:
+    parent = list(range(len(axes)))
+
+    def find(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for t in tables:
+        for a in t.axes[1:]:
+            parent[find(a)] = find(t.axes[0])
+    members: dict[int, list[int]] = {}
+    for a in range(len(axes)):
+        members.setdefault(find(a), []).append(a)
+    groups = []
+    for group_axes in sorted(members.values()):
+        size = math.prod(len(candidates[a]) for a in group_axes)
+        if size > MAX_ASSIGNMENTS:
+            worst = max(group_axes, key=lambda a: len(candidates[a]))
+            raise SelIRError(f"{prog.name}: {size} candidate assignments of {[axes[a] for a in group_axes]} "
+                             f"exceed the analysis limit ({MAX_ASSIGNMENTS}); `{axes[worst]}` alone takes "
+                             f"{len(candidates[worst])} values",
+                             remedy="pin a value with fewer distinct values (a bucket or a tile, not a count)")
+        group_tables = [t for t in tables if t.axes and find(t.axes[0]) == find(group_axes[0])]
+        pos = {a: i for i, a in enumerate(group_axes)}
+        rows = []
+        for row in itertools.product(*(candidates[a] for a in group_axes)):
+            if all(t.ok[tuple(row[pos[a]] for a in t.axes)] for t in group_tables):
+                rows.append(row)
+        groups.append(LegalGroup(tuple(axes[a] for a in group_axes), tuple(rows)))
+    if any(not t.axes and not t.ok[()] for t in tables):  # a check no pin or knob can repair
+        return tuple(LegalGroup(g.axes, ()) for g in groups) or (LegalGroup((), ()),)
+    return tuple(groups)
 
 
-def _default(fn: Any, domains: dict[str, Interval], inputs: list[str], prog: IRProgram,
-             knob_names: list[str], legal: list[tuple], num_pins: int) -> tuple | None:
-    """The assignment a lone smallest request gets from the unpinned program with default knobs, if legal;
-    else the first legal assignment with default knobs; else the first legal one."""
-    if not legal:
-        return None
-    knob_defaults = tuple(prog.knobs[k].arg[2] for k in knob_names)
-    lowest = tuple(int(domains[n].lo) for n in inputs)
-    values, _ = _call(fn, (*lowest, *knob_defaults), prog, inputs, knob_names)
-    want = (*values, *knob_defaults)
-    legal_set = set(legal)
-    if want in legal_set:
-        return want
-    for a in legal:
-        if a[num_pins:] == knob_defaults:
-            return a
-    return legal[0]
+def _default(groups: tuple[LegalGroup, ...], want: dict, knob_names: set[str]) -> dict | None:
+    """Per group: the values a lone smallest request gets from the unpinned program with default knobs, if
+    legal; else the first legal row with default knobs; else the first legal row."""
+    out: dict = {}
+    for g in groups:
+        if not g.rows:
+            return None
+        target = tuple(want[a] for a in g.axes)
+        knob_pos = [i for i, a in enumerate(g.axes) if a in knob_names]
+        if target in g.rows:
+            out.update(zip(g.axes, target))
+            continue
+        same_knobs = [r for r in g.rows if all(r[i] == target[i] for i in knob_pos)]
+        out.update(zip(g.axes, (same_knobs or g.rows)[0]))
+    return out

@@ -83,7 +83,7 @@ def test_corrupt_entry_is_detected_and_solved_again(tmp_path, damage: str) -> No
         entry.write_bytes(b"")
     again = _solve(tmp_path)
     assert again.cache == "corrupt"
-    assert again.legal == good.legal and again.pins == good.pins
+    assert again.legal_groups == good.legal_groups and again.pins == good.pins
     assert _solve(tmp_path).cache == "hit"
 
 
@@ -102,7 +102,7 @@ def test_selector_checks_each_new_input_and_raises_on_violation(tmp_path) -> Non
 
 def test_require_violation_names_condition_inputs_and_pins(tmp_path) -> None:
     result = _solve(tmp_path, limit=64)
-    assert result.legal, "some split counts are legal"
+    assert result.legal_count, "some split counts are legal"
     pin = result.pins[0]["name"]
     illegal = max(result.pins[0]["candidates"])
     assert illegal not in result.pins[0]["legal_values"]

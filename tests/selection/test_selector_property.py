@@ -89,6 +89,7 @@ def test_pinned_selector_is_constant_and_agrees_with_the_program(prog_and_hi: tu
         reject()
     result = solve((src, "prog"), facts)
     event(f"pins={len(comp.pins)} legal={min(result.legal_count, 5)}")
+    assert result.legal_count == sum(1 for _ in result.legal_assignments())
     inputs = [i.name for i in comp.prog.inputs]
     points = list(itertools.product(range(1, hi + 1), repeat=len(inputs)))
     # the unpinned values of the pins at each point, from the IR (the pins' own nodes)
@@ -102,8 +103,7 @@ def test_pinned_selector_is_constant_and_agrees_with_the_program(prog_and_hi: tu
         {**builtins_namespace(), **em.consts}, "<pins>")
     from detent_audit.selection.lang import knob_settings
 
-    for row in result.legal:
-        assignment = dict(zip(result.axes, row))
+    for assignment in result.legal_assignments():
         sel = result.selector(assignment)
         outputs = {sel(*pt) for pt in points}  # never raises: the assignment is legal
         if not result.batch_dependent_points:
