@@ -25,9 +25,9 @@ from detent_audit.selection.cache import JitCache, cache_key
 from detent_audit.selection.errors import IllegalAssignment, SelIRError
 from detent_audit.selection.frontend import Source, check_grammar, source_of_function
 from detent_audit.selection.graph import build_graph
+from detent_audit.selection.ir import Node, Op, toposort
 from detent_audit.selection.partial_eval import partial_evaluate
 from detent_audit.selection.selector import CompiledSelector, SelectorTemplate, make_template
-from detent_audit.selection.ir import Node, Op, toposort
 from detent_audit.selection.simplify import domain_checks, input_domains, simplify
 from detent_audit.selection.vra import MAX_ASSIGNMENTS, SAMPLED_POINTS, VRA_SEED, analyse
 
@@ -153,7 +153,7 @@ def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablat
         status = "off"
 
     c = compile_passes(src, name, facts, ablation=ablation, debug=debug)
-    prog, dg, tainted, pin_names, vra, template = c.prog, c.graph, c.taint, c.pin_names, c.vra, c.template
+    prog, dg, tainted, vra, template = c.prog, c.graph, c.taint, c.vra, c.template
     result = SolveResult(
         family=family, program=name, filename=src.filename, ablation=ablation, num_values=dg.num_values,
         selection_points=list(prog.outputs), batch_dependent_points=list(tainted.leaking_points),

@@ -30,11 +30,11 @@ import itertools
 import math
 import numbers
 import random
-
-import numpy as np
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
+
+import numpy as np
 
 from detent_audit.errors import BadInput
 
