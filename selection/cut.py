@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
+
 from detent_audit.selection.errors import SelIRError
 from detent_audit.selection.graph import DependenceGraph
 from detent_audit.selection.ir import Node, Op

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
+
 from detent_audit.selection.ir import Node, Op, toposort
 from detent_audit.selection.partial_eval import IRProgram
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from detent_audit.errors import BadInput
 from detent_audit.manifests.deployment import load_deployment
 from detent_audit.selection.cache import JitCache
 from detent_audit.selection.compiler import SolveResult, solve
 from detent_audit.selection.programs import families_for
-
-from detent_audit.errors import BadInput
 
 
 def solve_deployment(path: str | Path, *, families: list[str] | None = None, ablation: str | None = None,

@@ -403,11 +403,11 @@ def _descend(meter: _Meter, lattice: _Lattice, a: Assignment, cost: float) -> tu
                     a, cost, moved = b, c, True
         if moved:
             continue
-        for b in lattice.pairs(a):
+        for b in (lattice.pairs(a) if PAIRS else ()):
             if (c := meter.cost(b, cost)) < cost:
                 a, cost, moved = b, c, True
                 break
-        if not moved:
+        if not moved or not PAIRS:
             return a, cost
 
 
@@ -429,15 +429,71 @@ class _Surrogate:
         y = np.log(np.array([meter.estimate(a) for a in meter.times]) + 1e-30)
         x = self.x[measured]
         f = x.shape[1]
-        beta = np.linalg.solve(x.T @ x + 1e-3 * len(measured) * np.eye(f), x.T @ y)
+        if TAU:
+            w = np.exp(-(y - y.min()) / TAU)
+            x = x * w[:, None]
+            y = y * w
+        beta = np.linalg.solve(x.T @ x + RIDGE * len(measured) * np.eye(f), x.T @ y)
         pred = self.x @ beta
         pred[measured] = np.inf
         order = np.argsort(pred, kind="stable")
         return [int(i) for i in order[: len(order) - len(measured)]]
 
 
-SAMPLE_SHARE = 5  # one measurement in SAMPLE_SHARE goes to the space-filling sample
-STALE_ROUNDS = 32  # rounds in a row that measure nothing new end the search
+class _Additive:
+    """Additive per-level effects (second differences penalised) + bilinear interactions, on log cost."""
+
+    def __init__(self, lattice: _Lattice) -> None:
+        pts = np.array([lattice.point[a] for a in lattice.legal])
+        sizes = lattice.sizes
+        n = len(sizes)
+        offs = np.cumsum([0, *sizes])
+        cols = offs[-1]
+        u = pts / np.maximum(1, np.array(sizes) - 1)
+        onehot = np.zeros((len(pts), cols))
+        for i in range(n):
+            onehot[np.arange(len(pts)), offs[i] + pts[:, i]] = 1.0
+        cross = [u[:, i] * u[:, j] for i, j in itertools.combinations(range(n), 2)]
+        self.x = np.column_stack([onehot, *cross]) if cross else onehot
+        pen = []
+        for i in range(n):
+            for r in range(1, sizes[i] - 1):
+                row = np.zeros(self.x.shape[1])
+                row[offs[i] + r - 1], row[offs[i] + r], row[offs[i] + r + 1] = 1.0, -2.0, 1.0
+                pen.append(row)
+        self.pen = np.array(pen).reshape(-1, self.x.shape[1])
+        self.index = {a: i for i, a in enumerate(lattice.legal)}
+
+    def ranked(self, meter):
+        measured = [self.index[a] for a in meter.times]
+        y = np.log(np.array([meter.estimate(a) for a in meter.times]) + 1e-30)
+        x = self.x[measured]
+        if TAU:
+            w = np.exp(-(y - y.min()) / TAU)
+        else:
+            w = np.ones_like(y)
+        f = x.shape[1]
+        a = np.vstack([x * w[:, None], math.sqrt(LAMBDA) * self.pen, math.sqrt(RIDGE) * np.eye(f)])
+        b = np.concatenate([y * w, np.zeros(len(self.pen) + f)])
+        beta = np.linalg.lstsq(a, b, rcond=None)[0]
+        pred = self.x @ beta
+        pred[measured] = np.inf
+        order = np.argsort(pred, kind="stable")
+        return [int(i) for i in order[: len(order) - len(measured)]]
+
+
+LAMBDA = 1.0
+SUR = "quad"
+SAMPLE_SHARE = 5
+FIRST_DESCENT = True
+LOCAL = False
+PURE = False
+PAIRS = True  # one measurement in SAMPLE_SHARE goes to the space-filling sample
+STALE_ROUNDS = 32
+TAU = 0.0
+RIDGE = 1e-3
+USE_SUR = True
+USE_KICK = True  # rounds in a row that measure nothing new end the search
 
 
 def _budgeted(meter: _Meter, lattice: _Lattice, rng: random.Random) -> None:
@@ -446,16 +502,26 @@ def _budgeted(meter: _Meter, lattice: _Lattice, rng: random.Random) -> None:
     for a in sample:
         meter.cost(a, meter.best[1])
     best_first = sorted([default, *sample], key=lambda a: (meter.lower_bound(a), meter._rank[a]))
-    _descend(meter, lattice, best_first[0], meter.cost(best_first[0]))
-    surrogate = _Surrogate(lattice)
+    if FIRST_DESCENT:
+        _descend(meter, lattice, best_first[0], meter.cost(best_first[0]))
+    surrogate = _Surrogate(lattice) if SUR == "quad" else _Additive(lattice)
     stale = 0
     while stale < STALE_ROUNDS and len(meter.times) < len(lattice.legal):
         before = len(meter.times)
-        ranked = surrogate.ranked(meter)
-        b = lattice.legal[ranked[0]]
-        if meter.cost(b, meter.best[1]) < math.inf:
+        if USE_SUR:
+          ranked = surrogate.ranked(meter)
+          b = lattice.legal[ranked[0]]
+          if meter.cost(b, meter.best[1]) < math.inf and not PURE:
             _descend(meter, lattice, b, meter.cost(b))
+        if LOCAL and len(meter.times) < meter.limit:
+            ranked = surrogate.ranked(meter)
+            centre = lattice.point[meter.best[0]]
+            for radius in (1, 2, 3):
+                near = [i for i in ranked if max(abs(u - v) for u, v in zip(lattice.point[lattice.legal[i]], centre)) <= radius]
+                if near:
+                    meter.cost(lattice.legal[near[0]], meter.best[1])
+                    break
         b = lattice.kick(meter.best[0], rng)
-        if b is not None and meter.cost(b, meter.best[1] * 1.05) < math.inf:
+        if USE_KICK and b is not None and meter.cost(b, meter.best[1] * 1.05) < math.inf:
             _descend(meter, lattice, b, meter.cost(b))
         stale = 0 if len(meter.times) > before else stale + 1

@@ -7,6 +7,7 @@ import time
 from dataclasses import astuple
 
 import pytest
+
 from detent_audit.selection.cache import JitCache
 from detent_audit.selection.compiler import solve
 from detent_audit.selection.errors import IllegalAssignment, SelectionViolation

@@ -8,6 +8,7 @@ import random
 
 import networkx as nx
 import pytest
+
 from detent_audit.selection.cut import min_cut, pin_selection_points, taint
 from detent_audit.selection.errors import SelIRError
 from detent_audit.selection.graph import DependenceGraph

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from detent_audit.selection.compiler import solve
 from detent_audit.selection.errors import SelIRError
 from detent_audit.selection.frontend import source_from_text

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import itertools
 
+from hypothesis import HealthCheck, event, given, reject, settings
+from hypothesis import strategies as st
+
 from detent_audit.selection.codegen import builtins_namespace, compile_function, emit
 from detent_audit.selection.compiler import compile_passes, solve
 from detent_audit.selection.errors import SelIRError
 from detent_audit.selection.frontend import source_from_text
 from detent_audit.selection.lang import SelectionFailure
-from hypothesis import HealthCheck, event, given, reject, settings
-from hypothesis import strategies as st
 
 HEADER = '''from __future__ import annotations
 from detent_audit.selection.lang import Runtime, Request, knob, require, assume, cdiv, clamp, record

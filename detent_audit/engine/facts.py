@@ -1,0 +1,107 @@
+"""Deployment facts of the running engine: everything that can change a response's bits, and its hash.
+
+Collected automatically: engine version and mode, source hashes of the kernels and selection programs, the
+deployment the selection was solved for (model shape, limits, page size, chunking), checkpoint hashes
+(config, weights, tokenizer), dtype, device and its properties, torch version, the CPU thread count (fixed
+at start: it changes BLAS bits) and the committed tuple. Weight hashes are cached by (path, size, mtime).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from detent_audit import __version__
+
+if TYPE_CHECKING:
+    from detent_audit.engine.llm import LLM
+
+_ROOTS = {"kernels": "detent_audit.kernels", "selection_programs": "detent_audit.selection.programs"}
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def facts_hash(facts: dict) -> str:
+    return hashlib.sha256(canonical_json(facts)).hexdigest()
+
+
+def source_hash(package: str) -> str:
+    """SHA-256 over the package's .py files (relative path and bytes), sorted."""
+    import importlib
+
+    folder = Path(importlib.import_module(package).__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(folder.rglob("*.py")):
+        h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def file_hash(path: Path, cache: dict | None = None) -> str:
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    if cache is not None and key in cache:
+        return cache[key]
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if cache is not None:
+        cache[key] = digest
+    return digest
+
+
+def _hash_cache_file() -> Path:
+    from detent_audit.engine.checkpoint import default_cache_dir
+
+    return default_cache_dir() / "weight-hashes.json"
+
+
+def checkpoint_hashes(path: Path) -> dict[str, str]:
+    """config, tokenizer and weights hashes of a checkpoint folder (weights: a hash over the per-file ones)."""
+    cache_file = _hash_cache_file()
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    before = dict(cache)
+    weights = sorted(path.glob("*.safetensors"))
+    per_file = [f"{f.name}:{file_hash(f, cache)}" for f in weights]
+    out = {"config": file_hash(path / "config.json"),
+           "tokenizer": file_hash(path / "tokenizer.json") if (path / "tokenizer.json").exists() else "",
+           "weights": hashlib.sha256("\n".join(per_file).encode()).hexdigest()}
+    if cache != before:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache_file.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(cache, f)
+            os.replace(tmp, cache_file)
+        except OSError:
+            pass  # the cache only saves time
+    return out
+
+
+def collect_facts(llm: LLM) -> dict[str, Any]:
+    """The engine's bit-relevant facts (plain JSON types, no floats)."""
+    cfg = llm.config
+    return {
+        "engine": {"name": "detent-audit", "version": __version__, "mode": cfg.mode,
+                   "sources": {k: source_hash(v) for k, v in sorted(_ROOTS.items())}},
+        "deployment": llm.deployment.to_canonical(),
+        "checkpoint": checkpoint_hashes(cfg.model_path),
+        "runtime": {"torch": torch.__version__, "device": "cpu",
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "num_threads": cfg.num_threads, "dtype": cfg.dtype},
+        "scheduler": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                      "max_prefill_chunk": cfg.max_prefill_chunk or 0, "prefix_caching": cfg.prefix_caching},
+        "tuple": llm.selection.tuple,
+    }

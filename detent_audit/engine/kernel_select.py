@@ -1,0 +1,147 @@
+"""The runner's KernelSet for each mode, and the embedded engine's deployment facts.
+
+- `stock`: torch's own kernels on the whole batch (vendor selection reads the batch);
+- `det`: one conservative setting per family (what deterministic modes do);
+- `detent`: the embedded SelIR programs solved for this engine's deployment, compiled with the committed
+  tuple's pins as constants: the KernelSet's selectors are the compiled selectors, called at every kernel
+  launch with the launch's runtime inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from detent_audit import __version__
+from detent_audit.engine.config import ModelConfig
+from detent_audit.errors import BadInput
+from detent_audit.kernels import AttentionParams, GemmParams, KernelSet, MoeParams
+from detent_audit.manifests.deployment import Deployment
+from detent_audit.selection.cache import JitCache
+from detent_audit.selection.compiler import SolveResult, solve
+from detent_audit.selection.programs import families_for
+
+# What the embedded engine commits when no tuple is given: chosen by `benchmarks/engine_cpu.py` on CPU
+# (a fixed 16-row GEMM chunk costs little over stock at decode batch sizes; 64-token KV tiles; splits of
+# 4096 tokens). The nearest legal assignment is taken, so a deployment whose legal set differs still works.
+EMBEDDED_PREFERENCES: dict[str, dict[str, Any]] = {
+    "embedded.gemm": {"chunk_rows": 16, "embedded.gemm.chunk_rows": 16},
+    "embedded.attention": {"embedded.attention.kv_tile": 64, "embedded.attention.split_stride": 4096,
+                           "tiles_per_split": 64},
+    "embedded.moe": {"chunk_rows": 16, "embedded.moe.chunk_rows": 16},
+}
+
+
+def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, block_size: int,
+                      max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                      prefix_caching: bool, name: str = "embedded") -> Deployment:
+    """The embedded engine's deployment facts, in the shipped files' schema."""
+    data = {
+        "name": name, "description": "the embedded detent engine on a CPU",
+        "model": {"name": name, "architecture": config.architecture, "num_layers": config.num_hidden_layers,
+                  "hidden_size": config.hidden_size, "num_heads": config.num_attention_heads,
+                  "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+                  "intermediate_size": config.intermediate_size, "num_experts": config.num_experts,
+                  "num_experts_per_tok": config.num_experts_per_tok,
+                  "moe_intermediate_size": config.moe_intermediate_size, "vocab_size": config.vocab_size,
+                  "max_position_embeddings": config.max_position_embeddings, "sliding_window": 0,
+                  "dtype": dtype},
+        "gpu": {"name": "cpu", "arch": "cpu", "compute_capability": "cpu", "num_sms": num_threads,
+                "memory_gib": 1, "fully_connected": False},
+        "engine": {"name": "detent", "version": __version__, "attention_backend": "detent",
+                   "uses_vllm_fa_fork": False, "page_size": block_size, "max_model_len": max_model_len,
+                   "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                   "cuda_graph_capture_sizes": [], "full_cuda_graph": False,
+                   "fa_max_num_splits_for_cuda_graph": 0, "prefix_caching": prefix_caching,
+                   "chunked_prefill": True, "batch_invariant": True, "custom_all_reduce": False,
+                   "custom_all_reduce_algo": "auto", "nccl_symm_mem": False, "torch_symm_mem": False,
+                   "flashinfer_all_reduce": False},
+        "parallel": {"tensor_parallel_size": 1},
+        "tables": {"fused_moe": {}, "matmul": []},
+    }
+    return Deployment.from_canonical(data, source="the embedded engine")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The solved families, the committed tuple and the KernelSet built from them."""
+
+    kernels: KernelSet
+    tuple: dict[str, dict[str, Any]]          # family -> axis -> value ({} outside detent mode)
+    results: dict[str, SolveResult]
+
+
+def nearest_legal(result: SolveResult, preferences: Mapping[str, Any]) -> dict[str, Any]:
+    """The legal assignment matching most preferences, then closest to them (ties: the first)."""
+    def score(assignment: dict) -> tuple:
+        matches = sum(assignment.get(k) == v for k, v in preferences.items())
+        distance = sum(abs(assignment[k] - v) for k, v in preferences.items()
+                       if k in assignment and isinstance(v, (int, float)) and isinstance(assignment[k], (int, float)))
+        return (-matches, distance)
+
+    best = min(result.legal_assignments(), key=score, default=None)
+    if best is None:
+        raise BadInput(f"{result.program}: no legal assignment for this deployment")
+    return best
+
+
+def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Mapping[str, Any]] | None = None,
+                   cache_dir: str | Path | None = None) -> Selection:
+    """The KernelSet for `mode`; in detent mode the committed tuple (or the preferred legal one)."""
+    if mode == "stock":
+        return Selection(KernelSet.stock(), {}, {})
+    if mode == "det":
+        return Selection(KernelSet.det(), {}, {})
+    if mode != "detent":
+        raise BadInput(f"unknown mode {mode!r}", remedy="choose detent, stock or det")
+    cache = JitCache(cache_dir)
+    results = {spec.name: solve(spec.program, spec.facts(deployment), cache=cache, family=spec.name)
+               for spec in families_for(deployment)}
+    committed = dict(committed or {})
+    unknown = sorted(set(committed) - set(results))
+    if unknown:
+        raise BadInput(f"the tuple names families {unknown} this deployment does not run",
+                       remedy=f"families: {sorted(results)}")
+    chosen: dict[str, dict[str, Any]] = {}
+    for family, result in results.items():
+        if family in committed:
+            chosen[family] = dict(committed[family])
+            if not result.is_legal(chosen[family]):
+                raise BadInput(f"the tuple's {family} assignment {chosen[family]} is not legal",
+                               remedy="run `detent-audit solve` for the legal values")
+        else:
+            chosen[family] = nearest_legal(result, EMBEDDED_PREFERENCES.get(family, {}))
+    selectors = {family: results[family].selector(chosen[family]) for family in results}
+    return Selection(_kernel_set(selectors), chosen, results)
+
+
+def _kernel_set(selectors: dict[str, Any]) -> KernelSet:
+    gemm_fn = selectors["embedded.gemm"].fn
+    attn_fn = selectors["embedded.attention"].fn
+    moe_fn = selectors["embedded.moe"].fn if "embedded.moe" in selectors else gemm_fn
+    gemm_params: dict[int, GemmParams] = {}
+    attn_params: dict[tuple[int, int], AttentionParams] = {}
+
+    def gemm_of(chunk_rows: int) -> GemmParams:
+        params = gemm_params.get(chunk_rows)
+        if params is None:
+            params = gemm_params.setdefault(chunk_rows, GemmParams(chunk_rows=chunk_rows))
+        return params
+
+    def select_gemm(num_tokens: int) -> GemmParams:
+        return gemm_of(gemm_fn(num_tokens).chunk_rows)
+
+    def select_attention(num_seqs: int, max_seqlen_q: int, max_seqlen_k: int) -> AttentionParams:
+        choice = attn_fn(num_seqs, max_seqlen_k, max_seqlen_k)
+        key = (choice.kv_tile, choice.tiles_per_split * choice.kv_tile)
+        params = attn_params.get(key)
+        if params is None:
+            params = attn_params.setdefault(key, AttentionParams(kv_tile=key[0], split_stride=key[1]))
+        return params
+
+    def select_moe(num_tokens: int) -> MoeParams:
+        return MoeParams(gemm=gemm_of(moe_fn(num_tokens).chunk_rows))
+
+    return KernelSet("detent", select_gemm, select_attention, select_moe)

@@ -1,0 +1,210 @@
+"""The offline engine: `LLM(...).generate(prompts, params)` and `rescore(prompt_ids, output_ids)`.
+
+A step is: the scheduler picks tokens under its budget (continuous batching, chunked prefill, preemption),
+the runner computes them through the mode's KernelSet and samples, the scheduler records the results. The
+CPU thread count is fixed when the engine starts (it changes BLAS bits) and recorded in the facts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detent_audit.engine.checkpoint import ensure_default_model
+from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
+from detent_audit.engine.loader import load_model
+from detent_audit.engine.runner import ModelRunner
+from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
+from detent_audit.engine.sequence import Sequence
+from detent_audit.engine.tokenizer import Tokenizer
+from detent_audit.errors import BadInput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes the engine; the bit-relevant parts go into the deployment facts."""
+
+    model: str | None = None            # checkpoint folder; None: the embedded default model
+    mode: str = "detent"                # detent | stock | det
+    dtype: str = "float32"
+    num_threads: int = 1                # CPU threads, fixed at start (a bit-relevant fact)
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_prefill_chunk: int | None = None
+    prefix_caching: bool = True
+    tuple: dict | None = None           # family -> axis -> value (detent mode); None: the preferred legal one
+    cache_dir: str | None = None        # JIT cache directory
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("detent", "stock", "det"):
+            raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise BadInput(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.num_threads < 1:
+            raise BadInput(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.tuple is not None and self.mode != "detent":
+            raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
+
+    @cached_property
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model else ensure_default_model()
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]                                   # fp32 values, one per output token
+    finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Offline engine. `generate` runs prompts to completion; requests are batched as the scheduler sees fit,
+    and (batch invariance) every request's bits are what it would get alone."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        config = config or EngineConfig(**overrides)
+        self.config = config
+        torch.set_num_threads(config.num_threads)
+        self.tokenizer = Tokenizer.from_pretrained(config.model_path)
+        self.model = load_model(config.model_path, DTYPES[config.dtype])
+        mc = self.model.config
+        max_len = min(config.max_model_len, mc.max_position_embeddings)
+        self.deployment = engine_deployment(
+            mc, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
+            max_model_len=max_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching)
+        self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=config.num_kv_blocks, block_size=config.block_size, max_model_len=max_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_prefill_chunk=config.max_prefill_chunk, eos_token_ids=tuple(self.tokenizer.eos_token_ids)))
+        if not config.prefix_caching:
+            self.scheduler.block_manager.prefix_caching = False
+        self._scheduler_config = self.scheduler.config
+        self.runner = ModelRunner(self.model, self.selection.kernels, config.num_kv_blocks, config.block_size)
+        self._ids = itertools.count()
+        self._score_from: dict[int, int] = {}
+        self._scores: dict[int, list[float]] = {}
+        self._tops: dict[int, list[list[tuple[int, float]]]] = {}
+
+    def reset(self, *, max_prefill_chunk: int | None = None) -> None:
+        """Forget every request and the prefix cache (the KV memory is kept: stale slots are never read)."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("reset() with requests still running")
+        cfg = self._scheduler_config
+        if max_prefill_chunk != cfg.max_prefill_chunk:
+            cfg = SchedulerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
+                                  max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  max_prefill_chunk=max_prefill_chunk, eos_token_ids=cfg.eos_token_ids)
+        prefix = self.scheduler.block_manager.prefix_caching
+        self.scheduler = Scheduler(cfg)
+        self.scheduler.block_manager.prefix_caching = prefix
+        self._score_from.clear()
+        self._scores.clear()
+        self._tops.clear()
+
+    # ---- requests
+    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
+                    *, score_from: int | None = None) -> Sequence:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        seq = Sequence(next(self._ids), ids, params, request_id=request_id)
+        if score_from is not None:  # the scored positions' logits must be computed, not served from cache
+            self.scheduler.block_manager.hit_limit[seq.seq_id] = max(0, score_from - 1)
+        self.scheduler.add(seq)
+        if score_from is not None:
+            self._score_from[seq.seq_id] = score_from
+            self._scores[seq.seq_id] = []
+        self._tops[seq.seq_id] = []
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled step; returns the sequences that finished in it."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        bm = self.scheduler.block_manager
+        slots = {e.seq.seq_id: bm.slot_mapping(e.seq, e.start_pos, e.end_pos) for e in out.scheduled}
+        results = self.runner.execute(out, slots, self._score_from)
+        tokens = {sid: r.token for sid, r in results.items()}
+        logprobs = {sid: r.logprob for sid, r in results.items() if r.token is not None}
+        for sid, r in results.items():
+            if sid in self._scores:
+                self._scores[sid].extend(r.scored)
+            if r.top is not None:
+                self._tops[sid].append(r.top)
+        return self.scheduler.update(out, tokens, logprobs)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def run(self, seqs: list[Sequence]) -> None:
+        pending = {s.seq_id for s in seqs}
+        while pending:
+            if not self.has_unfinished():
+                raise RuntimeError("the scheduler stopped with requests unfinished")
+            for seq in self.step():
+                pending.discard(seq.seq_id)
+
+    # ---- offline API
+    def generate(self, prompts: Iterable[str | SequenceOf[int]],
+                 params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, submitted together in order; outputs in the same order."""
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams(temperature=0.0)] * len(prompts)
+        if len(params) != len(prompts):
+            raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        self.run(seqs)
+        return [self._output(s) for s in seqs]
+
+    def rescore(self, prompt_ids: SequenceOf[int], output_ids: SequenceOf[int]) -> list[float]:
+        """Teacher-forced logprobs of `output_ids` after `prompt_ids`, in one prefill (fp32 values)."""
+        return self.rescore_batch([(prompt_ids, output_ids)])[0]
+
+    def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]]) -> list[list[float]]:
+        """Rescore many (prompt, output) pairs together (batch invariance makes batching legal)."""
+        seqs = []
+        for prompt, output in pairs:
+            if not output:
+                raise BadInput("rescore needs at least one output token")
+            ids = list(prompt) + list(output)
+            seqs.append(self.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                                         score_from=len(prompt)))
+        self.run(seqs)
+        out = []
+        for s, (_, output) in zip(seqs, pairs):
+            scores = self._scores.pop(s.seq_id)
+            if len(scores) != len(output):
+                raise RuntimeError(f"rescore produced {len(scores)} logprobs for {len(output)} tokens")
+            out.append(scores)
+            self._score_from.pop(s.seq_id)
+            self.scheduler.block_manager.hit_limit.pop(s.seq_id, None)
+            self._tops.pop(s.seq_id, None)
+        return out
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out = RequestOutput(seq.request_id, list(seq.prompt_token_ids), seq.output_token_ids,
+                            self.tokenizer.decode(seq.output_token_ids), list(seq.output_logprobs),
+                            seq.finish_reason,
+                            self._tops.pop(seq.seq_id, []), seq.num_cached_tokens)
+        return out

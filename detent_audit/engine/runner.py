@@ -1,0 +1,121 @@
+"""The model runner: lays out one scheduled step, runs the model through the KernelSet, samples.
+
+Every kernel the step launches goes through `kernels` (gemm, attention, moe, row-local ops), whose selectors
+see the step's runtime inputs. Logits are computed only for the rows that need them: the last row of each
+sequence that samples, and, for a rescoring sequence, every row whose next token is known (teacher forcing).
+The LM head is a gemm like any other, so a row's logits do not depend on how many rows are computed with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from detent_audit.engine.model import CausalLM
+from detent_audit.engine.scheduler import SchedulerOutput
+from detent_audit.kernels import AttentionMetadata, KernelSet
+from detent_audit.kernels import sampling as sampling_ops
+
+
+@dataclass
+class SeqResult:
+    """One scheduled sequence's step output."""
+
+    token: int | None = None                     # the sampled token (None if the chunk samples nothing)
+    logprob: float | None = None                 # fp32 log p(token) under the raw logits
+    top: list[tuple[int, float]] | None = None   # top-n (token, logprob), most likely first
+    scored: list[float] = field(default_factory=list)  # teacher-forced logprobs of known next tokens
+
+
+class ModelRunner:
+    """Owns the paged KV cache of every layer. `execute` runs one scheduled step."""
+
+    def __init__(self, model: CausalLM, kernels: KernelSet, num_blocks: int, block_size: int,
+                 device: str = "cpu") -> None:
+        c = model.config
+        self.model, self.kernels, self.block_size, self.device = model, kernels, block_size, device
+        dtype = model.embed_tokens.weight.dtype
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        # kv_caches[layer] = (k, v), each [num_blocks, block_size, kv_heads, head_dim]
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(c.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput, slots: dict[int, list[int]], score_from: dict[int, int]
+                ) -> dict[int, SeqResult]:
+        """Run `step`. `slots[seq_id]`: cache slots of the chunk's tokens; `score_from[seq_id]`: the first
+        position whose token is scored (teacher forcing) for rescoring sequences."""
+        entries = step.scheduled
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_list: list[int] = []
+        cu = [0]
+        for e in entries:
+            ids += e.seq.token_ids[e.start_pos:e.end_pos]
+            positions += range(e.start_pos, e.end_pos)
+            slot_list += slots[e.seq.seq_id]
+            cu.append(cu[-1] + e.num_new_tokens)
+        max_blocks = max(len(e.seq.block_table) for e in entries)
+        tables = torch.tensor([e.seq.block_table + [0] * (max_blocks - len(e.seq.block_table)) for e in entries],
+                              dtype=torch.int64)
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int64),
+            context_lens=torch.tensor([e.start_pos for e in entries], dtype=torch.int64),
+            seq_lens=torch.tensor([e.end_pos for e in entries], dtype=torch.int64),
+            block_tables=tables, slot_mapping=torch.tensor(slot_list, dtype=torch.int64),
+            max_seqlen_q=max(e.num_new_tokens for e in entries), max_seqlen_k=max(e.end_pos for e in entries))
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                            torch.tensor(positions, dtype=torch.int64, device=self.device), meta,
+                            self.kv_caches, self.kernels)  # [T, H]
+
+        rows: list[int] = []          # hidden rows whose logits are needed
+        teacher: list[int] = []       # for scored rows: the known next token
+        owners: list[tuple[int, str]] = []
+        for i, e in enumerate(entries):
+            sid = e.seq.seq_id
+            if sid in score_from:
+                first = max(e.start_pos, score_from[sid] - 1)
+                for p in range(first, min(e.end_pos, e.seq.num_tokens - 1)):
+                    rows.append(cu[i] + p - e.start_pos)
+                    teacher.append(e.seq.token_ids[p + 1])
+                    owners.append((sid, "score"))
+            if e.samples_token:
+                rows.append(cu[i + 1] - 1)
+                teacher.append(-1)
+                owners.append((sid, "sample"))
+        results = {e.seq.seq_id: SeqResult() for e in entries}
+        if not rows:
+            return results
+        logits = self.model.compute_logits(hidden[rows], self.kernels)  # [R, V] fp32
+        sample_idx = [j for j, (_, kind) in enumerate(owners) if kind == "sample"]
+        score_idx = [j for j, (_, kind) in enumerate(owners) if kind == "score"]
+        if score_idx:
+            scored = sampling_ops.token_logprobs(logits[score_idx], torch.tensor([teacher[j] for j in score_idx]))
+            for j, lp in zip(score_idx, scored.tolist()):
+                results[owners[j][0]].scored.append(lp)
+        if sample_idx:
+            self._sample(entries, owners, sample_idx, logits, results)
+        return results
+
+    def _sample(self, entries, owners, sample_idx, logits, results) -> None:
+        by_id = {e.seq.seq_id: e.seq for e in entries}
+        seqs = [by_id[owners[j][0]] for j in sample_idx]
+        sp = [s.sampling_params for s in seqs]
+        sub = logits[sample_idx]
+        tokens = sampling_ops.sample(
+            sub, torch.tensor([p.temperature for p in sp], dtype=torch.float32),
+            torch.tensor([p.top_k for p in sp], dtype=torch.int64),
+            torch.tensor([p.top_p for p in sp], dtype=torch.float32),
+            torch.tensor([p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p in sp],
+                         dtype=torch.int64),  # u64 seeds as their two's-complement int64
+            torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64))  # the new token's position
+        lps = sampling_ops.token_logprobs(sub, tokens)
+        n_top = max((p.logprobs or 0) for p in sp)
+        top = sampling_ops.top_logprobs(sub, n_top) if n_top else None
+        for row, (seq, tok, lp) in enumerate(zip(seqs, tokens.tolist(), lps.tolist())):
+            r = results[seq.seq_id]
+            r.token, r.logprob = tok, lp
+            if top is not None and seq.sampling_params.logprobs:
+                n = seq.sampling_params.logprobs
+                r.top = list(zip(top.ids[row, :n].tolist(), top.logprobs[row, :n].tolist()))

@@ -1,0 +1,160 @@
+"""`Tokenizer`: a checkpoint's tokenizer.json (through `tokenizers`), its chat template and its EOS ids.
+
+The two chat templates this project ships (`CHAT_FORMATS`) render through plain-Python twins that give the
+same text (the tests compare them with jinja2), so the embedded default model needs no jinja2. Any other
+template renders with jinja2 the way transformers does (sandboxed, `trim_blocks`, `lstrip_blocks`); without
+jinja2 installed that is `BadInput` with the remedy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from detent_audit.engine.errors import BadCheckpoint
+from detent_audit.errors import BadInput
+
+Message = dict[str, str]  # {"role": ..., "content": ...}
+
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+def _render_llama3(messages: Sequence[Message], bos_token: str | None, add_generation_prompt: bool) -> str:
+    turns = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
+                    for m in messages)
+    return (bos_token or "") + turns + ("<|start_header_id|>assistant<|end_header_id|>\n\n"
+                                        if add_generation_prompt else "")
+
+
+def _render_chatml(messages: Sequence[Message], bos_token: str | None, add_generation_prompt: bool) -> str:
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return turns + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A family's special tokens (ids 256, 257, ... after the byte tokens) and its chat template."""
+
+    name: str
+    special_tokens: tuple[str, ...]
+    bos_token: str | None
+    eos_tokens: tuple[str, ...]  # the first is tokenizer_config.json's eos_token
+    template: str
+    render: Callable[[Sequence[Message], str | None, bool], str]  # same text as `template`, no jinja2
+
+
+CHAT_FORMATS: dict[str, ChatFormat] = {
+    "llama3": ChatFormat("llama3", ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                    "<|end_header_id|>", "<|eot_id|>"),
+                         "<|begin_of_text|>", ("<|eot_id|>", "<|end_of_text|>"), LLAMA3_TEMPLATE, _render_llama3),
+    "chatml": ChatFormat("chatml", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+                         None, ("<|im_end|>", "<|endoftext|>"), CHATML_TEMPLATE, _render_chatml),
+}
+_NATIVE = {fmt.template: fmt.render for fmt in CHAT_FORMATS.values()}
+
+
+def render_jinja(template: str, messages: Sequence[Message], bos_token: str | None, eos_token: str | None,
+                 add_generation_prompt: bool) -> str:
+    """Render as transformers does; `BadInput` if jinja2 is not installed."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:
+        raise BadInput("this checkpoint's chat template needs jinja2, which is not installed",
+                       remedy="pip install jinja2") from exc
+
+    def raise_exception(message: str) -> None:
+        raise BadInput(f"chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=list(messages), bos_token=bos_token or "",
+                                            eos_token=eos_token or "", add_generation_prompt=add_generation_prompt)
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.exists():
+        return {}
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadCheckpoint(f"cannot read {file}: {exc}") from exc
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value  # AddedToken dicts or plain strings
+
+
+class Tokenizer:
+    """Encode, decode and chat-format text for one checkpoint. `eos_token_ids` is sorted and non-empty."""
+
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None,
+                 eos_token: str | None, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        if not self.eos_token_ids:
+            raise BadCheckpoint("the checkpoint names no EOS token (tokenizer_config, generation_config or config)")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """tokenizer.json, plus tokenizer_config.json (template, bos/eos) and the EOS ids of
+        generation_config.json and config.json (their union)."""
+        path = Path(path)
+        try:
+            tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises a bare Exception for missing and malformed files
+            raise BadCheckpoint(f"cannot read {path / 'tokenizer.json'}: {exc}") from exc
+        tok_config = _read_json(path / "tokenizer_config.json")
+        bos, eos = _token_text(tok_config.get("bos_token")), _token_text(tok_config.get("eos_token"))
+        eos_ids = [i for i in [tokenizer.token_to_id(eos)] if eos is not None and i is not None]
+        for extra in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
+            value = extra.get("eos_token_id")
+            eos_ids += value if isinstance(value, list) else [] if value is None else [value]
+        return cls(tokenizer, tok_config.get("chat_template"), bos, eos, eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Ids the tokenizer does not know (a model's padded vocabulary) decode to nothing."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise BadInput("this checkpoint has no chat template",
+                           remedy="send a plain prompt, or add chat_template to tokenizer_config.json")
+        native = _NATIVE.get(self.chat_template)
+        if native is not None:
+            return native(messages, self.bos_token, add_generation_prompt)
+        return render_jinja(self.chat_template, messages, self.bos_token, self.eos_token, add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat; the template writes any BOS itself (as transformers does)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)

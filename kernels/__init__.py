@@ -1,0 +1,133 @@
+"""Batch-invariant kernels by family, and the KernelSet the model calls for every one of them.
+
+A family's contract: for fixed parameters, a row's output bits depend only on that row's inputs (attention:
+on its own KV and absolute positions). The CPU implementations are torch; a later GPU tier adds Triton
+kernels behind the same signatures. Each module's docstring records what was measured on this CPU.
+
+`KernelSet` holds one *selector* per family: a callable from the call's runtime inputs to that family's
+params. `stock` selectors return None (vendor kernels on the whole batch, batch-variant), `det` selectors
+return one conservative setting, and `detent` selectors are the compiled SelIR selectors (with pins, they
+return constants; `KernelSet.fixed` builds that case directly). Selector keyword arguments are part of the
+interface: select_gemm(num_tokens=), select_attention(num_seqs=, max_seqlen_q=, max_seqlen_k=),
+select_moe(num_tokens=).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from detent_audit.errors import DetentError
+from detent_audit.kernels import attention, gemm, moe, rowlocal
+from detent_audit.kernels.attention_metadata import AttentionMetadata
+from detent_audit.kernels.params import AttentionParams, BadParams, GemmParams, MoeParams
+from detent_audit.kernels.rowlocal import RopeCache, RotatedQK
+
+MODES = ("stock", "det", "detent")
+
+DET_GEMM = GemmParams(chunk_rows=16)
+DET_ATTENTION = AttentionParams(kv_tile=64, split_stride=0)
+DET_MOE = MoeParams(gemm=DET_GEMM)
+
+
+class SelectorError(DetentError):
+    """A selector returned params the family cannot use (or none, outside stock mode)."""
+
+    remedy = "check the compiled selector for this family; stock mode is the only one without params"
+
+
+def _constant(value):
+    return lambda **_: value
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """What the model calls for every kernel. Immutable; selectors run at every call."""
+
+    mode: str
+    select_gemm: Callable[..., GemmParams | None]
+    select_attention: Callable[..., AttentionParams | None]
+    select_moe: Callable[..., MoeParams | None]
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise BadParams(f"kernel mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("select_gemm", "select_attention", "select_moe"):
+            if not callable(getattr(self, name)):
+                raise BadParams(f"KernelSet.{name} must be callable")
+
+    @classmethod
+    def stock(cls) -> KernelSet:
+        return cls("stock", _constant(None), _constant(None), _constant(None))
+
+    @classmethod
+    def det(cls) -> KernelSet:
+        return cls("det", _constant(DET_GEMM), _constant(DET_ATTENTION), _constant(DET_MOE))
+
+    @classmethod
+    def fixed(
+        cls, gemm: GemmParams, attention: AttentionParams, moe: MoeParams | None = None
+    ) -> KernelSet:
+        """Constant params (a compiled detent selector whose pins fix every selection point)."""
+        moe = moe if moe is not None else MoeParams(gemm=gemm)
+        for value, kind in ((gemm, GemmParams), (attention, AttentionParams), (moe, MoeParams)):
+            if not isinstance(value, kind):
+                raise BadParams(f"KernelSet.fixed expects {kind.__name__}, got {type(value).__name__}")
+        return cls("detent", _constant(gemm), _constant(attention), _constant(moe))
+
+    def _checked(self, params, kind: type, family: str):
+        if params is None and self.mode != "stock":
+            raise SelectorError(f"the {family} selector returned no params in {self.mode} mode")
+        if params is not None and not isinstance(params, kind):
+            raise SelectorError(f"the {family} selector returned {type(params).__name__}, not {kind.__name__}")
+        return params
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        num_tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        params = self._checked(self.select_gemm(num_tokens=num_tokens), GemmParams, "gemm")
+        return gemm.linear(x, weight, bias, params=params)
+
+    def attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        selected = self.select_attention(
+            num_seqs=meta.num_seqs, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k
+        )
+        params = self._checked(selected, AttentionParams, "attention")
+        return attention.paged_attention(q, k_cache, v_cache, meta, scale=scale, params=params)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def moe(self, x, router_logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
+        params = self._checked(self.select_moe(num_tokens=x.shape[0]), MoeParams, "moe")
+        return moe.fused_moe(x, router_logits, w13, w2, top_k, renormalize, params=params)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rowlocal.rms_norm(x, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return rowlocal.silu_and_mul(x)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: RopeCache) -> RotatedQK:
+        return rowlocal.rope(q, k, positions, cos_sin)
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return rowlocal.log_softmax(x)
+
+
+__all__ = [
+    "DET_ATTENTION",
+    "DET_GEMM",
+    "DET_MOE",
+    "MODES",
+    "AttentionMetadata",
+    "AttentionParams",
+    "GemmParams",
+    "KernelSet",
+    "MoeParams",
+    "RopeCache",
+    "SelectorError",
+]

@@ -1,0 +1,148 @@
+"""Row-local ops: RMSNorm, SiLU-and-mul, RoPE, log_softmax. Batch-invariant by construction.
+
+Each op reads one row (one token) and writes one row; the only care needed is that torch's own kernel for
+each step is row-local in its *bits*, which was measured on this CPU (torch 2.13, AVX-512; fp32 and bf16;
+1 and 2 threads; row alone vs rows 1..128 of a batch, rows reversed; widths 1..262144):
+- invariant: log_softmax, softmax, logsumexp, amax, argmax, sort, topk, cumsum over the last dim at every
+  width tried (151936 included); sum/mean over the last dim for widths < 32768; elementwise exp, log, sin,
+  cos, tanh, rsqrt (fp32), sqrt, +, -, *, / (independent of the element's position in the tensor).
+- NOT invariant: (1) sum/mean over a last dim of >= 32768 elements at 2 threads: a lone row (one output)
+  is reduced by both threads in two halves, a row inside a batch by one thread, so its bits differ (this
+  also hits F.rms_norm). `_row_sum` therefore reduces in fixed 4096-wide blocks, then over the blocks.
+  (2) fp32 torch.sigmoid / F.silu: an element's bits depend on whether it falls in the vectorised body or
+  the tail of the tensor, i.e. on the tensor's size. SiLU is computed as g / (1 + exp(-g)) instead.
+  (3) fp32 F.gelu on a 1-element tensor; bf16 torch.rsqrt on small tensors (not used here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from detent_audit.errors import BadInput
+
+# Below torch's GRAIN_SIZE (32768): one output of width <= this is always reduced by a single thread.
+_SUM_BLOCK = 4096
+
+
+def _row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim with a reduction order fixed by the width alone.  x: [..., D] -> [..., 1]."""
+    width = x.shape[-1]
+    if width <= _SUM_BLOCK:
+        return x.sum(-1, keepdim=True)
+    blocks = -(-width // _SUM_BLOCK)
+    padded = F.pad(x, (0, blocks * _SUM_BLOCK - width))  # + 0.0 is exact
+    return padded.unflatten(-1, (blocks, _SUM_BLOCK)).sum(-1).sum(-1, keepdim=True)
+
+
+@torch.no_grad()
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama/Qwen RMSNorm.  x: [..., D], weight: [D] -> [..., D] in x's dtype.
+
+    Math in fp32; the normalised row is cast to x's dtype before the weight multiply, as HF does.
+    """
+    xf = x.float()
+    variance = _row_sum(xf * xf) / x.shape[-1]
+    normed = xf * torch.rsqrt(variance + eps)
+    return weight * normed.to(x.dtype)
+
+
+@torch.no_grad()
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2I] (gate then up) -> silu(gate) * up: [..., I] in x's dtype.
+
+    silu is g / (1 + exp(-g)) in fp32 (torch's fp32 sigmoid is position-dependent, see module docstring),
+    cast to x's dtype, then multiplied by up in x's dtype (HF's rounding points).
+    """
+    gate, up = x.chunk(2, dim=-1)
+    g = gate.float()
+    act = g / (1.0 + torch.exp(-g))
+    return act.to(x.dtype) * up
+
+
+@torch.no_grad()
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dim in fp32 (torch's kernel; measured row-invariant at every width)."""
+    return torch.log_softmax(x.float(), dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """HF `_compute_llama3_parameters`: rescale long wavelengths, interpolate the middle band."""
+    try:
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+    except KeyError as missing:
+        raise BadInput(f"llama3 rope_scaling lacks {missing}", remedy="copy rope_scaling from config.json") from None
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class RopeCache:
+    """cos/sin tables for neox-style (rotate_half) RoPE, as HF Llama/Qwen compute them, in fp32.
+
+    cos, sin: [max_positions, head_dim] (the half-dim frequencies repeated twice). A row is looked up by
+    absolute position, so a token's rotation depends only on its position.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, head_dim: int, rope_theta: float, max_positions: int, rope_scaling: dict | None = None
+    ) -> RopeCache:
+        if head_dim % 2 or head_dim <= 0 or max_positions <= 0:
+            raise BadInput(f"RoPE needs an even head_dim and max_positions > 0, got {head_dim}, {max_positions}")
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type != "default":
+            raise BadInput(f"unsupported rope_scaling type {rope_type!r}", remedy="use 'default' or 'llama3'")
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return cls(cos=emb.cos(), sin=emb.sin())
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos.shape[0]
+
+
+class RotatedQK(NamedTuple):
+    q: torch.Tensor  # [T, H, D]
+    k: torch.Tensor  # [T, Hkv, D]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] (any dtype), cos/sin: [T, 1, D] fp32 -> [T, H, D] in x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+@torch.no_grad()
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: RopeCache
+) -> RotatedQK:
+    """Rotate q: [T, H, D] and k: [T, Hkv, D] by their absolute positions [T] (fp32 math, cast back)."""
+    if positions.numel() and int(positions.max()) >= cos_sin.max_positions:
+        raise BadInput(
+            f"position {int(positions.max())} beyond the RoPE table ({cos_sin.max_positions})",
+            remedy="build the RopeCache with max_positions >= the model's context length",
+        )
+    cos = cos_sin.cos[positions].unsqueeze(1)
+    sin = cos_sin.sin[positions].unsqueeze(1)
+    return RotatedQK(_rotate(q, cos, sin), _rotate(k, cos, sin))

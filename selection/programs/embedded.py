@@ -1,0 +1,97 @@
+"""The embedded detent engine's own kernel selection as SelIR: GEMM, attention and MoE.
+
+These describe what the embedded engine chooses for its own kernels (`kernels/`), written the way a stock
+engine would choose them, so the solver finds what to pin:
+
+- GEMM: a row chunk per matmul call. Stock: one call over the whole batch (chunk = M), so a row's bits may
+  depend on M; a pinned chunk makes every call the same shape (the last chunk padded).
+- Attention: a KV tile and a split of each sequence's KV. Stock: split the KV into as many pieces as keep
+  the cores busy given the batch (a count, as FA3's heuristic does), so split boundaries move with the batch;
+  the `split_stride` knob cuts at fixed multiples instead.
+- MoE: a row chunk per expert GEMM, as for GEMM, over the rows routed to one expert.
+
+Knob value 0 of a chunk or stride knob means the stock behaviour.
+"""
+
+from __future__ import annotations
+
+from detent_audit.manifests.deployment import Deployment
+from detent_audit.selection.lang import Request, Runtime, assume, cdiv, clamp, knob, program, record, require
+
+MAX_SPLITS = 16          # most KV splits per sequence the embedded attention kernel combines
+
+
+@record
+class EmbeddedFacts:
+    num_cores: int       # parallel units of the device (cores on a CPU)
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    num_kv_heads: int    # per device
+    max_splits: int
+
+
+@record
+class EmbeddedGemmChoice:
+    chunk_rows: int      # rows per matmul call
+
+
+@record
+class EmbeddedAttentionChoice:
+    kv_tile: int         # KV positions per online-softmax step
+    split_stride: int    # the knob (0: count-based splits)
+    num_splits: int      # this sequence's KV splits
+    tiles_per_split: int  # KV tiles per split: where this sequence's splits begin
+
+
+@record
+class EmbeddedMoeChoice:
+    chunk_rows: int      # rows per expert matmul call
+
+
+def facts(dep: Deployment) -> EmbeddedFacts:
+    """The embedded engine's view of a deployment (plain Python, not SelIR)."""
+    e = dep.engine
+    return EmbeddedFacts(num_cores=dep.gpu.num_sms, max_num_batched_tokens=e.max_num_batched_tokens,
+                         max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len,
+                         num_kv_heads=dep.num_kv_heads_per_rank, max_splits=MAX_SPLITS)
+
+
+@program(family="embedded.gemm")
+def embedded_gemm(d: EmbeddedFacts, num_tokens: Runtime[int]) -> EmbeddedGemmChoice:
+    assume(1 <= num_tokens <= d.max_num_batched_tokens, "a step holds at most max_num_batched_tokens tokens")
+    chunk = knob("embedded.gemm.chunk_rows", (0, 1, 2, 4, 8, 16, 32, 64), 0)
+    chunk_rows = num_tokens if chunk == 0 else chunk     # stock: the whole batch in one call
+    return EmbeddedGemmChoice(chunk_rows=chunk_rows)
+
+
+@program(family="embedded.attention")
+def embedded_attention(d: EmbeddedFacts, num_seqs: Runtime[int], max_seqlen_k: Runtime[int],
+                       seqlen_k: Request[int]) -> EmbeddedAttentionChoice:
+    assume(1 <= num_seqs <= d.max_num_seqs, "a batch holds at most max_num_seqs sequences")
+    assume(1 <= max_seqlen_k <= d.max_model_len, "a sequence fits the model's context")
+    assume(1 <= seqlen_k <= d.max_model_len, "the sequence fits the model's context")
+    kv_tile = knob("embedded.attention.kv_tile", (16, 32, 64, 128, 256), 64)
+    stride = knob("embedded.attention.split_stride", (0, 256, 512, 1024, 2048, 4096), 0)
+    n_tiles = cdiv(seqlen_k, kv_tile)
+    if stride > 0:
+        require(stride % kv_tile == 0, "split_stride is a whole number of KV tiles")
+        tiles_per_split = max(1, stride // kv_tile)
+    else:
+        # stock: enough splits that sequences x KV heads x splits covers the cores, at most one split per
+        # tile of the longest sequence; each sequence cut into that many equal pieces
+        count = clamp(cdiv(d.num_cores, num_seqs * d.num_kv_heads), 1,
+                      min(d.max_splits, cdiv(max_seqlen_k, kv_tile)))
+        tiles_per_split = cdiv(n_tiles, count)
+    num_splits = cdiv(n_tiles, tiles_per_split)
+    require(num_splits <= d.max_splits, "the combine step takes at most max_splits splits")
+    return EmbeddedAttentionChoice(kv_tile=kv_tile, split_stride=stride, num_splits=num_splits,
+                                   tiles_per_split=tiles_per_split)
+
+
+@program(family="embedded.moe")
+def embedded_moe(d: EmbeddedFacts, expert_rows: Runtime[int]) -> EmbeddedMoeChoice:
+    assume(1 <= expert_rows <= d.max_num_batched_tokens, "an expert gets at most one row per token")
+    chunk = knob("embedded.moe.chunk_rows", (0, 1, 2, 4, 8, 16, 32, 64), 0)
+    chunk_rows = expert_rows if chunk == 0 else chunk    # stock: all the expert's rows in one call
+    return EmbeddedMoeChoice(chunk_rows=chunk_rows)

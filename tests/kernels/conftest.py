@@ -1,0 +1,50 @@
+"""Shared fixtures for the kernel tests: a fixed thread count (restored in finally) and a seeded generator."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+
+@contextmanager
+def thread_count(n: int) -> Iterator[None]:
+    """Run the body with torch.set_num_threads(n); the previous count is restored even on failure."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The test body runs at 1 and at 2 threads (the thread count is a deployment fact: bits may change)."""
+    with thread_count(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    """A generator seeded from the test id: fresh random inputs per test, reproducible per test."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def randn(gen: torch.Generator):
+    """randn(*shape, dtype=fp32, scale=1.0): standard normal noise (never zeros) in the given dtype."""
+
+    def make(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    return make
+
+
+@pytest.fixture
+def with_threads():
+    """with_threads(n): the thread_count context manager, for tests that compare thread counts."""
+    return thread_count
