@@ -4,8 +4,10 @@ PY := $(VENV)/bin/python
 # The CPU build of torch: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 DEPLOYMENT ?= manifests/deployments/llama-3.1-70b-instruct-tp4-h100-sglang.toml
+DEMO := out/demo
+CLI := $(VENV)/bin/detent-audit
 
-.PHONY: demo test lint bench-solve clean
+.PHONY: demo solve test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -14,8 +16,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+# serve the example prompts on the embedded default model (generated on first use, no download), sign a
+# receipt per response, then verify every receipt as a third party would
 demo: $(VENV)/.installed
-	$(VENV)/bin/detent-audit solve --deployment $(DEPLOYMENT)
+	rm -rf $(DEMO) && mkdir -p $(DEMO)
+	$(CLI) keygen --out $(DEMO)/node.key
+	$(CLI) serve --key $(DEMO)/node.key --manifest-out $(DEMO)/run --input examples/prompts.jsonl \
+		--output $(DEMO)/outputs.jsonl
+	$(CLI) verify $(DEMO)/run --key $(DEMO)/node.key.pub
+
+solve: $(VENV)/.installed
+	$(CLI) solve --deployment $(DEPLOYMENT)
 
 test: $(VENV)/.installed lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
@@ -23,8 +34,11 @@ test: $(VENV)/.installed lint
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
-bench-solve: $(VENV)/.installed
+bench: $(VENV)/.installed
 	$(PY) benchmarks/solve.py
+	$(PY) benchmarks/engine_cpu.py
+	$(PY) benchmarks/battery_cpu.py
+	$(PY) benchmarks/verify.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info out

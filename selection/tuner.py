@@ -6,22 +6,29 @@ families are tuned independently (`tune`) and the optimum of the sum is the sum 
 
 `search(mode="exhaustive")` measures every legal assignment. `search(mode="budgeted")` measures at most
 `budget(len(legal), fraction)` distinct assignments (an assignment counts as measured once the oracle has
-timed it on any call; results are cached, so re-visiting one is free). The budgeted method:
+timed it on any call; results are cached, so re-visiting one is free). The budgeted method is a
+model-based search:
 
 1. measure the default on every call; order the calls heaviest first (count x the default's time);
-2. measure a seeded space-filling sample (greedy max-min distance on axis ranks) of legal points;
-3. descend from the best points first: coordinate descent along each axis (the nearest legal point in
-   each direction, repeated while it improves), then, at a coordinate minimum, the diagonal moves that
-   change two axes by one rank each (they cross the ridges a roofline `max(compute, memory)` makes);
-4. while budget is left, kick the best point found (a seeded jump of one or two ranks on a few axes) and
-   descend again (iterated local search).
+2. measure a seeded space-filling sample (a quarter of the budget: each point in turn the farthest, in
+   scaled axis ranks, from those before it);
+3. until the budget is spent, fit a response surface to the log costs measured so far (`_Surface`:
+   additive per-axis effects, smooth along each axis, plus pairwise interactions, weighted towards the
+   cheapest points) and measure (a) the unmeasured legal point it predicts cheapest anywhere (global step)
+   and (b) the one it predicts cheapest within one rank on every axis of the best point so far (two or
+   three ranks when those are all measured; local step, which refines around the optimum).
 
-Every comparison is "is the candidate cheaper than `bound`?": a candidate is timed on the calls heaviest
-first and abandoned as soon as its partial sum exceeds the bound (times are non-negative, so this loses
-nothing: the best assignment is always measured on every call and its cost is exact). This is the lossless
-form of measuring candidates on the heaviest calls first; it saves oracle calls, not budget.
+The surface extrapolates trends to points no local move reaches (the largest tile a shared-memory limit
+allows, across a worse region) and needs no numeric axis values: a categorical axis just gets one effect
+per value. Only legal points are ever proposed (the surface ranks `grid.legal` alone).
 
-The search proposes only legal assignments and is deterministic for a given seed.
+Every comparison is "is the candidate cheaper than the best so far?": a candidate is timed on the calls
+heaviest first and abandoned as soon as its partial sum exceeds that bound (times are non-negative, so
+this loses nothing: the best assignment is always measured on every call and its cost is exact; the surface
+sees an abandoned point's partial sum scaled up by the default's share of those calls). This is the
+lossless form of measuring candidates on the heaviest calls first; it saves oracle calls, not budget.
+
+The search is deterministic for a given seed on one machine (the surface is a numpy least-squares fit).
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ class Assignment(Mapping[str, Hashable]):
         try:
             self._hash = hash(self.key)
         except TypeError as err:
-            raise BadInput(f"assignment {self._map!r} has an unhashable value", remedy="use numbers or strings") from err
+            raise BadInput(f"assignment {self._map!r} has an unhashable value",
+                           remedy="use numbers or strings") from err
 
     def __getitem__(self, axis: str) -> Hashable:
         return self._map[axis]
@@ -89,9 +97,10 @@ class Assignment(Mapping[str, Hashable]):
 
 @dataclass(frozen=True)
 class FamilyGrid:
-    """A family's legal grid. Invariants: axes sorted by name, each a non-empty tuple of distinct values in a
-    meaningful order (ascending numbers); every legal assignment sets exactly the axes to values of theirs,
-    without repeats; `default` is legal. Mappings given for `legal`/`default` become `Assignment`s."""
+    """A family's legal grid. Invariants: axes sorted by name, each a non-empty tuple of distinct values
+    in a meaningful order (ascending numbers); every legal assignment sets exactly the axes to values of
+    theirs, without repeats; `default` is legal. Mappings given for `legal`/`default` become `Assignment`s;
+    the order of `legal` breaks ties between equal costs."""
 
     family: str
     axes: dict[str, tuple[Hashable, ...]]
@@ -139,11 +148,11 @@ class Workload:
     calls: tuple[tuple[Call, int], ...]
 
     def __post_init__(self) -> None:
-        calls = tuple(tuple(pair) for pair in self.calls)
+        calls = tuple(self.calls)
         if not calls:
             raise BadInput("the workload is empty", remedy="record a workload with at least one call")
         for pair in calls:
-            if len(pair) != 2:
+            if not isinstance(pair, tuple) or len(pair) != 2:
                 raise BadInput(f"workload entry {pair!r} is not a (call, count) pair")
             call, count = pair
             if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count <= 0:
@@ -151,7 +160,8 @@ class Workload:
         try:
             distinct = len({call for call, _ in calls})
         except TypeError as err:
-            raise BadInput("a workload call is unhashable", remedy="describe calls by tuples of values") from err
+            raise BadInput("a workload call is unhashable",
+                           remedy="describe calls by tuples of values") from err
         if distinct != len(calls):
             raise BadInput("the workload repeats a call", remedy="merge the counts of equal calls")
         object.__setattr__(self, "calls", calls)
@@ -223,7 +233,8 @@ def search(grid: FamilyGrid, workload: Workload, oracle: Oracle, *, mode: Mode =
     except _BudgetSpent:
         pass
     best, cost = meter.best
-    return TuneResult(grid.family, best, cost, len(meter.times), size, mode, meter.oracle_calls, meter.trace())
+    return TuneResult(grid.family, best, cost, len(meter.times), size, mode, meter.oracle_calls,
+                      meter.trace())
 
 
 def tune(grids: Mapping[str, FamilyGrid], workloads: Mapping[str, Workload],
@@ -233,7 +244,8 @@ def tune(grids: Mapping[str, FamilyGrid], workloads: Mapping[str, Workload],
     are skipped (they were never called)."""
     missing = sorted(set(workloads) - set(grids))
     if missing:
-        raise BadInput(f"workloads name families without a grid: {missing}", remedy="solve those families first")
+        raise BadInput(f"workloads name families without a grid: {missing}",
+                       remedy="solve those families first")
     return {family: search(grids[family], workloads[family],
                            lambda a, call, family=family: oracle(family, a, call), **options)
             for family in sorted(workloads)}
@@ -253,6 +265,10 @@ class _Meter:
         self.order = list(range(len(self.calls)))
         # assignment -> count x time per call, in `order`; insertion order is measurement order
         self.times: dict[Assignment, list[float]] = {}
+        # assignment -> its cost, or for an abandoned one its partial sum scaled up by the default's share
+        # of those calls (an estimate for the surface), in the same order as `times`
+        self.estimates: dict[Assignment, float] = {}
+        self.default_share = [1.0]
         self.oracle_calls = 0
         self.best: tuple[Assignment, float] = (grid.default, math.inf)
         self._rank = {a: i for i, a in enumerate(grid.legal)}
@@ -268,12 +284,13 @@ class _Meter:
                 self.progress(len(self.times), self.limit)
         running = sum(values)
         for i in self.order[len(values):]:
-            if running > bound:
+            if running > bound and math.fsum(values) > bound:  # fsum: the exact check, made rarely
+                self.estimates[a] = math.fsum(values) / max(self.default_share[len(values)], 1e-300)
                 return math.inf
             call, count = self.calls[i]
             values.append(count * self._time(a, call))
             running += values[-1]
-        cost = math.fsum(values)
+        cost = self.estimates[a] = math.fsum(values)
         if (cost, self._rank[a]) < (self.best[1], self._rank[self.best[0]]):
             self.best = (a, cost)
         return cost
@@ -285,19 +302,8 @@ class _Meter:
         self.times[a] = [values[i] for i in self.order]
         total = math.fsum(values)
         # default_share[k]: the default's share of its cost on the k heaviest calls
-        self.default_share = [math.fsum(self.times[a][:k]) / total if total > 0 else 1.0
-                              for k in range(len(values) + 1)]
-
-    def lower_bound(self, a: Assignment) -> float:
-        return math.fsum(self.times[a])
-
-    def estimate(self, a: Assignment) -> float:
-        """`a`'s cost, extrapolated from the calls measured so far by the default's share of them."""
-        values = self.times[a]
-        if len(values) == len(self.order):
-            return math.fsum(values)
-        share = self.default_share[len(values)]
-        return math.fsum(values) / share if share > 0 else math.inf
+        self.default_share = [s / total if total > 0 else 1.0
+                              for s in itertools.accumulate(self.times[a], initial=0.0)]
 
     def trace(self) -> tuple[Measurement, ...]:
         n = len(self.calls)
@@ -307,221 +313,106 @@ class _Meter:
         t = self.oracle(a, call)
         self.oracle_calls += 1
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (math.isfinite(t) and t >= 0):
-            raise BadInput(f"family {self.family!r}: the cost oracle returned {t!r} for {a!r} on call {call!r}; "
-                           "expected a finite time >= 0 seconds", remedy="check the timer behind the oracle")
+            raise BadInput(f"family {self.family!r}: the cost oracle returned {t!r} for {a!r} on call "
+                           f"{call!r}; expected a finite time >= 0 seconds",
+                           remedy="check the timer behind the oracle")
         return float(t)
 
 
 class _Lattice:
-    """The legal points as rank coordinates (axes in sorted order) for neighbourhood moves."""
+    """The legal points in rank coordinates (axes in sorted order, ranks scaled to [0, 1])."""
 
     def __init__(self, grid: FamilyGrid) -> None:
         ranks = [{v: r for r, v in enumerate(values)} for values in grid.axes.values()]
         self.sizes = [len(values) for values in grid.axes.values()]
-        self.point = {a: tuple(rank[a[name]] for rank, name in zip(ranks, grid.axes, strict=True))
-                      for a in grid.legal}
-        self.at = {p: a for a, p in self.point.items()}
         self.legal = grid.legal
+        self.index = {a: i for i, a in enumerate(grid.legal)}
+        # rank: [points, axes] integer ranks; u: the same scaled to [0, 1]
+        self.rank = np.array([[rank[a[name]] for rank, name in zip(ranks, grid.axes, strict=True)]
+                              for a in grid.legal], dtype=np.int64)
+        self.u = self.rank / np.maximum(1, np.array(self.sizes) - 1)
 
-    def step(self, a: Assignment, axis: int, direction: int) -> Assignment | None:
-        """The nearest legal point from `a` along `axis` in `direction` (+1/-1), or None."""
-        p = list(self.point[a])
-        for r in range(p[axis] + direction, self.sizes[axis] if direction > 0 else -1, direction):
-            p[axis] = r
-            b = self.at.get(tuple(p))
-            if b is not None:
-                return b
-        return None
-
-    def shift(self, a: Assignment, offsets: Mapping[int, int]) -> Assignment | None:
-        """`a` moved by `offsets` (axis -> ranks), if that point is legal."""
-        p = list(self.point[a])
-        for axis, offset in offsets.items():
-            p[axis] += offset
-        return self.at.get(tuple(p))
-
-    def pairs(self, a: Assignment) -> Iterator[Assignment]:
-        """Moves of two axes: one rank on axis j, then the nearest legal point along axis i (i != j); this
-        covers the diagonals and follows a legality boundary (a shared-memory limit) around its corner."""
-        p = self.point[a]
-        for j, i in itertools.permutations(range(len(p)), 2):
-            for dj, di in ((1, 1), (1, -1), (-1, 1), (-1, -1)):
-                if not 0 <= p[j] + dj < self.sizes[j]:
-                    continue
-                q = list(p)
-                q[j] += dj
-                for r in range(p[i] + di, self.sizes[i] if di > 0 else -1, di):
-                    q[i] = r
-                    b = self.at.get(tuple(q))
-                    if b is not None:
-                        yield b
-                        break
-
-    def spread(self, k: int, rng: random.Random, taken: list[Assignment]) -> list[Assignment]:
-        """`k` legal points chosen greedily to maximise the distance to the nearest point already taken."""
-        def coords(a: Assignment) -> list[float]:
-            return [r / max(1, s - 1) for r, s in zip(self.point[a], self.sizes, strict=True)]
-
-        pool = list(self.legal)
-        rng.shuffle(pool)
-        xs = [coords(a) for a in pool]
-        gap = [math.inf] * len(pool)
-        for c in map(coords, taken):
-            gap = [min(g, _dist2(x, c)) for g, x in zip(gap, xs, strict=True)]
+    def spread(self, k: int, rng: random.Random, taken: Assignment) -> list[Assignment]:
+        """`k` legal points, each in turn the farthest from those chosen before (and from `taken`); ties go
+        to a seeded shuffle."""
+        order = list(range(len(self.legal)))
+        rng.shuffle(order)
+        u = self.u[order]
+        gap = ((u - self.u[self.index[taken]]) ** 2).sum(1)
         chosen: list[Assignment] = []
-        for _ in range(min(k, len(pool))):
-            i = max(range(len(pool)), key=gap.__getitem__)
-            if gap[i] == 0.0:
-                break
-            chosen.append(pool[i])
-            gap = [min(g, _dist2(x, xs[i])) for g, x in zip(gap, xs, strict=True)]
+        while len(chosen) < k and gap.max() > 0:
+            i = int(np.argmax(gap))
+            chosen.append(self.legal[order[i]])
+            gap = np.minimum(gap, ((u - u[i]) ** 2).sum(1))
         return chosen
 
-    def kick(self, a: Assignment, rng: random.Random) -> Assignment | None:
-        """A seeded jump from `a`: one or two ranks on two or three axes, to a legal point (or None)."""
-        n = len(self.sizes)
-        for _ in range(16):
-            axes = rng.sample(range(n), min(n, rng.choice((2, 3))))
-            b = self.shift(a, {axis: rng.choice((-2, -1, 1, 2)) for axis in axes})
-            if b is not None:
-                return b
-        return None
+    def within(self, a: Assignment, radius: int) -> np.ndarray:
+        """Mask of the legal points at most `radius` ranks from `a` on every axis."""
+        return np.abs(self.rank - self.rank[self.index[a]]).max(1) <= radius
 
 
-def _dist2(x: list[float], y: list[float]) -> float:
-    return sum((u - v) ** 2 for u, v in zip(x, y, strict=True))
-
-
-def _descend(meter: _Meter, lattice: _Lattice, a: Assignment, cost: float) -> tuple[Assignment, float]:
-    """Coordinate descent from `a`, then pair moves at a coordinate minimum; returns the local minimum."""
-    n = len(lattice.sizes)
-    while True:
-        moved = False
-        for axis in range(n):
-            for direction in (1, -1):
-                while (b := lattice.step(a, axis, direction)) is not None and (c := meter.cost(b, cost)) < cost:
-                    a, cost, moved = b, c, True
-        if moved:
-            continue
-        for b in (lattice.pairs(a) if PAIRS else ()):
-            if (c := meter.cost(b, cost)) < cost:
-                a, cost, moved = b, c, True
-                break
-        if not moved or not PAIRS:
-            return a, cost
-
-
-class _Surrogate:
-    """A quadratic response surface in the axes' normalised ranks, fitted to log cost by ridge regression;
-    it ranks the unmeasured legal points so the search can try the most promising next."""
+class _Surface:
+    """The response surface that ranks unmeasured points: log cost as additive per-axis level effects plus
+    bilinear interactions of the axes' scaled ranks, fitted by weighted least squares. Invariants: second
+    differences of each axis' effects are penalised (unmeasured levels interpolate and extrapolate linearly;
+    categorical axes still get a free effect per level); good points weigh more (exp(-(log c - log best) /
+    WEIGHT_SCALE)), so the surface is accurate where the optimum is."""
 
     def __init__(self, lattice: _Lattice) -> None:
-        u = np.array([[r / max(1, s - 1) for r, s in zip(lattice.point[a], lattice.sizes, strict=True)]
-                      for a in lattice.legal])
-        n = u.shape[1]
-        cross = [u[:, i] * u[:, j] for i, j in itertools.combinations(range(n), 2)]
-        # x: [points, 1 + 2n + n(n-1)/2]
-        self.x = np.column_stack([np.ones(len(u)), u, u * u, *cross])
-        self.index = {a: i for i, a in enumerate(lattice.legal)}
-
-    def ranked(self, meter: _Meter) -> list[int]:
-        measured = [self.index[a] for a in meter.times]
-        y = np.log(np.array([meter.estimate(a) for a in meter.times]) + 1e-30)
-        x = self.x[measured]
-        f = x.shape[1]
-        if TAU:
-            w = np.exp(-(y - y.min()) / TAU)
-            x = x * w[:, None]
-            y = y * w
-        beta = np.linalg.solve(x.T @ x + RIDGE * len(measured) * np.eye(f), x.T @ y)
-        pred = self.x @ beta
-        pred[measured] = np.inf
-        order = np.argsort(pred, kind="stable")
-        return [int(i) for i in order[: len(order) - len(measured)]]
-
-
-class _Additive:
-    """Additive per-level effects (second differences penalised) + bilinear interactions, on log cost."""
-
-    def __init__(self, lattice: _Lattice) -> None:
-        pts = np.array([lattice.point[a] for a in lattice.legal])
-        sizes = lattice.sizes
-        n = len(sizes)
-        offs = np.cumsum([0, *sizes])
-        cols = offs[-1]
-        u = pts / np.maximum(1, np.array(sizes) - 1)
-        onehot = np.zeros((len(pts), cols))
+        n, sizes = len(lattice.sizes), lattice.sizes
+        offsets = np.cumsum([0, *sizes])
+        levels = np.zeros((len(lattice.legal), offsets[-1]))
         for i in range(n):
-            onehot[np.arange(len(pts)), offs[i] + pts[:, i]] = 1.0
-        cross = [u[:, i] * u[:, j] for i, j in itertools.combinations(range(n), 2)]
-        self.x = np.column_stack([onehot, *cross]) if cross else onehot
-        pen = []
+            levels[np.arange(len(levels)), offsets[i] + lattice.rank[:, i]] = 1.0
+        cross = [lattice.u[:, i] * lattice.u[:, j] for i, j in itertools.combinations(range(n), 2)]
+        # x: [points, levels + interactions]
+        self.x = np.column_stack([levels, *cross])
+        width = self.x.shape[1]
+        rows = []
         for i in range(n):
-            for r in range(1, sizes[i] - 1):
-                row = np.zeros(self.x.shape[1])
-                row[offs[i] + r - 1], row[offs[i] + r], row[offs[i] + r + 1] = 1.0, -2.0, 1.0
-                pen.append(row)
-        self.pen = np.array(pen).reshape(-1, self.x.shape[1])
-        self.index = {a: i for i, a in enumerate(lattice.legal)}
+            for r in range(offsets[i] + 1, offsets[i + 1] - 1):
+                rows.append(np.zeros(width))
+                rows[-1][r - 1 : r + 2] = (1.0, -2.0, 1.0)
+        # the penalty rows, then a tiny ridge that fixes the levels' common offsets
+        self.prior = np.vstack([math.sqrt(SMOOTHING) * np.array(rows).reshape(-1, width),
+                                math.sqrt(RIDGE) * np.eye(width)])
+        self.index = lattice.index
 
-    def ranked(self, meter):
+    def predict(self, meter: _Meter) -> np.ndarray:
+        """Predicted log cost of every legal point: finite for the unmeasured ones, +inf for the measured
+        ones (so an argmin always proposes a new point while one is left)."""
         measured = [self.index[a] for a in meter.times]
-        y = np.log(np.array([meter.estimate(a) for a in meter.times]) + 1e-30)
-        x = self.x[measured]
-        if TAU:
-            w = np.exp(-(y - y.min()) / TAU)
-        else:
-            w = np.ones_like(y)
-        f = x.shape[1]
-        a = np.vstack([x * w[:, None], math.sqrt(LAMBDA) * self.pen, math.sqrt(RIDGE) * np.eye(f)])
-        b = np.concatenate([y * w, np.zeros(len(self.pen) + f)])
-        beta = np.linalg.lstsq(a, b, rcond=None)[0]
-        pred = self.x @ beta
-        pred[measured] = np.inf
-        order = np.argsort(pred, kind="stable")
-        return [int(i) for i in order[: len(order) - len(measured)]]
+        y = np.log(np.maximum(list(meter.estimates.values()), 1e-300))
+        w = np.exp(-(y - y.min()) / WEIGHT_SCALE)
+        lhs = np.vstack([self.x[measured] * w[:, None], self.prior])
+        rhs = np.concatenate([y * w, np.zeros(len(self.prior))])
+        predicted = self.x @ np.linalg.lstsq(lhs, rhs, rcond=None)[0]
+        predicted = np.nan_to_num(predicted, nan=np.finfo(float).max, posinf=np.finfo(float).max)
+        predicted[measured] = np.inf
+        return predicted
 
 
-LAMBDA = 1.0
-SUR = "quad"
-SAMPLE_SHARE = 5
-FIRST_DESCENT = True
-LOCAL = False
-PURE = False
-PAIRS = True  # one measurement in SAMPLE_SHARE goes to the space-filling sample
-STALE_ROUNDS = 32
-TAU = 0.0
-RIDGE = 1e-3
-USE_SUR = True
-USE_KICK = True  # rounds in a row that measure nothing new end the search
+SAMPLE_SHARE = 4  # a quarter of the budget goes to the space-filling sample
+SMOOTHING = 1.0  # weight of the second-difference penalty
+RIDGE = 1e-6
+WEIGHT_SCALE = 1.0  # in log cost: a point e times dearer than the best weighs 1/e
+LOCAL_RADII = (1, 2, 3)
 
 
 def _budgeted(meter: _Meter, lattice: _Lattice, rng: random.Random) -> None:
-    default = meter.best[0]
-    sample = lattice.spread(max(1, meter.limit // SAMPLE_SHARE), rng, [default])
-    for a in sample:
+    """Spend the budget (see the module docstring); returns when it is spent or the grid is measured."""
+    for a in lattice.spread(max(1, meter.limit // SAMPLE_SHARE), rng, meter.best[0]):
         meter.cost(a, meter.best[1])
-    best_first = sorted([default, *sample], key=lambda a: (meter.lower_bound(a), meter._rank[a]))
-    if FIRST_DESCENT:
-        _descend(meter, lattice, best_first[0], meter.cost(best_first[0]))
-    surrogate = _Surrogate(lattice) if SUR == "quad" else _Additive(lattice)
-    stale = 0
-    while stale < STALE_ROUNDS and len(meter.times) < len(lattice.legal):
-        before = len(meter.times)
-        if USE_SUR:
-          ranked = surrogate.ranked(meter)
-          b = lattice.legal[ranked[0]]
-          if meter.cost(b, meter.best[1]) < math.inf and not PURE:
-            _descend(meter, lattice, b, meter.cost(b))
-        if LOCAL and len(meter.times) < meter.limit:
-            ranked = surrogate.ranked(meter)
-            centre = lattice.point[meter.best[0]]
-            for radius in (1, 2, 3):
-                near = [i for i in ranked if max(abs(u - v) for u, v in zip(lattice.point[lattice.legal[i]], centre)) <= radius]
-                if near:
-                    meter.cost(lattice.legal[near[0]], meter.best[1])
-                    break
-        b = lattice.kick(meter.best[0], rng)
-        if USE_KICK and b is not None and meter.cost(b, meter.best[1] * 1.05) < math.inf:
-            _descend(meter, lattice, b, meter.cost(b))
-        stale = 0 if len(meter.times) > before else stale + 1
+    surface = _Surface(lattice)
+    while len(meter.times) < len(lattice.legal):
+        # global step: the best predicted point anywhere
+        predicted = surface.predict(meter)
+        i = int(np.argmin(predicted))
+        meter.cost(lattice.legal[i], meter.best[1])
+        predicted[i] = np.inf
+        # local step: the best predicted point near the best measured one (the fit is reused)
+        for radius in LOCAL_RADII:
+            near = np.where(lattice.within(meter.best[0], radius), predicted, np.inf)
+            if np.isfinite(near.min()):
+                meter.cost(lattice.legal[int(np.argmin(near))], meter.best[1])
+                break

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +26,17 @@ if TYPE_CHECKING:
 _ROOTS = {"kernels": "detent_audit.kernels", "selection_programs": "detent_audit.selection.programs"}
 
 
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if isinstance(obj, (tuple, list)):
+        return list(obj)
+    raise TypeError(f"{type(obj).__name__} is not a fact")
+
+
 def canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    """Sorted keys, no whitespace, ASCII; read-only mappings (a decoded receipt's) as plain ones."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=_plain).encode()
 
 
 def facts_hash(facts: dict) -> str:
@@ -98,7 +108,7 @@ def collect_facts(llm: LLM) -> dict[str, Any]:
                    "sources": {k: source_hash(v) for k, v in sorted(_ROOTS.items())}},
         "deployment": llm.deployment.to_canonical(),
         "checkpoint": checkpoint_hashes(cfg.model_path),
-        "runtime": {"torch": torch.__version__, "device": "cpu",
+        "runtime": {"torch": str(torch.__version__), "device": "cpu",
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "num_threads": cfg.num_threads, "dtype": cfg.dtype},
         "scheduler": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,

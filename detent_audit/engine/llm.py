@@ -13,14 +13,14 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from detent_audit.engine.checkpoint import ensure_default_model
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
 from detent_audit.engine.loader import load_model
-from detent_audit.engine.runner import ModelRunner
+from detent_audit.engine.runner import ModelRunner, ScoreSpec
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
 from detent_audit.engine.sequence import Sequence
@@ -63,6 +63,11 @@ class EngineConfig:
         return Path(self.model) if self.model else ensure_default_model()
 
 
+class Rescored(NamedTuple):
+    logprobs: list[float]   # fp32 values, one per output token
+    tokens: list[int]       # the token the request's sampling draws at each output position
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -101,8 +106,8 @@ class LLM:
         self._scheduler_config = self.scheduler.config
         self.runner = ModelRunner(self.model, self.selection.kernels, config.num_kv_blocks, config.block_size)
         self._ids = itertools.count()
-        self._score_from: dict[int, int] = {}
-        self._scores: dict[int, list[float]] = {}
+        self._score_from: dict[int, ScoreSpec] = {}
+        self._scores: dict[int, Rescored] = {}
         self._tops: dict[int, list[list[tuple[int, float]]]] = {}
 
     def reset(self, *, max_prefill_chunk: int | None = None) -> None:
@@ -124,15 +129,15 @@ class LLM:
 
     # ---- requests
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
-                    *, score_from: int | None = None) -> Sequence:
+                    *, score_from: int | None = None, score_params: SamplingParams | None = None) -> Sequence:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         seq = Sequence(next(self._ids), ids, params, request_id=request_id)
         if score_from is not None:  # the scored positions' logits must be computed, not served from cache
             self.scheduler.block_manager.hit_limit[seq.seq_id] = max(0, score_from - 1)
         self.scheduler.add(seq)
         if score_from is not None:
-            self._score_from[seq.seq_id] = score_from
-            self._scores[seq.seq_id] = []
+            self._score_from[seq.seq_id] = ScoreSpec(score_from, score_params or params)
+            self._scores[seq.seq_id] = Rescored([], [])
         self._tops[seq.seq_id] = []
         return seq
 
@@ -148,7 +153,8 @@ class LLM:
         logprobs = {sid: r.logprob for sid, r in results.items() if r.token is not None}
         for sid, r in results.items():
             if sid in self._scores:
-                self._scores[sid].extend(r.scored)
+                self._scores[sid].logprobs.extend(r.scored)
+                self._scores[sid].tokens.extend(r.scored_samples)
             if r.top is not None:
                 self._tops[sid].append(r.top)
         return self.scheduler.update(out, tokens, logprobs)
@@ -175,34 +181,38 @@ class LLM:
             raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         self.run(seqs)
-        return [self._output(s) for s in seqs]
+        return [self.output_of(s) for s in seqs]
 
     def rescore(self, prompt_ids: SequenceOf[int], output_ids: SequenceOf[int]) -> list[float]:
         """Teacher-forced logprobs of `output_ids` after `prompt_ids`, in one prefill (fp32 values)."""
-        return self.rescore_batch([(prompt_ids, output_ids)])[0]
+        return self.rescore_batch([(prompt_ids, output_ids)])[0].logprobs
 
-    def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]]) -> list[list[float]]:
-        """Rescore many (prompt, output) pairs together (batch invariance makes batching legal)."""
+    def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
+                      params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
+        """Rescore many (prompt, output) pairs together (batch invariance makes batching legal): each output
+        token's logprob, and the token the request's sampling (`params`, default greedy) draws there."""
         seqs = []
-        for prompt, output in pairs:
+        for i, (prompt, output) in enumerate(pairs):
             if not output:
                 raise BadInput("rescore needs at least one output token")
             ids = list(prompt) + list(output)
             seqs.append(self.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                                         score_from=len(prompt)))
+                                         score_from=len(prompt),
+                                         score_params=None if params is None else params[i]))
         self.run(seqs)
         out = []
         for s, (_, output) in zip(seqs, pairs):
             scores = self._scores.pop(s.seq_id)
-            if len(scores) != len(output):
-                raise RuntimeError(f"rescore produced {len(scores)} logprobs for {len(output)} tokens")
+            if len(scores.logprobs) != len(output):
+                raise RuntimeError(f"rescore produced {len(scores.logprobs)} logprobs for {len(output)} tokens")
             out.append(scores)
             self._score_from.pop(s.seq_id)
             self.scheduler.block_manager.hit_limit.pop(s.seq_id, None)
             self._tops.pop(s.seq_id, None)
         return out
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def output_of(self, seq: Sequence) -> RequestOutput:
+        """The user-facing result of a finished sequence (its top logprobs are handed over once)."""
         out = RequestOutput(seq.request_id, list(seq.prompt_token_ids), seq.output_token_ids,
                             self.tokenizer.decode(seq.output_token_ids), list(seq.output_logprobs),
                             seq.finish_reason,

@@ -13,9 +13,29 @@ from dataclasses import dataclass, field
 import torch
 
 from detent_audit.engine.model import CausalLM
+from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import SchedulerOutput
 from detent_audit.kernels import AttentionMetadata, KernelSet
 from detent_audit.kernels import sampling as sampling_ops
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """A rescoring sequence: score tokens from position `first` on; they were drawn with `params`."""
+
+    first: int
+    params: SamplingParams
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    """The token each row draws: row-local, seeded by (seed, position)."""
+    return sampling_ops.sample(
+        logits, torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        torch.tensor([p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p in params],
+                     dtype=torch.int64),  # u64 seeds as their two's-complement int64
+        torch.tensor(positions, dtype=torch.int64))
 
 
 @dataclass
@@ -26,6 +46,7 @@ class SeqResult:
     logprob: float | None = None                 # fp32 log p(token) under the raw logits
     top: list[tuple[int, float]] | None = None   # top-n (token, logprob), most likely first
     scored: list[float] = field(default_factory=list)  # teacher-forced logprobs of known next tokens
+    scored_samples: list[int] = field(default_factory=list)  # what sampling would have drawn at those rows
 
 
 class ModelRunner:
@@ -42,10 +63,11 @@ class ModelRunner:
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(c.num_hidden_layers)]
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, slots: dict[int, list[int]], score_from: dict[int, int]
+    def execute(self, step: SchedulerOutput, slots: dict[int, list[int]], score_from: dict[int, ScoreSpec]
                 ) -> dict[int, SeqResult]:
-        """Run `step`. `slots[seq_id]`: cache slots of the chunk's tokens; `score_from[seq_id]`: the first
-        position whose token is scored (teacher forcing) for rescoring sequences."""
+        """Run `step`. `slots[seq_id]`: cache slots of the chunk's tokens; `score_from[seq_id]`: for a
+        rescoring sequence, the first position whose token is scored (teacher forcing) and the sampling
+        parameters the scored tokens were drawn with (so the draw at each row can be checked too)."""
         entries = step.scheduled
         ids: list[int] = []
         positions: list[int] = []
@@ -75,7 +97,7 @@ class ModelRunner:
         for i, e in enumerate(entries):
             sid = e.seq.seq_id
             if sid in score_from:
-                first = max(e.start_pos, score_from[sid] - 1)
+                first = max(e.start_pos, score_from[sid].first - 1)
                 for p in range(first, min(e.end_pos, e.seq.num_tokens - 1)):
                     rows.append(cu[i] + p - e.start_pos)
                     teacher.append(e.seq.token_ids[p + 1])
@@ -91,9 +113,13 @@ class ModelRunner:
         sample_idx = [j for j, (_, kind) in enumerate(owners) if kind == "sample"]
         score_idx = [j for j, (_, kind) in enumerate(owners) if kind == "score"]
         if score_idx:
-            scored = sampling_ops.token_logprobs(logits[score_idx], torch.tensor([teacher[j] for j in score_idx]))
-            for j, lp in zip(score_idx, scored.tolist()):
+            sub = logits[score_idx]
+            scored = sampling_ops.token_logprobs(sub, torch.tensor([teacher[j] for j in score_idx]))
+            specs = [score_from[owners[j][0]] for j in score_idx]
+            draws = _draw(sub, [s.params for s in specs], [positions[rows[j]] + 1 for j in score_idx])
+            for j, lp, tok in zip(score_idx, scored.tolist(), draws.tolist()):
                 results[owners[j][0]].scored.append(lp)
+                results[owners[j][0]].scored_samples.append(tok)
         if sample_idx:
             self._sample(entries, owners, sample_idx, logits, results)
         return results
@@ -103,13 +129,7 @@ class ModelRunner:
         seqs = [by_id[owners[j][0]] for j in sample_idx]
         sp = [s.sampling_params for s in seqs]
         sub = logits[sample_idx]
-        tokens = sampling_ops.sample(
-            sub, torch.tensor([p.temperature for p in sp], dtype=torch.float32),
-            torch.tensor([p.top_k for p in sp], dtype=torch.int64),
-            torch.tensor([p.top_p for p in sp], dtype=torch.float32),
-            torch.tensor([p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p in sp],
-                         dtype=torch.int64),  # u64 seeds as their two's-complement int64
-            torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64))  # the new token's position
+        tokens = _draw(sub, sp, [s.num_tokens for s in seqs])  # at the new token's position
         lps = sampling_ops.token_logprobs(sub, tokens)
         n_top = max((p.logprobs or 0) for p in sp)
         top = sampling_ops.top_logprobs(sub, n_top) if n_top else None

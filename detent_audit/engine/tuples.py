@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from detent_audit.errors import BadInput
 
 
 def _check(data: Any, source: str) -> dict[str, dict[str, Any]]:
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in data.items()):
+    if not isinstance(data, Mapping) or not all(isinstance(k, str) and isinstance(v, Mapping)
+                                                for k, v in data.items()):
         raise BadInput(f"{source}: a tuple maps family names to {{axis: value}} maps")
     for family, axes in data.items():
         for axis, value in axes.items():

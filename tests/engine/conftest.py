@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import pytest
 import torch
 
-from detent_audit.engine.checkpoint import write_random_checkpoint
 from detent_audit.engine.config import ModelConfig
 from detent_audit.kernels import AttentionMetadata
-
-
-@pytest.fixture(scope="session")
-def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """make_checkpoint(shape, seed=0, shards=1, **config_overrides) -> a checkpoint directory (cached)."""
-    made: dict[tuple, Path] = {}
-
-    def make(shape: str, seed: int = 0, shards: int = 1, **overrides: object) -> Path:
-        key = (shape, seed, shards, tuple(sorted(overrides.items())))
-        if key not in made:
-            config = dataclasses.replace(ModelConfig.from_name(shape), **overrides)
-            made[key] = write_random_checkpoint(tmp_path_factory.mktemp(shape), config, seed, shards=shards)
-        return made[key]
-
-    return make
 
 
 class PagedKV:

@@ -52,13 +52,14 @@ def test_rescore_equals_generation_for_100_requests(make_checkpoint, tmp_path) -
     outs = llm.generate(prompts, params)
     assert sum(o.num_cached_tokens > 0 for o in outs) >= 10
     scorer = _engine(make_checkpoint("tiny-llama"), cache_dir=str(tmp_path), max_prefill_chunk=64)
-    scores = scorer.rescore_batch([(o.prompt_token_ids, o.token_ids) for o in outs])
+    scores = scorer.rescore_batch([(o.prompt_token_ids, o.token_ids) for o in outs], params)
     for o, s in zip(outs, scores):
-        assert torch.equal(_bits(s), _bits(o.logprobs)), o.request_id
+        assert torch.equal(_bits(s.logprobs), _bits(o.logprobs)), o.request_id
+        assert s.tokens == o.token_ids  # the seeded draws at every position, recomputed from the logits
     # and in the serving engine itself, after its prefix cache filled
     again = llm.rescore_batch([(o.prompt_token_ids, o.token_ids) for o in outs[:20]])
     for o, s in zip(outs, again):
-        assert torch.equal(_bits(s), _bits(o.logprobs))
+        assert torch.equal(_bits(s.logprobs), _bits(o.logprobs))
 
 
 def test_seeded_sampling_alone_and_in_a_mixed_batch_of_32(make_checkpoint, tmp_path) -> None:

@@ -1,0 +1,207 @@
+"""The OpenAI-compatible request schema: JSON bodies checked field by field into a `ParsedRequest`.
+
+Supported (both endpoints): model (must name the served model), max_tokens, temperature, top_p, seed (default
+0, recorded in the receipt), stream, stream_options.include_usage, user (ignored), and the vLLM-style
+extensions top_k (0 or -1 = off), stop_token_ids, ignore_eos, return_tokens_as_token_ids. /v1/completions:
+prompt (one string or one list of token ids), logprobs (int, top-n). /v1/chat/completions: messages (role and
+text content, rendered by the checkpoint's chat template), logprobs (bool), top_logprobs (int),
+max_completion_tokens. Refused with 400: unknown fields, and fields whose effect the engine cannot produce or a
+receipt cannot record (n or best_of other than 1, echo, suffix, logit_bias, penalties, stop strings, tools,
+response_format). Every refusal is an `InvalidRequest` naming the field (`param`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from detent_audit.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from detent_audit.errors import BadInput
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+           "stream", "stream_options", "user", "return_tokens_as_token_ids"}
+_COMPLETION = _COMMON | {"prompt", "logprobs"}
+_CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+_ROLES = ("system", "developer", "user", "assistant")
+# field -> (values that mean "off", why another value is refused)
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "one choice per request (each answer gets its own receipt)"),
+    "best_of": ((1,), "one sampled choice per request"),
+    "echo": ((False,), "the response holds the output only (the receipt holds the prompt's token ids)"),
+    "suffix": (("",), "insertion is not supported"),
+    "logit_bias": (({},), "the engine applies no logit processors"),
+    "presence_penalty": ((0, 0.0), "sampling is temperature, top_k and top_p only"),
+    "frequency_penalty": ((0, 0.0), "sampling is temperature, top_k and top_p only"),
+    "repetition_penalty": ((1, 1.0), "sampling is temperature, top_k and top_p only"),
+    "tools": (([],), "tool calls are not supported"),
+    "tool_choice": (("none",), "tool calls are not supported"),
+    "functions": (([],), "function calls are not supported"),
+    "function_call": (("none",), "function calls are not supported"),
+    "parallel_tool_calls": ((False,), "tool calls are not supported"),
+    "response_format": (({"type": "text"},), "structured output is not supported"),
+}
+
+
+class InvalidRequest(BadInput):
+    """A request refused with `status` (400, or 404 for an unknown model); `param` names the field."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value",
+                 status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served engine can take (read from it once)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A checked request: the prompt as token ids and the engine's sampling parameters."""
+
+    chat: bool
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: bool          # return per-token logprobs
+    tokens_as_ids: bool     # token strings as "token_id:<id>"
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _get(body: dict, name: str, kind: type, default: Any, lo: Any = None, hi: Any = None) -> Any:
+    """body[name] checked as `kind` in [lo, hi] (None or absent: `default`)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+    if not _is(value, kind) or (kind is float and not math.isfinite(value)):
+        raise InvalidRequest(f"'{name}' must be {kinds[kind]}, got {value!r}", param=name, code="invalid_type")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"[{lo}, {'inf' if hi is None else hi}]"
+        raise InvalidRequest(f"'{name}' must be in {bounds}, got {value!r}", param=name)
+    return value
+
+
+def _token_ids(value: Any, name: str, limits: Limits) -> list[int]:
+    if not isinstance(value, list) or not all(_is(t, int) and 0 <= t < limits.vocab_size for t in value):
+        raise InvalidRequest(f"'{name}' must be a list of token ids in [0, {limits.vocab_size - 1}]",
+                             param=name, code="invalid_type")
+    return value
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    for name in sorted(body):
+        if name in _UNSUPPORTED:
+            neutral, why = _UNSUPPORTED[name]
+            value = body[name]
+            if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
+                raise InvalidRequest(f"'{name}' is not supported: {why}", param=name, code="unsupported")
+        elif name not in allowed:
+            raise InvalidRequest(f"unrecognized request argument: '{name}'", param=name, code="unknown_field")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'messages' must be a non-empty list", param="messages", code="invalid_type")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in _ROLES or set(m) - {"role", "content", "name"}:
+            raise InvalidRequest(f"{where} must be {{'role': one of {', '.join(_ROLES)}, 'content': text}}",
+                                 param=where)
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequest(f"{where}.content: only text parts are supported", param=f"{where}.content")
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InvalidRequest(f"{where}.content must be a string", param=f"{where}.content",
+                                 code="invalid_type")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> ParsedRequest:
+    """Check one request body; raises `InvalidRequest` (or `BadInput` from the chat template)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    _check_fields(body, _CHAT if chat else _COMPLETION)
+    model = _get(body, "model", str, limits.model_name)
+    if model != limits.model_name:
+        raise InvalidRequest(f"the model '{model}' does not exist (this server serves '{limits.model_name}')",
+                             param="model", code="model_not_found", status=404)
+    if chat:
+        prompt_ids = tokenizer.encode_chat(_messages(body.get("messages")))
+        top_n = _get(body, "top_logprobs", int, None, 0, MAX_LOGPROBS)
+        want_logprobs = _get(body, "logprobs", bool, False)
+        if top_n is not None and not want_logprobs:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt_ids = tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(_is(t, int) for t in prompt):
+            prompt_ids = _token_ids(prompt, "prompt", limits)
+        else:
+            raise InvalidRequest("'prompt' must be one string or one non-empty list of token ids (batched "
+                                 "prompts are not supported: one request, one receipt)", param="prompt",
+                                 code="invalid_type")
+        top_n = _get(body, "logprobs", int, None, 0, MAX_LOGPROBS)
+        want_logprobs = top_n is not None
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty (it encodes to no tokens)", param="prompt")
+    room = limits.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
+                             f"has {len(prompt_ids)} tokens, which leaves no room for output",
+                             param="messages" if chat else "prompt", code="context_length_exceeded")
+    max_tokens = _get(body, "max_tokens", int, None, 1)
+    if chat:
+        alias = _get(body, "max_completion_tokens", int, None, 1)
+        if None not in (alias, max_tokens) and alias != max_tokens:
+            raise InvalidRequest("'max_tokens' and 'max_completion_tokens' differ", param="max_completion_tokens")
+        max_tokens = max_tokens or alias or room  # chat: up to the context left, as OpenAI's API does
+    max_tokens = max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+    if max_tokens > room:
+        raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
+                             f"has {len(prompt_ids)} tokens and max_tokens is {max_tokens}", param="max_tokens",
+                             code="context_length_exceeded")
+    stop = body.get("stop")
+    if stop not in (None, []):
+        raise InvalidRequest("'stop' strings are not supported (a text stop would cut the output after the "
+                             "engine drew it); use 'stop_token_ids'", param="stop", code="unsupported")
+    stream = _get(body, "stream", bool, False)
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise InvalidRequest("'stream_options' must be {'include_usage': bool}, with 'stream': true",
+                             param="stream_options")
+    _get(body, "user", str, None)
+    top_k = _get(body, "top_k", int, 0, -1, 2**31 - 1)
+    top_p = float(_get(body, "top_p", float, 1.0, 0, 1))
+    if top_p == 0:
+        raise InvalidRequest("'top_p' must be in (0, 1], got 0", param="top_p")
+    params = SamplingParams(
+        temperature=float(_get(body, "temperature", float, 1.0, 0)), top_k=max(top_k, 0),
+        top_p=top_p, max_tokens=max_tokens,
+        seed=_get(body, "seed", int, 0, 0, MAX_SEED),
+        stop_token_ids=tuple(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids", limits)),
+        ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=(top_n or 0) if want_logprobs else None)
+    return ParsedRequest(chat, list(prompt_ids), params, stream,
+                         _get(options or {}, "include_usage", bool, False), want_logprobs,
+                         _get(body, "return_tokens_as_token_ids", bool, False))

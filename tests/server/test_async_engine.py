@@ -1,0 +1,137 @@
+"""`AsyncEngine`: streamed deltas add up to the final output, bit for bit what the offline engine gives;
+a bounded queue; shutdown by draining or cancelling; refusals and engine failures end requests, never hang."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from detent_audit.engine.llm import LLM
+from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.errors import BadInput
+from detent_audit.server.async_engine import AsyncEngine, EngineClosed, EngineFailed, QueueFull
+
+if TYPE_CHECKING:
+    from conftest import Env
+
+
+def _bits(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32).view(torch.int32)
+
+
+def _gate(llm: LLM) -> threading.Event:
+    """Block the engine thread before each step until the returned event is set."""
+    gate, original = threading.Event(), llm.step
+
+    def gated() -> list:
+        gate.wait(30)
+        return original()
+
+    llm.step = gated
+    return gate
+
+
+def test_streamed_deltas_equal_the_final_output_and_the_offline_engine(env: Env) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(12)]
+    params = [SamplingParams(temperature=rng.choice([0.0, 0.9]), top_p=rng.choice([1.0, 0.8]), seed=i,
+                             max_tokens=rng.randint(1, 12), ignore_eos=True, logprobs=rng.choice([None, 2]))
+              for i in range(12)]
+    engine = AsyncEngine(LLM(env.engine_config()))
+
+    async def run_one(i: int) -> tuple:
+        handle = engine.submit(prompts[i], params[i], f"r{i}")
+        deltas = [d async for d in handle.stream()]
+        return deltas, await handle.result()
+
+    async def run_all() -> list:
+        return await asyncio.gather(*(run_one(i) for i in range(12)))
+
+    try:
+        results = asyncio.run(run_all())
+    finally:
+        engine.shutdown()
+    alone = LLM(env.engine_config()).generate(prompts, params)
+    for (deltas, out), ref, p in zip(results, alone, params):
+        assert [t for d in deltas for t in d.token_ids] == out.token_ids == ref.token_ids
+        assert torch.equal(_bits([v for d in deltas for v in d.logprobs]), _bits(ref.logprobs))
+        assert torch.equal(_bits(out.logprobs), _bits(ref.logprobs))
+        tops = [t for d in deltas for t in d.top]
+        assert tops == (out.top_logprobs if p.logprobs else [[] for _ in out.token_ids])
+    assert engine.num_outstanding == 0
+
+
+def test_a_full_queue_raises_at_once(env: Env) -> None:
+    llm = LLM(env.engine_config())
+    gate = _gate(llm)
+    engine = AsyncEngine(llm, max_queued=2)
+    try:
+        first = [engine.submit([1, 2, 3], SamplingParams(max_tokens=2), f"q{i}") for i in range(2)]
+        with pytest.raises(QueueFull, match="at most 2"):
+            engine.submit([1, 2, 3], SamplingParams(max_tokens=2), "q2")
+        gate.set()
+        assert all(len(h.future.result(30).token_ids) <= 2 for h in first)
+        assert engine.submit([1, 2], SamplingParams(max_tokens=1), "q3").future.result(30).token_ids
+    finally:
+        gate.set()
+        engine.shutdown()
+
+
+def test_shutdown_drains_or_cancels(env: Env) -> None:
+    engine = AsyncEngine(LLM(env.engine_config()))
+    drained = [engine.submit([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), f"d{i}") for i in range(3)]
+    engine.shutdown(drain=True)
+    assert [len(h.future.result(0).token_ids) for h in drained] == [20, 20, 20]
+    with pytest.raises(EngineClosed):
+        engine.submit([1], SamplingParams(), "late")
+
+    llm = LLM(env.engine_config())
+    gate = _gate(llm)
+    engine = AsyncEngine(llm)
+    cancelled = [engine.submit([5, 6, 7], SamplingParams(max_tokens=20), f"c{i}") for i in range(3)]
+    threading.Timer(0.2, gate.set).start()  # the step under way ends, then the rest is failed
+    engine.shutdown(drain=False)
+    for h in cancelled:
+        with pytest.raises(EngineClosed):
+            h.future.result(0)
+    assert engine.num_outstanding == 0 and not engine.is_alive
+
+
+def test_a_refused_request_fails_alone(env: Env) -> None:
+    engine = AsyncEngine(LLM(env.engine_config(num_kv_blocks=4, block_size=16)))  # 64 tokens of KV
+    try:
+        too_long = engine.submit(list(range(1, 60)), SamplingParams(max_tokens=30), "long")
+        fine = engine.submit([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), "short")
+        with pytest.raises(BadInput, match="KV blocks"):
+            too_long.future.result(30)
+        assert len(fine.future.result(30).token_ids) == 4
+        assert engine.is_alive
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_exception_fails_every_outstanding_request(env: Env) -> None:
+    llm = LLM(env.engine_config())
+    gate = threading.Event()
+
+    def broken() -> list:
+        gate.wait(30)
+        raise RuntimeError("step exploded")
+
+    llm.step = broken
+    engine = AsyncEngine(llm)
+    handles = [engine.submit([1, 2, 3], SamplingParams(max_tokens=3), f"e{i}") for i in range(4)]
+    gate.set()
+    for h in handles:
+        with pytest.raises(EngineFailed, match="step exploded") as info:
+            h.future.result(30)
+        assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(EngineClosed, match="stopped after an error"):
+        engine.submit([1], SamplingParams(), "after")
+    assert engine.num_outstanding == 0 and not engine.is_alive
+    engine.shutdown()

@@ -1,0 +1,146 @@
+"""`detent-audit verify` on receipts served offline from a tiny checkpoint: pass in both modes; tampering
+(re-signed with the node's key) fails at the right position; a different deployment is not comparable, with
+the differing fields named; bad input is exit 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from typer.testing import CliRunner
+
+from detent_audit.cli import app
+from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.engine.tuples import save_tuple
+from detent_audit.manifests.keys import generate_key, load_private_key
+from detent_audit.manifests.receipt import OutputRecord, Receipt, sign_receipt
+from detent_audit.server.node import ServingNode
+from detent_audit.server.offline import serve_offline
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def served(make_checkpoint, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("served")
+    ckpt = make_checkpoint("tiny-llama")
+    key = generate_key(root / "node.key")
+    llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(root / "jit")))
+    node = ServingNode(llm, load_private_key(key.private_path), root / "out", rotate=4)
+    lines = [{"id": f"r{i}", "prompt_token_ids": list(range(3 + i, 12 + 2 * i)), "max_tokens": 6,
+              "temperature": [0.0, 0.9, 0.7][i % 3], "top_p": [1.0, 1.0, 0.9][i % 3], "seed": 100 + i,
+              "ignore_eos": True} for i in range(10)]
+    (root / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    serve_offline(llm, node, root / "in.jsonl", root / "out.jsonl")
+    node.close()
+    return {"root": root, "ckpt": ckpt, "key": key, "out": root / "out", "jit": root / "jit"}
+
+
+def _verify(served: dict, *paths: Path, extra: tuple[str, ...] = ()) -> tuple[int, dict]:
+    res = runner.invoke(app, ["verify", *map(str, paths), "--key", str(served["key"].public_path), "--model",
+                              str(served["ckpt"]), "--cache-dir", str(served["jit"]), "--json", *extra])
+    return res.exit_code, json.loads(res.stdout)
+
+
+@pytest.mark.parametrize("mode", ["rescore", "replay"])
+def test_served_receipts_verify(served, mode: str) -> None:
+    code, report = _verify(served, served["out"], extra=("--mode", mode))
+    assert code == 0, report
+    assert report["counts"] == {"OK": 13, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}  # 10 receipts, 3 manifests
+
+
+def _tampered(served: dict, tmp_path: Path, change) -> Path:
+    src = served["out"] / "receipts" / "r4.receipt"
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.manifests.receipt import verify_envelope
+
+    r = verify_envelope(src.read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
+    tokens, lps = change(list(r.output.token_ids), list(r.output.logprobs))
+    forged = dataclasses.replace(r, output=OutputRecord.from_floats(tokens, lps, r.output.finish_reason))
+    path = tmp_path / "forged.receipt"
+    path.write_bytes(sign_receipt(forged, load_private_key(served["key"].private_path)))
+    return path
+
+
+def _flip_bit(values: list[float], i: int) -> list[float]:
+    import struct
+
+    bits = struct.unpack("<I", struct.pack("<f", values[i]))[0] ^ 1
+    values[i] = struct.unpack("<f", struct.pack("<I", bits))[0]
+    return values
+
+
+@pytest.mark.parametrize("mode", ["rescore", "replay"])
+def test_one_logprob_bit_changed_fails_at_its_position(served, tmp_path, mode: str) -> None:
+    path = _tampered(served, tmp_path, lambda t, lp: (t, _flip_bit(lp, 3)))
+    code, report = _verify(served, path, extra=("--mode", mode))
+    assert code == 1
+    (o,) = report["outcomes"]
+    assert o["status"] == "FAIL" and o["divergence"]["position"] == 3 and o["divergence"]["ulp"] == 1
+    assert o["divergence"]["what"] == "logprob"
+
+
+@pytest.mark.parametrize("mode", ["rescore", "replay"])
+def test_one_output_token_changed_fails_at_its_position(served, tmp_path, mode: str) -> None:
+    path = _tampered(served, tmp_path, lambda t, lp: (t[:2] + [(t[2] + 1) % 256] + t[3:], lp))
+    code, report = _verify(served, path, extra=("--mode", mode))
+    assert code == 1
+    assert report["outcomes"][0]["divergence"]["position"] == 2
+
+
+def test_truncated_output_fails(served, tmp_path) -> None:
+    path = _tampered(served, tmp_path, lambda t, lp: (t[:4], lp[:4]))
+    code, report = _verify(served, path)
+    assert code == 1 and "finish 'length' after 4 of max_tokens=6" in report["outcomes"][0]["message"]
+
+
+def test_other_weights_are_not_comparable(served, make_checkpoint) -> None:
+    other = make_checkpoint("tiny-llama", seed=5)
+    res = runner.invoke(app, ["verify", str(served["out"] / "receipts" / "r1.receipt"), "--key",
+                              str(served["key"].public_path), "--model", str(other), "--json"])
+    assert res.exit_code == 3
+    assert json.loads(res.stdout)["outcomes"][0]["fields"] == ["checkpoint.weights"]
+
+
+def test_other_thread_count_is_not_comparable(served) -> None:
+    code, report = _verify(served, served["out"] / "receipts" / "r1.receipt", extra=("--threads", "2"))
+    assert code == 3
+    assert report["outcomes"][0]["fields"] == ["deployment.gpu.num_sms", "runtime.num_threads"]
+
+
+def test_other_tuple_is_not_comparable(served, tmp_path) -> None:
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.manifests.receipt import verify_envelope
+
+    r = verify_envelope((served["out"] / "receipts" / "r1.receipt").read_bytes(),
+                        load_trusted_keys(served["key"].public_path)).receipt
+    values = {k: dict(v) for k, v in r.tuple_values.items() if k != "mode"}
+    values["embedded.gemm"] = {**values["embedded.gemm"], "chunk_rows": 8, "embedded.gemm.chunk_rows": 8}
+    save_tuple(values, tmp_path / "other.tuple")
+    code, report = _verify(served, served["out"] / "receipts" / "r1.receipt",
+                           extra=("--tuple", str(tmp_path / "other.tuple")))
+    assert code == 3
+    assert set(report["outcomes"][0]["fields"]) == {"tuple.embedded.gemm.chunk_rows",
+                                                    "tuple.embedded.gemm.embedded.gemm.chunk_rows"}
+
+
+def test_untrusted_key_and_garbage_are_refused(served, tmp_path) -> None:
+    other = generate_key(tmp_path / "other.key")
+    res = runner.invoke(app, ["verify", str(served["out"] / "receipts" / "r1.receipt"), "--key",
+                              str(other.public_path)])
+    assert res.exit_code == 1 and "FAIL:" in res.stdout
+    junk = tmp_path / "junk.receipt"
+    junk.write_bytes(b"\x93not a receipt")
+    res = runner.invoke(app, ["verify", str(junk), "--key", str(served["key"].public_path)])
+    assert res.exit_code == 2
+    res = runner.invoke(app, ["verify", str(junk)])
+    assert res.exit_code == 2 and "exactly one of --key" in res.stderr
+
+
+def test_manifest_with_a_missing_receipt_fails(served, tmp_path) -> None:
+    manifest = sorted((served["out"] / "manifests").glob("*.manifest"))[0]
+    code, report = _verify(served, manifest)  # the manifest alone: its receipts are absent
+    assert code == 1 and "missing" in report["outcomes"][0]["message"]

@@ -1,0 +1,92 @@
+"""(3)-(4) of verification: rebuild the serving engine a receipt describes, and refuse to compare where a
+bit-relevant fact differs.
+
+The engine settings come from the receipt's facts (dtype, thread count, page size, limits, mode) and its tuple;
+only the checkpoint is local (`--model`). The local engine's facts are then compared with the receipt's,
+field by field: any difference (weights, kernel sources, torch version, CPU capability, ...) makes the
+receipt not comparable here, and every differing field is named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from detent_audit.engine.facts import collect_facts
+from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.errors import BadInput, DetentError
+
+
+class NotComparable(DetentError):
+    """The local deployment differs from the receipt's in a bit-relevant fact."""
+
+    exit_code = 3
+    remedy = "verify on a machine and checkpoint that match the receipt's deployment facts"
+
+    def __init__(self, fields: list[str], message: str | None = None) -> None:
+        self.fields = fields
+        super().__init__(message or f"deployment differs in {len(fields)} field(s): {', '.join(fields)}")
+
+
+def _get(facts: Mapping[str, Any], *path: str) -> Any:
+    node: Any = facts
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            raise BadInput(f"the receipt's deployment facts lack {'.'.join(path)}",
+                           remedy="the receipt was not produced by a detent-audit node of this version")
+        node = node[key]
+    return node
+
+
+def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
+                  cache_dir: str | None = None, threads: int | None = None,
+                  tuple_override: Mapping[str, Any] | None = None) -> EngineConfig:
+    """The EngineConfig a receipt's facts and tuple describe, on the local checkpoint `model`; `threads` and
+    `tuple_override` replace the receipt's (a verifier stating its own deployment)."""
+    dep = _get(facts, "deployment", "engine")
+    sched = _get(facts, "scheduler")
+    runtime = _get(facts, "runtime")
+    mode = _get(tuple_values, "mode", "name")
+    families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
+    return EngineConfig(
+        model=str(model) if model else None, mode=mode, dtype=runtime["dtype"],
+        num_threads=threads or runtime["num_threads"],
+        block_size=sched["block_size"], max_model_len=dep["max_model_len"], max_num_seqs=dep["max_num_seqs"],
+        max_num_batched_tokens=sched["max_num_batched_tokens"],
+        max_prefill_chunk=sched["max_prefill_chunk"] or None, prefix_caching=sched["prefix_caching"],
+        tuple=families if mode == "detent" else None, cache_dir=cache_dir)
+
+
+def differing_fields(expected: Any, got: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every leaf that differs (or exists on one side only), sorted."""
+    if isinstance(expected, Mapping) and isinstance(got, Mapping):
+        out: list[str] = []
+        for key in sorted(set(expected) | set(got)):
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in expected or key not in got:
+                out.append(path)
+            else:
+                out += differing_fields(expected[key], got[key], path)
+        return out
+    if isinstance(expected, (list, tuple)) and isinstance(got, (list, tuple)):
+        return [] if list(expected) == list(got) else [prefix]
+    return [] if expected == got and type(expected) is type(got) else [prefix]
+
+
+def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
+                cache_dir: str | None = None, threads: int | None = None,
+                tuple_override: Mapping[str, Any] | None = None) -> LLM:
+    """(3) deployment and (4) tuple: the local engine for these facts; raises NotComparable."""
+    config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override)
+    try:
+        llm = LLM(config)  # (4): select_kernels refuses a tuple that is not legal for the solved pins
+    except BadInput as exc:
+        if "is not legal" in exc.message or "does not run" in exc.message:
+            raise NotComparable(["tuple"], f"the receipt's tuple is not legal here: {exc.message}") from None
+        raise
+    local = collect_facts(llm)
+    fields = differing_fields(dict(facts), local)
+    if fields:
+        raise NotComparable(fields)
+    return llm

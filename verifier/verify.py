@@ -1,0 +1,209 @@
+"""`detent-audit verify`: receipts, folders and run manifests, checked step by step (DESIGN section 7).
+
+(0) bounded read and decode; (1) signature against the trusted keys; (2) schema, canonical re-encoding,
+deployment and tuple hashes; (3) deployment: the local engine rebuilt from the receipt's facts must match
+them field by field; (4) the tuple must be legal for the solved pins; (5) re-execute: `rescore` (one
+teacher-forced prefill per request, many requests batched: batch invariance makes batching legal; the
+seeded draw at every position is recomputed from the logits) or `replay` (autoregressive, seeded, batched);
+(6) compare token ids and logprob bits; (7) the report. Run manifests: signature, then the Merkle root of
+their receipts present.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from detent_audit.engine.facts import facts_hash
+from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.tuples import tuple_hash
+from detent_audit.errors import DetentError
+from detent_audit.manifests.dsse import read_envelope_bytes
+from detent_audit.manifests.errors import InvalidReceipt, ManifestMismatch
+from detent_audit.manifests.receipt import Receipt, verify_envelope
+from detent_audit.manifests.run_manifest import RunManifest, check_run, verify_run_manifest
+from detent_audit.verifier.compare import Divergence, first_divergence
+from detent_audit.verifier.reconstruct import NotComparable, reconstruct
+
+RECEIPT_SUFFIX, MANIFEST_SUFFIX = ".receipt", ".manifest"
+BATCH = 64  # requests re-executed together
+
+
+@dataclass
+class Outcome:
+    """One receipt's or manifest's verdict."""
+
+    path: str
+    kind: str                      # receipt | manifest
+    status: str                    # OK | FAIL | BAD | NOT_COMPARABLE
+    message: str = ""
+    request_id: str | None = None
+    divergence: Divergence | None = None
+    fields: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "kind": self.kind, "status": self.status, "message": self.message,
+                "request_id": self.request_id, "fields": self.fields,
+                "divergence": self.divergence.to_json() if self.divergence else None}
+
+
+@dataclass
+class Report:
+    outcomes: list[Outcome]
+    mode: str
+
+    @property
+    def exit_code(self) -> int:
+        statuses = {o.status for o in self.outcomes}
+        return 1 if "FAIL" in statuses else 2 if "BAD" in statuses else 3 if "NOT_COMPARABLE" in statuses else 0
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(o.status == s for o in self.outcomes) for s in ("OK", "FAIL", "BAD", "NOT_COMPARABLE")}
+
+
+def collect(paths: Iterable[str | Path]) -> tuple[list[Path], list[Path], list[Outcome]]:
+    """Receipt and manifest files named or found under folders (sorted); unreadable paths as BAD."""
+    receipts: set[Path] = set()
+    manifests: set[Path] = set()
+    bad: list[Outcome] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            receipts |= set(p.rglob(f"*{RECEIPT_SUFFIX}"))
+            manifests |= set(p.rglob(f"*{MANIFEST_SUFFIX}"))
+        elif p.is_file():
+            (manifests if p.suffix == MANIFEST_SUFFIX else receipts).add(p)
+        else:
+            bad.append(Outcome(str(p), "receipt", "BAD", f"{p}: no such file or folder"))
+    return sorted(receipts), sorted(manifests), bad
+
+
+def sample_paths(paths: list[Path], fraction: float | None, seed: int) -> list[Path]:
+    if fraction is None or fraction >= 1:
+        return paths
+    k = max(1, math.ceil(fraction * len(paths))) if paths else 0
+    return sorted(random.Random(seed).sample(paths, k))
+
+
+def _open_receipt(path: Path, trusted: dict) -> Receipt:
+    # (0): bounded read; (1)-(2): signature before parsing, then schema and canonical re-encoding
+    receipt = verify_envelope(read_envelope_bytes(path), trusted).receipt
+    # (2): the hashes the receipt states are the hashes of what it carries
+    if facts_hash(receipt.deployment_facts) != receipt.deployment_hash:
+        raise InvalidReceipt(f"{path.name}: deployment hash does not match the facts it carries")
+    if tuple_hash(receipt.tuple_values) != receipt.tuple_hash:
+        raise InvalidReceipt(f"{path.name}: tuple hash does not match the tuple it carries")
+    return receipt
+
+
+def _params(r: Receipt) -> SamplingParams:
+    s = r.request.sampling
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=s.max_tokens,
+                          seed=r.request.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                          logprobs=s.logprobs)
+
+
+def _finish_problem(r: Receipt, eos: set[int]) -> Divergence | str | None:
+    """The stated finish must be the one generation reaches: no stop token before the end, and the reason."""
+    s, tokens = r.request.sampling, list(r.output.token_ids)
+    stops = set(s.stop_token_ids) | (set() if s.ignore_eos else eos)
+    for i, t in enumerate(tokens[:-1]):
+        if t in stops:
+            return f"output token {i} ({t}) is a stop token, yet generation went on"
+    if r.output.finish_reason == "length" and len(tokens) != s.max_tokens and not (tokens and tokens[-1] in stops):
+        return f"finish 'length' after {len(tokens)} of max_tokens={s.max_tokens} tokens"
+    if r.output.finish_reason == "stop" and not (tokens and tokens[-1] in stops):
+        return "finish 'stop' without a stop token at the end"
+    return None
+
+
+def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | None = None, mode: str = "rescore",
+           sample: float | None = None, seed: int = 0, cache_dir: str | None = None,
+           threads: int | None = None, tuple_override: dict | None = None,
+           progress: Callable[[int, int], None] | None = None) -> Report:
+    """Verify every receipt and run manifest under `paths`; never raises for a bad receipt: reports it."""
+    if mode not in ("rescore", "replay"):
+        raise DetentError(f"unknown mode {mode!r}", remedy="use --mode rescore or --mode replay")
+    receipt_paths, manifest_paths, outcomes = collect(paths)
+    opened: dict[Path, Receipt] = {}
+    for p in receipt_paths:
+        try:
+            opened[p] = _open_receipt(p, trusted)
+        except DetentError as exc:
+            outcomes.append(Outcome(str(p), "receipt", "FAIL" if exc.exit_code == 1 else "BAD", exc.message))
+    outcomes += [_check_manifest(m, trusted, opened) for m in manifest_paths]
+
+    chosen = sample_paths(sorted(opened), sample, seed)
+    groups: dict[tuple[str, str], list[Path]] = {}
+    for p in chosen:
+        groups.setdefault((opened[p].deployment_hash, opened[p].tuple_hash), []).append(p)
+    done, total = 0, len(chosen)
+    for (_, _), group in sorted(groups.items()):
+        first = opened[group[0]]
+        try:
+            llm = reconstruct(first.deployment_facts, first.tuple_values, model, cache_dir,  # (3), (4)
+                              threads, tuple_override)
+        except NotComparable as exc:
+            outcomes += [Outcome(str(p), "receipt", "NOT_COMPARABLE", exc.message, opened[p].request.request_id,
+                                 fields=exc.fields) for p in group]
+            done += len(group)
+            if progress:
+                progress(done, total)
+            continue
+        eos = set(llm.tokenizer.eos_token_ids)
+        for start in range(0, len(group), BATCH):
+            batch = group[start:start + BATCH]
+            outcomes += _reexecute(llm, [(p, opened[p]) for p in batch], mode, eos)
+            done += len(batch)
+            if progress:
+                progress(done, total)
+    order = {str(p): i for i, p in enumerate([*receipt_paths, *manifest_paths])}
+    outcomes.sort(key=lambda o: (order.get(o.path, -1), o.path))
+    return Report(outcomes, mode)
+
+
+def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
+    # (5): re-execute, all of the batch together
+    usable = [(p, r) for p, r in batch if r.output.token_ids]
+    if mode == "rescore":
+        got = llm.rescore_batch([(r.request.prompt_token_ids, r.output.token_ids) for _, r in usable],
+                                [_params(r) for _, r in usable])
+        results = {p: (res.tokens, res.logprobs) for (p, _), res in zip(usable, got)}
+    else:
+        outs = llm.generate([list(r.request.prompt_token_ids) for _, r in usable], [_params(r) for _, r in usable])
+        results = {p: (o.token_ids, o.logprobs) for (p, _), o in zip(usable, outs)}
+    out = []
+    for p, r in batch:
+        rid = r.request.request_id
+        problem = _finish_problem(r, eos)
+        if isinstance(problem, str):
+            out.append(Outcome(str(p), "receipt", "FAIL", problem, rid))
+            continue
+        if p not in results:  # an empty output: nothing to re-execute, the finish check above is all
+            out.append(Outcome(str(p), "receipt", "OK", "empty output", rid))
+            continue
+        tokens, lps = results[p]
+        # (6): compare token ids and logprob bits
+        div = first_divergence(list(r.output.token_ids), list(r.output.logprobs), list(tokens), list(lps))
+        if div is None:
+            out.append(Outcome(str(p), "receipt", "OK", f"{len(tokens)} tokens, bits equal ({mode})", rid))
+        else:
+            out.append(Outcome(str(p), "receipt", "FAIL", div.describe(), rid, div))
+    return out
+
+
+def _check_manifest(path: Path, trusted: dict, opened: dict[Path, Receipt]) -> Outcome:
+    try:
+        manifest: RunManifest = verify_run_manifest(read_envelope_bytes(path, error=InvalidReceipt), trusted).manifest
+        wanted = set(manifest.receipt_digests)
+        present = [r for r in opened.values() if r.digest in wanted]
+        check_run(manifest, present)
+    except ManifestMismatch as exc:
+        return Outcome(str(path), "manifest", "FAIL", exc.message)
+    except DetentError as exc:
+        return Outcome(str(path), "manifest", "FAIL" if exc.exit_code == 1 else "BAD", exc.message)
+    return Outcome(str(path), "manifest", "OK", f"{manifest.receipt_count} receipts, Merkle root "
+                   f"{manifest.merkle_root[:16]}...")
