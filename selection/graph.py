@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from detent_audit.selection.ir import Node, Op, toposort
-from detent_audit.selection.partial_eval import IRProgram
+from detent_audit.selection.pe_values import IRProgram
 
 
 @dataclass

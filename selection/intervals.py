@@ -191,4 +191,4 @@ def _call(name: str, node: Node, src: list[Interval]) -> Interval:
 
 
 def _is_table(values: Any) -> bool:
-    return type(values).__name__ == "_Table"
+    return type(values).__name__ == "Table"

@@ -17,7 +17,7 @@ from typing import Any
 from detent_audit.selection.codegen import builtins_namespace, compile_function, emit, literal
 from detent_audit.selection.errors import IllegalAssignment, SelectionViolation
 from detent_audit.selection.ir import Node
-from detent_audit.selection.partial_eval import IRProgram, _Table
+from detent_audit.selection.pe_values import IRProgram, Table
 from detent_audit.selection.simplify import domain_checks
 
 MEMO_LIMIT = 1 << 16
@@ -88,7 +88,7 @@ def make_template(prog: IRProgram, pins: Sequence[Node], pin_names: Sequence[str
 
 
 def _restore(text: str) -> Any:
-    return eval(text, {"__builtins__": {}}, {"Table": _Table, "inf": math.inf, "nan": math.nan})  # noqa: S307
+    return eval(text, {"__builtins__": {}}, {"Table": Table, "inf": math.inf, "nan": math.nan})  # noqa: S307
 
 
 class CompiledSelector:

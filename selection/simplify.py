@@ -15,7 +15,7 @@ from typing import Any
 from detent_audit.selection.intervals import Interval, interval_of
 from detent_audit.selection.ir import Node, Op, toposort
 from detent_audit.selection.lang import nearest
-from detent_audit.selection.partial_eval import Check, IRProgram
+from detent_audit.selection.pe_values import Check, IRProgram
 
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
 

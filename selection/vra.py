@@ -22,7 +22,7 @@ from detent_audit.selection.codegen import builtins_namespace, compile_function,
 from detent_audit.selection.errors import SelIRError
 from detent_audit.selection.intervals import Interval
 from detent_audit.selection.ir import Node
-from detent_audit.selection.partial_eval import IRProgram
+from detent_audit.selection.pe_values import IRProgram
 
 EXHAUSTIVE_POINTS = 4096
 SAMPLED_POINTS = 512

@@ -159,6 +159,10 @@ class LLM:
                 self._tops[sid].append(r.top)
         return self.scheduler.update(out, tokens, logprobs)
 
+    def top_logprobs_so_far(self, seq: Sequence) -> list[list[tuple[int, float]]]:
+        """The top-n alternatives of each token `seq` has sampled so far (for streaming)."""
+        return self._tops.get(seq.seq_id, [])
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -242,13 +242,12 @@ class AsyncEngine:
 
     def _step(self) -> None:
         finished = self.llm.step()
-        tops = self.llm._tops  # seq_id -> per sampled token top-n (LLM keeps them until the output is built)
         for seq_id, (seq, handle) in self._live.items():
             done = self._emitted[seq_id]
             if seq.num_output_tokens > done:
                 self._emitted[seq_id] = seq.num_output_tokens
                 if not handle.cancelled:
-                    top = tops.get(seq_id, [])[done:] if handle.params.logprobs else []
+                    top = self.llm.top_logprobs_so_far(seq)[done:] if handle.params.logprobs else []
                     handle._post(TokenDelta(seq.output_token_ids[done:], seq.output_logprobs[done:],
                                             top or [[] for _ in range(seq.num_output_tokens - done)]))
         for seq in finished:

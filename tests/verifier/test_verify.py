@@ -9,14 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.tuples import save_tuple
 from detent_audit.manifests.keys import generate_key, load_private_key
-from detent_audit.manifests.receipt import OutputRecord, Receipt, sign_receipt
+from detent_audit.manifests.receipt import OutputRecord, sign_receipt
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline
 

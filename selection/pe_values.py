@@ -1,0 +1,130 @@
+"""Values of partial evaluation: static values, runtime nodes, records under construction, the IRProgram.
+
+A value during partial evaluation is either a static Python value (facts, literals, tables, tuples of
+values), a `Node` (a runtime value), a `RecordVal` (a @record whose fields may be runtime values), or one of
+the callables a program may name (`Helper`, `Builtin`). `IRProgram` is what the pass produces.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+from detent_audit.selection.frontend import Source
+from detent_audit.selection.ir import Builder, Node
+
+
+class _Undef:
+    def __repr__(self) -> str:
+        return "UNDEF"
+
+
+UNDEF = _Undef()
+SCALARS = (int, float, bool, str, type(None))
+BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%",
+           ast.Pow: "**"}
+CMPOPS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
+PY_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
+          "//": operator.floordiv, "%": operator.mod, "**": operator.pow, "<": operator.lt,
+          "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne}
+
+
+@dataclass(frozen=True)
+class RecordVal:
+    """A @record under construction whose fields may be runtime values."""
+
+    cls: type
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Helper:
+    name: str
+
+
+@dataclass(frozen=True)
+class Builtin:
+    name: str
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    name: str
+    kind: str  # Runtime | Unpinnable | Request
+    node: Node
+
+
+@dataclass(frozen=True)
+class Check:
+    kind: str            # require | assume
+    cond: Any            # Node or static value: must be truthy
+    msg: str
+    line: int
+    col: int
+    top_level: bool      # ran unconditionally (may bound an input's domain)
+
+
+@dataclass
+class IRProgram:
+    """A program after partial evaluation: runtime inputs, knobs, selection points and checks."""
+
+    name: str
+    family: str
+    source: Source
+    result_cls: type
+    inputs: list[InputInfo]
+    knobs: dict[str, Node]
+    outputs: dict[str, Any]  # field -> Node or static value
+    checks: list[Check]
+    builder: Builder
+
+    def roots(self) -> list[Node]:
+        nodes = [v for v in self.outputs.values() if isinstance(v, Node)]
+        nodes += [c.cond for c in self.checks if isinstance(c.cond, Node)]
+        return nodes
+
+
+def is_static(v: Any) -> bool:
+    if isinstance(v, Node) or isinstance(v, (RecordVal, Helper, Builtin)) or v is UNDEF:
+        return False
+    if isinstance(v, (tuple, list)):
+        return all(is_static(x) for x in v)
+    if isinstance(v, dict):
+        return all(is_static(x) for x in v.values())
+    return isinstance(v, (*SCALARS, range, frozenset)) or dataclasses.is_dataclass(v)
+
+
+def freeze(v: Any) -> Any:
+    """A hashable, reprable form of a static table (dict -> sorted tuple of items)."""
+    if isinstance(v, dict):
+        return Table(tuple(sorted((k, freeze(x)) for k, x in v.items())))
+    if isinstance(v, (list, tuple)):
+        return tuple(freeze(x) for x in v)
+    return v
+
+
+class Table(tuple):
+    """A frozen dict: indexable by key, hashable, with a stable repr."""
+
+    def __getitem__(self, key: Any) -> Any:  # type: ignore[override]
+        for k, v in tuple.__iter__(self):
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __repr__(self) -> str:
+        return f"Table({tuple.__repr__(self)})"
+
+
+@dataclass
+class Frame:
+    """The evaluation state of one function body: variables, path conditions, comprehension scopes."""
+
+    env: dict[str, Any]
+    entry_guard: Any = True
+    branch: list[Any] = field(default_factory=list)
+    scopes: list[dict[str, Any]] = field(default_factory=list)
+    helper: str | None = None
