@@ -29,7 +29,7 @@ solve: $(VENV)/.installed
 	$(CLI) solve --deployment $(DEPLOYMENT)
 
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -p no:cacheprovider tests
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
