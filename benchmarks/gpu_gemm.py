@@ -8,7 +8,8 @@ matmul against cuBLAS, bf16, Llama-3.1-8B projection shapes.
 3. Speed: median time (triton.testing.do_bench) of each config and of cuBLAS per (shape, M); the ratio
    to cuBLAS; the bf16 roofline floor (max of FLOPs / 790 TFLOP/s and bytes / 4.28 TB/s).
 
-Writes $OUT/gpu_gemm.json and prints Markdown tables. Usage (device): python3 benchmarks/gpu_gemm.py
+Writes $OUT/gpu_gemm.json and prints Markdown tables. Usage (device): python3 benchmarks/gpu_gemm.py [--small]
+(`--small`: decode-sized tiles and BLOCK_K 128 against the same reference tile)
 """
 
 from __future__ import annotations
@@ -40,7 +41,17 @@ TritonGemmConfig, linear = _tg.TritonGemmConfig, _tg.linear
 SHAPES = {"qkv 4096->6144": (4096, 6144), "o 4096->4096": (4096, 4096), "gate_up 4096->28672": (4096, 28672),
           "down 14336->4096": (14336, 4096)}
 MS = (1, 2, 7, 16, 64, 128, 256, 1000, 4096, 8192)
-CONFIGS = {
+# `--small`: decode-sized tiles, and a different BLOCK_K, against the same reference config
+SMALL_CONFIGS = {
+    "m64n128k64w4s4": TritonGemmConfig(64, 128, 64, 8, 4, 4),
+    "m64n64k64w4s4": TritonGemmConfig(64, 64, 64, 8, 4, 4),
+    "m64n32k64w4s4": TritonGemmConfig(64, 32, 64, 8, 4, 4),
+    "m16n64k64w4s4": TritonGemmConfig(16, 64, 64, 8, 4, 4),
+    "m32n32k128w4s3": TritonGemmConfig(32, 32, 128, 8, 4, 3),
+    "m64n64k128w4s3": TritonGemmConfig(64, 64, 128, 8, 4, 3),
+    "m128n256k64w8s3": TritonGemmConfig(128, 256, 64, 8, 8, 3),
+}
+CONFIGS = SMALL_CONFIGS if "--small" in sys.argv else {
     "m64n128k64w4s4": TritonGemmConfig(64, 128, 64, 8, 4, 4),
     "m128n128k64w8s3": TritonGemmConfig(128, 128, 64, 8, 8, 3),
     "m128n256k64w8s3": TritonGemmConfig(128, 256, 64, 8, 8, 3),
@@ -83,7 +94,8 @@ def main() -> None:
                 row[name] = triton.testing.do_bench(lambda fn=fn, x=x: fn(x), warmup=25, rep=100,
                                                     return_mode="median")
             results["timing"][f"{sname}|{m}"] = row
-    with open(os.path.join(out_dir, "gpu_gemm.json"), "w") as f:
+    tag = "_small" if "--small" in sys.argv else ""
+    with open(os.path.join(out_dir, f"gpu_gemm{tag}.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"device: {results['device']}\n")
     print("## row-bit invariance (M values whose rows 0..7 differ from the rows alone)\n")
@@ -91,7 +103,7 @@ def main() -> None:
     for sname in SHAPES:
         cells = [str(results["invariance"][f"{sname}|{c}"] or "none") for c in ["cublas", *CONFIGS]]
         print(f"| {sname} | " + " | ".join(cells) + " |")
-    print("\n## same row bits as m64n128k64w4s4 at M=4096?\n")
+    print(f"\n## same row bits as {next(iter(CONFIGS))} at M=4096?\n")
     for sname in SHAPES:
         print(f"- {sname}: " + ", ".join(f"{c}={results['tiles'][f'{sname}|{c}']}" for c in CONFIGS))
     print("\nrel. error vs fp32 (m128n128k64w8s3, M=256): " + ", ".join(
