@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from detent_audit.atomic import write_atomically
 
 ENV_VAR = "DETENT_AUDIT_CACHE"
 
@@ -71,14 +72,5 @@ class JitCache:
     def put(self, key: str, body: dict) -> None:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = canonical({"key": key, "sha256": hashlib.sha256(canonical(body)).hexdigest(), "body": body})
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, canonical({"key": key, "sha256": hashlib.sha256(canonical(body)).hexdigest(),
+                                          "body": body}))

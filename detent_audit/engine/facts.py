@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detent_audit import __version__
+from detent_audit.atomic import write_atomically
 
 if TYPE_CHECKING:
     from detent_audit.engine.llm import LLM
@@ -91,10 +90,7 @@ def checkpoint_hashes(path: Path) -> dict[str, str]:
     if cache != before:
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache_file.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(cache, f)
-            os.replace(tmp, cache_file)
+            write_atomically(cache_file, json.dumps(cache).encode())
         except OSError:
             pass  # the cache only saves time
     return out

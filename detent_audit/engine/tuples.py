@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 
+from detent_audit.atomic import write_atomically
 from detent_audit.errors import BadInput
 
 
@@ -51,4 +52,4 @@ def tuple_hash(values: dict[str, dict[str, Any]]) -> str:
 
 
 def save_tuple(values: dict[str, dict[str, Any]], path: str | Path) -> None:
-    Path(path).write_bytes(encode_tuple(values))
+    write_atomically(path, encode_tuple(values))

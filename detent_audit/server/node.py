@@ -8,8 +8,6 @@ answered request. A run manifest (the Merkle root of the receipt digests since t
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 import time
 import uuid
@@ -17,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from detent_audit.atomic import write_atomically
 from detent_audit.engine.facts import collect_facts, facts_hash
 from detent_audit.engine.llm import LLM, RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
@@ -33,25 +32,6 @@ from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
 
 RECEIPT_SUFFIX = ".receipt"
 MANIFEST_SUFFIX = ".manifest"
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Temporary file in the same folder, fsync, rename, fsync the folder: all or nothing on disk."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def tuple_values(llm: LLM) -> dict[str, dict[str, Any]]:
@@ -99,7 +79,7 @@ class ServingNode:
         with self._lock:
             if path.exists():
                 raise FileExistsError(f"a receipt named {path.name} exists already")
-            write_durably(path, envelope)
+            write_atomically(path, envelope)
             self._pending.append(receipt)
             if self.rotate and len(self._pending) >= self.rotate:
                 self._write_manifest()
@@ -115,7 +95,7 @@ class ServingNode:
                                             node_keyid=self.keyid, deployment_hash=self.facts_hash,
                                             tuple_hash=self.tuple_hash, time_unix_ns=time.time_ns())
         path = self.out / "manifests" / f"run-{self._num_manifests:05d}{MANIFEST_SUFFIX}"
-        write_durably(path, sign_run_manifest(manifest, self.key))
+        write_atomically(path, sign_run_manifest(manifest, self.key))
         self._num_manifests += 1
         self._pending = []
         return path

@@ -1,0 +1,189 @@
+"""`detent-audit` commands of the audit: keygen, inspect, verify, serve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from detent_audit.cli import _MODEL_HELP, app, handles_errors
+from detent_audit.cli_engine import _engine
+
+
+@app.command()
+@handles_errors
+def keygen(
+    out: Path = typer.Option(..., "--out", help="Private key file to create (the public key goes to OUT.pub)."),
+    passphrase_env: str = typer.Option(None, "--passphrase-env", help="Encrypt with the passphrase in this "
+                                                                      "environment variable."),
+) -> None:
+    """Create an Ed25519 signing key (PKCS#8, mode 0600, never overwriting) and its public key."""
+    from detent_audit.manifests.keys import generate_key
+
+    key = generate_key(out, _passphrase(passphrase_env))
+    typer.echo(f"OK: private key {key.private_path}\nOK: public key {key.public_path}\nkeyid {key.keyid}")
+
+
+def _passphrase(env: str | None) -> bytes | None:
+    if env is None:
+        return None
+    import os
+
+    value = os.environ.get(env)
+    if value is None:
+        from detent_audit.errors import BadInput
+
+        raise BadInput(f"environment variable {env} is not set", remedy=f"export {env}=... or drop --passphrase-env")
+    return value.encode()
+
+
+@app.command()
+@handles_errors
+def inspect(
+    path: Path = typer.Argument(..., help="A receipt or run-manifest file."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Show a receipt or run manifest (decoded, NOT verified: use `verify` for that)."""
+    from detent_audit.manifests.dsse import RUN_MANIFEST_PAYLOAD_TYPE, Envelope, read_envelope_bytes
+    from detent_audit.manifests.receipt import Receipt
+    from detent_audit.manifests.run_manifest import RunManifest
+
+    env = Envelope.from_bytes(read_envelope_bytes(path))
+    body = (RunManifest.from_bytes(env.payload) if env.payload_type == RUN_MANIFEST_PAYLOAD_TYPE
+            else Receipt.from_bytes(env.payload))
+    doc = json.loads(body.to_json())
+    doc = {"unverified": True, "payload_type": env.payload_type, "signer_keyid_hint": env.keyid, "payload": doc}
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        typer.echo(f"{path}: {env.payload_type} (NOT verified; signer hint {env.keyid})")
+        typer.echo(json.dumps(doc["payload"], indent=2, sort_keys=True))
+
+
+@app.command()
+@handles_errors
+def verify(
+    paths: list[Path] = typer.Argument(..., help="Receipts, folders of receipts, run manifests."),
+    key: Path = typer.Option(None, "--key", help="Trusted public key file."),
+    trusted_keys: Path = typer.Option(None, "--trusted-keys", help="Folder of trusted public keys (*.pub)."),
+    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    mode: str = typer.Option("rescore", "--mode", help="rescore (one teacher-forced prefill) | replay"),
+    sample: float = typer.Option(None, "--sample", help="Verify a seeded sample: this fraction of receipts."),
+    seed: int = typer.Option(0, "--seed", help="Seed of --sample."),
+    cache_dir: Path = typer.Option(None, "--cache-dir", help="JIT cache directory."),
+    threads: int = typer.Option(None, "--threads", help="Run with this many CPU threads (default: the "
+                                                        "receipt's); a different count is not comparable."),
+    tuple_file: Path = typer.Option(None, "--tuple", help="Verify as this tuple (default: the receipt's)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Verify receipts: signature, deployment, tuple, re-execution, bits. Exit 0 pass, 1 mismatch, 2 bad input,
+    3 not comparable."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from detent_audit.errors import BadInput
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.verifier.verify import verify as run_verify
+
+    if (key is None) == (trusted_keys is None):
+        raise BadInput("give exactly one of --key FILE or --trusted-keys DIR")
+    if sample is not None and not 0 < sample <= 1:
+        raise BadInput(f"--sample must be in (0, 1], got {sample}")
+    trusted = load_trusted_keys(key or trusted_keys)
+    override = None
+    if tuple_file is not None:
+        from detent_audit.engine.tuples import load_tuple
+
+        override = load_tuple(tuple_file)
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("re-executing", total=None)
+        report = run_verify(paths, trusted, model=model, mode=mode, sample=sample, seed=seed,
+                            cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
+                            tuple_override=override,
+                            progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if as_json:
+        typer.echo(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
+                               "outcomes": [o.to_json() for o in report.outcomes]}, indent=2))
+    else:
+        for o in report.outcomes:
+            tag = "OK" if o.status == "OK" else "FAIL"
+            extra = "" if o.status in ("OK", "FAIL") else f" [{o.status.lower().replace('_', ' ')}]"
+            typer.echo(f"{tag}: {o.path}{extra}: {o.message}")
+        c = report.counts()
+        typer.echo(f"{c['OK']} ok, {c['FAIL']} failed, {c['BAD']} bad input, {c['NOT_COMPARABLE']} not comparable "
+                   f"({mode})")
+    raise typer.Exit(report.exit_code)
+
+
+# ---- serving
+
+@app.command()
+@handles_errors
+def serve(
+    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    tuple_file: Path = typer.Option(None, "--tuple", help="Committed tuple file (default: the preferred legal "
+                                                          "tuple of detent mode)."),
+    key: Path = typer.Option(..., "--key", help="The node's private signing key (PKCS#8 PEM, mode 0600)."),
+    passphrase_env: str = typer.Option(None, "--passphrase-env", help="Environment variable holding the key's "
+                                                                      "passphrase."),
+    manifest_out: Path = typer.Option(..., "--manifest-out", help="Folder for receipts/ and manifests/."),
+    rotate: int = typer.Option(None, "--rotate", help="Write a run manifest every N receipts (and on exit)."),
+    mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
+    threads: int = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact)."),
+    cache_dir: Path = typer.Option(None, "--cache-dir", help="JIT cache directory."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on."),
+    served_model_name: str = typer.Option(None, "--served-model-name", help="Model name clients ask for "
+                                                                            "(default: the model folder's name)."),
+    max_queued: int = typer.Option(256, "--max-queued", help="Requests queued or running at most (then 503)."),
+    input_path: Path = typer.Option(None, "--input", help="Serve this JSONL file of requests offline, then exit."),
+    output_path: Path = typer.Option(None, "--output", help="Where --input writes its results (JSONL)."),
+) -> None:
+    """Serve with a signed receipt for every response: an OpenAI-compatible HTTP server (default) or a file of
+    requests (--input). On SIGTERM/SIGINT the server stops accepting, finishes the responses under way, writes
+    the run manifest and exits."""
+    from detent_audit.errors import BadInput
+    from detent_audit.manifests.keys import load_private_key
+    from detent_audit.server.node import ServingNode
+
+    if rotate is not None and rotate < 1:
+        raise BadInput(f"--rotate must be >= 1, got {rotate}")
+    if (input_path is None) != (output_path is None):
+        raise BadInput("--input and --output go together", remedy="give both, or neither to serve over HTTP")
+    if max_queued < 1:
+        raise BadInput(f"--max-queued must be >= 1, got {max_queued}")
+    private_key = load_private_key(key, _passphrase(passphrase_env))
+    llm = _engine(model, mode, dtype, threads, tuple_file, cache_dir)
+    node = ServingNode(llm, private_key, manifest_out, rotate)
+    if input_path is not None:
+        from detent_audit.server.offline import serve_offline
+
+        try:
+            count = serve_offline(llm, node, input_path, output_path)
+        finally:
+            manifest = node.close()
+        typer.echo(f"OK: {count} requests served, receipts in {manifest_out / 'receipts'}"
+                   + (f", run manifest {manifest}" if manifest else ""))
+        return
+    _serve_http(llm, node, served_model_name or llm.config.model_path.name, host, port, max_queued)
+
+
+def _serve_http(llm: Any, node: Any, model_name: str, host: str, port: int, max_queued: int) -> None:
+    """Run uvicorn until SIGTERM/SIGINT; the app's shutdown stops the engine and writes the run manifest."""
+    import uvicorn
+
+    from detent_audit.server.app import create_app
+    from detent_audit.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine(llm, max_queued=max_queued)
+    config = uvicorn.Config(create_app(engine, node, model_name), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=60, lifespan="on")
+    typer.echo(f"serving {model_name} on http://{host}:{port}/v1 (receipts in {node.out / 'receipts'})", err=True)
+    try:
+        uvicorn.Server(config).run()  # re-raises a captured SIGINT/SIGTERM after a graceful shutdown
+    finally:
+        engine.shutdown(drain=False)  # no-ops after a clean shutdown; else nothing answers these any more
+        node.close()

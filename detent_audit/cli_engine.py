@@ -1,0 +1,118 @@
+"""`detent-audit` commands of the embedded engine: info, battery, generate."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from detent_audit.cli import _MODEL_HELP, app, handles_errors
+
+
+def _engine(model: Path | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
+            cache_dir: Path | None = None, **extra: Any):
+    from detent_audit.engine.llm import LLM, EngineConfig
+
+    committed = None
+    if tuple_file is not None:
+        from detent_audit.engine.tuples import load_tuple
+
+        committed = load_tuple(tuple_file)
+    config = EngineConfig(model=str(model) if model else None, mode=mode, dtype=dtype, num_threads=threads,
+                          tuple=committed, cache_dir=str(cache_dir) if cache_dir else None, **extra)
+    return LLM(config)
+
+
+@app.command()
+@handles_errors
+def info(
+    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
+    threads: int = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact)."),
+    tuple_file: Path = typer.Option(None, "--tuple", help="Committed tuple file (detent mode)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Print the running engine's deployment facts and their hash."""
+    from detent_audit.engine.facts import collect_facts, facts_hash
+
+    llm = _engine(model, mode, dtype, threads, tuple_file)
+    facts = collect_facts(llm)
+    digest = facts_hash(facts)
+    if as_json:
+        typer.echo(json.dumps({"facts": facts, "facts_hash": digest}, indent=2, sort_keys=True))
+        return
+    typer.echo(json.dumps(facts, indent=2, sort_keys=True))
+    typer.echo(f"facts hash: {digest}")
+
+
+@app.command()
+@handles_errors
+def battery(
+    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
+    threads: int = typer.Option(1, "--threads", help="CPU threads."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the target and neighbour prompts."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Run the 35-cell invariance battery; exit 1 if any cell fails."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from detent_audit.engine.battery import cells, run_battery
+
+    llm = _engine(model, mode, dtype, threads)
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("battery", total=len(cells()))
+        results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task))
+    failed = [r for r in results if not r.passed]
+    if as_json:
+        typer.echo(json.dumps({"mode": mode, "dtype": dtype, "passed": len(results) - len(failed),
+                               "total": len(results), "cells": [r.to_json() for r in results]}, indent=2))
+    else:
+        table = Table(title=f"invariance battery: mode {mode}, {dtype}")
+        for col in ("cell", "group", "what changes", "result", "first diff", "expected bits", "got bits"):
+            table.add_column(col)
+        for r in results:
+            table.add_row(r.name, r.group, r.description, "PASS" if r.passed else "FAIL",
+                          "-" if r.first_diff is None else str(r.first_diff), r.expected_bits or "-",
+                          r.got_bits or "-")
+        Console(file=sys.stdout, width=150).print(table)
+        typer.echo(f"{len(results) - len(failed)}/{len(results)} cells pass")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+@handles_errors
+def generate(
+    prompt: list[str] = typer.Argument(..., help="Prompts (submitted together)."),
+    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    threads: int = typer.Option(1, "--threads"),
+    max_tokens: int = typer.Option(16, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Generate completions offline."""
+    from detent_audit.engine.sampling_params import SamplingParams
+
+    llm = _engine(model, mode, dtype, threads)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+    outs = llm.generate(prompt, params)
+    if as_json:
+        typer.echo(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
+                                "logprobs": o.logprobs, "finish_reason": o.finish_reason}
+                               for p, o in zip(prompt, outs)], indent=2))
+        return
+    for p, o in zip(prompt, outs):
+        typer.echo(f"{p!r} -> {o.text!r} ({len(o.token_ids)} tokens, {o.finish_reason})")
