@@ -1,0 +1,152 @@
+"""GPU paged attention on the device (issue 5): bit invariance across prefill / chunked prefill / decode /
+batch composition, accuracy against fp32, and speed against torch SDPA.
+
+A token's output must have the same bits whether its sequence is prefilled whole, in chunks, decoded one
+token at a time with the context cached, or run beside other sequences. Writes $OUT/gpu_attention.json.
+Usage (device): python3 benchmarks/gpu_attention.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+
+def _load():
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "triton_attention.py")
+    spec = importlib.util.spec_from_file_location("triton_attention", here)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["triton_attention"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ta = _load()
+H, HKV, D, PAGE = 32, 8, 128, 16
+DT = torch.bfloat16
+
+
+class Cache:
+    """Random K/V of each sequence written into shuffled pages."""
+
+    def __init__(self, lens: list[int], seed: int) -> None:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        pages = [-(-n // PAGE) for n in lens]
+        perm = torch.randperm(sum(pages) + 4, device="cuda", generator=g)
+        self.k = torch.randn(sum(pages) + 4, PAGE, HKV, D, device="cuda", dtype=DT, generator=g)
+        self.v = torch.randn_like(self.k)
+        self.tables = torch.zeros(len(lens), max(pages), dtype=torch.int32, device="cuda")
+        self.kv = []
+        off = 0
+        for i, (n, p) in enumerate(zip(lens, pages)):
+            self.tables[i, :p] = perm[off:off + p].to(torch.int32)
+            off += p
+            idx = self.tables[i, :p].long()
+            self.kv.append((self.k[idx].reshape(-1, HKV, D)[:n], self.v[idx].reshape(-1, HKV, D)[:n]))
+        self.q = [torch.randn(n, H, D, device="cuda", dtype=DT, generator=g) for n in lens]
+
+    def run(self, seqs: list[int], starts: list[int], ends: list[int], cfg) -> list[torch.Tensor]:
+        """Query rows [start, end) of each listed sequence in one launch; returns each one's [n, H, D]."""
+        q = torch.cat([self.q[s][a:b] for s, a, b in zip(seqs, starts, ends)])
+        cu = torch.tensor([0] + list(torch.tensor([b - a for a, b in zip(starts, ends)]).cumsum(0)),
+                          dtype=torch.int32, device="cuda")
+        out = ta.paged_attention(q, self.k, self.v, cu, torch.tensor(starts, dtype=torch.int32, device="cuda"),
+                                 self.tables[seqs], D ** -0.5, cfg)
+        return list(out.split([b - a for a, b in zip(starts, ends)]))
+
+    def reference(self, s: int) -> torch.Tensor:
+        k, v = self.kv[s]
+        q = self.q[s].float().transpose(0, 1)
+        kk = k.float().repeat_interleave(H // HKV, 1).transpose(0, 1)
+        vv = v.float().repeat_interleave(H // HKV, 1).transpose(0, 1)
+        return F.scaled_dot_product_attention(q, kk, vv, is_causal=True).transpose(0, 1)
+
+
+def invariance(cfg, lens: list[int]) -> dict:
+    c = Cache(lens, seed=1)
+    n = len(lens)
+    whole_alone = [c.run([s], [0], [lens[s]], cfg)[0] for s in range(n)]
+    whole_batch = c.run(list(range(n)), [0] * n, lens, cfg)
+    chunks = []
+    for s in range(n):
+        parts, a = [], 0
+        while a < lens[s]:
+            b = min(lens[s], a + 37)
+            parts.append(c.run([s], [a], [b], cfg)[0])
+            a = b
+        chunks.append(torch.cat(parts))
+    decode = [torch.cat([c.run([s], [p], [p + 1], cfg)[0] for p in range(max(0, lens[s] - 3), lens[s])])
+              for s in range(n)]
+    mixed = c.run(list(range(n)), [lens[s] - 1 if s % 2 else 0 for s in range(n)], lens, cfg)  # decode + prefill
+    res = {"batch==alone": all(torch.equal(whole_batch[s], whole_alone[s]) for s in range(n)),
+           "chunked==alone": all(torch.equal(chunks[s], whole_alone[s]) for s in range(n)),
+           "decode==prefill": all(torch.equal(decode[s], whole_alone[s][-decode[s].shape[0]:]) for s in range(n)),
+           "mixed batch==alone": all(torch.equal(mixed[s], whole_alone[s][-mixed[s].shape[0]:]) for s in range(n))}
+    errs = [((whole_alone[s].float() - c.reference(s)).norm() / c.reference(s).norm()).item() for s in range(n)]
+    res["max rel err vs fp32"] = max(errs)
+    return res
+
+
+def timings(cfg) -> dict:
+    out = {}
+    # decode: 64 sequences of 4096 context, one query each
+    lens = [4096] * 64
+    c = Cache(lens, seed=2)
+    ours = triton.testing.do_bench(lambda: c.run(list(range(64)), [n - 1 for n in lens], lens, cfg),
+                                   warmup=25, rep=100, return_mode="median")
+    kk = torch.stack([c.kv[s][0] for s in range(64)]).transpose(1, 2)  # [B, HKV, L, D] contiguous copies
+    vv = torch.stack([c.kv[s][1] for s in range(64)]).transpose(1, 2)
+    qq = torch.stack([c.q[s][-1:] for s in range(64)]).transpose(1, 2)  # [B, H, 1, D]
+    sdpa = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True),
+                                   warmup=25, rep=100, return_mode="median")
+    kv_bytes = 2 * 64 * 4096 * HKV * D * 2
+    out["decode 64x4096"] = {"ours_ms": ours, "sdpa_contiguous_ms": sdpa, "floor_ms": kv_bytes / 4.28e12 * 1e3}
+    # prefill: 4 sequences of 4096 tokens
+    lens = [4096] * 4
+    c = Cache(lens, seed=3)
+    ours = triton.testing.do_bench(lambda: c.run(list(range(4)), [0] * 4, lens, cfg), warmup=25, rep=50,
+                                   return_mode="median")
+    qq = torch.stack(c.q).transpose(1, 2)
+    kk = torch.stack([c.kv[s][0] for s in range(4)]).transpose(1, 2)
+    vv = torch.stack([c.kv[s][1] for s in range(4)]).transpose(1, 2)
+    sdpa = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
+                                                                          enable_gqa=True),
+                                   warmup=25, rep=50, return_mode="median")
+    flops = 4 * 4 * 4096 * 4096 * H * D / 2
+    out["prefill 4x4096"] = {"ours_ms": ours, "sdpa_contiguous_ms": sdpa, "floor_ms": flops / 790e12 * 1e3}
+    return out
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    configs = {"m64n64s2048": ta.TritonAttentionConfig(64, 64, 2048, 4, 2),
+               "m64n64s512": ta.TritonAttentionConfig(64, 64, 512, 4, 2),
+               "m128n64s2048w8": ta.TritonAttentionConfig(128, 64, 2048, 8, 2)}
+    results = {"device": torch.cuda.get_device_name(), "invariance": {}, "timing": {}}
+    for name, cfg in configs.items():
+        results["invariance"][name] = invariance(cfg, [1, 17, 150, 700, 2500])
+        results["timing"][name] = timings(cfg)
+        print(name, json.dumps(results["invariance"][name]), flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "gpu_attention.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\ndevice: {results['device']}; H={H}, HKV={HKV}, D={D}, page {PAGE}, bf16\n")
+    print("| config | batch==alone | chunked==alone | decode==prefill | mixed==alone | rel err |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results["invariance"].items():
+        print(f"| {name} | {r['batch==alone']} | {r['chunked==alone']} | {r['decode==prefill']} | "
+              f"{r['mixed batch==alone']} | {r['max rel err vs fp32']:.1e} |")
+    print("\n| config | workload | ours ms | SDPA (contiguous KV) ms | ratio | floor ms |\n|---|---|---|---|---|---|")
+    for name, rows in results["timing"].items():
+        for w, r in rows.items():
+            print(f"| {name} | {w} | {r['ours_ms']:.3f} | {r['sdpa_contiguous_ms']:.3f} | "
+                  f"{r['ours_ms'] / r['sdpa_contiguous_ms']:.2f} | {r['floor_ms']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

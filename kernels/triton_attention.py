@@ -1,0 +1,130 @@
+"""Batch-invariant paged attention on the GPU (Triton): prefill chunks and decode tokens in one varlen launch.
+
+Query rows are processed in tiles of BLOCK_M rows of one sequence (decode: one row, the rest masked), KV in
+tiles of BLOCK_N positions aligned to absolute positions, split at multiples of SPLIT (a pinned stride,
+aligned to absolute positions); each (query tile, head, split) program runs an fp32 online softmax and
+writes an unnormalised partial; a second kernel combines the partials of each row in split order. A row's
+scores come from a matrix-unit dot whose rows are independent (the same tile shape in prefill and decode),
+fully masked tiles and empty splits are exact no-ops, so a token's output bits depend only on its own
+query, its sequence's KV and its absolute position: prefill, chunked prefill, a prefix-cache hit and decode
+give it the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class TritonAttentionConfig:
+    block_m: int = 64      # query rows per program (decode pads one row to this)
+    block_n: int = 64      # KV positions per online-softmax step
+    split: int = 2048      # KV positions per split (a multiple of block_n); the pinned split stride
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@triton.jit
+def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
+                  o_ptr, m_ptr, l_ptr, scale, stride_bt, num_rows, page_size,
+                  H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    hk = h // (H // HKV)
+    s = tl.load(tile_seq_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)      # first query row of this tile (global row index)
+    n_rows = tl.load(tile_len_ptr + tile)
+    ctx = tl.load(ctx_ptr + s)               # absolute position of the sequence's first query row
+    seq_row0 = tl.load(cu_ptr + s)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < n_rows
+    rows = row0 + offs_m
+    pos = ctx + (rows - seq_row0)            # [BLOCK_M] absolute positions
+    max_pos = ctx + (row0 + n_rows - 1 - seq_row0)
+    q = tl.load(q_ptr + (rows[:, None] * H + h) * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    start = sp * SPLIT
+    end = tl.minimum(start + SPLIT, max_pos + 1)
+    for kv0 in range(start, end, BLOCK_N):   # tiles aligned to absolute positions
+        kv = kv0 + tl.arange(0, BLOCK_N)
+        kv_ok = kv <= max_pos
+        blk = tl.load(bt_ptr + s * stride_bt + kv // page_size, mask=kv_ok, other=0)
+        slot = blk.to(tl.int64) * page_size + kv % page_size
+        k = tl.load(k_ptr + (slot[:, None] * HKV + hk) * D + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + (slot[:, None] * HKV + hk) * D + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale                          # [BLOCK_M, BLOCK_N] fp32
+        allowed = (kv[None, :] <= pos[:, None]) & row_ok[:, None]
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)           # a row with nothing yet
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = (sp * num_rows + rows) * H + h
+    tl.store(o_ptr + out[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+    tl.store(m_ptr + out, m_i, mask=row_ok)
+    tl.store(l_ptr + out, l_i, mask=row_ok)
+
+
+@triton.jit
+def _attn_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.constexpr, D: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, D)
+    m_all = tl.full([1], float("-inf"), tl.float32)
+    for sp in range(0, num_splits):          # the running maximum, in split order
+        m_all = tl.maximum(m_all, tl.load(m_ptr + (sp * num_rows + r) * H + h + tl.zeros([1], tl.int32)))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    num = tl.zeros([D], tl.float32)
+    den = tl.zeros([1], tl.float32)
+    for sp in range(0, num_splits):          # partials summed in split order; empty splits add exact zeros
+        idx = (sp * num_rows + r) * H + h
+        w = tl.exp(tl.load(m_ptr + idx + tl.zeros([1], tl.int32)) - m_safe)
+        num += tl.load(o_ptr + idx * D + offs_d) * w
+        den += tl.load(l_ptr + idx + tl.zeros([1], tl.int32)) * w
+    tl.store(out_ptr + (r * H + h) * D + offs_d, (num / den).to(out_ptr.dtype.element_ty))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    config: TritonAttentionConfig = TritonAttentionConfig()) -> torch.Tensor:
+    """q: [T, H, D]; k/v_cache: [num_blocks, page, HKV, D]; cu_seqlens_q: [S+1]; context_lens: [S] (absolute
+    position of each sequence's first query row; its KV up to its last query row is already in the cache);
+    block_tables: [S, max_blocks]. Causal. Returns [T, H, D] in q's dtype."""
+    t, h, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    if config.split % config.block_n:
+        raise ValueError("split must be a multiple of block_n")
+    cu = cu_seqlens_q.tolist()
+    tiles = [(s, r, min(config.block_m, cu[s + 1] - r)) for s in range(len(cu) - 1)
+             for r in range(cu[s], cu[s + 1], config.block_m)]
+    dev = q.device
+    tile_seq, tile_row, tile_len = (torch.tensor(c, dtype=torch.int32, device=dev) for c in zip(*tiles))
+    max_len = int((context_lens + (cu_seqlens_q[1:] - cu_seqlens_q[:-1])).max())
+    num_splits = triton.cdiv(max_len, config.split)
+    o = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=dev)
+    m = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
+    l_ = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
+    m.fill_(float("-inf"))  # splits past a tile's last position stay empty partials
+    l_.zero_()
+    o.zero_()
+    bt = block_tables.to(torch.int32).contiguous()
+    _attn_partial[(len(tiles), h, num_splits)](
+        q.contiguous(), k_cache, v_cache, bt, tile_seq, tile_row, tile_len,
+        cu_seqlens_q.to(dev, torch.int32), context_lens.to(dev, torch.int32), o, m, l_, scale, bt.stride(0), t,
+        page, H=h, HKV=hkv, D=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=config.split,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    out = torch.empty_like(q)
+    _attn_combine[(t, h)](o, m, l_, out, t, num_splits, H=h, D=d)
+    return out

@@ -1,0 +1,65 @@
+"""GPU tier: the Triton paged attention gives a token the same bits prefilled whole, in chunks, decoded, and
+beside other sequences (benchmarks/gpu_attention.py measures speed). Skipped without CUDA and Triton."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+ta = pytest.importorskip("detent_audit.kernels.triton_attention")
+
+H, HKV, D, PAGE = 8, 2, 64, 16
+
+
+def _setup(lens: list[int], seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = [-(-n // PAGE) for n in lens]
+    total = sum(pages) + 3
+    k = torch.randn(total, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    perm = torch.randperm(total, device="cuda", generator=g)
+    tables = torch.zeros(len(lens), max(pages), dtype=torch.int32, device="cuda")
+    off = 0
+    for i, p in enumerate(pages):
+        tables[i, :p] = perm[off:off + p].to(torch.int32)
+        off += p
+    q = [torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for n in lens]
+    return k, v, tables, q
+
+
+def _run(k, v, tables, q, seqs, starts, ends, cfg):
+    qq = torch.cat([q[s][a:b] for s, a, b in zip(seqs, starts, ends)])
+    sizes = [b - a for a, b in zip(starts, ends)]
+    cu = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    out = ta.paged_attention(qq, k, v, cu, torch.tensor(starts, dtype=torch.int32, device="cuda"), tables[seqs],
+                             D ** -0.5, cfg)
+    return list(out.split(sizes))
+
+
+@pytest.mark.parametrize("cfg", [ta.TritonAttentionConfig(64, 64, 256, 4, 2), ta.TritonAttentionConfig(64, 32, 64, 4, 2)])
+def test_token_bits_do_not_depend_on_chunking_decode_or_neighbours(cfg) -> None:
+    lens = [1, 40, 300, 777]
+    k, v, tables, q = _setup(lens, seed=3)
+    n = len(lens)
+    alone = [_run(k, v, tables, q, [s], [0], [lens[s]], cfg)[0] for s in range(n)]
+    batch = _run(k, v, tables, q, list(range(n)), [0] * n, lens, cfg)
+    for s in range(n):
+        assert torch.equal(batch[s], alone[s])
+        parts, a = [], 0
+        while a < lens[s]:
+            parts.append(_run(k, v, tables, q, [s], [a], [min(lens[s], a + 29)], cfg)[0])
+            a += 29
+        assert torch.equal(torch.cat(parts), alone[s])
+        last = _run(k, v, tables, q, [s], [lens[s] - 1], [lens[s]], cfg)[0]
+        assert torch.equal(last, alone[s][-1:])
+    # fp32 reference
+    s = 3
+    idx = tables[s, : -(-lens[s] // PAGE)].long()
+    kk = k[idx].reshape(-1, HKV, D)[: lens[s]].float().repeat_interleave(H // HKV, 1).transpose(0, 1)
+    vv = v[idx].reshape(-1, HKV, D)[: lens[s]].float().repeat_interleave(H // HKV, 1).transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[s].float().transpose(0, 1), kk, vv, is_causal=True)
+    err = ((alone[s].float() - ref.transpose(0, 1)).norm() / ref.norm()).item()
+    assert err < 1e-2
