@@ -126,6 +126,8 @@ def timings(cfg) -> dict:
 def main() -> None:
     torch.manual_seed(0)
     configs = {"m64n64s2048": ta.TritonAttentionConfig(64, 64, 2048, 4, 2),
+               "m16n64s2048": ta.TritonAttentionConfig(16, 64, 2048, 4, 2),
+               "m64n32s2048": ta.TritonAttentionConfig(64, 32, 2048, 4, 2),
                "m64n64s512": ta.TritonAttentionConfig(64, 64, 512, 4, 2),
                "m128n64s2048w8": ta.TritonAttentionConfig(128, 64, 2048, 8, 2)}
     results = {"device": torch.cuda.get_device_name(), "invariance": {}, "timing": {}}
@@ -133,6 +135,13 @@ def main() -> None:
         results["invariance"][name] = invariance(cfg, [1, 17, 150, 700, 2500])
         results["timing"][name] = timings(cfg)
         print(name, json.dumps(results["invariance"][name]), flush=True)
+    # tile sensitivity: the same tokens through every config (same split stride) -> same bits?
+    lens = [1, 17, 150, 700, 2500]
+    c = Cache(lens, seed=1)
+    outs = {name: c.run(list(range(len(lens))), [0] * len(lens), lens, cfg) for name, cfg in configs.items()}
+    ref = outs["m64n64s2048"]
+    results["tiles"] = {name: all(torch.equal(a, b) for a, b in zip(o, ref)) for name, o in outs.items()}
+    print("same bits as m64n64s2048:", results["tiles"], flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "gpu_attention.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"\ndevice: {results['device']}; H={H}, HKV={HKV}, D={D}, page {PAGE}, bf16\n")
