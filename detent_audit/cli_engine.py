@@ -116,3 +116,48 @@ def generate(
         return
     for p, o in zip(prompt, outs):
         typer.echo(f"{p!r} -> {o.text!r} ({len(o.token_ids)} tokens, {o.finish_reason})")
+
+
+@app.command()
+@handles_errors
+def tune(
+    workload: Path = typer.Option(..., "--workload", help="Profiling workload: requests as jsonl (serve's format)."),
+    out: Path = typer.Option(..., "--out", help="Tuple file to write (msgpack; never overwritten)."),
+    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    dtype: str = typer.Option("float32", "--dtype"),
+    threads: int = typer.Option(1, "--threads"),
+    tuple_file: Path = typer.Option(None, "--tuple", help="Start from this tuple (default: the preferred one)."),
+    exhaustive: bool = typer.Option(False, "--exhaustive", help="Measure every candidate (validation)."),
+    budget: float = typer.Option(0.15, "--budget", help="Fraction of each family's grid to measure."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Profile a workload, search each family's legal grid on its recorded calls, commit the best tuple."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from detent_audit.engine.tune import tune_engine
+    from detent_audit.engine.tuples import save_tuple
+    from detent_audit.errors import BadInput
+    from detent_audit.server.offline import read_requests
+
+    if out.exists():
+        raise BadInput(f"{out} exists", remedy="choose another --out or remove the old tuple first")
+    llm = _engine(model, "detent", dtype, threads, tuple_file)
+    requests = read_requests(llm, workload)
+    committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
+                                     budget_fraction=budget, seed=seed)
+    save_tuple(committed, out)
+    if as_json:
+        typer.echo(json.dumps({"tuple": committed, "out": str(out), "families": [r.to_json() for r in reports]},
+                              indent=2, sort_keys=True))
+        return
+    table = Table(title=f"detent-audit tune: {workload.name} -> {out}")
+    for col in ("family", "grid", "measured", "predicted (default)", "predicted (tuned)", "speed-up", "chosen"):
+        table.add_column(col)
+    for r in reports:
+        table.add_row(r.family, str(r.grid_size), f"{r.measured} ({r.measured / r.grid_size:.0%})",
+                      f"{r.default_cost * 1e3:.1f} ms", f"{r.tuned_cost * 1e3:.1f} ms",
+                      f"{r.default_cost / r.tuned_cost:.2f}x", json.dumps(r.chosen))
+    Console(file=sys.stdout, width=150).print(table)
+    typer.echo(f"OK: tuple written to {out}")
