@@ -187,16 +187,17 @@ def _stock_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float)
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs, max_q, max_k = meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k
     q_lens = meta.cu_seqlens_q.diff()
-    tok_seq = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
-    tok_row = torch.arange(tokens) - meta.cu_seqlens_q[tok_seq]
+    dev = q.device
+    tok_seq = torch.repeat_interleave(torch.arange(num_seqs, device=dev), q_lens)
+    tok_row = torch.arange(tokens, device=dev) - meta.cu_seqlens_q[tok_seq]
     q_pad = q.new_zeros(num_seqs, max_q, q_heads, dim)
     q_pad[tok_seq, tok_row] = q
-    kv_pos = torch.arange(max_k)
+    kv_pos = torch.arange(max_k, device=dev)
     slots = _tile_slots(meta.block_tables, kv_pos, block_size)  # [S, max_k]
     valid = kv_pos[None, :] < meta.seq_lens[:, None]  # [S, max_k]
     k = torch.where(valid[..., None, None], k_cache.view(-1, kv_heads, dim)[slots], 0).to(q.dtype)
     v = torch.where(valid[..., None, None], v_cache.view(-1, kv_heads, dim)[slots], 0).to(q.dtype)
-    q_pos = meta.context_lens[:, None] + torch.arange(max_q)[None, :]  # [S, max_q]
+    q_pos = meta.context_lens[:, None] + torch.arange(max_q, device=dev)[None, :]  # [S, max_q]
     mask = (kv_pos[None, None, :] <= q_pos[..., None]) & valid[:, None, :]
     mask[:, :, 0] = True  # padded query rows: attend somewhere rather than produce NaN
     repeat = q_heads // kv_heads

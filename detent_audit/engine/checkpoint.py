@@ -84,8 +84,9 @@ def _write_json(file: Path, data: Any) -> None:
 
 
 def write_random_checkpoint(path: str | Path, shape_or_config: str | ModelConfig, seed: int,
-                            dtype: str | torch.dtype = "float32", shards: int = 1) -> Path:
-    """Write a seeded random HF checkpoint of a named shape (`NAMED_SHAPES`) or config into `path`.
+                            dtype: str | torch.dtype = "float32", shards: int = 1, weights: bool = True) -> Path:
+    """Write a seeded random HF checkpoint of a named shape (`NAMED_SHAPES`) or config into `path`
+    (`weights=False`: config and tokenizer only, for weights generated on the device).
 
     The config's bos/eos ids are replaced by the tokenizer's and torch_dtype by `dtype`. Returns `path`.
     Raises `BadInput` for an unknown dtype, a vocabulary smaller than the tokenizer or too many shards.
@@ -116,6 +117,8 @@ def write_random_checkpoint(path: str | Path, shape_or_config: str | ModelConfig
         "chat_template": fmt.template, "clean_up_tokenization_spaces": False,
         "model_max_length": config.max_position_embeddings})
 
+    if not weights:
+        return path
     tensors: dict[str, torch.Tensor] = {}
     for name, (param, shard) in names.items():
         module, _, local = param.rpartition(".")
@@ -138,9 +141,11 @@ def write_random_checkpoint(path: str | Path, shape_or_config: str | ModelConfig
 
 def default_cache_dir() -> Path:
     """$DETENT_AUDIT_CACHE, else the platform's user cache directory for detent-audit."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
     from platformdirs import user_cache_dir
 
-    return Path(os.environ.get(CACHE_ENV) or user_cache_dir("detent-audit"))
+    return Path(user_cache_dir("detent-audit"))
 
 
 def ensure_default_model(cache_dir: str | Path | None = None) -> Path:

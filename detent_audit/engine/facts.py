@@ -18,6 +18,7 @@ import torch
 
 from detent_audit import __version__
 from detent_audit.atomic import write_atomically
+from detent_audit.engine.generated import is_generated
 
 if TYPE_CHECKING:
     from detent_audit.engine.llm import LLM
@@ -96,6 +97,16 @@ def checkpoint_hashes(path: Path) -> dict[str, str]:
     return out
 
 
+def _device(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    props = torch.cuda.get_device_properties(0)
+    import triton
+
+    return f"{props.name} sm{props.major}{props.minor} {props.multi_processor_count} SMs cuda {torch.version.cuda} " \
+           f"triton {triton.__version__}"
+
+
 def collect_facts(llm: LLM) -> dict[str, Any]:
     """The engine's bit-relevant facts (plain JSON types, no floats)."""
     cfg = llm.config
@@ -103,8 +114,9 @@ def collect_facts(llm: LLM) -> dict[str, Any]:
         "engine": {"name": "detent-audit", "version": __version__, "mode": cfg.mode,
                    "sources": {k: source_hash(v) for k, v in sorted(_ROOTS.items())}},
         "deployment": llm.deployment.to_canonical(),
-        "checkpoint": checkpoint_hashes(cfg.model_path),
-        "runtime": {"torch": str(torch.__version__), "device": "cpu",
+        "checkpoint": ({"generated": cfg.model, "config": file_hash(cfg.model_path / "config.json")}
+                       if is_generated(cfg.model) else checkpoint_hashes(cfg.model_path)),
+        "runtime": {"torch": str(torch.__version__), "device": _device(cfg.device),
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "num_threads": cfg.num_threads, "dtype": cfg.dtype},
         "scheduler": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,

@@ -88,8 +88,10 @@ def nearest_legal(result: SolveResult, preferences: Mapping[str, Any]) -> dict[s
 
 
 def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Mapping[str, Any]] | None = None,
-                   cache_dir: str | Path | None = None) -> Selection:
+                   cache_dir: str | Path | None = None, device: str = "cpu") -> Selection:
     """The KernelSet for `mode`; in detent mode the committed tuple (or the preferred legal one)."""
+    if device != "cpu":
+        return _gpu_selection(mode, deployment, committed, cache_dir)
     if mode == "stock":
         return Selection(KernelSet.stock(), {}, {})
     if mode == "det":
@@ -115,6 +117,20 @@ def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Ma
             chosen[family] = nearest_legal(result, EMBEDDED_PREFERENCES.get(family, {}))
     selectors = {family: results[family].selector(chosen[family]) for family in results}
     return Selection(_kernel_set(selectors), chosen, results)
+
+
+def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir: Any) -> Selection:
+    """On a GPU the attention's pinned tile and split come from the same embedded selection (detent), or are
+    the conservative single split (det); stock reads the batch."""
+    from detent_audit.kernels.gpu import GpuKernelSet
+
+    if mode == "stock":
+        return Selection(GpuKernelSet("stock", None), {}, {})  # type: ignore[arg-type]
+    if mode == "det":
+        return Selection(GpuKernelSet("det", AttentionParams(kv_tile=64, split_stride=0)), {}, {})  # type: ignore[arg-type]
+    cpu = select_kernels("detent", deployment, committed, cache_dir)
+    params = cpu.kernels.select_attention(num_seqs=1, max_seqlen_q=1, max_seqlen_k=1)  # pinned: constant
+    return Selection(GpuKernelSet("detent", params), cpu.tuple, cpu.results)  # type: ignore[arg-type]
 
 
 def _kernel_set(selectors: dict[str, Any]) -> KernelSet:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from detent_audit.engine.checkpoint import ensure_default_model
+from detent_audit.engine.generated import generate_model, is_generated, model_card
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
 from detent_audit.engine.loader import load_model
 from detent_audit.engine.runner import ModelRunner, ScoreSpec
@@ -34,7 +35,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class EngineConfig:
     """Everything that shapes the engine; the bit-relevant parts go into the deployment facts."""
 
-    model: str | None = None            # checkpoint folder; None: the embedded default model
+    model: str | None = None            # checkpoint folder; None: the embedded default; "random:<shape>": generated
+    device: str = "cpu"                 # cpu | cuda
     mode: str = "detent"                # detent | stock | det
     dtype: str = "float32"
     num_threads: int = 1                # CPU threads, fixed at start (a bit-relevant fact)
@@ -53,6 +55,8 @@ class EngineConfig:
             raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
         if self.dtype not in DTYPES:
             raise BadInput(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise BadInput(f"device must be cpu or cuda, got {self.device!r}")
         if self.num_threads < 1:
             raise BadInput(f"num_threads must be >= 1, got {self.num_threads}")
         if self.tuple is not None and self.mode != "detent":
@@ -60,6 +64,8 @@ class EngineConfig:
 
     @cached_property
     def model_path(self) -> Path:
+        if is_generated(self.model):
+            return model_card(self.model)
         return Path(self.model) if self.model else ensure_default_model()
 
 
@@ -89,14 +95,18 @@ class LLM:
         self.config = config
         torch.set_num_threads(config.num_threads)
         self.tokenizer = Tokenizer.from_pretrained(config.model_path)
-        self.model = load_model(config.model_path, DTYPES[config.dtype])
+        if is_generated(config.model):
+            self.model = generate_model(config.model, DTYPES[config.dtype], config.device)
+        else:
+            self.model = load_model(config.model_path, DTYPES[config.dtype], device=config.device)
         mc = self.model.config
         max_len = min(config.max_model_len, mc.max_position_embeddings)
         self.deployment = engine_deployment(
             mc, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching)
-        self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir)
+        self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir,
+                                                   device=config.device)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=config.num_kv_blocks, block_size=config.block_size, max_model_len=max_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -104,7 +114,8 @@ class LLM:
         if not config.prefix_caching:
             self.scheduler.block_manager.prefix_caching = False
         self._scheduler_config = self.scheduler.config
-        self.runner = ModelRunner(self.model, self.selection.kernels, config.num_kv_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, self.selection.kernels, config.num_kv_blocks, config.block_size,
+                                  device=config.device)
         self._ids = itertools.count()
         self._score_from: dict[int, ScoreSpec] = {}
         self._scores: dict[int, Rescored] = {}

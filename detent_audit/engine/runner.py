@@ -29,13 +29,14 @@ class ScoreSpec:
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
     """The token each row draws: row-local, seeded by (seed, position)."""
+    dev = logits.device
     return sampling_ops.sample(
-        logits, torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        torch.tensor([p.top_k for p in params], dtype=torch.int64),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        logits, torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
         torch.tensor([p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p in params],
-                     dtype=torch.int64),  # u64 seeds as their two's-complement int64
-        torch.tensor(positions, dtype=torch.int64))
+                     dtype=torch.int64, device=dev),  # u64 seeds as their two's-complement int64
+        torch.tensor(positions, dtype=torch.int64, device=dev))
 
 
 @dataclass
@@ -114,7 +115,8 @@ class ModelRunner:
         score_idx = [j for j, (_, kind) in enumerate(owners) if kind == "score"]
         if score_idx:
             sub = logits[score_idx]
-            scored = sampling_ops.token_logprobs(sub, torch.tensor([teacher[j] for j in score_idx]))
+            scored = sampling_ops.token_logprobs(sub, torch.tensor([teacher[j] for j in score_idx],
+                                                                   device=sub.device))
             specs = [score_from[owners[j][0]] for j in score_idx]
             draws = _draw(sub, [s.params for s in specs], [positions[rows[j]] + 1 for j in score_idx])
             for j, lp, tok in zip(score_idx, scored.tolist(), draws.tolist()):

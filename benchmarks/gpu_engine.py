@@ -1,0 +1,83 @@
+"""The embedded engine on the GPU (issue 5): the invariance battery and first speed figures on the device.
+
+Llama-3.2-1B shape (head dim 64) with weights generated on the GPU from a seed, bf16, eager (no CUDA graphs
+yet). For detent, det and stock: the 35-cell battery; output tokens/s on a closed batch; the decode step at
+batch 1 against the HBM floor (weight bytes / 4.28 TB/s).
+Usage (device): python3 benchmarks/gpu_engine.py [--shape llama-3.2-1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+
+from detent_audit.engine.battery import run_battery
+from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.engine.sampling_params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--modes", default="detent,stock,det")
+    args = ap.parse_args()
+    out: dict = {"device": torch.cuda.get_device_name(), "shape": args.shape, "modes": {}}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 400))] for _ in range(32)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for mode in args.modes.split(","):
+        llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode=mode,
+                               max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
+                               max_model_len=4096))
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+        t0 = time.perf_counter()
+        cells = run_battery(llm, seed=0)
+        battery_s = time.perf_counter() - t0
+        # closed batch: 32 requests x 64 tokens
+        llm.reset()
+        llm.generate(prompts[:4], params)  # warm-up (Triton compilation)
+        llm.reset()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        tps = 32 * 64 / (time.perf_counter() - t0)
+        # decode step at batch 1: time per output token of one request after its prefill
+        llm.reset()
+        one = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
+        seq = llm.add_request(prompts[0], one)
+        llm.step()  # prefill
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while llm.has_unfinished():
+            llm.step()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - t0) / (seq.num_output_tokens - 1) * 1e3
+        out["modes"][mode] = {
+            "battery_passed": sum(c.passed for c in cells), "failing": [c.name for c in cells if not c.passed],
+            "battery_s": battery_s, "output_tok_s": tps, "decode_step_ms_b1": step_ms,
+            "hbm_floor_ms": weight_bytes / 4.28e12 * 1e3}
+        print(mode, json.dumps(out["modes"][mode]), flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    with open(os.path.join(os.environ.get("OUT", "."), "gpu_engine.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\ndevice: {out['device']}; {args.shape}, bf16, eager\n")
+    print("| mode | battery | output tok/s (32x64) | ratio | decode step b=1 | HBM floor |\n|---|---|---|---|---|---|")
+    base = out["modes"].get("stock", {}).get("output_tok_s")
+    for mode, r in out["modes"].items():
+        ratio = f"{r['output_tok_s'] / base:.2f}" if base else "-"
+        print(f"| {mode} | {r['battery_passed']}/35 | {r['output_tok_s']:.0f} | {ratio} | "
+              f"{r['decode_step_ms_b1']:.2f} ms | {r['hbm_floor_ms']:.3f} ms |")
+    for mode, r in out["modes"].items():
+        if r["failing"]:
+            print(f"{mode} fails: {', '.join(r['failing'])}")
+
+
+if __name__ == "__main__":
+    main()
