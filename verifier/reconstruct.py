@@ -49,8 +49,10 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
     runtime = _get(facts, "runtime")
     mode = _get(tuple_values, "mode", "name")
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
+    generated = _get(facts, "checkpoint").get("generated")  # weights drawn on the device: no checkpoint needed
     return EngineConfig(
-        model=str(model) if model else None, mode=mode, dtype=runtime["dtype"],
+        model=str(model) if model else generated, mode=mode, dtype=runtime["dtype"],
+        device="cpu" if runtime["device"] == "cpu" else "cuda",
         num_threads=threads or runtime["num_threads"],
         block_size=sched["block_size"], max_model_len=dep["max_model_len"], max_num_seqs=dep["max_num_seqs"],
         max_num_batched_tokens=sched["max_num_batched_tokens"],

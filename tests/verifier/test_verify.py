@@ -143,3 +143,15 @@ def test_manifest_with_a_missing_receipt_fails(served, tmp_path) -> None:
     manifest = sorted((served["out"] / "manifests").glob("*.manifest"))[0]
     code, report = _verify(served, manifest)  # the manifest alone: its receipts are absent
     assert code == 1 and "missing" in report["outcomes"][0]["message"]
+
+
+def test_receipts_of_a_generated_model_verify_without_a_checkpoint(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DETENT_AUDIT_CACHE", str(tmp_path / "cache"))
+    key = generate_key(tmp_path / "node.key")
+    llm = LLM(EngineConfig(model="random:tiny-llama", cache_dir=str(tmp_path / "jit")))
+    node = ServingNode(llm, load_private_key(key.private_path), tmp_path / "out")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_token_ids": [4, 5, 6], "max_tokens": 3}) + "\n")
+    serve_offline(llm, node, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    node.close()
+    res = runner.invoke(app, ["verify", str(tmp_path / "out"), "--key", str(key.public_path), "--json"])
+    assert res.exit_code == 0, res.output
