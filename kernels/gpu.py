@@ -36,6 +36,7 @@ def gemm_tile(m: int):
 class GpuKernelSet:
     mode: str                                 # stock | det | detent
     attention_params: AttentionParams | None  # the pinned kv tile and split stride (None: stock)
+    _plan: tuple | None = None                # (the step's metadata, its attention plan)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode == "stock":
@@ -49,12 +50,14 @@ class GpuKernelSet:
                   scale: float) -> torch.Tensor:
         if self.mode == "stock":
             return attention_ops.paged_attention(q, k_cache, v_cache, _on(meta, q.device), scale=scale, params=None)
-        from detent_audit.kernels.triton_attention import TritonAttentionConfig, paged_attention
+        from detent_audit.kernels.triton_attention import TritonAttentionConfig, paged_attention, plan_step
 
         p = self.attention_params
         cfg = TritonAttentionConfig(block_m=64, block_n=p.kv_tile, split=p.split_stride or 1 << 30)
-        return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q.to(q.device), meta.context_lens.to(q.device),
-                               meta.block_tables.to(q.device), scale, cfg)
+        if self._plan is None or self._plan[0] is not meta:  # one plan per step, shared by its layers
+            self._plan = (meta, plan_step(meta.cu_seqlens_q, meta.context_lens, meta.block_tables, cfg, q.device))
+        return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale,
+                               cfg, plan=self._plan[1])
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv(k, v, k_cache, v_cache, slot_mapping.to(k.device))

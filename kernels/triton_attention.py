@@ -96,33 +96,60 @@ def _attn_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.cons
     tl.store(out_ptr + (r * H + h) * D + offs_d, (num / den).to(out_ptr.dtype.element_ty))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                    config: TritonAttentionConfig = TritonAttentionConfig()) -> torch.Tensor:
-    """q: [T, H, D]; k/v_cache: [num_blocks, page, HKV, D]; cu_seqlens_q: [S+1]; context_lens: [S] (absolute
-    position of each sequence's first query row; its KV up to its last query row is already in the cache);
-    block_tables: [S, max_blocks]. Causal. Returns [T, H, D] in q's dtype."""
-    t, h, d = q.shape
-    page, hkv = k_cache.shape[1], k_cache.shape[2]
+@dataclass(frozen=True)
+class StepPlan:
+    """What every layer's call of one step shares: the query tiles and the split count (built once)."""
+
+    tile_seq: torch.Tensor
+    tile_row: torch.Tensor
+    tile_len: torch.Tensor
+    cu: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_tiles: int
+    num_splits: int
+
+
+def plan_step(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+              config: TritonAttentionConfig, device: torch.device) -> StepPlan:
+    """Query tiles (one sequence each) and split count of a step, on `device` (one host sync)."""
     if config.split % config.block_n:
         raise ValueError("split must be a multiple of block_n")
     cu = cu_seqlens_q.tolist()
+    ctx = context_lens.tolist()
     tiles = [(s, r, min(config.block_m, cu[s + 1] - r)) for s in range(len(cu) - 1)
              for r in range(cu[s], cu[s + 1], config.block_m)]
+    tile_seq, tile_row, tile_len = (torch.tensor(c, dtype=torch.int32, device=device) for c in zip(*tiles))
+    max_len = max(c + cu[s + 1] - cu[s] for s, c in enumerate(ctx))
+    return StepPlan(tile_seq, tile_row, tile_len, torch.tensor(cu, dtype=torch.int32, device=device),
+                    torch.tensor(ctx, dtype=torch.int32, device=device),
+                    block_tables.to(device=device, dtype=torch.int32).contiguous(), len(tiles),
+                    triton.cdiv(max_len, config.split))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    config: TritonAttentionConfig = TritonAttentionConfig(), plan: StepPlan | None = None
+                    ) -> torch.Tensor:
+    """q: [T, H, D]; k/v_cache: [num_blocks, page, HKV, D]; cu_seqlens_q: [S+1]; context_lens: [S] (absolute
+    position of each sequence's first query row; its KV up to its last query row is already in the cache);
+    block_tables: [S, max_blocks]. Causal. Returns [T, H, D] in q's dtype. `plan`: the step's shared plan
+    (`plan_step`), so the layers of one step do not each rebuild it."""
+    t, h, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
     dev = q.device
-    tile_seq, tile_row, tile_len = (torch.tensor(c, dtype=torch.int32, device=dev) for c in zip(*tiles))
-    max_len = int((context_lens + (cu_seqlens_q[1:] - cu_seqlens_q[:-1])).max())
-    num_splits = triton.cdiv(max_len, config.split)
+    plan = plan or plan_step(cu_seqlens_q, context_lens, block_tables, config, dev)
+    num_splits = plan.num_splits
     o = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=dev)
     m = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
     l_ = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
     m.fill_(float("-inf"))  # splits past a tile's last position stay empty partials
     l_.zero_()
     o.zero_()
-    bt = block_tables.to(torch.int32).contiguous()
-    _attn_partial[(len(tiles), h, num_splits)](
-        q.contiguous(), k_cache, v_cache, bt, tile_seq, tile_row, tile_len,
-        cu_seqlens_q.to(dev, torch.int32), context_lens.to(dev, torch.int32), o, m, l_, scale, bt.stride(0), t,
+    bt = plan.block_tables
+    _attn_partial[(plan.num_tiles, h, num_splits)](
+        q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len,
+        plan.cu, plan.context_lens, o, m, l_, scale, bt.stride(0), t,
         page, H=h, HKV=hkv, D=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=config.split,
         num_warps=config.num_warps, num_stages=config.num_stages)
     out = torch.empty_like(q)
