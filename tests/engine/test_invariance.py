@@ -82,3 +82,22 @@ def test_seeded_sampling_alone_and_in_a_mixed_batch_of_32(make_checkpoint, tmp_p
         [target], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=4321, max_tokens=16,
                                  ignore_eos=True))[0]
     assert other_seed.token_ids != alone.token_ids  # the seed matters
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_detent_bits_do_not_depend_on_the_thread_count(make_checkpoint, tmp_path, dtype: str) -> None:
+    """Measured property of this CPU's kernels (fixed-M GEMM chunks, >=2-element attention batches):
+    generation at 1 thread and rescoring at 2 give the same bits. The thread count stays a recorded fact."""
+    path = make_checkpoint("tiny-llama")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 90))] for _ in range(12)]
+    params = [SamplingParams(temperature=rng.choice([0.0, 0.9]), seed=i, max_tokens=8, ignore_eos=True)
+              for i in range(12)]
+    outs = _engine(path, dtype=dtype, cache_dir=str(tmp_path), num_threads=1).generate(prompts, params)
+    try:
+        scorer = _engine(path, dtype=dtype, cache_dir=str(tmp_path), num_threads=2)
+        scores = scorer.rescore_batch([(o.prompt_token_ids, o.token_ids) for o in outs], params)
+    finally:
+        torch.set_num_threads(1)
+    for o, s in zip(outs, scores):
+        assert torch.equal(_bits(s.logprobs), _bits(o.logprobs)) and s.tokens == o.token_ids
