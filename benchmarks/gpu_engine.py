@@ -25,6 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--modes", default="detent,stock,det")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     args = ap.parse_args()
     out: dict = {"device": torch.cuda.get_device_name(), "shape": args.shape, "modes": {}}
     rng = random.Random(0)
@@ -33,7 +34,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode=mode,
                                max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
-                               max_model_len=4096))
+                               max_model_len=4096, cuda_graphs=not args.eager))
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
         t0 = time.perf_counter()
         cells = run_battery(llm, seed=0)
@@ -44,9 +45,18 @@ def main() -> None:
         llm.reset()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        llm.generate(prompts, params)
+        outs = llm.generate(prompts, params)
         torch.cuda.synchronize()
-        tps = 32 * 64 / (time.perf_counter() - t0)
+        gen_s = time.perf_counter() - t0
+        tps = 32 * 64 / gen_s
+        # rescoring the same outputs (what `verify --mode rescore` re-executes), one prefill each, batched
+        llm.reset()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        scores = llm.rescore_batch([(o.prompt_token_ids, o.token_ids) for o in outs])
+        torch.cuda.synchronize()
+        rescore_s = time.perf_counter() - t0
+        same = all(s.logprobs == o.logprobs for s, o in zip(scores, outs))
         # decode step at batch 1: time per output token of one request after its prefill
         llm.reset()
         one = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
@@ -61,19 +71,33 @@ def main() -> None:
         out["modes"][mode] = {
             "battery_passed": sum(c.passed for c in cells), "failing": [c.name for c in cells if not c.passed],
             "battery_s": battery_s, "output_tok_s": tps, "decode_step_ms_b1": step_ms,
+            "rescore_speedup": gen_s / rescore_s, "rescore_bits_equal": same,
             "hbm_floor_ms": weight_bytes / 4.28e12 * 1e3}
         print(mode, json.dumps(out["modes"][mode]), flush=True)
+        if mode == "detent" and not args.eager:  # graph replay against the eager step, bit for bit
+            llm.reset()
+            mixed = [SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=24, ignore_eos=True)
+                     for i in range(12)]
+            graphed = llm.generate(prompts[:12], mixed)
+            eager = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode=mode,
+                                     max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
+                                     max_model_len=4096, cuda_graphs=False)).generate(prompts[:12], mixed)
+            out["modes"][mode]["graph==eager"] = all(
+                a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in zip(graphed, eager))
+            print("graph == eager:", out["modes"][mode]["graph==eager"], flush=True)
         del llm
         torch.cuda.empty_cache()
     with open(os.path.join(os.environ.get("OUT", "."), "gpu_engine.json"), "w") as f:
         json.dump(out, f, indent=1)
-    print(f"\ndevice: {out['device']}; {args.shape}, bf16, eager\n")
-    print("| mode | battery | output tok/s (32x64) | ratio | decode step b=1 | HBM floor |\n|---|---|---|---|---|---|")
+    print(f"\ndevice: {out['device']}; {args.shape}, bf16, {'eager' if args.eager else 'CUDA graphs for decode'}\n")
+    print("| mode | battery | output tok/s (32x64) | ratio | decode step b=1 | HBM floor | rescore speed-up |\n"
+          "|---|---|---|---|---|---|---|")
     base = out["modes"].get("stock", {}).get("output_tok_s")
     for mode, r in out["modes"].items():
         ratio = f"{r['output_tok_s'] / base:.2f}" if base else "-"
         print(f"| {mode} | {r['battery_passed']}/35 | {r['output_tok_s']:.0f} | {ratio} | "
-              f"{r['decode_step_ms_b1']:.2f} ms | {r['hbm_floor_ms']:.3f} ms |")
+              f"{r['decode_step_ms_b1']:.2f} ms | {r['hbm_floor_ms']:.3f} ms | {r['rescore_speedup']:.1f}x "
+              f"(bits {'equal' if r['rescore_bits_equal'] else 'DIFFER'}) |")
     for mode, r in out["modes"].items():
         if r["failing"]:
             print(f"{mode} fails: {', '.join(r['failing'])}")

@@ -50,7 +50,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     """seeds, positions: [B] int -> u: [B, V] float64 in (0, 1), a pure function of (seed, position, v)."""
     seeds, positions = seeds.to(torch.int64), positions.to(torch.int64)
     state = _mix(_mix(seeds + _GOLDEN) + (positions + 1) * _GOLDEN)  # [B]
-    counters = (torch.arange(vocab_size, dtype=torch.int64) + 1) * _GOLDEN  # [V]
+    counters = (torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) + 1) * _GOLDEN  # [V]
     bits = _mix(state[:, None] + counters[None, :])
     return (_shr(bits, 11).double() + 0.5) * 2.0**-53
 

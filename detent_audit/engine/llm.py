@@ -37,6 +37,7 @@ class EngineConfig:
 
     model: str | None = None            # checkpoint folder; None: the embedded default; "random:<shape>": generated
     device: str = "cpu"                 # cpu | cuda
+    cuda_graphs: bool = True            # GPU: replay captured decode steps (False: always eager)
     mode: str = "detent"                # detent | stock | det
     dtype: str = "float32"
     num_threads: int = 1                # CPU threads, fixed at start (a bit-relevant fact)
@@ -107,8 +108,9 @@ class LLM:
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching)
         self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir,
                                                    device=config.device)
+        usable_blocks = config.num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)
         self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=config.num_kv_blocks, block_size=config.block_size, max_model_len=max_len,
+            num_blocks=usable_blocks, block_size=config.block_size, max_model_len=max_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, eos_token_ids=tuple(self.tokenizer.eos_token_ids)))
         if not config.prefix_caching:
@@ -116,6 +118,12 @@ class LLM:
         self._scheduler_config = self.scheduler.config
         self.runner = ModelRunner(self.model, self.selection.kernels, config.num_kv_blocks, config.block_size,
                                   device=config.device)
+        if config.device == "cuda" and config.cuda_graphs and config.mode != "stock":
+            from detent_audit.engine.cuda_graphs import DecodeGraphs
+
+            # the last KV block is the padding rows' scratch: never handed to a sequence
+            self.runner.graphs = DecodeGraphs(self.model, self.selection.kernels, self.runner.kv_caches,
+                                              config.block_size, max_len, config.num_kv_blocks - 1, config.device)
         self._ids = itertools.count()
         self._score_from: dict[int, ScoreSpec] = {}
         self._scores: dict[int, Rescored] = {}

@@ -54,7 +54,7 @@ class ModelRunner:
     """Owns the paged KV cache of every layer. `execute` runs one scheduled step."""
 
     def __init__(self, model: CausalLM, kernels: KernelSet, num_blocks: int, block_size: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", graphs: object | None = None) -> None:
         c = model.config
         self.model, self.kernels, self.block_size, self.device = model, kernels, block_size, device
         dtype = model.embed_tokens.weight.dtype
@@ -62,6 +62,14 @@ class ModelRunner:
         # kv_caches[layer] = (k, v), each [num_blocks, block_size, kv_heads, head_dim]
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(c.num_hidden_layers)]
+        self.graphs = graphs  # DecodeGraphs (GPU) or None: decode-only steps replay a captured graph
+
+    def _graph_logits(self, entries, slots: dict[int, list[int]], score_from: dict) -> torch.Tensor | None:
+        if self.graphs is None or score_from or not all(e.num_new_tokens == 1 and e.samples_token
+                                                        for e in entries):
+            return None
+        return self.graphs.run([e.seq.token_ids[e.start_pos] for e in entries], [e.start_pos for e in entries],
+                               [e.seq.block_table for e in entries], [slots[e.seq.seq_id][0] for e in entries])
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, slots: dict[int, list[int]], score_from: dict[int, ScoreSpec]
@@ -70,6 +78,12 @@ class ModelRunner:
         rescoring sequence, the first position whose token is scored (teacher forcing) and the sampling
         parameters the scored tokens were drawn with (so the draw at each row can be checked too)."""
         entries = step.scheduled
+        graph_logits = self._graph_logits(entries, slots, score_from)
+        if graph_logits is not None:  # a decode-only step, replayed: the same kernels, the same bits
+            results = {e.seq.seq_id: SeqResult() for e in entries}
+            owners = [(e.seq.seq_id, "sample") for e in entries]
+            self._sample(entries, owners, list(range(len(entries))), graph_logits, results)
+            return results
         ids: list[int] = []
         positions: list[int] = []
         slot_list: list[int] = []
