@@ -95,7 +95,8 @@ def _short(values: list, limit: int = 12) -> str:
     return f"{{{shown}{', ...' if len(values) > limit else ''}}} ({len(values)})"
 
 
-_MODEL_HELP = "HF checkpoint folder (default: the embedded default model, generated on first use)."
+_MODEL_HELP = ("HF checkpoint folder, or random:<shape> for seeded weights drawn on the device (default: the "
+               "embedded default model, generated on first use).")
 
 # the other commands register themselves on `app`
 from detent_audit import cli_audit, cli_engine  # noqa: E402,F401

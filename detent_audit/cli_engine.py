@@ -33,13 +33,14 @@ def info(
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     threads: int = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact)."),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, generated models)."),
     tuple_file: Path = typer.Option(None, "--tuple", help="Committed tuple file (detent mode)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Print the running engine's deployment facts and their hash."""
     from detent_audit.engine.facts import collect_facts, facts_hash
 
-    llm = _engine(model, mode, dtype, threads, tuple_file)
+    llm = _engine(model, mode, dtype, threads, tuple_file, device=device)
     facts = collect_facts(llm)
     digest = facts_hash(facts)
     if as_json:
@@ -56,6 +57,7 @@ def battery(
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     threads: int = typer.Option(1, "--threads", help="CPU threads."),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, generated models)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the target and neighbour prompts."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
@@ -66,7 +68,7 @@ def battery(
 
     from detent_audit.engine.battery import cells, run_battery
 
-    llm = _engine(model, mode, dtype, threads)
+    llm = _engine(model, mode, dtype, threads, device=device)
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("battery", total=len(cells()))
         results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task))
@@ -96,6 +98,7 @@ def generate(
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype"),
     threads: int = typer.Option(1, "--threads"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, generated models)."),
     max_tokens: int = typer.Option(16, "--max-tokens"),
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -106,7 +109,7 @@ def generate(
     """Generate completions offline."""
     from detent_audit.engine.sampling_params import SamplingParams
 
-    llm = _engine(model, mode, dtype, threads)
+    llm = _engine(model, mode, dtype, threads, device=device)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
     outs = llm.generate(prompt, params)
     if as_json:
