@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from detent_audit.kernels import attention as attention_ops
 from detent_audit.kernels import rowlocal
-from detent_audit.kernels.attention_metadata import AttentionMetadata
+from detent_audit.kernels.attention_metadata import AttentionMetadata, write_kv
 from detent_audit.kernels.params import AttentionParams
 
 
@@ -60,12 +60,9 @@ class GpuKernelSet:
                                cfg, plan=self._plan[1])
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        # no padding slots here (CUDA-graph padding rows write a scratch block), so no host-side check:
-        # this must stay capturable
-        slot = slot_mapping.to(device=k.device, dtype=torch.int64)
-        heads, dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, heads, dim).index_copy_(0, slot, k.to(k_cache.dtype))
-        v_cache.view(-1, heads, dim).index_copy_(0, slot, v.to(v_cache.dtype))
+        # no negative slots here (CUDA-graph padding rows write a scratch block): no host-side check, so
+        # the call stays capturable
+        write_kv(k, v, k_cache, v_cache, slot_mapping, skip_negative=False)
 
     def moe(self, x, router_logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
         raise NotImplementedError("MoE on the GPU is not implemented yet (issue 5)")
@@ -77,11 +74,8 @@ class GpuKernelSet:
         return rowlocal.silu_and_mul(x)
 
     def rope(self, q, k, positions, cos_sin):
-        # rowlocal.rope without its host-side range check (a sync that CUDA graphs cannot hold); positions
-        # come from the engine, which bounds them by max_model_len <= the table
-        cos = cos_sin.cos[positions].unsqueeze(1)
-        sin = cos_sin.sin[positions].unsqueeze(1)
-        return rowlocal.RotatedQK(rowlocal._rotate(q, cos, sin), rowlocal._rotate(k, cos, sin))
+        # positions come from the engine, which bounds them by max_model_len <= the table: no host-side check
+        return rowlocal.rope(q, k, positions, cos_sin, check_range=False)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return rowlocal.log_softmax(x)
