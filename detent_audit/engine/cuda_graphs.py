@@ -72,7 +72,7 @@ class DecodeGraphs:
             return None
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
-        graph, s_ids, s_pos, s_tables, s_slots, meta, plan, logits = self.graphs[size]
+        graph, s_ids, s_pos, s_tables, s_slots, _, _, logits = self.graphs[size]
         pad = size - b
         s_ids.copy_(torch.tensor(ids + [0] * pad, dtype=torch.int64), non_blocking=True)
         s_pos.copy_(torch.tensor(positions + [0] * pad, dtype=torch.int64), non_blocking=True)
@@ -81,6 +81,5 @@ class DecodeGraphs:
         s_tables.copy_(torch.tensor(full, dtype=torch.int64), non_blocking=True)
         s_slots.copy_(torch.tensor(slots + [self.scratch_block * self.block_size] * pad, dtype=torch.int64),
                       non_blocking=True)
-        self.kernels._plan = (meta, plan)
         graph.replay()
         return logits[:b]
