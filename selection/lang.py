@@ -8,8 +8,9 @@ ordinary Python (that is the *unpinned* reference), and the compiler reads its s
 - `Unpinnable[T]` parameters are batch-dependent and may not be pinned (a value the kernel needs as is);
 - `Request[T]` parameters depend on the request alone (its own length): free to vary, never a leak;
 - `knob(name, choices, default)` is a deployment setting no input determines (a split stride, a padding);
-- `require(cond, msg)` / `assume(cond, msg)` say when the selection is valid; an `assume` comparing a
-  `Runtime`/`Request` input with constants also bounds that input's domain for the analysis;
+- `require(cond, msg)` / `assume(cond, msg)` say when the selection is valid; an `assume` that runs
+  unconditionally (in the program or in a helper it calls unconditionally) and compares a `Runtime`/`Request`
+  input with constants also bounds that input's domain for the analysis;
 - the fields of the returned `@record` are the selection points.
 
 Builtins a program may call are listed in `BUILTINS`; helpers defined in the same module are inlined.

@@ -260,7 +260,7 @@ class PartialEvaluator(ExpressionEvaluator):
                                      remedy="check the deployment facts against the program's limits")
             return
         self.checks.append(Check(kind, effective, msg_node.value, call.lineno, call.col_offset,
-                                 guard is True and frame.helper is None))
+                                 guard is True))
 
     def _inline(self, name: str, e: ast.Call, frame: Frame) -> Any:
         if name in self._stack:

@@ -130,9 +130,20 @@ class ExpressionEvaluator:
         for operand in e.values[1:]:
             if not isinstance(value, Node) and (not value if is_and else value):
                 return value  # static short circuit: the rest is not evaluated, as in Python
-            nxt = self.eval(operand, frame)
+            # Python evaluates the next operand only where the value so far is truthy (and) / falsy (or)
+            nxt = self._eval_under(operand, frame, value if is_and else self.not_(value, e))
             value = self.and_(value, nxt, e) if is_and else self.or_(value, nxt, e)
         return value
+
+    def _eval_under(self, e: ast.expr, frame: Frame, cond: Any) -> Any:
+        """Evaluate `e` where `cond` holds: the require/assume of helpers it calls are gated by `cond`."""
+        if not isinstance(cond, Node):
+            return self.eval(e, frame)
+        frame.branch.append(cond)
+        try:
+            return self.eval(e, frame)
+        finally:
+            frame.branch.pop()
 
     def _e_Compare(self, e: ast.Compare, frame: Frame) -> Any:
         left = self.eval(e.left, frame)
@@ -149,7 +160,8 @@ class ExpressionEvaluator:
         cond = self.eval(e.test, frame)
         if not isinstance(cond, Node):
             return self.eval(e.body if cond else e.orelse, frame)
-        return self.merge(cond, self.eval(e.body, frame), self.eval(e.orelse, frame), e)
+        return self.merge(cond, self._eval_under(e.body, frame, cond),
+                          self._eval_under(e.orelse, frame, self.not_(cond, e.test)), e)
 
     def _e_Tuple(self, e: ast.Tuple, frame: Frame) -> Any:
         return tuple(self.eval(x, frame) for x in e.elts)

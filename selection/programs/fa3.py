@@ -104,12 +104,7 @@ def facts(dep: Deployment) -> Fa3Facts:
 def fa3(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqlen_q: Runtime[int],
         max_seqlen_k: Runtime[int], total_blocks: Runtime[int], seqlen_k: Request[int]) -> Fa3Choice:
     """Upstream FA3 (SGLang's sgl-kernel build)."""
-    assume(1 <= num_tokens <= d.max_num_batched_tokens, "a step holds at most max_num_batched_tokens tokens")
-    assume(1 <= num_seqs <= d.max_num_seqs, "a batch holds at most max_num_seqs sequences")
-    assume(1 <= max_seqlen_q <= d.max_query_len, "a query chunk fits the token budget and the context")
-    assume(1 <= max_seqlen_k <= d.max_model_len, "a sequence fits the model's context")
-    assume(1 <= total_blocks <= d.max_total_blocks, "the batch's attention blocks, bounded by its limits")
-    assume(1 <= seqlen_k <= d.max_model_len, "the sequence fits the model's context")
+    assume_inputs(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, total_blocks, seqlen_k)
     hdim, hdim_v = round_up_headdim(d.head_dim), round_up_headdim(d.head_dim_v)
     is_causal, is_local = attention_flags(d, max_seqlen_q, max_seqlen_k)
     # flash_api.cpp get_pagedkv_tma: TMA for paged KV needs pages of whole KV blocks and enough queries
@@ -147,12 +142,7 @@ def fa3(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqle
 def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqlen_q: Runtime[int],
              max_seqlen_k: Runtime[int], total_blocks: Runtime[int], seqlen_k: Request[int]) -> Fa3Choice:
     """vLLM's FA3 fork (vllm_flash_attn): the one-MMA-warpgroup decode switch and its own tile table."""
-    assume(1 <= num_tokens <= d.max_num_batched_tokens, "a step holds at most max_num_batched_tokens tokens")
-    assume(1 <= num_seqs <= d.max_num_seqs, "a batch holds at most max_num_seqs sequences")
-    assume(1 <= max_seqlen_q <= d.max_query_len, "a query chunk fits the token budget and the context")
-    assume(1 <= max_seqlen_k <= d.max_model_len, "a sequence fits the model's context")
-    assume(1 <= total_blocks <= d.max_total_blocks, "the batch's attention blocks, bounded by its limits")
-    assume(1 <= seqlen_k <= d.max_model_len, "the sequence fits the model's context")
+    assume_inputs(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, total_blocks, seqlen_k)
     hdim, hdim_v = round_up_headdim(d.head_dim), round_up_headdim(d.head_dim_v)
     is_causal, is_local = attention_flags(d, max_seqlen_q, max_seqlen_k)
     ratio = d.num_heads // d.num_kv_heads
@@ -193,6 +183,17 @@ def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_
 
 
 # ---- helpers (inlined by the compiler) ----
+
+def assume_inputs(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, total_blocks, seqlen_k):
+    # the engine's limits bound every runtime input (and the analysis' domains)
+    assume(1 <= num_tokens <= d.max_num_batched_tokens, "a step holds at most max_num_batched_tokens tokens")
+    assume(1 <= num_seqs <= d.max_num_seqs, "a batch holds at most max_num_seqs sequences")
+    assume(1 <= max_seqlen_q <= d.max_query_len, "a query chunk fits the token budget and the context")
+    assume(1 <= max_seqlen_k <= d.max_model_len, "a sequence fits the model's context")
+    assume(1 <= total_blocks <= d.max_total_blocks, "the batch's attention blocks, bounded by its limits")
+    assume(1 <= seqlen_k <= d.max_model_len, "the sequence fits the model's context")
+    return 0
+
 
 def round_up_headdim(head_size):
     # flash_api.cpp round_up_headdim: the head dims the kernels are compiled for
