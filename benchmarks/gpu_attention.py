@@ -107,6 +107,18 @@ def timings(cfg) -> dict:
                                    warmup=25, rep=100, return_mode="median")
     kv_bytes = 2 * 64 * 4096 * HKV * D * 2
     out["decode 64x4096"] = {"ours_ms": ours, "sdpa_contiguous_ms": sdpa, "floor_ms": kv_bytes / 4.28e12 * 1e3}
+    for b, n in ((1, 1024), (1, 8192), (8, 4096)):  # small decode batches (batch-1 latency)
+        lens = [n] * b
+        c = Cache(lens, seed=4)
+        ours = triton.testing.do_bench(lambda c=c, lens=lens: c.run(list(range(b)), [x - 1 for x in lens], lens, cfg),
+                                       warmup=25, rep=100, return_mode="median")
+        kk = torch.stack([c.kv[s][0] for s in range(b)]).transpose(1, 2)
+        vv = torch.stack([c.kv[s][1] for s in range(b)]).transpose(1, 2)
+        qq = torch.stack([c.q[s][-1:] for s in range(b)]).transpose(1, 2)
+        sdpa = triton.testing.do_bench(lambda qq=qq, kk=kk, vv=vv: F.scaled_dot_product_attention(
+            qq, kk, vv, enable_gqa=True), warmup=25, rep=100, return_mode="median")
+        out[f"decode {b}x{n}"] = {"ours_ms": ours, "sdpa_contiguous_ms": sdpa,
+                                  "floor_ms": 2 * b * n * HKV * D * 2 / 4.28e12 * 1e3}
     # prefill: 4 sequences of 4096 tokens
     lens = [4096] * 4
     c = Cache(lens, seed=3)
@@ -126,8 +138,10 @@ def timings(cfg) -> dict:
 def main() -> None:
     torch.manual_seed(0)
     configs = {"m64n64s2048": ta.TritonAttentionConfig(64, 64, 2048, 4, 2),
-               "m16n64s2048": ta.TritonAttentionConfig(16, 64, 2048, 4, 2),
+               "m64n64s2048w4s3": ta.TritonAttentionConfig(64, 64, 2048, 4, 3),
+               "m64n64s2048w8": ta.TritonAttentionConfig(64, 64, 2048, 8, 2),
                "m64n32s2048": ta.TritonAttentionConfig(64, 32, 2048, 4, 2),
+               "m64n128s2048w8": ta.TritonAttentionConfig(64, 128, 2048, 8, 2),
                "m64n64s512": ta.TritonAttentionConfig(64, 64, 512, 4, 2),
                "m128n64s2048w8": ta.TritonAttentionConfig(128, 64, 2048, 8, 2)}
     results = {"device": torch.cuda.get_device_name(), "invariance": {}, "timing": {}}

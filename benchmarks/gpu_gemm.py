@@ -9,7 +9,8 @@ matmul against cuBLAS, bf16, Llama-3.1-8B projection shapes.
    to cuBLAS; the bf16 roofline floor (max of FLOPs / 790 TFLOP/s and bytes / 4.28 TB/s).
 
 Writes $OUT/gpu_gemm.json and prints Markdown tables. Usage (device): python3 benchmarks/gpu_gemm.py [--small]
-(`--small`: decode-sized tiles and BLOCK_K 128 against the same reference tile)
+[--decode] (`--small`: decode-sized tiles and BLOCK_K 128 against the same reference tile; `--decode`: the
+small-M tiles at M <= 64, the LM head too)
 """
 
 from __future__ import annotations
@@ -51,7 +52,20 @@ SMALL_CONFIGS = {
     "m64n64k128w4s3": TritonGemmConfig(64, 64, 128, 8, 4, 3),
     "m128n256k64w8s3": TritonGemmConfig(128, 256, 64, 8, 8, 3),
 }
-CONFIGS = SMALL_CONFIGS if "--small" in sys.argv else {
+# `--decode`: the small-M tiles (one program per tile), at decode sizes, against the same reference config
+DECODE_CONFIGS = {
+    "m64n128k64w4s4": TritonGemmConfig(64, 128, 64, 8, 4, 4),
+    "m16n32k256w4s4": TritonGemmConfig(16, 32, 256, 8, 4, 4),
+    "m16n64k256w4s4": TritonGemmConfig(16, 64, 256, 8, 4, 4),
+    "m16n32k128w4s6": TritonGemmConfig(16, 32, 128, 8, 4, 6),
+    "m16n64k128w4s5": TritonGemmConfig(16, 64, 128, 8, 4, 5),
+    "m16n128k128w4s4": TritonGemmConfig(16, 128, 128, 8, 4, 4),
+    "m32n64k256w4s3": TritonGemmConfig(32, 64, 256, 8, 4, 3),
+}
+if "--decode" in sys.argv:
+    MS = (1, 2, 4, 8, 16, 32, 64)
+    SHAPES["lm_head 4096->128256"] = (4096, 128256)
+CONFIGS = SMALL_CONFIGS if "--small" in sys.argv else DECODE_CONFIGS if "--decode" in sys.argv else {
     "m64n128k64w4s4": TritonGemmConfig(64, 128, 64, 8, 4, 4),
     "m128n128k64w8s3": TritonGemmConfig(128, 128, 64, 8, 8, 3),
     "m128n256k64w8s3": TritonGemmConfig(128, 256, 64, 8, 8, 3),
@@ -78,9 +92,10 @@ def main() -> None:
             results["invariance"][f"{sname}|{name}"] = bad
         # 2. tile sensitivity: row bits of each config against the first, at M = 4096
         ref_name = next(iter(CONFIGS))
-        ref = linear(x_all[:4096], w, config=CONFIGS[ref_name])
+        m_ref = min(4096, max(MS))
+        ref = linear(x_all[:m_ref], w, config=CONFIGS[ref_name])
         for c, cfg in CONFIGS.items():
-            results["tiles"][f"{sname}|{c}"] = torch.equal(linear(x_all[:4096], w, config=cfg), ref)
+            results["tiles"][f"{sname}|{c}"] = torch.equal(linear(x_all[:m_ref], w, config=cfg), ref)
         # reference accuracy (fp32) once per shape
         got = linear(x_all[:256], w, config=CONFIGS[ref_name]).float()
         want = x_all[:256].float() @ w.float().t()
@@ -94,7 +109,7 @@ def main() -> None:
                 row[name] = triton.testing.do_bench(lambda fn=fn, x=x: fn(x), warmup=25, rep=100,
                                                     return_mode="median")
             results["timing"][f"{sname}|{m}"] = row
-    tag = "_small" if "--small" in sys.argv else ""
+    tag = "_small" if "--small" in sys.argv else "_decode" if "--decode" in sys.argv else ""
     with open(os.path.join(out_dir, f"gpu_gemm{tag}.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"device: {results['device']}\n")
@@ -103,7 +118,7 @@ def main() -> None:
     for sname in SHAPES:
         cells = [str(results["invariance"][f"{sname}|{c}"] or "none") for c in ["cublas", *CONFIGS]]
         print(f"| {sname} | " + " | ".join(cells) + " |")
-    print(f"\n## same row bits as {next(iter(CONFIGS))} at M=4096?\n")
+    print(f"\n## same row bits as {next(iter(CONFIGS))} at M={min(4096, max(MS))}?\n")
     for sname in SHAPES:
         print(f"- {sname}: " + ", ".join(f"{c}={results['tiles'][f'{sname}|{c}']}" for c in CONFIGS))
     print(f"\nrel. error vs fp32 ({next(iter(CONFIGS))}, M=256): " + ", ".join(

@@ -108,6 +108,29 @@ class KernelSet:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rowlocal.rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x): the residual add and the next norm (one launch on a GPU)."""
+        total = residual + x
+        return self.rms_norm(total.reshape(-1, total.shape[-1]), weight, eps).view(total.shape), total
+
+    def qkv_prologue(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: RopeCache,
+                     heads: tuple[int, int, int], kv_cache: tuple[torch.Tensor, torch.Tensor],
+                     slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
+                     k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        """qkv: [T, (H + 2 HKV) D] -> q: [T, H, D]; splits q/k/v, applies the per-head norms (Qwen3) and RoPE,
+        writes k and v into the cache. Mutates kv_cache. One launch on a GPU (kernels/triton_rowlocal.py)."""
+        t = qkv.shape[0]
+        h, hkv, d = heads
+        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.reshape(t, h, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+        if q_norm is not None and k_norm is not None:  # per head, before RoPE
+            q = self.rms_norm(q.reshape(-1, d), q_norm, eps).view(t, h, d)
+            k = self.rms_norm(k.reshape(-1, d), k_norm, eps).view(t, hkv, d)
+        q, k = self.rope(q, k, positions, cos_sin)
+        self.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        return q
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return rowlocal.silu_and_mul(x)
 

@@ -1,30 +1,41 @@
-"""The KernelSet on a CUDA device: the model's calls routed to the Triton kernels (detent/det) or to the
-vendor's (stock: cuBLAS and padded SDPA, selection reading the batch).
+"""The KernelSet on a CUDA device: the model's calls routed to Triton kernels, per mode.
+
+- `stock`: cuBLAS GEMMs; attention split as FlashAttention-3's heuristic splits it, read from the batch
+  (`fa3_num_splits`); MoE config by M as vLLM's default rule picks it. Selection follows the batch, so bits do.
+- `det`: one conservative setting per family (one attention split, fixed tiles).
+- `detent`: the compiled SelIR selectors with the committed tuple's pins, called at every launch with the
+  launch's runtime inputs (with pins they return constants).
+All modes share the row-local kernels (kernels/triton_rowlocal.py: one launch each, invariant by
+construction), so the modes differ only where selection does.
 
 Measured on an H200 (benchmarks/gpu_gemm.py, gpu_attention.py): the GEMM tile does not change a row's bits,
-so its tile follows M for speed; the attention's BLOCK_N and split stride do, so they come from the pinned
-selection (the tuple), and its BLOCK_M stays 64 (16 changes the matrix instruction, and the bits). Row-local
-ops are the same torch code as on the CPU; whether they are batch-invariant on the GPU is what the battery
-measures there.
+so its tile follows the shape for speed; the attention's BLOCK_N and split stride do, so they come from the
+selection, and its BLOCK_M stays 64 (16 changes the matrix instruction, and the bits).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from detent_audit.kernels import attention as attention_ops
 from detent_audit.kernels import rowlocal
-from detent_audit.kernels.attention_metadata import AttentionMetadata, write_kv
+from detent_audit.kernels.attention_metadata import AttentionMetadata
 from detent_audit.kernels.params import AttentionParams
+from detent_audit.kernels.rowlocal import RopeCache
+
+NO_SPLIT = 1 << 30
+STOCK_BLOCK_N = 64
 
 
-def gemm_tile(m: int):
-    """The GEMM tile for M rows (harmless for the bits; fastest measured per M range on the H200)."""
+def gemm_tile(m: int, n: int = 0, k: int = 0):
+    """The GEMM tile for an [m, k] x [k, n] call (harmless for the bits; fastest measured on the H200)."""
     from detent_audit.kernels.triton_gemm import TritonGemmConfig
 
+    if m <= 16:  # decode: memory-bound, many narrow tiles so every SM streams weights
+        return TritonGemmConfig(16, 32 if n <= 8192 else 64, 256, 8, 4, 4)
     if m <= 64:
         return TritonGemmConfig(64, 64, 128, 8, 4, 3)
     if m <= 256:
@@ -34,9 +45,25 @@ def gemm_tile(m: int):
 
 @dataclass
 class GpuKernelSet:
-    mode: str                                 # stock | det | detent
-    attention_params: AttentionParams | None  # the pinned kv tile and split stride (None: stock)
-    _plan: tuple | None = None                # (the step's metadata, its attention plan)
+    mode: str                                                # stock | det | detent
+    select_attention: Callable[..., AttentionParams] | None  # det/detent: per launch (None: stock)
+    moe_config: object | None = None                         # det/detent: the pinned TritonMoeConfig
+    num_sms: int = 132
+    _plan: tuple | None = None                               # (metadata, config, plan) of the current step
+
+    def attention_config(self, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, num_kv_heads: int,
+                         heads_per_group: int):
+        """The Triton attention config of a launch: selected (det/detent) or read from the batch (stock)."""
+        from detent_audit.kernels.triton_attention import TritonAttentionConfig, fa3_num_splits
+
+        if self.select_attention is None:
+            splits = fa3_num_splits(num_kv_heads, heads_per_group, max_seqlen_q, max_seqlen_k, 64,
+                                    STOCK_BLOCK_N, self.num_sms)
+            n_blocks = -(-max_seqlen_k // STOCK_BLOCK_N)
+            split = STOCK_BLOCK_N * -(-n_blocks // splits) if splits > 1 else NO_SPLIT
+            return TritonAttentionConfig(block_m=64, block_n=STOCK_BLOCK_N, split=split)
+        p = self.select_attention(num_seqs=num_seqs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        return TritonAttentionConfig(block_m=64, block_n=p.kv_tile, split=p.split_stride or NO_SPLIT)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode == "stock":
@@ -44,44 +71,54 @@ class GpuKernelSet:
         from detent_audit.kernels.triton_gemm import linear
 
         x2 = x.reshape(-1, x.shape[-1])
-        return linear(x2, weight, bias, gemm_tile(x2.shape[0])).reshape(*x.shape[:-1], weight.shape[0])
+        tile = gemm_tile(x2.shape[0], weight.shape[0], weight.shape[1])
+        return linear(x2, weight, bias, tile).reshape(*x.shape[:-1], weight.shape[0])
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float) -> torch.Tensor:
-        if self.mode == "stock":
-            return attention_ops.paged_attention(q, k_cache, v_cache, _on(meta, q.device), scale=scale, params=None)
-        from detent_audit.kernels.triton_attention import TritonAttentionConfig, paged_attention, plan_step
+        from detent_audit.kernels.triton_attention import paged_attention, plan_step
 
-        p = self.attention_params
-        cfg = TritonAttentionConfig(block_m=64, block_n=p.kv_tile, split=p.split_stride or 1 << 30)
-        if self._plan is None or self._plan[0] is not meta:  # one plan per step, shared by its layers
-            self._plan = (meta, plan_step(meta.cu_seqlens_q, meta.context_lens, meta.block_tables, cfg, q.device))
+        hkv = k_cache.shape[2]
+        cfg = self.attention_config(meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k, hkv, q.shape[1] // hkv)
+        if self._plan is None or self._plan[0] is not meta or self._plan[1] != cfg:  # one plan per step
+            self._plan = (meta, cfg, plan_step(meta.cu_seqlens_q, meta.context_lens, meta.block_tables, cfg,
+                                               q.device, q.shape[1] // hkv))
         return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale,
-                               cfg, plan=self._plan[1])
+                               cfg, plan=self._plan[2])
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        # no negative slots here (CUDA-graph padding rows write a scratch block): no host-side check, so
-        # the call stays capturable
-        write_kv(k, v, k_cache, v_cache, slot_mapping, skip_negative=False)
+    def qkv_prologue(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: RopeCache,
+                     heads: tuple[int, int, int], kv_cache: tuple[torch.Tensor, torch.Tensor],
+                     slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
+                     k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        # positions come from the engine, bounded by max_model_len <= the table; no negative slots (CUDA-graph
+        # padding rows write a scratch block): no host-side check, so the call stays capturable
+        from detent_audit.kernels.triton_rowlocal import qkv_prologue
+
+        return qkv_prologue(qkv, positions, cos_sin.cos, cos_sin.sin, heads, kv_cache[0], kv_cache[1],
+                            slot_mapping, q_norm, k_norm, eps)
 
     def moe(self, x, router_logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
-        raise NotImplementedError("MoE on the GPU is not implemented yet (issue 5)")
+        from detent_audit.kernels import triton_moe
+
+        m, e, h, inter = x.shape[0], w13.shape[0], w13.shape[2], w2.shape[2]
+        config = self.moe_config if self.mode != "stock" else triton_moe.stock_config(m, e, h, inter, top_k)
+        return triton_moe.fused_moe(x, router_logits, w13, w2, top_k, renormalize, config)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rowlocal.rms_norm(x, weight, eps)
+        from detent_audit.kernels.triton_rowlocal import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        from detent_audit.kernels.triton_rowlocal import add_rms_norm
+
+        return add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return rowlocal.silu_and_mul(x)
+        from detent_audit.kernels.triton_rowlocal import silu_and_mul
 
-    def rope(self, q, k, positions, cos_sin):
-        # positions come from the engine, which bounds them by max_model_len <= the table: no host-side check
-        return rowlocal.rope(q, k, positions, cos_sin, check_range=False)
+        return silu_and_mul(x)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return rowlocal.log_softmax(x)
-
-
-def _on(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    return AttentionMetadata(meta.cu_seqlens_q.to(device), meta.context_lens.to(device), meta.seq_lens.to(device),
-                             meta.block_tables.to(device), meta.slot_mapping.to(device), meta.max_seqlen_q,
-                             meta.max_seqlen_k)

@@ -1,9 +1,11 @@
 """Batch-invariant paged attention on the GPU (Triton): prefill chunks and decode tokens in one varlen launch.
 
-Query rows are processed in tiles of BLOCK_M rows of one sequence (decode: one row, the rest masked), KV in
-tiles of BLOCK_N positions aligned to absolute positions, split at multiples of SPLIT (a pinned stride,
-aligned to absolute positions); each (query tile, head, split) program runs an fp32 online softmax and
-writes an unnormalised partial; a second kernel combines the partials of each row in split order. A row's
+A program owns one KV head, one split and a tile of BLOCK_M packed rows: BLOCK_M // G query rows of one
+sequence times the G query heads that share the KV head (GQA packing: each KV tile is read once for the G
+heads; decode fills G of the rows). KV is read in tiles of BLOCK_N positions aligned to absolute positions,
+split at multiples of SPLIT (a pinned stride, aligned to absolute positions); each program runs an fp32
+online softmax and writes an unnormalised partial; a second kernel combines the partials of each row in
+split order (with one split the first kernel normalises directly, which gives the same bits). A row's
 scores come from a matrix-unit dot whose rows are independent (the same tile shape in prefill and decode),
 fully masked tiles and empty splits are exact no-ops, so a token's output bits depend only on its own
 query, its sequence's KV and its absolute position: prefill, chunked prefill, a prefix-cache hit and decode
@@ -30,25 +32,27 @@ class TritonAttentionConfig:
 
 @triton.jit
 def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
-                  o_ptr, m_ptr, l_ptr, scale, stride_bt, num_rows, page_size,
-                  H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                  o_ptr, m_ptr, l_ptr, out_ptr, scale, stride_bt, num_rows, page_size, SPLIT,
+                  H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
     tile = tl.program_id(0)
-    h = tl.program_id(1)
+    hk = tl.program_id(1)                    # one KV head; its G query heads are packed into the tile's rows
     sp = tl.program_id(2)
-    hk = h // (H // HKV)
     s = tl.load(tile_seq_ptr + tile)
     row0 = tl.load(tile_row_ptr + tile)      # first query row of this tile (global row index)
-    n_rows = tl.load(tile_len_ptr + tile)
+    n_rows = tl.load(tile_len_ptr + tile)    # at most BLOCK_M // G query rows
     ctx = tl.load(ctx_ptr + s)               # absolute position of the sequence's first query row
     seq_row0 = tl.load(cu_ptr + s)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
-    row_ok = offs_m < n_rows
-    rows = row0 + offs_m
+    qi = offs_m // G                         # packed row j = (query row j // G, head hk * G + j % G)
+    heads = hk * G + offs_m % G
+    row_ok = qi < n_rows
+    rows = row0 + qi
     pos = ctx + (rows - seq_row0)            # [BLOCK_M] absolute positions
     max_pos = ctx + (row0 + n_rows - 1 - seq_row0)
-    q = tl.load(q_ptr + (rows[:, None] * H + h) * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + (rows[:, None] * H + heads[:, None]) * D + offs_d[None, :], mask=row_ok[:, None],
+                other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -71,10 +75,17 @@ def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = (sp * num_rows + rows) * H + h
-    tl.store(o_ptr + out[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
-    tl.store(m_ptr + out, m_i, mask=row_ok)
-    tl.store(l_ptr + out, l_i, mask=row_ok)
+    if DIRECT:
+        # one split: the combine of one partial is num / den with weight exp(0) = 1, so normalising here
+        # gives the combine's bits (an empty split in a longer step adds exact zeros to both)
+        out = (rows * H + heads)[:, None] * D + offs_d[None, :]
+        tl.store(out_ptr + out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # every (row, head, split) is written here, empty splits as (0, -inf, 0): no buffer needs clearing
+        out = (sp * num_rows + rows) * H + heads
+        tl.store(o_ptr + out[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(m_ptr + out, m_i, mask=row_ok)
+        tl.store(l_ptr + out, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -111,14 +122,18 @@ class StepPlan:
 
 
 def plan_step(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-              config: TritonAttentionConfig, device: torch.device) -> StepPlan:
-    """Query tiles (one sequence each) and split count of a step, on `device` (one host sync)."""
+              config: TritonAttentionConfig, device: torch.device, heads_per_group: int = 1) -> StepPlan:
+    """Query tiles (one sequence each, block_m // heads_per_group query rows) and split count of a step, on
+    `device` (one host sync)."""
     if config.split % config.block_n:
         raise ValueError("split must be a multiple of block_n")
+    rows_per_tile = config.block_m // heads_per_group
+    if rows_per_tile < 1:
+        raise ValueError(f"{heads_per_group} query heads per KV head do not fit block_m={config.block_m}")
     cu = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
-    tiles = [(s, r, min(config.block_m, cu[s + 1] - r)) for s in range(len(cu) - 1)
-             for r in range(cu[s], cu[s + 1], config.block_m)]
+    tiles = [(s, r, min(rows_per_tile, cu[s + 1] - r)) for s in range(len(cu) - 1)
+             for r in range(cu[s], cu[s + 1], rows_per_tile)]
     tile_seq, tile_row, tile_len = (torch.tensor(c, dtype=torch.int32, device=device) for c in zip(*tiles))
     max_len = max(c + cu[s + 1] - cu[s] for s, c in enumerate(ctx))
     return StepPlan(tile_seq, tile_row, tile_len, torch.tensor(cu, dtype=torch.int32, device=device),
@@ -138,20 +153,43 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     t, h, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     dev = q.device
-    plan = plan or plan_step(cu_seqlens_q, context_lens, block_tables, config, dev)
+    plan = plan or plan_step(cu_seqlens_q, context_lens, block_tables, config, dev, h // hkv)
     num_splits = plan.num_splits
-    o = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=dev)
-    m = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
-    l_ = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
-    m.fill_(float("-inf"))  # splits past a tile's last position stay empty partials
-    l_.zero_()
-    o.zero_()
-    bt = plan.block_tables
-    _attn_partial[(plan.num_tiles, h, num_splits)](
-        q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len,
-        plan.cu, plan.context_lens, o, m, l_, scale, bt.stride(0), t,
-        page, H=h, HKV=hkv, D=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=config.split,
-        num_warps=config.num_warps, num_stages=config.num_stages)
     out = torch.empty_like(q)
-    _attn_combine[(t, h)](o, m, l_, out, t, num_splits, H=h, D=d)
+    direct = num_splits == 1
+    if direct:
+        o = m = l_ = out  # unused
+    else:
+        o = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=dev)
+        m = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
+        l_ = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
+    bt = plan.block_tables
+    _attn_partial[(plan.num_tiles, hkv, num_splits)](
+        q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len,
+        plan.cu, plan.context_lens, o, m, l_, out, scale, bt.stride(0), t,
+        page, config.split, H=h, HKV=hkv, D=d, G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        DIRECT=direct, num_warps=config.num_warps, num_stages=config.num_stages)
+    if not direct:
+        _attn_combine[(t, h)](o, m, l_, out, t, num_splits, H=h, D=d)
     return out
+
+
+def fa3_num_splits(num_kv_heads: int, heads_per_group: int, max_seqlen_q: int,
+                   max_seqlen_k: int, block_m: int, block_n: int, num_sms: int, max_splits: int = 128) -> int:
+    """FlashAttention-3's split count for a varlen call (hopper/flash_api.cpp get_num_splits and heuristics.h
+    num_splits_heuristic, as reference/selection-heuristics.md transcribes them): read from the batch.
+    What the `stock` mode uses, so its reduction order follows the batch the way FA3's does."""
+    num_n_blocks = -(-max_seqlen_k // block_n)
+    num_m_blocks = -(-(max_seqlen_q * heads_per_group) // block_m)
+    total_mblocks = num_kv_heads * num_m_blocks  # varlen: the batch counted as 1 (FA3's host-side bound)
+    if total_mblocks >= 0.8 * num_sms:
+        return 1
+    if num_n_blocks <= 4:
+        return 1
+    max_splits = min(max_splits, num_sms, num_n_blocks)
+    eff = []
+    for s in range(1, max_splits + 1):
+        waves = total_mblocks * s / num_sms
+        eff.append(waves / -(-waves // 1))
+    best = max(eff)
+    return next((s for s, e in enumerate(eff, 1) if e >= 0.85 * best), 1)

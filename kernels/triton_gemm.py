@@ -31,16 +31,16 @@ class TritonGemmConfig:
 
 @triton.jit
 def _persistent_matmul(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
-                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, num_programs,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_in_group = GROUP_M * num_pid_n
-    for tile_id in range(pid, num_tiles, NUM_SMS):
+    for tile_id in range(pid, num_tiles, num_programs):
         # grouped ordering of output tiles (L2 reuse); it changes which program computes a tile, not how
         group_id = tile_id // num_in_group
         first_m = group_id * GROUP_M
@@ -73,17 +73,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, k = x.shape
     n = weight.shape[0]
     dev = x.device.index or 0
-    if dev not in _NUM_SMS:
-        _NUM_SMS[dev] = torch.cuda.get_device_properties(x.device).multi_processor_count
+    if dev not in _NUM_SMS:  # (Triton's CPU interpreter: any count)
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return out
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    grid = (min(_NUM_SMS[dev], tiles),)
+    # persistent (one program per SM) once the tiles fill the chip; below that one program per tile, so a
+    # memory-bound small-M call keeps every SM's loads in flight. Which program computes a tile never
+    # changes how it is computed.
+    grid = (tiles if tiles <= 4 * _NUM_SMS[dev] else _NUM_SMS[dev],)
     _persistent_matmul[grid](
         x, weight, out, bias if bias is not None else out, m, n, k,
-        x.stride(0), x.stride(1), weight.stride(1), weight.stride(0), out.stride(0), out.stride(1),
+        x.stride(0), x.stride(1), weight.stride(1), weight.stride(0), out.stride(0), out.stride(1), grid[0],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        NUM_SMS=_NUM_SMS[dev], HAS_BIAS=bias is not None, num_warps=config.num_warps,
+        HAS_BIAS=bias is not None, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out

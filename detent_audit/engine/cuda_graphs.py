@@ -32,7 +32,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple] = {}
 
     def _capture(self, b: int) -> tuple:
-        from detent_audit.kernels.triton_attention import StepPlan, TritonAttentionConfig
+        from detent_audit.kernels.triton_attention import StepPlan
 
         dev = self.device
         ids = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -42,8 +42,10 @@ class DecodeGraphs:
         cu = torch.arange(b + 1, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(cu_seqlens_q=cu, context_lens=pos, seq_lens=pos + 1, block_tables=tables,
                                  slot_mapping=slots, max_seqlen_q=1, max_seqlen_k=self.max_model_len)
-        p = self.kernels.attention_params
-        cfg = TritonAttentionConfig(block_m=64, block_n=p.kv_tile, split=p.split_stride or 1 << 30)
+        c = self.model.config
+        # the launch's selection at the capture size and the longest context (stock: FA3's split for it)
+        cfg = self.kernels.attention_config(b, 1, self.max_model_len, c.num_key_value_heads,
+                                            c.num_attention_heads // c.num_key_value_heads)
         rows = torch.arange(b, dtype=torch.int32, device=dev)
         plan = StepPlan(tile_seq=rows, tile_row=rows, tile_len=torch.ones(b, dtype=torch.int32, device=dev),
                         cu=cu.to(torch.int32), context_lens=torch.zeros(b, dtype=torch.int32, device=dev),
@@ -53,7 +55,7 @@ class DecodeGraphs:
         def step() -> torch.Tensor:
             plan.context_lens.copy_(pos)  # int64 -> int32 views the kernel reads, refreshed inside the graph
             plan.block_tables.copy_(tables)
-            self.kernels._plan = (meta, plan)
+            self.kernels._plan = (meta, cfg, plan)
             hidden = self.model(ids, pos, meta, self.kv_caches, self.kernels)
             return self.model.compute_logits(hidden, self.kernels)
 

@@ -120,17 +120,28 @@ def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Ma
 
 
 def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir: Any) -> Selection:
-    """On a GPU the attention's pinned tile and split come from the same embedded selection (detent), or are
-    the conservative single split (det); stock reads the batch."""
+    """On a GPU, detent's attention selector is the same compiled embedded selector (called per launch), det
+    is one split with a fixed tile, stock reads the batch (FA3's split heuristic, vLLM's MoE rule by M)."""
     from detent_audit.kernels.gpu import GpuKernelSet
 
     if mode == "stock":
         return Selection(GpuKernelSet("stock", None), {}, {})  # type: ignore[arg-type]
+    moe = _gpu_moe_config(deployment)
     if mode == "det":
-        return Selection(GpuKernelSet("det", AttentionParams(kv_tile=64, split_stride=0)), {}, {})  # type: ignore[arg-type]
+        det = AttentionParams(kv_tile=64, split_stride=0)
+        return Selection(GpuKernelSet("det", lambda **_: det, moe), {}, {})  # type: ignore[arg-type]
     cpu = select_kernels("detent", deployment, committed, cache_dir)
-    params = cpu.kernels.select_attention(num_seqs=1, max_seqlen_q=1, max_seqlen_k=1)  # pinned: constant
-    return Selection(GpuKernelSet("detent", params), cpu.tuple, cpu.results)  # type: ignore[arg-type]
+    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, moe),  # type: ignore[arg-type]
+                     cpu.tuple, cpu.results)
+
+
+def _gpu_moe_config(deployment: Deployment) -> Any:
+    """The fused-MoE tile of det and detent: one per deployment (the pinned row key), never from M."""
+    if not deployment.model.num_experts:
+        return None
+    from detent_audit.kernels.triton_moe import TritonMoeConfig
+
+    return TritonMoeConfig()
 
 
 def _kernel_set(selectors: dict[str, Any]) -> KernelSet:

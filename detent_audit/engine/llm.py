@@ -118,7 +118,7 @@ class LLM:
         self._scheduler_config = self.scheduler.config
         self.runner = ModelRunner(self.model, self.selection.kernels, config.num_kv_blocks, config.block_size,
                                   device=config.device)
-        if config.device == "cuda" and config.cuda_graphs and config.mode != "stock":
+        if config.device == "cuda" and config.cuda_graphs:
             from detent_audit.engine.cuda_graphs import DecodeGraphs
 
             # the last KV block is the padding rows' scratch: never handed to a sequence

@@ -121,15 +121,13 @@ class Attention(nn.Module):
                 rope: RopeCache, ks: KernelSet) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x, ks)  # [T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q, ks), self.k_norm(k, ks)  # per head, before RoPE (Qwen3)
-        q, k = ks.rope(q, k, positions, rope)
+        q_norm = self.q_norm.weight if self.q_norm is not None else None
+        k_norm = self.k_norm.weight if self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        # q: [T, Hq, D]; k and v (normed and rotated as the model says) are written into the paged cache
+        q = ks.qkv_prologue(qkv, positions, rope, (self.num_heads, self.num_kv_heads, self.head_dim), kv_cache,
+                            meta.slot_mapping, q_norm, k_norm, eps)
         k_cache, v_cache = kv_cache
-        ks.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = ks.attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size), ks)  # [T, H]
 
@@ -195,8 +193,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                 rope: RopeCache, ks: KernelSet) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h, ks), positions, meta, kv_cache, rope, ks)
-        return h + self.mlp(self.post_attention_layernorm(h, ks), ks)
+        attn = self.self_attn(self.input_layernorm(h, ks), positions, meta, kv_cache, rope, ks)
+        norm = self.post_attention_layernorm
+        normed, h = ks.add_rms_norm(attn, h, norm.weight, norm.eps)  # h + attn, and its norm
+        return h + self.mlp(normed, ks)
 
 
 class CausalLM(nn.Module):
