@@ -110,7 +110,7 @@ def timings(cfg) -> dict:
     for b, n in ((1, 1024), (1, 8192), (8, 4096)):  # small decode batches (batch-1 latency)
         lens = [n] * b
         c = Cache(lens, seed=4)
-        ours = triton.testing.do_bench(lambda c=c, lens=lens: c.run(list(range(b)), [x - 1 for x in lens], lens, cfg),
+        ours = triton.testing.do_bench(lambda c=c, lens=lens: c.run(list(range(len(lens))), [x - 1 for x in lens], lens, cfg),
                                        warmup=25, rep=100, return_mode="median")
         kk = torch.stack([c.kv[s][0] for s in range(b)]).transpose(1, 2)
         vv = torch.stack([c.kv[s][1] for s in range(b)]).transpose(1, 2)
