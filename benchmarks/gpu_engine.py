@@ -1,9 +1,9 @@
 """The embedded engine on the GPU (issue 5): the invariance battery and first speed figures on the device.
 
-Llama-3.2-1B shape (head dim 64) with weights generated on the GPU from a seed, bf16, eager (no CUDA graphs
-yet). For detent, det and stock: the 35-cell battery; output tokens/s on a closed batch; the decode step at
-batch 1 against the HBM floor (weight bytes / 4.28 TB/s).
-Usage (device): python3 benchmarks/gpu_engine.py [--shape llama-3.2-1b]
+A named shape (Llama-3.2-1B, Llama-3.1-8B, Qwen3-30B-A3B) with weights generated on the GPU from a seed, bf16,
+CUDA graphs for decode (--eager: none). For detent, det and stock: the 35-cell battery; output tokens/s on a
+closed batch; the decode step at batch 1 against the HBM floor (weight bytes / 4.28 TB/s); rescoring against
+generating. Usage (device): python3 benchmarks/gpu_engine.py [--shape llama-3.1-8b] [--tuple FILE]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from detent_audit.engine.battery import run_battery
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.tuples import load_tuple
 
 
 def main() -> None:
@@ -26,7 +27,12 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--modes", default="detent,stock,det")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--tuple", default=None, help="detent's committed tuple (JSON/msgpack); default: the preferred")
+    ap.add_argument("--battery-modes", default=None, help="modes that run the battery (default: all)")
+    ap.add_argument("--no-graph-check", action="store_true", help="skip the graph-against-eager comparison")
     args = ap.parse_args()
+    committed = load_tuple(args.tuple) if args.tuple else None
+    battery_modes = (args.battery_modes or args.modes).split(",")
     out: dict = {"device": torch.cuda.get_device_name(), "shape": args.shape, "modes": {}}
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 400))] for _ in range(32)]
@@ -34,10 +40,11 @@ def main() -> None:
     for mode in args.modes.split(","):
         llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode=mode,
                                max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
-                               max_model_len=4096, cuda_graphs=not args.eager))
+                               max_model_len=4096, cuda_graphs=not args.eager,
+                               tuple=committed if mode == "detent" else None))
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
         t0 = time.perf_counter()
-        cells = run_battery(llm, seed=0)
+        cells = run_battery(llm, seed=0) if mode in battery_modes else []
         battery_s = time.perf_counter() - t0
         # closed batch: 32 requests x 64 tokens
         llm.reset()
@@ -69,25 +76,26 @@ def main() -> None:
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - t0) / (seq.num_output_tokens - 1) * 1e3
         out["modes"][mode] = {
-            "battery_passed": sum(c.passed for c in cells), "failing": [c.name for c in cells if not c.passed],
+            "battery_passed": sum(c.passed for c in cells) if cells else None, "tuple": llm.selection.tuple, "failing": [c.name for c in cells if not c.passed],
             "battery_s": battery_s, "output_tok_s": tps, "decode_step_ms_b1": step_ms,
             "rescore_speedup": gen_s / rescore_s, "rescore_bits_equal": same,
             "hbm_floor_ms": weight_bytes / 4.28e12 * 1e3}
         print(mode, json.dumps(out["modes"][mode]), flush=True)
-        if mode == "detent" and not args.eager:  # graph replay against the eager step, bit for bit
+        if mode == "detent" and not args.eager and not args.no_graph_check:  # graph replay against the eager step, bit for bit
             llm.reset()
             mixed = [SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=24, ignore_eos=True)
                      for i in range(12)]
             graphed = llm.generate(prompts[:12], mixed)
             eager = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode=mode,
                                      max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
-                                     max_model_len=4096, cuda_graphs=False)).generate(prompts[:12], mixed)
+                                     max_model_len=4096, cuda_graphs=False,
+                                     tuple=committed)).generate(prompts[:12], mixed)
             out["modes"][mode]["graph==eager"] = all(
                 a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in zip(graphed, eager))
             print("graph == eager:", out["modes"][mode]["graph==eager"], flush=True)
         del llm
         torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), "gpu_engine.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), f"gpu_engine_{args.shape}.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"\ndevice: {out['device']}; {args.shape}, bf16, {'eager' if args.eager else 'CUDA graphs for decode'}\n")
     print("| mode | battery | output tok/s (32x64) | ratio | decode step b=1 | HBM floor | rescore speed-up |\n"
@@ -95,7 +103,7 @@ def main() -> None:
     base = out["modes"].get("stock", {}).get("output_tok_s")
     for mode, r in out["modes"].items():
         ratio = f"{r['output_tok_s'] / base:.2f}" if base else "-"
-        print(f"| {mode} | {r['battery_passed']}/35 | {r['output_tok_s']:.0f} | {ratio} | "
+        print(f"| {mode} | {r['battery_passed'] if r['battery_passed'] is not None else '-'}/35 | {r['output_tok_s']:.0f} | {ratio} | "
               f"{r['decode_step_ms_b1']:.2f} ms | {r['hbm_floor_ms']:.3f} ms | {r['rescore_speedup']:.1f}x "
               f"(bits {'equal' if r['rescore_bits_equal'] else 'DIFFER'}) |")
     for mode, r in out["modes"].items():

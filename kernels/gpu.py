@@ -31,13 +31,18 @@ STOCK_BLOCK_N = 64
 
 
 def gemm_tile(m: int, n: int = 0, k: int = 0):
-    """The GEMM tile for an [m, k] x [k, n] call (harmless for the bits; fastest measured on the H200)."""
+    """The GEMM tile for an [m, k] x [k, n] call: harmless for the bits (every tile gives a row the same bits,
+    tests/kernels/test_gpu_gemm.py), so it follows the shape. Fastest measured on the H200 for Llama-3.1-8B's
+    projections (`benchmarks/gpu_gemm.py --decode`): 0.9-1.05x cuBLAS up to 32 rows."""
     from detent_audit.kernels.triton_gemm import TritonGemmConfig
 
-    if m <= 16:  # decode: memory-bound, many narrow tiles so every SM streams weights
-        return TritonGemmConfig(16, 32 if n <= 8192 else 64, 256, 8, 4, 4)
+    wide = n > 8192  # gate_up, the LM head
+    if m <= 16:  # decode: memory-bound; one program per narrow tile so every SM streams weights
+        return TritonGemmConfig(16, 128, 128, 8, 4, 4) if wide else TritonGemmConfig(16, 32, 256, 8, 4, 4)
+    if m <= 32:
+        return TritonGemmConfig(64, 128, 64, 8, 4, 4) if wide else TritonGemmConfig(16, 32, 256, 8, 4, 4)
     if m <= 64:
-        return TritonGemmConfig(64, 64, 128, 8, 4, 3)
+        return TritonGemmConfig(64, 128, 64, 8, 4, 4) if wide else TritonGemmConfig(32, 64, 256, 8, 4, 3)
     if m <= 256:
         return TritonGemmConfig(64, 128, 64, 8, 4, 4)
     return TritonGemmConfig(128, 256, 64, 8, 8, 3)

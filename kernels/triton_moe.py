@@ -123,8 +123,9 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment
     experts = torch.arange(num_experts + 1, device=dev, dtype=torch.int32)
     bounds = torch.searchsorted(sorted_experts, experts).to(torch.int32)  # [E+1] group starts in `order`
     counts = bounds[1:] - bounds[:-1]  # [E]
-    block_end = torch.cumsum((counts + block_m - 1) // block_m, 0).to(torch.int32)  # [E] inclusive
-    block_start = block_end - (counts + block_m - 1) // block_m  # [E]
+    expert_blocks = (counts + block_m - 1) // block_m  # [E] BLOCK_M blocks of each expert
+    block_end = torch.cumsum(expert_blocks, 0).to(torch.int32)  # [E] inclusive
+    block_start = block_end - expert_blocks  # [E]
     rank = torch.arange(num_entries, device=dev, dtype=torch.int32) - bounds[sorted_experts.long()]  # [T]
     dest = block_start[sorted_experts.long()] * block_m + rank  # [T] slot in the padded layout
     sorted_entries = torch.full((blocks * block_m,), num_entries, device=dev, dtype=torch.int32)
@@ -164,7 +165,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, entries_ptr, block_expert_ptr, num
                     mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
         b = tl.load(w_base + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
                     mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc)  # bf16 operands, fp32 accumulator (fp32 operands: Triton's default TF32)
     c_rows = entries.to(tl.int64)
     tl.store(c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=valid[:, None] & (offs_n[None, :] < N))
@@ -216,7 +217,9 @@ def _combine_kernel(slot_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.
     mask = offs < H
     total = tl.load(slot_ptr + row * TOP_K * H + offs, mask=mask, other=0.0).to(tl.float32) \
         * tl.load(w_ptr + row * TOP_K)
-    for s in tl.static_range(1, TOP_K):  # slot order, slot 0 first
+    # slot order, slot 0 first; the compiler may contract a multiply-add into one FMA: fixed per element
+    # (row-local), though not the CPU's two roundings
+    for s in tl.static_range(1, TOP_K):
         part = tl.load(slot_ptr + (row * TOP_K + s) * H + offs, mask=mask, other=0.0).to(tl.float32)
         total = total + part * tl.load(w_ptr + row * TOP_K + s)
     tl.store(out_ptr + row * H + offs, total.to(out_ptr.dtype.element_ty), mask=mask)

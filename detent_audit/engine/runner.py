@@ -100,7 +100,7 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int64),
             context_lens=torch.tensor([e.start_pos for e in entries], dtype=torch.int64),
             seq_lens=torch.tensor([e.end_pos for e in entries], dtype=torch.int64),
-            block_tables=tables, slot_mapping=torch.tensor(slot_list, dtype=torch.int64),
+            block_tables=tables, slot_mapping=torch.tensor(slot_list, dtype=torch.int64).to(self.device),
             max_seqlen_q=max(e.num_new_tokens for e in entries), max_seqlen_k=max(e.end_pos for e in entries))
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
                             torch.tensor(positions, dtype=torch.int64, device=self.device), meta,
