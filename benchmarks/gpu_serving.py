@@ -48,7 +48,9 @@ from detent_audit.bench.serving import (
     measure_peak,
     run_workload,
     same_outputs,
+    sampling_params,
     token_space_for,
+    token_space_of,
 )
 from detent_audit.bench.workloads import TokenSpace, Workload, closed_loop, long_documents, sharegpt_like
 from detent_audit.engine.llm import LLM, EngineConfig
@@ -170,6 +172,47 @@ def invariance(results: dict[str, dict[str, RunResult]]) -> dict[str, dict[str, 
     return out
 
 
+def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
+    """Tune detent's tuple on a profiling mix (other seeds than the timed workloads), budgeted and, with
+    --tune-exhaustive, exhaustively; write the budgeted tuple and point --tuned-tuple at it."""
+    from detent_audit.engine.tune import tune_engine
+    from detent_audit.engine.tuples import save_tuple
+
+    t0 = time.perf_counter()
+    llm = LLM(engine_config(args, "detent-default", max_len))
+    space = token_space_of(llm)
+    mix = [*sharegpt_like(600, seed=7, vocab=space, scale=args.scale).requests[:48],
+           *long_documents(4, prompt_tokens=args.doc_tokens, output_tokens=args.output_tokens, seed=7,
+                           vocab=space).requests,
+           *closed_loop(16, 8, prompt_tokens=(min(128, args.doc_tokens), min(1024, args.doc_tokens)),
+                        output_tokens=(args.output_tokens, args.output_tokens), seed=7, vocab=space).requests]
+    requests = [(f"profile-{i}", list(r.prompt_token_ids), sampling_params(r)) for i, r in enumerate(mix)]
+    info: dict = {"profiling_requests": len(requests)}
+    for mode in ("budgeted", "exhaustive") if args.tune_exhaustive else ("budgeted",):
+        llm.reset()
+        t1 = time.perf_counter()
+        committed, reports = tune_engine(llm, requests, mode=mode)
+        info[mode] = {"tuple": committed, "seconds": time.perf_counter() - t1,
+                      "families": [r.to_json() for r in reports]}
+        for r in reports:
+            print(f"tune {mode} {r.family}: measured {r.measured} of {r.grid_size} "
+                  f"({r.measured / r.grid_size:.0%}), predicted {r.default_cost * 1e3:.2f} -> "
+                  f"{r.tuned_cost * 1e3:.2f} ms, chosen {r.chosen}", flush=True)
+    if "exhaustive" in info:
+        for b, e in zip(info["budgeted"]["families"], info["exhaustive"]["families"]):
+            b["over_exhaustive"] = b["tuned_cost"] / e["tuned_cost"] if e["tuned_cost"] else 1.0
+            print(f"tune {b['family']}: budgeted / exhaustive optimum = {b['over_exhaustive']:.4f}", flush=True)
+    path = os.path.join(os.environ.get("OUT", "."), f"tuned_{shape}.msgpack")
+    save_tuple(info["budgeted"]["tuple"], path)
+    args.tuned_tuple = path
+    info["tuple_file"], info["wall_s"] = path, time.perf_counter() - t0
+    del llm
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return info
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b", help="named shape; the model is random:<shape>")
@@ -178,6 +221,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--modes", default="stock,det,detent-default,detent-tuned")
     ap.add_argument("--tuned-tuple", default=None, help="detent-tuned's tuple file (JSON/msgpack)")
+    ap.add_argument("--tune", action="store_true",
+                    help="without --tuned-tuple: tune first (`detent-audit tune`'s search on a profiling mix of the "
+                         "three workload kinds drawn with another seed), then serve detent-tuned with that tuple")
+    ap.add_argument("--tune-exhaustive", action="store_true", help="also run the exhaustive search (validation)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
     ap.add_argument("--scale", type=float, default=0.5, help="request counts (and ShareGPT-like lengths); 1 = full")
     ap.add_argument("--doc-tokens", type=int, default=8192, help="long-document prompt length")
@@ -206,8 +253,8 @@ def main() -> int:
     if unknown:
         sys.exit(f"unknown modes or workloads: {', '.join(unknown)} (modes: {', '.join(MODES)}; "
                  f"workloads: {', '.join(WORKLOADS)})")
-    if "detent-tuned" in modes and not args.tuned_tuple:
-        print("detent-tuned skipped: no --tuned-tuple given", flush=True)
+    if "detent-tuned" in modes and not args.tuned_tuple and not args.tune:
+        print("detent-tuned skipped: no --tuned-tuple given (or --tune)", flush=True)
         modes.remove("detent-tuned")
     modes.sort(key=ORDER.index)  # stock first (its peak sets the loads), then the acceptance's detent-tuned
     base = "stock" if "stock" in modes else None
@@ -220,6 +267,8 @@ def main() -> int:
     out["workloads"] = {w.name: {"requests": len(w.requests), "prompt_tokens": w.num_prompt_tokens,
                                  "output_tokens": w.num_output_tokens, "repeat_fraction": w.repeat_fraction,
                                  "params": dict(w.params)} for w in base_sets}
+    if "detent-tuned" in modes and not args.tuned_tuple:
+        out["tuning"] = tune_first(args, max_len, shape)
     peaks: dict[str, Peak] = {}
     results: dict[str, dict[str, RunResult]] = {}
     budget_left = args.time_budget if args.time_budget > 0 else math.inf

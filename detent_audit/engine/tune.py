@@ -12,11 +12,12 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from detent_audit.selection.compiler import SolveResult
 from detent_audit.selection.tuner import Assignment, FamilyGrid, TuneResult, Workload, search
 
 REPEATS = 3
+GPU_LAUNCHES = 10
 MAX_CALLS = 48  # distinct calls timed per family: the heaviest (count x work); the rest rarely change the order
 
 
@@ -65,24 +67,38 @@ class RecordingKernels:
 def record_calls(llm: LLM, requests: Iterable[tuple[str, list[int], Any]]) -> dict[str, Counter]:
     """Serve `requests` (all submitted together) and return each family's recorded calls."""
     recorder = RecordingKernels(llm.runner.kernels)
-    llm.runner.kernels = recorder
+    llm.runner.kernels, graphs, llm.runner.graphs = recorder, llm.runner.graphs, None  # eager: every call seen
     try:
         seqs = [llm.add_request(ids, params, rid) for rid, ids, params in requests]
         llm.run(seqs)
     finally:
-        llm.runner.kernels = recorder.inner
+        llm.runner.kernels, llm.runner.graphs = recorder.inner, graphs
     return {f: c for f, c in recorder.calls.items() if c}
 
 
-def _effective(family: str, a: dict) -> Hashable | None:
+# On a GPU the GEMM and MoE kernels take their tile from the shape (no tile changes a row's bits, measured:
+# tests/kernels/test_gpu_gemm.py, benchmarks/gpu_moe.py), so the family's pin (a CPU chunk size) launches the
+# same kernel whatever its value: a grid of one. The attention's KV tile is bounded by what the Triton kernel
+# compiles well at BLOCK_M 64 (larger tiles spill registers); its split stride is any legal multiple of the
+# step up to the maximum (the CPU kernel's grid is coarser).
+GPU_KV_TILES = (16, 32, 64, 128)
+GPU_STRIDE_STEP, GPU_STRIDE_MAX = 256, 16384  # split strides on the GPU grid: legal multiples of 256 up to 16k
+GPU_SAME_KERNEL = "the tile follows the shape"
+
+
+def _effective(family: str, a: dict, device: str = "cpu") -> Hashable | None:
     """The kernel parameters an assignment launches with; None where the kernel's grid (kernels/params.py)
     does not list them (a split stride off the grid is legal for SelIR but not a tuning candidate)."""
     try:
         if family in ("embedded.gemm", "embedded.moe"):
-            return GemmParams(chunk_rows=a["chunk_rows"])
+            params = GemmParams(chunk_rows=a["chunk_rows"])
+            return GPU_SAME_KERNEL if device != "cpu" else params
         if family == "embedded.attention":
             tile = a["embedded.attention.kv_tile"]
             params = AttentionParams(kv_tile=tile, split_stride=a["tiles_per_split"] * tile)
+            if device != "cpu":  # the Triton kernel takes any stride that is a whole number of tiles
+                ok = tile in GPU_KV_TILES and params.split_stride % GPU_STRIDE_STEP == 0
+                return params if ok and params.split_stride <= GPU_STRIDE_MAX else None
             return params if params.split_stride in ATTENTION_SPLIT_STRIDE_SPACE else None
     except (BadParams, KeyError):
         return None
@@ -101,14 +117,14 @@ def heaviest(family: str, counter: Counter) -> Workload:
     return Workload(tuple(ranked[:MAX_CALLS]))
 
 
-def family_grid(result: SolveResult, current: dict) -> tuple[FamilyGrid, dict[Hashable, dict]]:
-    """The grid over distinct kernel parameters, and for each a representative legal assignment."""
+def family_grid(result: SolveResult, current: dict, device: str = "cpu") -> tuple[FamilyGrid, dict[Hashable, dict]]:
+    """The grid over distinct kernel parameters (on `device`), and for each a representative legal assignment."""
     reps: dict[Hashable, dict] = {}
     for a in result.legal_assignments():
-        eff = _effective(result.family, a)
+        eff = _effective(result.family, a, device)
         if eff is not None and eff not in reps:
             reps[eff] = a
-    cur = _effective(result.family, current)
+    cur = _effective(result.family, current, device)
     if cur is None or cur not in reps:
         raise BadInput(f"{result.family}: the current tuple's kernel parameters {cur} are not on the tuning grid",
                        remedy="start from a tuple whose parameters are on the kernel's grid")
@@ -120,6 +136,8 @@ def family_grid(result: SolveResult, current: dict) -> tuple[FamilyGrid, dict[Ha
 
 
 def _row(family: str, eff: Any) -> dict:
+    if eff == GPU_SAME_KERNEL:
+        return {"tile": eff}
     if isinstance(eff, GemmParams):
         return {"chunk_rows": eff.chunk_rows}
     return {"kv_tile": eff.kv_tile, "split_stride": eff.split_stride}
@@ -133,11 +151,17 @@ def _axes(family: str, effs: list) -> tuple[dict[str, tuple], list[dict]]:
 
 @dataclass
 class Oracle:
-    """Times one family's kernel on synthetic inputs of a recorded call's shape (median of REPEATS)."""
+    """Times one family's kernel on synthetic inputs of a recorded call's shape (median of REPEATS); on a GPU,
+    the Triton kernel's launches alone (inputs and the step's plan built once, as a CUDA graph holds them),
+    timed with device events over GPU_LAUNCHES launches per repeat."""
 
     seed: int = 0
+    device: str = "cpu"
+    _inputs: dict = field(default_factory=dict, repr=False)  # GPU: each call's synthetic inputs
 
     def __call__(self, family: str, a: Assignment, call: tuple) -> float:
+        if self.device != "cpu":
+            return self._gpu_time(family, a, call)
         run = self._prepare(family, a, call)
         run()  # warm-up
         times = []
@@ -182,6 +206,50 @@ class Oracle:
         return lambda: attention_ops.paged_attention(q, k_cache, v_cache, meta, scale=d ** -0.5, params=p)
 
 
+    def _gpu_time(self, family: str, a: Assignment, call: tuple) -> float:
+        if family != "embedded.attention":
+            return 0.0  # a grid of one (GPU_SAME_KERNEL): nothing to compare
+        run = self._prepare_gpu_attention(a, call)
+        run()  # warm-up (Triton compiles a new tile here)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(REPEATS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(GPU_LAUNCHES):
+                run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / GPU_LAUNCHES)
+        return statistics.median(times)
+
+    def _prepare_gpu_attention(self, a: Assignment, call: tuple) -> Callable[[], Any]:
+        from detent_audit.kernels.gpu import NO_SPLIT
+        from detent_audit.kernels.triton_attention import TritonAttentionConfig, paged_attention, plan_step
+
+        seqs, hq, hkv, d, dtype = call
+        if call not in self._inputs:  # a call's inputs serve every candidate
+            dt = getattr(torch, dtype.split(".")[-1])
+            g = torch.Generator(device=self.device).manual_seed(self.seed)
+            block = 16
+            blocks = [-(-(c + q) // block) for c, q in seqs]
+            k_cache = torch.randn(sum(blocks) + 1, block, hkv, d, generator=g, device=self.device).to(dt)
+            tables = torch.zeros(len(seqs), max(blocks), dtype=torch.int32, device=self.device)
+            off = 0
+            for s, nb in enumerate(blocks):
+                tables[s, :nb] = torch.arange(off, off + nb, dtype=torch.int32)
+                off += nb
+            self._inputs[call] = (
+                torch.randn(sum(q for _, q in seqs), hq, d, generator=g, device=self.device).to(dt),
+                k_cache, torch.randn_like(k_cache), tables,
+                torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], dtype=torch.int32, device=self.device),
+                torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=self.device))
+        q, k_cache, v_cache, tables, cu, ctx = self._inputs[call]
+        cfg = TritonAttentionConfig(block_m=64, block_n=a["kv_tile"], split=a["split_stride"] or NO_SPLIT)
+        plan = plan_step(cu, ctx, tables, cfg, q.device, hq // hkv)
+        return lambda: paged_attention(q, k_cache, v_cache, cu, ctx, tables, d ** -0.5, cfg, plan=plan)
+
+
 @dataclass(frozen=True)
 class FamilyReport:
     family: str
@@ -202,17 +270,19 @@ def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_frac
     if llm.config.mode != "detent":
         raise BadInput("tune commits a tuple for detent mode", remedy="use --mode detent")
     calls = record_calls(llm, requests)
-    oracle = Oracle(seed)
+    device = llm.config.device
+    oracle = Oracle(seed, device)
     committed = dict(llm.selection.tuple)
     reports = []
     for family, counter in sorted(calls.items()):
-        grid, reps = family_grid(llm.selection.results[family], committed[family])
+        grid, reps = family_grid(llm.selection.results[family], committed[family], device)
         workload = heaviest(family, counter)
         result: TuneResult = search(grid, workload, lambda a, c, f=family: oracle(f, a, c), mode=mode,
                                     budget_fraction=budget_fraction, seed=seed,
                                     progress=(lambda m, lim, f=family: progress(f, m, lim)) if progress else None)
         default_cost = next(m.cost for m in result.trace if m.assignment == grid.default and m.complete)
         committed[family] = reps[result.best]
+        oracle._inputs.clear()
         reports.append(FamilyReport(family, result.grid_size, result.measured, default_cost, result.cost,
                                     dict(result.best)))
     return committed, reports
