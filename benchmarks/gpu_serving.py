@@ -8,6 +8,9 @@ Workloads (request counts at --scale 1, the default 0.5 halves them; --workloads
   the same documents at each load, Poisson at 0.25, 0.5 and 1.0 x stock's peak on them.
 - closed-c1, closed-c8: prompts of 128-1024 tokens, 128 output tokens; 16 requests at concurrency 1 and 64
   at 8 (the first 16 are the same requests).
+With --tune (and no --tuned-tuple), detent-tuned commits one tuple per kind of workload (sharegpt, docs,
+closed), tuned first on a profiling sample of that kind drawn with another seed (`tune_first`), and serves
+each kind's workloads from an engine with that kind's tuple.
 Stock's peak (`measure_peak`): requests/s with every request queued at time 0 (the engine as full as
 max_num_seqs, its token budget and its KV blocks allow); on stock, measured first in the same run (on the
 first mode when stock is not run). Each run starts from a reset engine (cold prefix cache); one run each.
@@ -103,11 +106,12 @@ def make_plan(args: argparse.Namespace, space: TokenSpace) -> Plan:
         num_c1=count(16))
 
 
-def engine_config(args: argparse.Namespace, mode: str, max_model_len: int) -> EngineConfig:
+def engine_config(args: argparse.Namespace, mode: str, max_model_len: int, kind: str | None = None) -> EngineConfig:
     sizes = {**SIZES[args.device], **{k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                                          ("max_num_batched_tokens", args.max_num_batched_tokens),
                                                          ("num_kv_blocks", args.num_kv_blocks)) if v}}
-    committed = load_tuple(args.tuned_tuple) if mode == "detent-tuned" else None
+    tuned = getattr(args, "tuned_tuples", {}).get(kind) or args.tuned_tuple
+    committed = load_tuple(tuned) if mode == "detent-tuned" else None
     return EngineConfig(model=args.model or f"random:{args.shape}", device=args.device, dtype=args.dtype,
                         mode=MODES[mode], tuple=committed, cuda_graphs=not args.eager,
                         max_model_len=max_model_len, cache_dir=args.cache_dir, **sizes)
@@ -172,40 +176,53 @@ def invariance(results: dict[str, dict[str, RunResult]]) -> dict[str, dict[str, 
     return out
 
 
+KINDS = ("sharegpt", "docs", "closed")  # a tuple is committed per kind of workload
+
+
+def kind_of(workload_name: str) -> str:
+    return workload_name.split("-")[0]
+
+
 def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
-    """Tune detent's tuple on a profiling mix (other seeds than the timed workloads), budgeted and, with
-    --tune-exhaustive, exhaustively; write the budgeted tuple and point --tuned-tuple at it."""
+    """Tune detent's tuple per kind of workload on a profiling sample of that kind (another seed than the
+    timed workloads): budgeted and, with --tune-exhaustive, exhaustively (validation). Writes each kind's
+    budgeted tuple and returns {kind: report}; args.tuned_tuples maps kind -> tuple file."""
     from detent_audit.engine.tune import tune_engine
     from detent_audit.engine.tuples import save_tuple
 
     t0 = time.perf_counter()
     llm = LLM(engine_config(args, "detent-default", max_len))
     space = token_space_of(llm)
-    mix = [*sharegpt_like(600, seed=7, vocab=space, scale=args.scale).requests[:48],
-           *long_documents(4, prompt_tokens=args.doc_tokens, output_tokens=args.output_tokens, seed=7,
-                           vocab=space).requests,
-           *closed_loop(16, 8, prompt_tokens=(min(128, args.doc_tokens), min(1024, args.doc_tokens)),
-                        output_tokens=(args.output_tokens, args.output_tokens), seed=7, vocab=space).requests]
-    requests = [(f"profile-{i}", list(r.prompt_token_ids), sampling_params(r)) for i, r in enumerate(mix)]
-    info: dict = {"profiling_requests": len(requests)}
-    for mode in ("budgeted", "exhaustive") if args.tune_exhaustive else ("budgeted",):
-        llm.reset()
-        t1 = time.perf_counter()
-        committed, reports = tune_engine(llm, requests, mode=mode)
-        info[mode] = {"tuple": committed, "seconds": time.perf_counter() - t1,
-                      "families": [r.to_json() for r in reports]}
-        for r in reports:
-            print(f"tune {mode} {r.family}: measured {r.measured} of {r.grid_size} "
-                  f"({r.measured / r.grid_size:.0%}), predicted {r.default_cost * 1e3:.2f} -> "
-                  f"{r.tuned_cost * 1e3:.2f} ms, chosen {r.chosen}", flush=True)
-    if "exhaustive" in info:
-        for b, e in zip(info["budgeted"]["families"], info["exhaustive"]["families"]):
-            b["over_exhaustive"] = b["tuned_cost"] / e["tuned_cost"] if e["tuned_cost"] else 1.0
-            print(f"tune {b['family']}: budgeted / exhaustive optimum = {b['over_exhaustive']:.4f}", flush=True)
-    path = os.path.join(os.environ.get("OUT", "."), f"tuned_{shape}.msgpack")
-    save_tuple(info["budgeted"]["tuple"], path)
-    args.tuned_tuple = path
-    info["tuple_file"], info["wall_s"] = path, time.perf_counter() - t0
+    samples = {
+        "sharegpt": sharegpt_like(600, seed=7, vocab=space, scale=args.scale).requests[:48],
+        "docs": long_documents(4, prompt_tokens=args.doc_tokens, output_tokens=args.output_tokens, seed=7,
+                               vocab=space).requests,
+        "closed": closed_loop(16, 8, prompt_tokens=(min(128, args.doc_tokens), min(1024, args.doc_tokens)),
+                              output_tokens=(args.output_tokens, args.output_tokens), seed=7, vocab=space).requests}
+    info: dict = {}
+    args.tuned_tuples = {}
+    for kind, sample in samples.items():
+        requests = [(f"profile-{kind}-{i}", list(r.prompt_token_ids), sampling_params(r)) for i, r in enumerate(sample)]
+        info[kind] = {"profiling_requests": len(requests)}
+        for mode in ("budgeted", "exhaustive") if kind in args.tune_exhaustive.split(",") else ("budgeted",):
+            llm.reset()
+            t1 = time.perf_counter()
+            committed, reports = tune_engine(llm, requests, mode=mode)
+            info[kind][mode] = {"tuple": committed, "seconds": time.perf_counter() - t1,
+                                "families": [r.to_json() for r in reports]}
+            for r in reports:
+                print(f"tune {kind} {mode} {r.family}: measured {r.measured} of {r.grid_size} "
+                      f"({r.measured / r.grid_size:.0%}; {r.distinct_launches} distinct launches), predicted {r.default_cost * 1e3:.2f} -> "
+                      f"{r.tuned_cost * 1e3:.2f} ms, chosen {r.chosen}", flush=True)
+        if "exhaustive" in info[kind]:
+            for b, e in zip(info[kind]["budgeted"]["families"], info[kind]["exhaustive"]["families"]):
+                b["over_exhaustive"] = b["tuned_cost"] / e["tuned_cost"] if e["tuned_cost"] else 1.0
+                print(f"tune {kind} {b['family']}: budgeted / exhaustive optimum = {b['over_exhaustive']:.4f}",
+                      flush=True)
+        path = os.path.join(os.environ.get("OUT", "."), f"tuned_{shape}_{kind}.msgpack")
+        save_tuple(info[kind]["budgeted"]["tuple"], path)
+        args.tuned_tuples[kind] = info[kind]["tuple_file"] = path
+    info["wall_s"] = time.perf_counter() - t0
     del llm
     gc.collect()
     if args.device == "cuda":
@@ -224,7 +241,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tune", action="store_true",
                     help="without --tuned-tuple: tune first (`detent-audit tune`'s search on a profiling mix of the "
                          "three workload kinds drawn with another seed), then serve detent-tuned with that tuple")
-    ap.add_argument("--tune-exhaustive", action="store_true", help="also run the exhaustive search (validation)")
+    ap.add_argument("--tune-exhaustive", default="", help="kinds (sharegpt,docs,closed) whose tuning also runs the "
+                                                            "exhaustive search, for validation")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
     ap.add_argument("--scale", type=float, default=0.5, help="request counts (and ShareGPT-like lengths); 1 = full")
     ap.add_argument("--doc-tokens", type=int, default=8192, help="long-document prompt length")
@@ -278,38 +296,45 @@ def main() -> int:
         if budget_left <= 0:
             skipped += [f"{mode}/{w}" for w in wanted]
             continue
-        t0 = time.perf_counter()
-        llm = LLM(engine_config(args, mode, max_len))
-        out.setdefault("engine", {k: getattr(llm.config, k) for k in (
-            "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "block_size",
-            "cuda_graphs", "dtype")})
-        warm_up(llm, plan, wanted)
-        if "peaks" not in out:  # stock's, or the first mode's without stock
-            if "sharegpt" in wanted:
-                peaks["sharegpt"] = measure_peak(llm, plan.sharegpt, args.peak_requests)
-            if any(w.startswith("docs-") for w in wanted):
-                peaks["docs"] = measure_peak(llm, plan.docs)
-            out["peaks"] = {"mode": mode, **{k: p.to_json() for k, p in peaks.items()},
-                            "load_fractions": {"sharegpt": args.sharegpt_load, "docs": list(LOAD_FRACTIONS)}}
-            print(f"peaks on {mode}: " + ", ".join(f"{k} {p.requests_per_s:.2f} req/s" for k, p in peaks.items()),
-                  flush=True)
-        print(f"{mode}: build, warm-up and peaks {time.perf_counter() - t0:.1f} s", flush=True)
         results[mode] = {}
-        for w in plan.workloads(peaks, args.sharegpt_load, wanted):
-            if budget_left <= 0:
-                skipped.append(f"{mode}/{w.name}")
+        # one engine per mode; detent-tuned with per-kind tuples: one per kind of workload, each with its tuple
+        per_kind = mode == "detent-tuned" and bool(getattr(args, "tuned_tuples", None))
+        groups = ([(k, [w for w in wanted if kind_of(w) == k]) for k in KINDS] if per_kind else [(None, wanted)])
+        for kind, names in groups:
+            if not names:
                 continue
-            r = run_workload(llm, w, admit_until=budget_left, progress=args.progress)
-            results[mode][w.name] = r
-            budget_left -= r.duration_s
-            lat = r.latency_per_output_token
-            print(f"{mode:>14} {w.name:>10}: {len(r.records)} requests ({r.num_dropped} dropped) in "
-                  f"{r.duration_s:.1f} s, p50 {lat.p50 * 1e3:.2f} ms/token, {r.throughput:.0f} tok/s, "
-                  f"cache hits {r.cached_fraction:.2f}", flush=True)
-        del llm
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+            t0 = time.perf_counter()
+            llm = LLM(engine_config(args, mode, max_len, kind))
+            out.setdefault("engine", {k: getattr(llm.config, k) for k in (
+                "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "block_size",
+                "cuda_graphs", "dtype")})
+            warm_up(llm, plan, names)
+            if "peaks" not in out:  # stock's, or the first mode's without stock
+                if "sharegpt" in wanted:
+                    peaks["sharegpt"] = measure_peak(llm, plan.sharegpt, args.peak_requests)
+                if any(w.startswith("docs-") for w in wanted):
+                    peaks["docs"] = measure_peak(llm, plan.docs)
+                out["peaks"] = {"mode": mode, **{k: p.to_json() for k, p in peaks.items()},
+                                "load_fractions": {"sharegpt": args.sharegpt_load, "docs": list(LOAD_FRACTIONS)}}
+                print(f"peaks on {mode}: " + ", ".join(f"{k} {p.requests_per_s:.2f} req/s"
+                                                       for k, p in peaks.items()), flush=True)
+            print(f"{mode}{f' ({kind})' if kind else ''}: build, warm-up and peaks {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+            for w in plan.workloads(peaks, args.sharegpt_load, names):
+                if budget_left <= 0:
+                    skipped.append(f"{mode}/{w.name}")
+                    continue
+                r = run_workload(llm, w, admit_until=budget_left, progress=args.progress)
+                results[mode][w.name] = r
+                budget_left -= r.duration_s
+                lat = r.latency_per_output_token
+                print(f"{mode:>14} {w.name:>10}: {len(r.records)} requests ({r.num_dropped} dropped) in "
+                      f"{r.duration_s:.1f} s, p50 {lat.p50 * 1e3:.2f} ms/token, {r.throughput:.0f} tok/s, "
+                      f"cache hits {r.cached_fraction:.2f}", flush=True)
+            del llm
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
     table, summary = report(results, base)
     checks = invariance(results)
     out.update(summary, results={m: {w: r.to_json() for w, r in per.items()} for m, per in results.items()},

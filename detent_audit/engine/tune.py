@@ -250,14 +250,32 @@ class Oracle:
         return lambda: paged_attention(q, k_cache, v_cache, cu, ctx, tables, d ** -0.5, cfg, plan=plan)
 
 
+def launch_classes(grid: FamilyGrid, workload: Workload) -> FamilyGrid:
+    """The grid reduced to one assignment per distinct set of launches on `workload` (GPU attention): a split
+    stride at or past a call's longest sequence launches that call exactly as no split does, so candidates
+    that differ only there run the same kernels on every recorded call and cost the same. Lossless: the
+    representative (the first in grid order, the default for its own class) is timed for all of them."""
+    def signature(a: Assignment) -> tuple:
+        stride = a["split_stride"]
+        longest = (max(c + q for c, q in call[0]) for call, _ in workload.calls)
+        return (a["kv_tile"], tuple(None if stride == 0 or stride >= n else stride for n in longest))
+
+    reps: dict[tuple, Assignment] = {signature(grid.default): grid.default}
+    for a in grid.legal:
+        reps.setdefault(signature(a), a)
+    legal = tuple(a for a in grid.legal if reps[signature(a)] == a)
+    return FamilyGrid(grid.family, grid.axes, legal, grid.default)
+
+
 @dataclass(frozen=True)
 class FamilyReport:
     family: str
-    grid_size: int
-    measured: int
+    grid_size: int              # the family's legal grid (distinct kernel parameters)
+    measured: int               # distinct assignments timed
     default_cost: float
     tuned_cost: float
     chosen: dict
+    distinct_launches: int = 0  # GPU attention: the grid's classes of identical launches on the workload
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -277,12 +295,17 @@ def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_frac
     for family, counter in sorted(calls.items()):
         grid, reps = family_grid(llm.selection.results[family], committed[family], device)
         workload = heaviest(family, counter)
-        result: TuneResult = search(grid, workload, lambda a, c, f=family: oracle(f, a, c), mode=mode,
-                                    budget_fraction=budget_fraction, seed=seed,
+        searched, fraction = grid, budget_fraction
+        if device != "cpu" and family == "embedded.attention":
+            # search the classes of identical launches; the budget stays a fraction of the whole grid
+            searched = launch_classes(grid, workload)
+            fraction = min(1.0, budget_fraction * len(grid.legal) / len(searched.legal))
+        result: TuneResult = search(searched, workload, lambda a, c, f=family: oracle(f, a, c), mode=mode,
+                                    budget_fraction=fraction, seed=seed,
                                     progress=(lambda m, lim, f=family: progress(f, m, lim)) if progress else None)
         default_cost = next(m.cost for m in result.trace if m.assignment == grid.default and m.complete)
         committed[family] = reps[result.best]
         oracle._inputs.clear()
-        reports.append(FamilyReport(family, result.grid_size, result.measured, default_cost, result.cost,
-                                    dict(result.best)))
+        reports.append(FamilyReport(family, len(grid.legal), result.measured, default_cost, result.cost,
+                                    dict(result.best), len(searched.legal)))
     return committed, reports

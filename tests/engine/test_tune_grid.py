@@ -1,0 +1,58 @@
+"""The tuner's GPU grid (no GPU needed: grids and launch classes are pure): the GEMM pin is a grid of one,
+attention's grid is the legal (KV tile, split stride) pairs the Triton kernel takes, and candidates that
+launch identically on every recorded call collapse to one representative, the default kept."""
+
+from __future__ import annotations
+
+import random
+
+from detent_audit.engine.config import NAMED_SHAPES
+from detent_audit.engine.kernel_select import engine_deployment, select_kernels
+from detent_audit.engine.tune import (
+    GPU_KV_TILES,
+    GPU_STRIDE_MAX,
+    GPU_STRIDE_STEP,
+    family_grid,
+    launch_classes,
+)
+from detent_audit.selection.tuner import Workload
+
+
+def _selection():
+    d = engine_deployment(NAMED_SHAPES["llama-3.1-8b"], dtype="bfloat16", num_threads=1, block_size=16,
+                          max_model_len=8320, max_num_seqs=32, max_num_batched_tokens=2048, prefix_caching=True)
+    return select_kernels("detent", d)
+
+
+def test_gpu_grids() -> None:
+    s = _selection()
+    attn, reps = family_grid(s.results["embedded.attention"], s.tuple["embedded.attention"], "cuda")
+    assert len(attn.legal) > 100
+    for a in attn.legal:
+        assert a["kv_tile"] in GPU_KV_TILES
+        assert a["split_stride"] % GPU_STRIDE_STEP == 0 and a["split_stride"] <= GPU_STRIDE_MAX
+        assert s.results["embedded.attention"].is_legal(reps[a])  # the tuple committed for it is legal
+    gemm, _ = family_grid(s.results["embedded.gemm"], s.tuple["embedded.gemm"], "cuda")
+    assert len(gemm.legal) == 1
+
+
+def test_launch_classes_merge_exactly_the_identical_launches() -> None:
+    s = _selection()
+    grid, _ = family_grid(s.results["embedded.attention"], s.tuple["embedded.attention"], "cuda")
+    rng = random.Random(5)
+    for _ in range(5):
+        calls = []
+        for _call in range(rng.randint(1, 6)):
+            seqs = tuple((rng.randint(0, 6000), rng.choice((1, 1, 64, 2048))) for _ in range(rng.randint(1, 8)))
+            calls.append(((seqs, 32, 8, 128, "torch.bfloat16"), rng.randint(1, 50)))
+        workload = Workload(tuple(calls))
+        longest = max(c + q for call, _ in calls for c, q in call[0])
+        reduced = launch_classes(grid, workload)
+        assert grid.default in reduced.legal and set(reduced.legal) <= set(grid.legal)
+        for tile in GPU_KV_TILES:
+            past = [a for a in reduced.legal if a["kv_tile"] == tile and a["split_stride"] >= longest]
+            assert len(past) <= 1 + (grid.default["kv_tile"] == tile)  # one class (and the default itself)
+            short = {a["split_stride"] for a in grid.legal if a["kv_tile"] == tile
+                     and 0 < a["split_stride"] < min(c + q for call, _ in calls for c, q in call[0])}
+            kept = {a["split_stride"] for a in reduced.legal if a["kv_tile"] == tile}
+            assert short <= kept  # a stride that splits every call is its own class
