@@ -1,0 +1,75 @@
+"""The tuner on the GPU, recorded for replay (issue 5): profile a workload kind on the engine, time every
+class of identical attention launches on every recorded call (the exhaustive search), run the budgeted search,
+and write every (assignment, call, seconds) the oracle measured, so the search can be studied offline on real
+H200 costs (`replay_oracle`).
+
+Usage (device): python3 benchmarks/gpu_tune.py [--shape llama-3.1-8b] [--kinds docs,closed]
+Writes $OUT/gpu_tune_<shape>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from detent_audit.bench.serving import sampling_params, token_space_of
+from detent_audit.bench.workloads import closed_loop, long_documents, sharegpt_like
+from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.engine.tune import Oracle, family_grid, heaviest, launch_classes, record_calls
+from detent_audit.selection.tuner import search
+
+FAMILY = "embedded.attention"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--kinds", default="docs,closed")
+    args = ap.parse_args()
+    llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode="detent",
+                           max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=16384, max_model_len=8320))
+    space = token_space_of(llm)
+    samples = {"sharegpt": sharegpt_like(600, seed=7, vocab=space, scale=0.25).requests[:48],
+               "docs": long_documents(4, prompt_tokens=8192, output_tokens=128, seed=7, vocab=space).requests,
+               "closed": closed_loop(16, 8, output_tokens=(128, 128), seed=7, vocab=space).requests}
+    out: dict = {"shape": args.shape, "kinds": {}}
+    for kind in args.kinds.split(","):
+        llm.reset()
+        requests = [(f"{kind}-{i}", list(r.prompt_token_ids), sampling_params(r)) for i, r in enumerate(samples[kind])]
+        calls = record_calls(llm, requests)
+        grid, _ = family_grid(llm.selection.results[FAMILY], llm.selection.tuple[FAMILY], "cuda")
+        workload = heaviest(FAMILY, calls[FAMILY])
+        reduced = launch_classes(grid, workload)
+        oracle = Oracle(0, "cuda")
+        log: list = []
+
+        def timed(a, call, oracle=oracle, log=log):
+            t = oracle(FAMILY, a, call)
+            log.append((dict(a), repr(call), t))
+            return t
+
+        t0 = time.perf_counter()
+        ex = search(reduced, workload, timed, mode="exhaustive")
+        t1 = time.perf_counter()
+        frac = min(1.0, 0.15 * len(grid.legal) / len(reduced.legal))
+        bu = search(reduced, workload, timed, mode="budgeted", budget_fraction=frac)
+        t2 = time.perf_counter()
+        out["kinds"][kind] = {
+            "grid": len(grid.legal), "classes": len(reduced.legal), "default": dict(grid.default),
+            "calls": [(repr(c), n) for c, n in workload.calls],
+            "exhaustive": {"best": dict(ex.best), "cost": ex.cost, "measured": ex.measured, "s": t1 - t0,
+                           "trace": [(dict(m.assignment), m.cost, m.complete) for m in ex.trace]},
+            "budgeted": {"best": dict(bu.best), "cost": bu.cost, "measured": bu.measured, "s": t2 - t1},
+            "log": log}
+        print(f"{kind}: grid {len(grid.legal)}, classes {len(reduced.legal)}; exhaustive {dict(ex.best)} "
+              f"{ex.cost * 1e3:.2f} ms ({t1 - t0:.0f} s); budgeted {dict(bu.best)} {bu.cost * 1e3:.2f} ms, "
+              f"measured {bu.measured} ({t2 - t1:.0f} s); ratio {bu.cost / ex.cost:.4f}", flush=True)
+        oracle._inputs.clear()
+    with open(os.path.join(os.environ.get("OUT", "."), f"gpu_tune_{args.shape}.json"), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()
