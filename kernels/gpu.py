@@ -48,6 +48,27 @@ def gemm_tile(m: int, n: int = 0, k: int = 0):
     return TritonGemmConfig(128, 256, 64, 8, 8, 3)
 
 
+def fa3_num_splits(num_kv_heads: int, heads_per_group: int, max_seqlen_q: int,
+                   max_seqlen_k: int, block_m: int, block_n: int, num_sms: int, max_splits: int = 128) -> int:
+    """FlashAttention-3's split count for a varlen call (hopper/flash_api.cpp get_num_splits and heuristics.h
+    num_splits_heuristic, as reference/selection-heuristics.md transcribes them): read from the batch.
+    What the `stock` mode uses, so its reduction order follows the batch the way FA3's does."""
+    num_n_blocks = -(-max_seqlen_k // block_n)
+    num_m_blocks = -(-(max_seqlen_q * heads_per_group) // block_m)
+    total_mblocks = num_kv_heads * num_m_blocks  # varlen: the batch counted as 1 (FA3's host-side bound)
+    if total_mblocks >= 0.8 * num_sms:
+        return 1
+    if num_n_blocks <= 4:
+        return 1
+    max_splits = min(max_splits, num_sms, num_n_blocks)
+    eff = []
+    for s in range(1, max_splits + 1):
+        waves = total_mblocks * s / num_sms
+        eff.append(waves / -(-waves // 1))
+    best = max(eff)
+    return next((s for s, e in enumerate(eff, 1) if e >= 0.85 * best), 1)
+
+
 @dataclass
 class GpuKernelSet:
     mode: str                                                # stock | det | detent
@@ -59,7 +80,7 @@ class GpuKernelSet:
     def attention_config(self, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, num_kv_heads: int,
                          heads_per_group: int):
         """The Triton attention config of a launch: selected (det/detent) or read from the batch (stock)."""
-        from detent_audit.kernels.triton_attention import TritonAttentionConfig, fa3_num_splits
+        from detent_audit.kernels.triton_attention import TritonAttentionConfig
 
         if self.select_attention is None:
             splits = fa3_num_splits(num_kv_heads, heads_per_group, max_seqlen_q, max_seqlen_k, 64,

@@ -122,16 +122,19 @@ def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Ma
 def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir: Any) -> Selection:
     """On a GPU, detent's attention selector is the same compiled embedded selector (called per launch), det
     is one split with a fixed tile, stock reads the batch (FA3's split heuristic, vLLM's MoE rule by M)."""
+    import torch
+
     from detent_audit.kernels.gpu import GpuKernelSet
 
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if mode == "stock":
-        return Selection(GpuKernelSet("stock", None), {}, {})  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("stock", None, num_sms=sms), {}, {})  # type: ignore[arg-type]
     moe = _gpu_moe_config(deployment)
     if mode == "det":
         det = AttentionParams(kv_tile=64, split_stride=0)
-        return Selection(GpuKernelSet("det", lambda **_: det, moe), {}, {})  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("det", lambda **_: det, moe, sms), {}, {})  # type: ignore[arg-type]
     cpu = select_kernels("detent", deployment, committed, cache_dir)
-    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, moe),  # type: ignore[arg-type]
+    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, moe, sms),  # type: ignore[arg-type]
                      cpu.tuple, cpu.results)
 
 
