@@ -33,7 +33,9 @@ from detent_audit.selection.compiler import SolveResult
 from detent_audit.selection.tuner import Assignment, FamilyGrid, TuneResult, Workload, search
 
 REPEATS = 3
-GPU_LAUNCHES = 10
+# GPU: single timings had heavy tails on the H200 (one in a hundred 10% off, the worst 2x: benchmarks/
+# replay_tune.py's data), and one outlier on a heavy call can steer the budgeted search away from the optimum
+GPU_WARMUP, GPU_REPEATS, GPU_LAUNCHES = 3, 5, 10
 MAX_CALLS = 48  # distinct calls timed per family: the heaviest (count x work); the rest rarely change the order
 
 
@@ -210,10 +212,11 @@ class Oracle:
         if family != "embedded.attention":
             return 0.0  # a grid of one (GPU_SAME_KERNEL): nothing to compare
         run = self._prepare_gpu_attention(a, call)
-        run()  # warm-up (Triton compiles a new tile here)
+        for _ in range(GPU_WARMUP):  # Triton compiles a new tile on the first; the clocks settle
+            run()
         torch.cuda.synchronize()
         times = []
-        for _ in range(REPEATS):
+        for _ in range(GPU_REPEATS):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(GPU_LAUNCHES):
