@@ -1,9 +1,12 @@
 """The tuner's budgeted search replayed on real GPU costs (issue 5): every (candidate, call) time that
 `benchmarks/gpu_tune.py` measured on the device is the oracle (median of its measurements), so the search can
 be run for many seeds on the CPU. Reports, per workload kind, the grid, its classes of identical launches,
-the exhaustive optimum and the budgeted search's cost over it for each seed.
+the exhaustive optimum and the budgeted search's true cost (the median costs) over it for each seed.
+`--noise-draws N`: each oracle call also multiplies the median by the median of N draws from the recorded
+spread (every measurement over its own pair's median): what a live search sees when each timing is the
+median of N independent measurements (N = 1: one measurement, as in the runs of section 10).
 
-Usage: python benchmarks/replay_tune.py [--seeds 40] [FILE]   (default: the H200 run of 2026-11-29)
+Usage: python benchmarks/replay_tune.py [--seeds 40] [--noise-draws N] [FILE]   (default: the H200 run of 2026-11-29)
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import argparse
 import ast
 import gzip
 import json
+import math
+import random
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -28,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("file", nargs="?", default=str(DEFAULT))
     ap.add_argument("--seeds", type=int, default=40)
+    ap.add_argument("--noise-draws", type=int, default=0, help="0: the median costs, no noise")
     args = ap.parse_args()
     opener = gzip.open if args.file.endswith(".gz") else open
     with opener(args.file, "rt") as f:
@@ -40,7 +46,7 @@ def main() -> None:
     family = "embedded.attention"
     grid, _ = family_grid(selection.results[family], selection.tuple[family], "cuda")
     print("| kind | grid | classes | budget | exhaustive optimum | default / optimum | budgeted / optimum: "
-          f"worst, median over {args.seeds} seeds | within 2% |\n|---|---|---|---|---|---|---|---|")
+          f"worst, median over {args.seeds} seeds (noise: {args.noise_draws or 'none'}) | within 2% |\n|---|---|---|---|---|---|---|---|")
     for kind, k in data["kinds"].items():
         times: dict[tuple, list[float]] = defaultdict(list)
         for a, call, t in k["log"]:
@@ -49,15 +55,25 @@ def main() -> None:
         reduced = launch_classes(grid, Workload(calls))
         keyed = Workload(tuple((repr(c), n) for c, n in calls))  # the log's keys
 
-        def oracle(a, call, times=times):
+        def median_cost(a, call, times=times):
             return statistics.median(times[(a["kv_tile"], a["split_stride"], call)])
 
-        exhaustive = search(reduced, keyed, oracle, mode="exhaustive")
+        spread = [t / statistics.median(v) for v in times.values() if len(v) > 1 for t in v]
+        exhaustive = search(reduced, keyed, median_cost, mode="exhaustive")
         fraction = min(1.0, 0.15 * len(grid.legal) / len(reduced.legal))
-        ratios = [search(reduced, keyed, oracle, mode="budgeted", budget_fraction=fraction, seed=s).cost
-                  / exhaustive.cost for s in range(args.seeds)]
+        ratios = []
+        for seed in range(args.seeds):
+            rng = random.Random(seed)
+
+            def oracle(a, call, rng=rng, spread=spread, cost=median_cost):
+                if not args.noise_draws:
+                    return cost(a, call)
+                return cost(a, call) * statistics.median(rng.choice(spread) for _ in range(args.noise_draws))
+
+            best = search(reduced, keyed, oracle, mode="budgeted", budget_fraction=fraction, seed=seed).best
+            ratios.append(math.fsum(n * median_cost(best, c) for c, n in keyed.calls) / exhaustive.cost)
         default = next(m.cost for m in exhaustive.trace if m.assignment == reduced.default)
-        budget = search(reduced, keyed, oracle, mode="budgeted", budget_fraction=fraction).measured
+        budget = search(reduced, keyed, median_cost, mode="budgeted", budget_fraction=fraction).measured
         print(f"| {kind} | {len(grid.legal)} | {len(reduced.legal)} | {budget} ({budget / len(grid.legal):.0%}) | "
               f"{dict(exhaustive.best)} {exhaustive.cost * 1e3:.1f} ms | {default / exhaustive.cost:.3f} | "
               f"{max(ratios):.4f}, {statistics.median(ratios):.4f} | {sum(r <= 1.02 for r in ratios)}/{len(ratios)} |")
