@@ -160,7 +160,8 @@ def tune(
     for col in ("family", "grid", "measured", "predicted (default)", "predicted (tuned)", "speed-up", "chosen"):
         table.add_column(col)
     for r in reports:
-        table.add_row(r.family, str(r.grid_size), f"{r.measured} ({r.measured / r.grid_size:.0%})",
+        classes = f" ({r.distinct_launches} launch classes)" if r.distinct_launches not in (0, r.grid_size) else ""
+        table.add_row(r.family, f"{r.grid_size}{classes}", f"{r.measured} ({r.measured / r.grid_size:.0%})",
                       f"{r.default_cost * 1e3:.1f} ms", f"{r.tuned_cost * 1e3:.1f} ms",
                       f"{r.default_cost / r.tuned_cost:.2f}x", json.dumps(r.chosen))
     Console(file=sys.stdout, width=150).print(table)
