@@ -143,7 +143,11 @@ def main() -> None:
                "m64n32s2048": ta.TritonAttentionConfig(64, 32, 2048, 4, 2),
                "m64n128s2048w8": ta.TritonAttentionConfig(64, 128, 2048, 8, 2),
                "m64n64s512": ta.TritonAttentionConfig(64, 64, 512, 4, 2),
-               "m128n64s2048w8": ta.TritonAttentionConfig(128, 64, 2048, 8, 2)}
+               "m128n64s2048w8": ta.TritonAttentionConfig(128, 64, 2048, 8, 2),
+               # streaming mode (splits folded in one program for prefill): small strides for decode
+               "stream-m64n64s2048": ta.TritonAttentionConfig(64, 64, 2048, 4, 2, streaming=True),
+               "stream-m64n64s512": ta.TritonAttentionConfig(64, 64, 512, 4, 2, streaming=True),
+               "stream-m64n64s512w8": ta.TritonAttentionConfig(64, 64, 512, 8, 2, streaming=True)}
     results = {"device": torch.cuda.get_device_name(), "invariance": {}, "timing": {}}
     for name, cfg in configs.items():
         results["invariance"][name] = invariance(cfg, [1, 17, 150, 700, 2500])

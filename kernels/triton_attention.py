@@ -28,16 +28,17 @@ class TritonAttentionConfig:
     split: int = 2048      # KV positions per split (a multiple of block_n); the pinned split stride
     num_warps: int = 4
     num_stages: int = 2
+    # streaming mode (not yet measured on a GPU, so off): splits folded one after another with explicit FMAs,
+    # in one program per tile when the launch has programs enough (prefill: no partials in memory), else in
+    # parallel programs and a streaming combine; the two give a row the same bits, so the choice per launch
+    # is harmless, and small split strides stop costing prefill (the tuner can pick them for decode)
+    streaming: bool = False
 
 
 @triton.jit
-def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
-                  o_ptr, m_ptr, l_ptr, out_ptr, scale, stride_bt, num_rows, page_size, SPLIT,
-                  H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
-    tile = tl.program_id(0)
-    hk = tl.program_id(1)                    # one KV head; its G query heads are packed into the tile's rows
-    sp = tl.program_id(2)
+def _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk,
+               H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A tile's packed rows: row j = (query row j // G, head hk * G + j % G); their queries and positions."""
     s = tl.load(tile_seq_ptr + tile)
     row0 = tl.load(tile_row_ptr + tile)      # first query row of this tile (global row index)
     n_rows = tl.load(tile_len_ptr + tile)    # at most BLOCK_M // G query rows
@@ -45,7 +46,7 @@ def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_
     seq_row0 = tl.load(cu_ptr + s)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
-    qi = offs_m // G                         # packed row j = (query row j // G, head hk * G + j % G)
+    qi = offs_m // G
     heads = hk * G + offs_m % G
     row_ok = qi < n_rows
     rows = row0 + qi
@@ -53,12 +54,19 @@ def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_
     max_pos = ctx + (row0 + n_rows - 1 - seq_row0)
     q = tl.load(q_ptr + (rows[:, None] * H + heads[:, None]) * D + offs_d[None, :], mask=row_ok[:, None],
                 other=0.0)
+    return s, rows, heads, pos, row_ok, max_pos, q
+
+
+@triton.jit
+def _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, max_pos, start, end, scale,
+                   HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One split's unnormalised partial (m, l, acc) of each packed row over KV [start, end), an fp32 online
+    softmax in BLOCK_N tiles aligned to absolute positions."""
+    offs_d = tl.arange(0, D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    start = sp * SPLIT
-    end = tl.minimum(start + SPLIT, max_pos + 1)
-    for kv0 in range(start, end, BLOCK_N):   # tiles aligned to absolute positions
+    for kv0 in range(start, end, BLOCK_N):
         kv = kv0 + tl.arange(0, BLOCK_N)
         kv_ok = kv <= max_pos
         blk = tl.load(bt_ptr + s * stride_bt + kv // page_size, mask=kv_ok, other=0)
@@ -75,6 +83,34 @@ def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _fold(M, L, ACC, m, lsum, acc):
+    """Fold the next split's partial into the running (M, L, ACC), in split order. Explicit FMAs: every
+    kernel that folds (the streaming combine, the in-program fold) rounds alike. An empty split (m = -inf,
+    l = 0, acc = 0) is an exact no-op; split 0 is never empty for a real row (it holds position 0)."""
+    m_new = tl.maximum(M, m)
+    a = tl.exp(M - m_new)
+    b = tl.exp(m - m_new)
+    return m_new, tl.fma(L, a, lsum * b), tl.fma(ACC, a[:, None], acc * b[:, None])
+
+
+@triton.jit
+def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
+                  o_ptr, m_ptr, l_ptr, out_ptr, scale, stride_bt, num_rows, page_size, SPLIT,
+                  H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
+    tile = tl.program_id(0)
+    hk = tl.program_id(1)                    # one KV head; its G query heads are packed into the tile's rows
+    sp = tl.program_id(2)
+    s, rows, heads, pos, row_ok, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr,
+                                                         ctx_ptr, tile, hk, H, D, G, BLOCK_M)
+    start = sp * SPLIT
+    m_i, l_i, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, max_pos,
+                                   start, tl.minimum(start + SPLIT, max_pos + 1), scale, HKV, D, BLOCK_M, BLOCK_N)
+    offs_d = tl.arange(0, D)
     if DIRECT:
         # one split: the combine of one partial is num / den with weight exp(0) = 1, so normalising here
         # gives the combine's bits (an empty split in a longer step adds exact zeros to both)
@@ -86,6 +122,46 @@ def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_
         tl.store(o_ptr + out[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(m_ptr + out, m_i, mask=row_ok)
         tl.store(l_ptr + out, l_i, mask=row_ok)
+
+
+@triton.jit
+def _attn_folded(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, out_ptr,
+                 scale, stride_bt, page_size, SPLIT, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Streaming mode, one program per (tile, KV head) over all its splits: each split's partial computed as
+    `_attn_partial` computes it, folded in split order as `_attn_fold_combine` folds the stored partials.
+    No partials in memory, no second launch: for tiles with many query rows (prefill)."""
+    tile = tl.program_id(0)
+    hk = tl.program_id(1)
+    s, rows, heads, pos, row_ok, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr,
+                                                         ctx_ptr, tile, hk, H, D, G, BLOCK_M)
+    M, L, ACC = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, max_pos,
+                               0, tl.minimum(SPLIT, max_pos + 1), scale, HKV, D, BLOCK_M, BLOCK_N)
+    for start in range(SPLIT, max_pos + 1, SPLIT):
+        m, l_, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, max_pos,
+                                    start, tl.minimum(start + SPLIT, max_pos + 1), scale, HKV, D, BLOCK_M,
+                                    BLOCK_N)
+        M, L, ACC = _fold(M, L, ACC, m, l_, acc)
+    offs_d = tl.arange(0, D)
+    out = (rows * H + heads)[:, None] * D + offs_d[None, :]
+    tl.store(out_ptr + out, (ACC / L[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _attn_fold_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.constexpr, D: tl.constexpr):
+    """Streaming mode's combine of stored partials: split 0, then `_fold` of each next split, in order."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, D)
+    idx = r * H + h + tl.zeros([1], tl.int32)
+    M = tl.load(m_ptr + idx)
+    L = tl.load(l_ptr + idx)
+    ACC = tl.load(o_ptr + idx[:, None] * D + offs_d[None, :])         # [1, D]
+    for sp in range(1, num_splits):
+        idx = (sp * num_rows + r) * H + h + tl.zeros([1], tl.int32)
+        M, L, ACC = _fold(M, L, ACC, tl.load(m_ptr + idx), tl.load(l_ptr + idx),
+                          tl.load(o_ptr + idx[:, None] * D + offs_d[None, :]))
+    tl.store(out_ptr + (r * H + h) * D + offs_d[None, :], (ACC / L[:, None]).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -105,6 +181,9 @@ def _attn_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.cons
         num += tl.load(o_ptr + idx * D + offs_d) * w
         den += tl.load(l_ptr + idx + tl.zeros([1], tl.int32)) * w
     tl.store(out_ptr + (r * H + h) * D + offs_d, (num / den).to(out_ptr.dtype.element_ty))
+
+
+IN_PROGRAM_MIN_PROGRAMS = 264  # streaming: fold in one program per tile once the launch has 2 per SM (H200)
 
 
 @dataclass(frozen=True)
@@ -157,19 +236,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_splits = plan.num_splits
     out = torch.empty_like(q)
     direct = num_splits == 1
+    bt = plan.block_tables
+    if config.streaming and (direct or plan.num_tiles * hkv >= IN_PROGRAM_MIN_PROGRAMS):
+        _attn_folded[(plan.num_tiles, hkv)](
+            q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len, plan.cu,
+            plan.context_lens, out, scale, bt.stride(0), page, config.split, H=h, HKV=hkv, D=d, G=h // hkv,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+            num_stages=config.num_stages)
+        return out
     if direct:
         o = m = l_ = out  # unused
     else:
         o = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=dev)
         m = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
         l_ = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
-    bt = plan.block_tables
     _attn_partial[(plan.num_tiles, hkv, num_splits)](
         q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len,
         plan.cu, plan.context_lens, o, m, l_, out, scale, bt.stride(0), t,
         page, config.split, H=h, HKV=hkv, D=d, G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DIRECT=direct, num_warps=config.num_warps, num_stages=config.num_stages)
     if not direct:
-        _attn_combine[(t, h)](o, m, l_, out, t, num_splits, H=h, D=d)
+        combine = _attn_fold_combine if config.streaming else _attn_combine
+        combine[(t, h)](o, m, l_, out, t, num_splits, H=h, D=d)
     return out
-

@@ -63,3 +63,24 @@ def test_token_bits_do_not_depend_on_chunking_decode_or_neighbours(cfg) -> None:
     ref = torch.nn.functional.scaled_dot_product_attention(q[s].float().transpose(0, 1), kk, vv, is_causal=True)
     err = ((alone[s].float() - ref.transpose(0, 1)).norm() / ref.norm()).item()
     assert err < 1e-2
+
+
+@pytest.mark.parametrize("cfg", [ta.TritonAttentionConfig(64, 64, 256, 4, 2, streaming=True),
+                                 ta.TritonAttentionConfig(64, 32, 64, 8, 2, streaming=True)])
+def test_streaming_mode_folds_alike_in_one_program_and_across_programs(cfg, monkeypatch) -> None:
+    """Streaming mode: a tile's splits folded in one program (prefill) and split programs folded by the
+    streaming combine (decode) give the same bits; so does every chunking and batching."""
+    lens = [1, 40, 300, 777]
+    k, v, tables, q = _setup(lens, seed=5)
+    n = len(lens)
+    runs = []
+    for threshold in (0, 1 << 30):  # always in one program per tile; never
+        monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", threshold)
+        runs.append(_run(k, v, tables, q, list(range(n)), [0] * n, lens, cfg))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    monkeypatch.undo()
+    for s in range(n):
+        alone = _run(k, v, tables, q, [s], [0], [lens[s]], cfg)[0]
+        assert torch.equal(alone, runs[0][s])
+        last = _run(k, v, tables, q, [s], [lens[s] - 1], [lens[s]], cfg)[0]
+        assert torch.equal(last, alone[-1:])
