@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--tuple", default=None, help="detent's committed tuple (JSON/msgpack); default: the preferred")
     ap.add_argument("--battery-modes", default=None, help="modes that run the battery (default: all)")
     ap.add_argument("--no-graph-check", action="store_true", help="skip the graph-against-eager comparison")
+    ap.add_argument("--attention-streaming", action="store_true", help="det/detent: the attention's streaming fold")
     args = ap.parse_args()
     committed = load_tuple(args.tuple) if args.tuple else None
     battery_modes = (args.battery_modes or args.modes).split(",")
@@ -41,7 +42,8 @@ def main() -> None:
         llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode=mode,
                                max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
                                max_model_len=4096, cuda_graphs=not args.eager,
-                               tuple=committed if mode == "detent" else None))
+                               tuple=committed if mode == "detent" else None,
+                               attention_streaming=args.attention_streaming and mode != "stock"))
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
         t0 = time.perf_counter()
         cells = run_battery(llm, seed=0) if mode in battery_modes else []
@@ -88,8 +90,8 @@ def main() -> None:
             graphed = llm.generate(prompts[:12], mixed)
             eager = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode=mode,
                                      max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
-                                     max_model_len=4096, cuda_graphs=False,
-                                     tuple=committed)).generate(prompts[:12], mixed)
+                                     max_model_len=4096, cuda_graphs=False, tuple=committed,
+                                     attention_streaming=args.attention_streaming)).generate(prompts[:12], mixed)
             out["modes"][mode]["graph==eager"] = all(
                 a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in zip(graphed, eager))
             print("graph == eager:", out["modes"][mode]["graph==eager"], flush=True)

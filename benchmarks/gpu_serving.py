@@ -114,6 +114,7 @@ def engine_config(args: argparse.Namespace, mode: str, max_model_len: int, kind:
     committed = load_tuple(tuned) if mode == "detent-tuned" else None
     return EngineConfig(model=args.model or f"random:{args.shape}", device=args.device, dtype=args.dtype,
                         mode=MODES[mode], tuple=committed, cuda_graphs=not args.eager,
+                        attention_streaming=args.attention_streaming and MODES[mode] != "stock",
                         max_model_len=max_model_len, cache_dir=args.cache_dir, **sizes)
 
 
@@ -255,6 +256,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the longest request")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--attention-streaming", action="store_true", help="det/detent: the attention's streaming fold")
     ap.add_argument("--cache-dir", default=None, help="the selectors' JIT cache")
     ap.add_argument("--progress", action="store_true", help="a progress bar per run")
     ap.add_argument("--json", default=None, help="default: $OUT/gpu_serving_<shape>.json")

@@ -75,6 +75,7 @@ class GpuKernelSet:
     select_attention: Callable[..., AttentionParams] | None  # det/detent: per launch (None: stock)
     moe_config: object | None = None                         # det/detent: the pinned TritonMoeConfig
     num_sms: int = 132
+    streaming: bool = False                                  # det/detent: the attention's streaming fold
     _plan: tuple | None = None                               # (metadata, config, plan) of the current step
 
     def attention_config(self, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, num_kv_heads: int,
@@ -89,7 +90,8 @@ class GpuKernelSet:
             split = STOCK_BLOCK_N * -(-n_blocks // splits) if splits > 1 else NO_SPLIT
             return TritonAttentionConfig(block_m=64, block_n=STOCK_BLOCK_N, split=split)
         p = self.select_attention(num_seqs=num_seqs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        return TritonAttentionConfig(block_m=64, block_n=p.kv_tile, split=p.split_stride or NO_SPLIT)
+        return TritonAttentionConfig(block_m=64, block_n=p.kv_tile, split=p.split_stride or NO_SPLIT,
+                                     streaming=self.streaming)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode == "stock":

@@ -30,7 +30,7 @@ except ModuleNotFoundError:  # Python < 3.11
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ENGINES = ("vllm", "sglang", "detent")
-ATTENTION_BACKENDS = ("fa3", "fa2", "flashinfer", "triton", "detent")
+ATTENTION_BACKENDS = ("fa3", "fa2", "flashinfer", "triton", "detent", "detent-streaming")
 # arch -> the compute capabilities it covers
 ARCH_CAPABILITIES = {"sm80": ("8.0", "8.6"), "sm89": ("8.9",), "sm90": ("9.0",), "sm100": ("10.0", "10.3"),
                      "sm120": ("12.0",), "cpu": ("cpu",)}
@@ -136,7 +136,7 @@ class EngineFacts:
 
     name: str                              # "vllm" | "sglang" | "detent"
     version: str
-    attention_backend: str                 # "fa3", "fa2", "flashinfer", "triton", "detent"
+    attention_backend: str                 # "fa3", "fa2", "flashinfer", "triton", "detent", "detent-streaming"
     uses_vllm_fa_fork: bool                # FlashAttention from vllm-project/flash-attention
     page_size: int                         # KV-cache tokens per page
     max_model_len: int
@@ -283,8 +283,9 @@ class Deployment:
               f"[model] max_position_embeddings ({m.max_position_embeddings})", section="engine")
         check(e.attention_backend != "fa3" or self.gpu.arch == "sm90",
               f"attention_backend 'fa3': FlashAttention-3 runs on sm90, not {self.gpu.arch}", section="engine")
-        check((e.name == "detent") == (e.attention_backend == "detent"), "attention_backend 'detent' is the "
-              "detent engine's own, and the detent engine uses no other", section="engine")
+        check((e.name == "detent") == e.attention_backend.startswith("detent"), "attention_backend 'detent' (and "
+              "'detent-streaming', its GPU kernel's streaming fold) is the detent engine's own, and the detent "
+              "engine uses no other", section="engine")
         check(self.gpu.arch != "cpu" or e.name == "detent", "name: only the detent engine runs on a CPU",
               section="engine")
         check(not self.tables.fused_moe or m.is_moe, "fused_moe: a fused-MoE table needs an MoE model",

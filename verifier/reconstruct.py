@@ -57,7 +57,8 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
         block_size=sched["block_size"], max_model_len=dep["max_model_len"], max_num_seqs=dep["max_num_seqs"],
         max_num_batched_tokens=sched["max_num_batched_tokens"],
         max_prefill_chunk=sched["max_prefill_chunk"] or None, prefix_caching=sched["prefix_caching"],
-        tuple=families if mode == "detent" else None, cache_dir=cache_dir)
+        tuple=families if mode == "detent" else None, cache_dir=cache_dir,
+        attention_streaming=dep.get("attention_backend") == "detent-streaming")
 
 
 def differing_fields(expected: Any, got: Any, prefix: str = "") -> list[str]:

@@ -36,7 +36,7 @@ EMBEDDED_PREFERENCES: dict[str, dict[str, Any]] = {
 
 def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, block_size: int,
                       max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                      prefix_caching: bool, name: str = "embedded") -> Deployment:
+                      prefix_caching: bool, name: str = "embedded", attention_backend: str = "detent") -> Deployment:
     """The embedded engine's deployment facts, in the shipped files' schema."""
     data = {
         "name": name, "description": "the embedded detent engine on a CPU",
@@ -50,7 +50,7 @@ def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, bloc
                   "dtype": dtype},
         "gpu": {"name": "cpu", "arch": "cpu", "compute_capability": "cpu", "num_sms": num_threads,
                 "memory_gib": 1, "fully_connected": False},
-        "engine": {"name": "detent", "version": __version__, "attention_backend": "detent",
+        "engine": {"name": "detent", "version": __version__, "attention_backend": attention_backend,
                    "uses_vllm_fa_fork": False, "page_size": block_size, "max_model_len": max_model_len,
                    "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                    "cuda_graph_capture_sizes": [], "full_cuda_graph": False,
@@ -127,14 +127,15 @@ def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir:
     from detent_audit.kernels.gpu import GpuKernelSet
 
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    streaming = deployment.engine.attention_backend == "detent-streaming"
     if mode == "stock":
         return Selection(GpuKernelSet("stock", None, num_sms=sms), {}, {})  # type: ignore[arg-type]
     moe = _gpu_moe_config(deployment)
     if mode == "det":
         det = AttentionParams(kv_tile=64, split_stride=0)
-        return Selection(GpuKernelSet("det", lambda **_: det, moe, sms), {}, {})  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("det", lambda **_: det, moe, sms, streaming), {}, {})  # type: ignore[arg-type]
     cpu = select_kernels("detent", deployment, committed, cache_dir)
-    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, moe, sms),  # type: ignore[arg-type]
+    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, moe, sms, streaming),  # type: ignore[arg-type]
                      cpu.tuple, cpu.results)
 
 

@@ -49,6 +49,7 @@ class EngineConfig:
     max_prefill_chunk: int | None = None
     prefix_caching: bool = True
     tuple: dict | None = None           # family -> axis -> value (detent mode); None: the preferred legal one
+    attention_streaming: bool = False   # GPU det/detent: the Triton attention's streaming fold (a fact)
     cache_dir: str | None = None        # JIT cache directory
 
     def __post_init__(self) -> None:
@@ -60,6 +61,8 @@ class EngineConfig:
             raise BadInput(f"device must be cpu or cuda, got {self.device!r}")
         if self.num_threads < 1:
             raise BadInput(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.attention_streaming and self.device != "cuda":
+            raise BadInput("attention_streaming is a mode of the GPU attention kernel", remedy="use device cuda")
         if self.tuple is not None and self.mode != "detent":
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
@@ -105,7 +108,8 @@ class LLM:
         self.deployment = engine_deployment(
             mc, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching)
+            max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
+            attention_backend="detent-streaming" if config.attention_streaming else "detent")
         self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir,
                                                    device=config.device)
         usable_blocks = config.num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)

@@ -1,0 +1,36 @@
+"""The GPU attention's streaming fold is a bit-relevant fact: it is refused off the GPU, it names the
+deployment's attention backend (so the deployment hash, and a receipt, carry it), and a verifier's
+reconstruction of the engine turns it back on."""
+
+from __future__ import annotations
+
+import pytest
+
+from detent_audit.engine.config import NAMED_SHAPES
+from detent_audit.engine.kernel_select import engine_deployment
+from detent_audit.engine.llm import EngineConfig
+from detent_audit.errors import BadInput
+from detent_audit.verifier.reconstruct import engine_config
+
+
+def _deployment(backend: str):
+    return engine_deployment(NAMED_SHAPES["llama-3.1-8b"], dtype="bfloat16", num_threads=1, block_size=16,
+                             max_model_len=4096, max_num_seqs=32, max_num_batched_tokens=2048, prefix_caching=True,
+                             attention_backend=backend)
+
+
+def test_streaming_is_refused_on_the_cpu() -> None:
+    with pytest.raises(BadInput, match="GPU attention"):
+        EngineConfig(device="cpu", attention_streaming=True)
+
+
+def test_streaming_is_a_deployment_fact_the_verifier_reads_back() -> None:
+    plain, streaming = _deployment("detent"), _deployment("detent-streaming")
+    assert plain.facts_hash() != streaming.facts_hash()
+    for dep, expected in ((plain, False), (streaming, True)):
+        facts = {"deployment": dep.to_canonical(), "checkpoint": {"generated": "random:llama-3.1-8b"},
+                 "scheduler": {"block_size": 16, "max_num_batched_tokens": 2048, "max_prefill_chunk": 0,
+                               "prefix_caching": True},
+                 "runtime": {"device": "NVIDIA H200 sm90", "dtype": "bfloat16", "num_threads": 1}}
+        config = engine_config(facts, {"mode": {"name": "detent"}}, None)
+        assert config.attention_streaming is expected and config.device == "cuda"
