@@ -4,7 +4,9 @@ Five launches and a few torch integer ops, none reading a value back to the host
 1. route: one program per row over its E logits (one block): fp32 softmax, top-k by k rounds of argmax
    with ties to the lowest expert id, optional renormalisation by the kept weights summed in slot order.
 2. moe_align: the (row, slot) entries sorted by expert, each expert's group padded to a multiple of
-   BLOCK_M; every array has its maximum size for M (never a data-dependent shape).
+   BLOCK_M; every array has its maximum size for M (never a data-dependent shape). One launch at decode
+   sizes, torch integer ops above; either way the same layout, and a row's bits do not depend on its place
+   in a block anyway (measured: benchmarks/gpu_moe.py, tests/kernels/test_gpu_moe.py).
 3. grouped GEMM with w13: one program per (BLOCK_M block of one expert, BLOCK_N tile); the whole K in
    BLOCK_K chunks in order, fp32 accumulator, no split-K; padded entries masked.
 4. silu_and_mul (rowlocal's rounding points: silu in fp32, cast, times up), then the grouped GEMM with w2.
@@ -112,9 +114,78 @@ def max_blocks(num_entries: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(padded, block_m)
 
 
+ALIGN_KERNEL_MAX_ENTRIES = 256  # up to this many (row, slot) entries (decode batches) one launch aligns them
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_valid_ptr, scratch_ptr, num_entries, num_experts,
+                  num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                  NUM_CHUNKS: tl.constexpr):
+    """One program aligns all entries (decode sizes): the same layout as the torch construction, in one
+    launch instead of ~16 (at batch 1 the launches, not the work, set the MoE's time)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    # (1) entries per expert, in chunks of CHUNK entries (one-hot sums)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for c in range(NUM_CHUNKS):
+        t = c * CHUNK + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + t, mask=t < num_entries, other=-1)
+        counts += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)                       # [E] inclusive
+    tl.store(scratch_ptr + offs_e, block_end - blocks, mask=offs_e < num_experts)  # each expert's first block
+    total = tl.sum(blocks, axis=0)
+    # (2) every slot padding first; then each entry at its expert's block start + its rank in the group
+    for b0 in range(0, num_blocks * BLOCK_M, CHUNK):
+        slots = b0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + slots, num_entries + tl.zeros([CHUNK], tl.int32), mask=slots < num_blocks * BLOCK_M)
+    tl.debug_barrier()
+    for c in range(NUM_CHUNKS):
+        t = c * CHUNK + tl.arange(0, CHUNK)
+        ok = t < num_entries
+        e = tl.load(ids_ptr + t, mask=ok, other=-1)
+        rank = tl.zeros([CHUNK], tl.int32)                      # earlier entries of the same expert
+        for c2 in range(NUM_CHUNKS):
+            t2 = c2 * CHUNK + tl.arange(0, CHUNK)
+            e2 = tl.load(ids_ptr + t2, mask=t2 < num_entries, other=-2)
+            rank += tl.sum(((e[:, None] == e2[None, :]) & (t2[None, :] < t[:, None])).to(tl.int32), axis=1)
+        start = tl.load(scratch_ptr + e, mask=ok, other=0)
+        tl.store(sorted_ptr + start * BLOCK_M + rank, t, mask=ok)
+    # (3) each block's expert: the experts whose blocks end at or before it, -1 past the last
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        ends = tl.where(offs_e < num_experts, block_end, 1 << 30)
+        owner = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(b < total, owner, -1), mask=b < num_blocks)
+    tl.store(num_valid_ptr + tl.arange(0, 1), total + tl.zeros([1], tl.int32))
+
+
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
     """ids: [M, k] int32 -> the entries grouped by expert (rows ascending within a group), each group padded
-    to a multiple of block_m. Torch integer ops only (exact), no host synchronisation, shapes set by M."""
+    to a multiple of block_m. No host synchronisation, shapes set by M: one Triton launch for up to
+    ALIGN_KERNEL_MAX_ENTRIES entries, torch integer ops above (the same layout; integers are exact)."""
+    num_entries = ids.numel()
+    if 0 < num_entries <= ALIGN_KERNEL_MAX_ENTRIES and num_experts <= 512:
+        return _align_small(ids, num_experts, block_m)
+    return _align_torch(ids, num_experts, block_m)
+
+
+def _align_small(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    num_entries = ids.numel()
+    dev = ids.device
+    blocks = max_blocks(num_entries, num_experts, block_m)
+    sorted_entries = torch.empty((blocks * block_m,), device=dev, dtype=torch.int32)
+    block_expert = torch.empty((blocks,), device=dev, dtype=torch.int32)
+    num_valid = torch.empty((1,), device=dev, dtype=torch.int32)
+    scratch = torch.empty((num_experts,), device=dev, dtype=torch.int32)
+    chunk = 32
+    _align_kernel[(1,)](ids.reshape(-1).to(torch.int32), sorted_entries, block_expert, num_valid, scratch,
+                        num_entries, num_experts, blocks, BLOCK_M=block_m,
+                        BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk,
+                        NUM_CHUNKS=triton.cdiv(num_entries, chunk), num_warps=4)
+    return MoeAlignment(sorted_entries, block_expert, num_valid)
+
+
+def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
     num_entries = ids.numel()
     dev = ids.device
     blocks = max_blocks(num_entries, num_experts, block_m)

@@ -24,6 +24,16 @@ interpreter = pytest.importorskip("triton.runtime.interpreter")
 triton_moe = pytest.importorskip("detent_audit.kernels.triton_moe")
 if not isinstance(triton_moe._route_kernel, interpreter.InterpretedFunction):
     pytest.skip("triton_moe was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+_original_patch = interpreter._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):
+    # numpy 2 refuses int() of a 1-element array, which runtime loop bounds are here: index by the element
+    _original_patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+interpreter._patch_lang_tensor = _patch_lang_tensor
 
 from detent_audit.kernels import moe  # noqa: E402
 from detent_audit.kernels.params import GemmParams, MoeParams  # noqa: E402
@@ -157,3 +167,15 @@ def test_shape_errors_and_empty() -> None:
         triton_moe.fused_moe(x, logits[:, :3], w13, w2, 2, True, CONFIGS[0])
     with pytest.raises(ValueError, match="power of two"):
         triton_moe.TritonMoeConfig(block_m=8)
+
+
+@pytest.mark.parametrize(("rows", "top_k", "experts", "block_m"),
+                         [(1, 8, 128, 64), (3, 2, 8, 16), (32, 8, 128, 16), (17, 4, 20, 32), (64, 4, 6, 16)])
+def test_the_one_launch_alignment_equals_the_torch_one(rows: int, top_k: int, experts: int, block_m: int) -> None:
+    g = torch.Generator().manual_seed(rows * experts + block_m)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)]).to(torch.int32)
+    assert ids.numel() <= triton_moe.ALIGN_KERNEL_MAX_ENTRIES
+    small = triton_moe._align_small(ids, experts, block_m)
+    reference = triton_moe._align_torch(ids, experts, block_m)
+    for a, b in zip(small, reference):
+        assert torch.equal(a.to(torch.int64), b.to(torch.int64))
