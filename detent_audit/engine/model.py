@@ -191,12 +191,19 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | SparseMoE = (SparseMoE(c, dtype, device) if c.is_moe_layer(layer)
                                      else MLP(c.hidden_size, c.intermediate_size, dtype, device))
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
-                rope: RopeCache, ks: KernelSet) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h, ks), positions, meta, kv_cache, rope, ks)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache, rope: RopeCache, ks: KernelSet
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it is added). The hidden state
+        is residual + x, added by the next norm (one launch on a GPU); the first layer gets residual None."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x, ks)
+        else:
+            normed, residual = ks.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        attn = self.self_attn(normed, positions, meta, kv_cache, rope, ks)
         norm = self.post_attention_layernorm
-        normed, h = ks.add_rms_norm(attn, h, norm.weight, norm.eps)  # h + attn, and its norm
-        return h + self.mlp(normed, ks)
+        normed, residual = ks.add_rms_norm(attn, residual, norm.weight, norm.eps)  # h + attn, and its norm
+        return self.mlp(normed, ks), residual
 
 
 class CausalLM(nn.Module):
@@ -227,10 +234,12 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] -> final-normed hidden states [T, H]; writes the tokens' K/V in place."""
         if self.rope is None:
             raise RuntimeError("CausalLM.build_rope(device) was not called after loading")
-        h = self.embed_tokens(input_ids)  # [T, H]
+        x, residual = self.embed_tokens(input_ids), None  # [T, H]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, positions, meta, kv_cache, self.rope, ks)
-        return self.norm(h, ks)
+            x, residual = layer(x, residual, positions, meta, kv_cache, self.rope, ks)
+        if residual is None:  # no layers
+            return self.norm(x, ks)
+        return ks.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor, ks: KernelSet) -> torch.Tensor:
         """hidden: [n, H] -> fp32 logits [n, V] (LM head tied to the embedding when the config says so)."""
