@@ -7,7 +7,7 @@ DEPLOYMENT ?= manifests/deployments/llama-3.1-70b-instruct-tp4-h100-sglang.toml
 DEMO := out/demo
 CLI := $(VENV)/bin/detent-audit
 
-.PHONY: demo solve test lint bench clean
+.PHONY: demo solve test test-triton lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,6 +30,14 @@ solve: $(VENV)/.installed
 
 test: $(VENV)/.installed lint
 	$(PY) -m pytest -p no:cacheprovider tests
+
+# the Triton kernels checked without a GPU (not in CI: it installs Triton): every kernel compiled for sm90
+# ahead of time, and the attention and MoE logic run in Triton's interpreter (each tier in its own process)
+test-triton: $(VENV)/.installed
+	$(PY) -m pip install -q "triton==3.6.0"
+	DETENT_TRITON_COMPILE=1 $(PY) -m pytest -q -p no:cacheprovider tests/kernels/test_triton_compile.py
+	DETENT_TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention_interpret.py
+	DETENT_TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe_interpret.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
