@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("file", nargs="?", default=str(DEFAULT))
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--noise-draws", type=int, default=0, help="0: the median costs, no noise")
+    ap.add_argument("--abandon", action="store_true",
+                    help="search(abandon=True): the CPU's early abandon (GPU tuning times every candidate fully)")
     args = ap.parse_args()
     opener = gzip.open if args.file.endswith(".gz") else open
     with opener(args.file, "rt") as f:
@@ -46,7 +48,7 @@ def main() -> None:
     family = "embedded.attention"
     grid, _ = family_grid(selection.results[family], selection.tuple[family], "cuda")
     print("| kind | grid | classes | budget | exhaustive optimum | default / optimum | budgeted / optimum: "
-          f"worst, median over {args.seeds} seeds (noise: {args.noise_draws or 'none'}) | within 2% |\n|---|---|---|---|---|---|---|---|")
+          f"worst, median over {args.seeds} seeds (noise: {args.noise_draws or 'none'}, abandon {args.abandon}) | within 2% |\n|---|---|---|---|---|---|---|---|")
     for kind, k in data["kinds"].items():
         times: dict[tuple, list[float]] = defaultdict(list)
         for a, call, t in k["log"]:
@@ -70,10 +72,12 @@ def main() -> None:
                     return cost(a, call)
                 return cost(a, call) * statistics.median(rng.choice(spread) for _ in range(args.noise_draws))
 
-            best = search(reduced, keyed, oracle, mode="budgeted", budget_fraction=fraction, seed=seed).best
+            best = search(reduced, keyed, oracle, mode="budgeted", budget_fraction=fraction, seed=seed,
+                          abandon=args.abandon).best
             ratios.append(math.fsum(n * median_cost(best, c) for c, n in keyed.calls) / exhaustive.cost)
         default = next(m.cost for m in exhaustive.trace if m.assignment == reduced.default)
-        budget = search(reduced, keyed, median_cost, mode="budgeted", budget_fraction=fraction).measured
+        budget = search(reduced, keyed, median_cost, mode="budgeted", budget_fraction=fraction,
+                        abandon=args.abandon).measured
         print(f"| {kind} | {len(grid.legal)} | {len(reduced.legal)} | {budget} ({budget / len(grid.legal):.0%}) | "
               f"{dict(exhaustive.best)} {exhaustive.cost * 1e3:.1f} ms | {default / exhaustive.cost:.3f} | "
               f"{max(ratios):.4f}, {statistics.median(ratios):.4f} | {sum(r <= 1.02 for r in ratios)}/{len(ratios)} |")
