@@ -28,8 +28,11 @@ class ScoreSpec:
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
-    """The token each row draws: row-local, seeded by (seed, position)."""
+    """The token each row draws: row-local, seeded by (seed, position). All-greedy steps take the argmax
+    without building the parameter tensors (what `sample` returns for them; no device round trips)."""
     dev = logits.device
+    if all(p.temperature == 0 for p in params):
+        return logits.argmax(dim=-1)
     return sampling_ops.sample(
         logits, torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
         torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
