@@ -102,21 +102,18 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    skip_negative: bool = True,
 ) -> None:
     """Store k, v: [T, Hkv, D] into the caches [num_blocks, block_size, Hkv, D] at slot_mapping [T].
 
     Mutates k_cache and v_cache in place (cast to the cache dtype). Tokens with a negative slot are skipped
-    (padding tokens, as in vLLM); `skip_negative=False` drops that check (a host sync a CUDA graph cannot
-    hold) where no slot is negative.
+    (padding tokens, as in vLLM).
     """
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise BadInput("the KV cache must be contiguous", remedy="allocate it with torch.empty/zeros")
     slot_mapping = slot_mapping.to(device=k.device, dtype=torch.int64)
-    if skip_negative:
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -134,14 +134,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: RopeCache, check_range: bool = True
-) -> RotatedQK:
-    """Rotate q: [T, H, D] and k: [T, Hkv, D] by their absolute positions [T] (fp32 math, cast back).
-
-    `check_range=False` skips the bounds check (a host sync a CUDA graph cannot hold) where the caller
-    guarantees the positions fit the table."""
-    if check_range and positions.numel() and int(positions.max()) >= cos_sin.max_positions:
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: RopeCache) -> RotatedQK:
+    """Rotate q: [T, H, D] and k: [T, Hkv, D] by their absolute positions [T] (fp32 math, cast back)."""
+    if positions.numel() and int(positions.max()) >= cos_sin.max_positions:
         raise BadInput(
             f"position {int(positions.max())} beyond the RoPE table ({cos_sin.max_positions})",
             remedy="build the RopeCache with max_positions >= the model's context length",
