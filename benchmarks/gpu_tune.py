@@ -27,9 +27,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--kinds", default="docs,closed")
+    ap.add_argument("--attention-streaming", action="store_true", help="tune the attention's streaming mode")
     args = ap.parse_args()
     llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode="detent",
-                           max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=16384, max_model_len=8320))
+                           max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=16384, max_model_len=8320,
+                           attention_streaming=args.attention_streaming))
     space = token_space_of(llm)
     samples = {"sharegpt": sharegpt_like(600, seed=7, vocab=space, scale=0.25).requests[:48],
                "docs": long_documents(4, prompt_tokens=8192, output_tokens=128, seed=7, vocab=space).requests,
@@ -42,7 +44,7 @@ def main() -> None:
         grid, _ = family_grid(llm.selection.results[FAMILY], llm.selection.tuple[FAMILY], "cuda")
         workload = heaviest(FAMILY, calls[FAMILY])
         reduced = launch_classes(grid, workload)
-        oracle = Oracle(0, "cuda")
+        oracle = Oracle(0, "cuda", args.attention_streaming)
         log: list = []
 
         def timed(a, call, oracle=oracle, log=log):
@@ -54,7 +56,7 @@ def main() -> None:
         ex = search(reduced, workload, timed, mode="exhaustive")
         t1 = time.perf_counter()
         frac = min(1.0, 0.15 * len(grid.legal) / len(reduced.legal))
-        bu = search(reduced, workload, timed, mode="budgeted", budget_fraction=frac)
+        bu = search(reduced, workload, timed, mode="budgeted", budget_fraction=frac, abandon=False)  # as tune does
         t2 = time.perf_counter()
         out["kinds"][kind] = {
             "grid": len(grid.legal), "classes": len(reduced.legal), "default": dict(grid.default),

@@ -159,6 +159,7 @@ class Oracle:
 
     seed: int = 0
     device: str = "cpu"
+    streaming: bool = False  # GPU: the attention's streaming fold (the engine's `attention_streaming`)
     _inputs: dict = field(default_factory=dict, repr=False)  # GPU: each call's synthetic inputs
 
     def __call__(self, family: str, a: Assignment, call: tuple) -> float:
@@ -248,7 +249,8 @@ class Oracle:
                 torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], dtype=torch.int32, device=self.device),
                 torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=self.device))
         q, k_cache, v_cache, tables, cu, ctx = self._inputs[call]
-        cfg = TritonAttentionConfig(block_m=64, block_n=a["kv_tile"], split=a["split_stride"] or NO_SPLIT)
+        cfg = TritonAttentionConfig(block_m=64, block_n=a["kv_tile"], split=a["split_stride"] or NO_SPLIT,
+                                    streaming=self.streaming)
         plan = plan_step(cu, ctx, tables, cfg, q.device, hq // hkv)
         return lambda: paged_attention(q, k_cache, v_cache, cu, ctx, tables, d ** -0.5, cfg, plan=plan)
 
@@ -292,7 +294,7 @@ def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_frac
         raise BadInput("tune commits a tuple for detent mode", remedy="use --mode detent")
     calls = record_calls(llm, requests)
     device = llm.config.device
-    oracle = Oracle(seed, device)
+    oracle = Oracle(seed, device, getattr(llm.selection.kernels, "streaming", False))
     committed = dict(llm.selection.tuple)
     reports = []
     for family, counter in sorted(calls.items()):
