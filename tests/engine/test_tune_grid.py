@@ -56,3 +56,42 @@ def test_launch_classes_merge_exactly_the_identical_launches() -> None:
                      and 0 < a["split_stride"] < min(c + q for call, _ in calls for c, q in call[0])}
             kept = {a["split_stride"] for a in reduced.legal if a["kv_tile"] == tile}
             assert short <= kept  # a stride that splits every call is its own class
+
+
+def test_gpu_tuning_searches_launch_classes_within_the_budget(monkeypatch) -> None:
+    """tune_engine's GPU path on a CPU engine, with the GPU timer replaced by a cost model whose optimum is
+    known: every attention candidate is timed on every call, at most 15% of the grid is measured, the
+    exhaustive search's optimum is found, and GEMM is a grid of one."""
+    import dataclasses
+    import math
+
+    from detent_audit.engine import tune
+    from detent_audit.engine.llm import LLM, EngineConfig
+    from detent_audit.engine.sampling_params import SamplingParams
+
+    def cost(self, family, a, call):
+        if family != "embedded.attention":
+            return 0.0
+        total = 0.0
+        for c, q in call[0]:
+            n = c + q
+            splits = -(-n // a["split_stride"]) if a["split_stride"] else 1
+            total += n / a["kv_tile"] * (1 + 0.3 * math.log2(a["kv_tile"])) / min(splits, 4) + 3 * splits
+        return total * 1e-6
+
+    monkeypatch.setattr(tune.Oracle, "_gpu_time", cost)
+    llm = LLM(EngineConfig(model="random:tiny-llama", max_model_len=1024, num_kv_blocks=512))
+    llm.config = dataclasses.replace(llm.config, device="cuda")  # the tuner's GPU path; the engine stays on the CPU
+    rng = random.Random(0)
+    requests = [(f"r{i}", [rng.randrange(5, 200) for _ in range(rng.randint(10, 600))],
+                 SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(12)]
+    _, budgeted = tune.tune_engine(llm, requests, mode="budgeted")
+    llm.reset()
+    _, exhaustive = tune.tune_engine(llm, requests, mode="exhaustive")
+    b = {r.family: r for r in budgeted}
+    e = {r.family: r for r in exhaustive}
+    attention = b["embedded.attention"]
+    assert attention.measured <= max(8, int(0.15 * attention.grid_size))
+    assert attention.distinct_launches < attention.grid_size
+    assert attention.tuned_cost <= e["embedded.attention"].tuned_cost * 1.02
+    assert b["embedded.gemm"].grid_size == 1
