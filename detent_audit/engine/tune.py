@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 import time
@@ -160,6 +161,7 @@ class Oracle:
     seed: int = 0
     device: str = "cpu"
     streaming: bool = False  # GPU: the attention's streaming fold (the engine's `attention_streaming`)
+    graphs: GraphShape | None = None  # GPU: decode steps replayed from CUDA graphs launch as those do
     _inputs: dict = field(default_factory=dict, repr=False)  # GPU: each call's synthetic inputs
 
     def __call__(self, family: str, a: Assignment, call: tuple) -> float:
@@ -208,7 +210,6 @@ class Oracle:
         p = AttentionParams(kv_tile=a["kv_tile"], split_stride=a["split_stride"])
         return lambda: attention_ops.paged_attention(q, k_cache, v_cache, meta, scale=d ** -0.5, params=p)
 
-
     def _gpu_time(self, family: str, a: Assignment, call: tuple) -> float:
         if family != "embedded.attention":
             return 0.0  # a grid of one (GPU_SAME_KERNEL): nothing to compare
@@ -252,17 +253,38 @@ class Oracle:
         cfg = TritonAttentionConfig(block_m=64, block_n=a["kv_tile"], split=a["split_stride"] or NO_SPLIT,
                                     streaming=self.streaming)
         plan = plan_step(cu, ctx, tables, cfg, q.device, hq // hkv)
+        if self.graphs is not None and self.graphs.replays(call):  # the graph's splits: the longest context's
+            plan = dataclasses.replace(plan, num_splits=-(-self.graphs.max_model_len // cfg.split))
         return lambda: paged_attention(q, k_cache, v_cache, cu, ctx, tables, d ** -0.5, cfg, plan=plan)
 
 
-def launch_classes(grid: FamilyGrid, workload: Workload) -> FamilyGrid:
+@dataclass(frozen=True)
+class GraphShape:
+    """How the engine's CUDA graphs launch a decode step: batches up to `max_batch`, every decode-only step,
+    with the attention splits of `max_model_len` (cuda_graphs.py), whatever the step's own contexts."""
+
+    max_model_len: int
+    max_batch: int
+
+    def replays(self, call: tuple) -> bool:
+        seqs = call[0]
+        return len(seqs) <= self.max_batch and all(q == 1 for _, q in seqs)
+
+
+def launch_classes(grid: FamilyGrid, workload: Workload, graphs: GraphShape | None = None) -> FamilyGrid:
     """The grid reduced to one assignment per distinct set of launches on `workload` (GPU attention): a split
-    stride at or past a call's longest sequence launches that call exactly as no split does, so candidates
-    that differ only there run the same kernels on every recorded call and cost the same. Lossless: the
-    representative (the first in grid order, the default for its own class) is timed for all of them."""
+    stride at or past a call's longest sequence (for a decode step a CUDA graph replays, the engine's longest
+    context) launches that call exactly as no split does, so candidates that differ only there run the same
+    kernels on every recorded call and cost the same. Lossless: the representative (the first in grid order,
+    the default for its own class) is timed for all of them."""
+    def longest_of(call: tuple) -> int:
+        if graphs is not None and graphs.replays(call):
+            return graphs.max_model_len
+        return max(c + q for c, q in call[0])
+
     def signature(a: Assignment) -> tuple:
         stride = a["split_stride"]
-        longest = (max(c + q for c, q in call[0]) for call, _ in workload.calls)
+        longest = (longest_of(call) for call, _ in workload.calls)
         return (a["kv_tile"], tuple(None if stride == 0 or stride >= n else stride for n in longest))
 
     reps: dict[tuple, Assignment] = {signature(grid.default): grid.default}
@@ -294,7 +316,9 @@ def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_frac
         raise BadInput("tune commits a tuple for detent mode", remedy="use --mode detent")
     calls = record_calls(llm, requests)
     device = llm.config.device
-    oracle = Oracle(seed, device, getattr(llm.selection.kernels, "streaming", False))
+    graphs = llm.runner.graphs
+    shape = GraphShape(graphs.max_model_len, max(graphs.sizes)) if graphs is not None else None
+    oracle = Oracle(seed, device, getattr(llm.selection.kernels, "streaming", False), shape)
     committed = dict(llm.selection.tuple)
     reports = []
     for family, counter in sorted(calls.items()):
@@ -303,7 +327,7 @@ def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_frac
         searched, fraction = grid, budget_fraction
         if device != "cpu" and family == "embedded.attention":
             # search the classes of identical launches; the budget stays a fraction of the whole grid
-            searched = launch_classes(grid, workload)
+            searched = launch_classes(grid, workload, shape)
             fraction = min(1.0, budget_fraction * len(grid.legal) / len(searched.legal))
         # on a GPU candidates are timed on every call (a noisy timer's abandoned estimates mislead the
         # surface: benchmarks/replay_tune.py); the CPU keeps the lossless early abandon

@@ -95,3 +95,21 @@ def test_gpu_tuning_searches_launch_classes_within_the_budget(monkeypatch) -> No
     assert attention.distinct_launches < attention.grid_size
     assert attention.tuned_cost <= e["embedded.attention"].tuned_cost * 1.02
     assert b["embedded.gemm"].grid_size == 1
+
+
+def test_graph_replayed_decode_steps_split_as_the_graph_does() -> None:
+    """A decode step a CUDA graph replays launches the splits of the engine's longest context, so strides
+    below it stay distinct even where the step's own sequences are short; prefill calls are unaffected."""
+    from detent_audit.engine.tune import GraphShape
+
+    s = _selection()
+    grid, _ = family_grid(s.results["embedded.attention"], s.tuple["embedded.attention"], "cuda")
+    decode_call = (((100, 1), (200, 1)), 32, 8, 128, "torch.bfloat16")
+    prefill_call = (((0, 300),), 32, 8, 128, "torch.bfloat16")
+    decode, prefill = Workload(((decode_call, 10),)), Workload(((prefill_call, 10),))
+    graphs = GraphShape(max_model_len=8320, max_batch=32)
+    eager, replayed = launch_classes(grid, decode), launch_classes(grid, decode, graphs)
+    assert len(eager.legal) == len(GPU_KV_TILES)  # every stride >= 201: one launch per tile
+    assert len(replayed.legal) > 10 * len(GPU_KV_TILES)  # strides below 8320 split the graph's launch
+    assert launch_classes(grid, prefill, graphs).legal == launch_classes(grid, prefill).legal
+    assert graphs.replays(decode.calls[0][0]) and not graphs.replays(prefill.calls[0][0])
