@@ -69,6 +69,15 @@ def fa3_num_splits(num_kv_heads: int, heads_per_group: int, max_seqlen_q: int,
     return next((s for s, e in enumerate(eff, 1) if e >= 0.85 * best), 1)
 
 
+def selected_attention_config(params: AttentionParams, streaming: bool = False):
+    """The Triton attention config of selected params (det/detent; the tuner's candidates): the KV tile and
+    split stride they name (0: one split), BLOCK_M 64 (16 changes the bits)."""
+    from detent_audit.kernels.triton_attention import TritonAttentionConfig
+
+    return TritonAttentionConfig(block_m=64, block_n=params.kv_tile, split=params.split_stride or NO_SPLIT,
+                                 streaming=streaming)
+
+
 @dataclass
 class GpuKernelSet:
     mode: str                                                # stock | det | detent
@@ -90,8 +99,7 @@ class GpuKernelSet:
             split = STOCK_BLOCK_N * -(-n_blocks // splits) if splits > 1 else NO_SPLIT
             return TritonAttentionConfig(block_m=64, block_n=STOCK_BLOCK_N, split=split)
         p = self.select_attention(num_seqs=num_seqs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        return TritonAttentionConfig(block_m=64, block_n=p.kv_tile, split=p.split_stride or NO_SPLIT,
-                                     streaming=self.streaming)
+        return selected_attention_config(p, self.streaming)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode == "stock":

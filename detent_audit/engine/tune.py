@@ -229,8 +229,8 @@ class Oracle:
         return statistics.median(times)
 
     def _prepare_gpu_attention(self, a: Assignment, call: tuple) -> Callable[[], Any]:
-        from detent_audit.kernels.gpu import NO_SPLIT
-        from detent_audit.kernels.triton_attention import TritonAttentionConfig, paged_attention, plan_step
+        from detent_audit.kernels.gpu import selected_attention_config
+        from detent_audit.kernels.triton_attention import paged_attention, plan_step
 
         seqs, hq, hkv, d, dtype = call
         if call not in self._inputs:  # a call's inputs serve every candidate
@@ -250,8 +250,8 @@ class Oracle:
                 torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], dtype=torch.int32, device=self.device),
                 torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=self.device))
         q, k_cache, v_cache, tables, cu, ctx = self._inputs[call]
-        cfg = TritonAttentionConfig(block_m=64, block_n=a["kv_tile"], split=a["split_stride"] or NO_SPLIT,
-                                    streaming=self.streaming)
+        cfg = selected_attention_config(AttentionParams(kv_tile=a["kv_tile"], split_stride=a["split_stride"]),
+                                        self.streaming)
         plan = plan_step(cu, ctx, tables, cfg, q.device, hq // hkv)
         if self.graphs is not None and self.graphs.replays(call):  # the graph's splits: the longest context's
             plan = dataclasses.replace(plan, num_splits=-(-self.graphs.max_model_len // cfg.split))
