@@ -48,3 +48,17 @@ def randn(gen: torch.Generator):
 def with_threads():
     """with_threads(n): the thread_count context manager, for tests that compare thread counts."""
     return thread_count
+
+
+@pytest.fixture
+def interpreter_loop_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's CPU interpreter under numpy 2: a loop bound loaded from memory is a 1-element array, which
+    int() refuses; index such tensors by their one element (the interpreter tiers' tests use this)."""
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)

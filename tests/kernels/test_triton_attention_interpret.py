@@ -17,18 +17,9 @@ import torch
 if os.environ.get("DETENT_TRITON_INTERPRET") != "1":
     pytest.skip("the Triton-interpreter tier is opt-in (DETENT_TRITON_INTERPRET=1)", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
-interpreter = pytest.importorskip("triton.runtime.interpreter")
+pytest.importorskip("triton.runtime.interpreter")
 
-_original_patch = interpreter._patch_lang_tensor
-
-
-def _patch_lang_tensor(tensor, scope):
-    # numpy 2 refuses int() of a 1-element array: loop bounds loaded from memory are such arrays here
-    _original_patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interpreter._patch_lang_tensor = _patch_lang_tensor
+pytestmark = pytest.mark.usefixtures("interpreter_loop_bounds")  # tests/kernels/conftest.py
 
 from detent_audit.kernels import triton_attention as ta  # noqa: E402
 

@@ -24,16 +24,7 @@ interpreter = pytest.importorskip("triton.runtime.interpreter")
 triton_moe = pytest.importorskip("detent_audit.kernels.triton_moe")
 if not isinstance(triton_moe._route_kernel, interpreter.InterpretedFunction):
     pytest.skip("triton_moe was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
-_original_patch = interpreter._patch_lang_tensor
-
-
-def _patch_lang_tensor(tensor, scope):
-    # numpy 2 refuses int() of a 1-element array, which runtime loop bounds are here: index by the element
-    _original_patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interpreter._patch_lang_tensor = _patch_lang_tensor
+pytestmark = pytest.mark.usefixtures("interpreter_loop_bounds")  # tests/kernels/conftest.py
 
 from detent_audit.kernels import moe  # noqa: E402
 from detent_audit.kernels.params import GemmParams, MoeParams  # noqa: E402
