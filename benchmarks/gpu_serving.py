@@ -48,14 +48,21 @@ from detent_audit.bench.serving import (
     LOAD_FRACTIONS,
     Peak,
     RunResult,
+    engine_requests,
     measure_peak,
     run_workload,
     same_outputs,
-    sampling_params,
     token_space_for,
     token_space_of,
 )
-from detent_audit.bench.workloads import TokenSpace, Workload, closed_loop, long_documents, sharegpt_like
+from detent_audit.bench.workloads import (
+    TokenSpace,
+    Workload,
+    closed_loop,
+    long_documents,
+    profiling_samples,
+    sharegpt_like,
+)
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.tuples import load_tuple
 
@@ -194,16 +201,12 @@ def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
     t0 = time.perf_counter()
     llm = LLM(engine_config(args, "detent-default", max_len))
     space = token_space_of(llm)
-    samples = {
-        "sharegpt": sharegpt_like(600, seed=7, vocab=space, scale=args.scale).requests[:48],
-        "docs": long_documents(4, prompt_tokens=args.doc_tokens, output_tokens=args.output_tokens, seed=7,
-                               vocab=space).requests,
-        "closed": closed_loop(16, 8, prompt_tokens=(min(128, args.doc_tokens), min(1024, args.doc_tokens)),
-                              output_tokens=(args.output_tokens, args.output_tokens), seed=7, vocab=space).requests}
+    samples = profiling_samples(space, scale=args.scale, doc_tokens=args.doc_tokens,
+                                output_tokens=args.output_tokens)
     info: dict = {}
     args.tuned_tuples = {}
     for kind, sample in samples.items():
-        requests = [(f"profile-{kind}-{i}", list(r.prompt_token_ids), sampling_params(r)) for i, r in enumerate(sample)]
+        requests = engine_requests(f"profile-{kind}", sample)
         info[kind] = {"profiling_requests": len(requests)}
         for mode in ("budgeted", "exhaustive") if kind in args.tune_exhaustive.split(",") else ("budgeted",):
             llm.reset()

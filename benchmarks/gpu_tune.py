@@ -14,10 +14,10 @@ import json
 import os
 import time
 
-from detent_audit.bench.serving import sampling_params, token_space_of
-from detent_audit.bench.workloads import closed_loop, long_documents, sharegpt_like
+from detent_audit.bench.serving import engine_requests, token_space_of
+from detent_audit.bench.workloads import profiling_samples
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.tune import Oracle, family_grid, heaviest, launch_classes, record_calls
+from detent_audit.engine.tune import Oracle, family_grid, graph_shape, heaviest, launch_classes, record_calls
 from detent_audit.selection.tuner import search
 
 FAMILY = "embedded.attention"
@@ -33,18 +33,18 @@ def main() -> None:
                            max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=16384, max_model_len=8320,
                            attention_streaming=args.attention_streaming))
     space = token_space_of(llm)
-    samples = {"sharegpt": sharegpt_like(600, seed=7, vocab=space, scale=0.25).requests[:48],
-               "docs": long_documents(4, prompt_tokens=8192, output_tokens=128, seed=7, vocab=space).requests,
-               "closed": closed_loop(16, 8, output_tokens=(128, 128), seed=7, vocab=space).requests}
-    out: dict = {"shape": args.shape, "kinds": {}}
+    samples = profiling_samples(space, scale=0.25, doc_tokens=8192, output_tokens=128)
+    shape = graph_shape(llm)
+    out: dict = {"shape": args.shape, "kinds": {},
+                 "graphs": [shape.max_model_len, shape.max_batch] if shape is not None else None}
     for kind in args.kinds.split(","):
         llm.reset()
-        requests = [(f"{kind}-{i}", list(r.prompt_token_ids), sampling_params(r)) for i, r in enumerate(samples[kind])]
+        requests = engine_requests(kind, samples[kind])
         calls = record_calls(llm, requests)
         grid, _ = family_grid(llm.selection.results[FAMILY], llm.selection.tuple[FAMILY], "cuda")
         workload = heaviest(FAMILY, calls[FAMILY])
-        reduced = launch_classes(grid, workload)
-        oracle = Oracle(0, "cuda", args.attention_streaming)
+        reduced = launch_classes(grid, workload, shape)  # as tune does
+        oracle = Oracle(0, "cuda", args.attention_streaming, shape)
         log: list = []
 
         def timed(a, call, oracle=oracle, log=log):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from detent_audit.engine.config import NAMED_SHAPES
 from detent_audit.engine.kernel_select import engine_deployment, select_kernels
-from detent_audit.engine.tune import family_grid, launch_classes
+from detent_audit.engine.tune import GraphShape, family_grid, launch_classes
 from detent_audit.selection.tuner import Workload, search
 
 DEFAULT = Path(__file__).parent / "results" / "h200-2026-11-29" / "gpu_tune_llama-3.1-8b.json.gz"
@@ -54,7 +54,9 @@ def main() -> None:
         for a, call, t in k["log"]:
             times[(a["kv_tile"], a["split_stride"], call)].append(t)
         calls = tuple((ast.literal_eval(c), n) for c, n in k["calls"])
-        reduced = launch_classes(grid, Workload(calls))
+        # the classes the device run timed: with the graphs' splits for replayed decode steps, if it modelled them
+        graphs = GraphShape(*data["graphs"]) if data.get("graphs") else None
+        reduced = launch_classes(grid, Workload(calls), graphs)
         keyed = Workload(tuple((repr(c), n) for c, n in calls))  # the log's keys
 
         def median_cost(a, call, times=times):

@@ -44,6 +44,11 @@ def sampling_params(request: Request) -> SamplingParams:
                           ignore_eos=request.ignore_eos)
 
 
+def engine_requests(name: str, requests: Iterable[Request]) -> list[tuple[str, list[int], SamplingParams]]:
+    """(request id, prompt token ids, sampling params) triples, as `LLM.add_request` and the tuner take them."""
+    return [(f"{name}-{i}", list(r.prompt_token_ids), sampling_params(r)) for i, r in enumerate(requests)]
+
+
 def ordinary_tokens(tokenizer: Tokenizer, config: ModelConfig) -> TokenSpace:
     """A model's ordinary token ids: below its vocabulary size, without the tokenizer's added (special)
     tokens and the BOS/EOS ids."""

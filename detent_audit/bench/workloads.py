@@ -294,3 +294,18 @@ def closed_loop(num_requests: int = 32, concurrency: int = 8, *, prompt_tokens: 
     params = dict(generator="closed_loop", num_requests=num_requests, prompt_tokens=list(prompt_tokens),
                   output_tokens=list(output_tokens), seed=seed, vocab=space.vocab, temperature=temperature)
     return Workload(f"closed-c{concurrency}", "closed", tuple(requests), concurrency, params)
+
+
+PROFILING_SEED = 7  # the tuner's profiling samples: another seed than any timed workload's
+
+
+def profiling_samples(vocab: int | TokenSpace, *, scale: float, doc_tokens: int, output_tokens: int,
+                      seed: int = PROFILING_SEED) -> dict[str, tuple[Request, ...]]:
+    """Per kind of workload (sharegpt, docs, closed), the requests `detent-audit tune` profiles before the
+    timed runs: 48 ShareGPT-like turns, 4 long documents, 16 closed-loop prompts."""
+    return {
+        "sharegpt": sharegpt_like(600, seed=seed, vocab=vocab, scale=scale).requests[:48],
+        "docs": long_documents(4, prompt_tokens=doc_tokens, output_tokens=output_tokens, seed=seed,
+                               vocab=vocab).requests,
+        "closed": closed_loop(16, 8, prompt_tokens=(min(128, doc_tokens), min(1024, doc_tokens)),
+                              output_tokens=(output_tokens, output_tokens), seed=seed, vocab=vocab).requests}

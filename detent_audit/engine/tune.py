@@ -271,6 +271,12 @@ class GraphShape:
         return len(seqs) <= self.max_batch and all(q == 1 for _, q in seqs)
 
 
+def graph_shape(llm: LLM) -> GraphShape | None:
+    """How `llm` replays decode steps (None: it does not)."""
+    graphs = llm.runner.graphs
+    return GraphShape(graphs.max_model_len, max(graphs.sizes)) if graphs is not None else None
+
+
 def launch_classes(grid: FamilyGrid, workload: Workload, graphs: GraphShape | None = None) -> FamilyGrid:
     """The grid reduced to one assignment per distinct set of launches on `workload` (GPU attention): a split
     stride at or past a call's longest sequence (for a decode step a CUDA graph replays, the engine's longest
@@ -316,8 +322,7 @@ def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_frac
         raise BadInput("tune commits a tuple for detent mode", remedy="use --mode detent")
     calls = record_calls(llm, requests)
     device = llm.config.device
-    graphs = llm.runner.graphs
-    shape = GraphShape(graphs.max_model_len, max(graphs.sizes)) if graphs is not None else None
+    shape = graph_shape(llm)
     oracle = Oracle(seed, device, getattr(llm.selection.kernels, "streaming", False), shape)
     committed = dict(llm.selection.tuple)
     reports = []
