@@ -8,26 +8,15 @@ Usage (device): python3 benchmarks/gpu_attention.py
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 import triton.testing
+from kernel_module import load_kernel
 
-
-def _load():
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "triton_attention.py")
-    spec = importlib.util.spec_from_file_location("triton_attention", here)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["triton_attention"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ta = _load()
+ta = load_kernel("triton_attention")
 H, HKV, D, PAGE = 32, 8, 128, 16
 DT = torch.bfloat16
 

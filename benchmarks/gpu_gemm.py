@@ -22,21 +22,9 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton.testing
+from kernel_module import load_kernel
 
-
-def _load_kernel_module():
-    """kernels/triton_gemm.py by path (it imports only torch and triton), so no install is needed there."""
-    import importlib.util
-
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "triton_gemm.py")
-    spec = importlib.util.spec_from_file_location("triton_gemm", here)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["triton_gemm"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-_tg = _load_kernel_module()
+_tg = load_kernel("triton_gemm")
 TritonGemmConfig, linear = _tg.TritonGemmConfig, _tg.linear
 
 SHAPES = {"qkv 4096->6144": (4096, 6144), "o 4096->4096": (4096, 4096), "gate_up 4096->28672": (4096, 28672),

@@ -19,27 +19,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 import triton.testing
+from kernel_module import load_kernel
 
-
-def _load_kernel_module():
-    """kernels/triton_moe.py by path (it imports only torch and triton), so no install is needed there."""
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "triton_moe.py")
-    spec = importlib.util.spec_from_file_location("triton_moe", here)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["triton_moe"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-tm = _load_kernel_module()
+tm = load_kernel("triton_moe")
 Cfg = tm.TritonMoeConfig
 E, TOP_K, H, INTER = 128, 8, 2048, 768
 MS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
