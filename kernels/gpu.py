@@ -15,6 +15,7 @@ selection, and its BLOCK_M stays 64 (16 changes the matrix instruction, and the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,11 +49,13 @@ def gemm_tile(m: int, n: int = 0, k: int = 0):
     return TritonGemmConfig(128, 256, 64, 8, 8, 3)
 
 
+@functools.lru_cache(maxsize=4096)
 def fa3_num_splits(num_kv_heads: int, heads_per_group: int, max_seqlen_q: int,
                    max_seqlen_k: int, block_m: int, block_n: int, num_sms: int, max_splits: int = 128) -> int:
     """FlashAttention-3's split count for a varlen call (hopper/flash_api.cpp get_num_splits and heuristics.h
     num_splits_heuristic, as reference/selection-heuristics.md transcribes them): read from the batch.
-    What the `stock` mode uses, so its reduction order follows the batch the way FA3's does."""
+    What the `stock` mode uses, so its reduction order follows the batch the way FA3's does. Memoised: every
+    layer of a step asks with the same arguments (FA3 computes it in C++; here a Python loop of up to 128)."""
     num_n_blocks = -(-max_seqlen_k // block_n)
     num_m_blocks = -(-(max_seqlen_q * heads_per_group) // block_m)
     total_mblocks = num_kv_heads * num_m_blocks  # varlen: the batch counted as 1 (FA3's host-side bound)
