@@ -288,9 +288,10 @@ def launch_classes(grid: FamilyGrid, workload: Workload, graphs: GraphShape | No
             return graphs.max_model_len
         return max(c + q for c, q in call[0])
 
+    longest = [longest_of(call) for call, _ in workload.calls]
+
     def signature(a: Assignment) -> tuple:
         stride = a["split_stride"]
-        longest = (longest_of(call) for call, _ in workload.calls)
         return (a["kv_tile"], tuple(None if stride == 0 or stride >= n else stride for n in longest))
 
     reps: dict[tuple, Assignment] = {signature(grid.default): grid.default}
