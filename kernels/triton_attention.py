@@ -4,7 +4,8 @@ A program owns one KV head, one split and a tile of BLOCK_M packed rows: BLOCK_M
 sequence times the G query heads that share the KV head (GQA packing: each KV tile is read once for the G
 heads; decode fills G of the rows). KV is read in tiles of BLOCK_N positions aligned to absolute positions,
 split at multiples of SPLIT (a pinned stride, aligned to absolute positions); each program runs an fp32
-online softmax and writes an unnormalised partial; a second kernel combines the partials of each row in
+online softmax (base 2, the scale folded into one FMA per score; tiles every row sees whole skip the masks)
+and writes an unnormalised partial; a second kernel combines the partials of each row in
 split order (with one split the first kernel normalises directly, which gives the same bits). A row's
 scores come from a matrix-unit dot whose rows are independent (the same tile shape in prefill and decode),
 fully masked tiles and empty splits are exact no-ops, so a token's output bits depend only on its own
@@ -38,7 +39,8 @@ class TritonAttentionConfig:
 @triton.jit
 def _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk,
                H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr):
-    """A tile's packed rows: row j = (query row j // G, head hk * G + j % G); their queries and positions."""
+    """A tile's packed rows: row j = (query row j // G, head hk * G + j % G); their queries and positions,
+    and the positions of the tile's first and last query rows."""
     s = tl.load(tile_seq_ptr + tile)
     row0 = tl.load(tile_row_ptr + tile)      # first query row of this tile (global row index)
     n_rows = tl.load(tile_len_ptr + tile)    # at most BLOCK_M // G query rows
@@ -51,38 +53,74 @@ def _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
     row_ok = qi < n_rows
     rows = row0 + qi
     pos = ctx + (rows - seq_row0)            # [BLOCK_M] absolute positions
-    max_pos = ctx + (row0 + n_rows - 1 - seq_row0)
+    min_pos = ctx + (row0 - seq_row0)
+    max_pos = min_pos + n_rows - 1
     q = tl.load(q_ptr + (rows[:, None] * H + heads[:, None]) * D + offs_d[None, :], mask=row_ok[:, None],
                 other=0.0)
-    return s, rows, heads, pos, row_ok, max_pos, q
+    return s, rows, heads, pos, row_ok, min_pos, max_pos, q
 
 
 @triton.jit
-def _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, max_pos, start, end, scale,
-                   HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One split's unnormalised partial (m, l, acc) of each packed row over KV [start, end), an fp32 online
-    softmax in BLOCK_N tiles aligned to absolute positions."""
+def _block_ids(bt_ptr, s, stride_bt, page_size, max_pos, kv0, BLOCK_N: tl.constexpr):
+    """The cache block of each KV position of the tile at kv0 (0 past the sequence's last position)."""
+    kv = kv0 + tl.arange(0, BLOCK_N)
+    return tl.load(bt_ptr + s * stride_bt + kv // page_size, mask=kv <= max_pos, other=0)
+
+
+@triton.jit
+def _kv_step(q, k_ptr, v_ptr, blk, page_size, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc, qk_scale,
+             HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over KV [kv0, kv0 + BLOCK_N), whose cache blocks are `blk`. State in the log2
+    domain: m is a row's running maximum of score * qk_scale (qk_scale = softmax scale * log2 e), and
+    p = exp2(fma(score, qk_scale, -m)). MASKED is the diagonal / last tile's path (causal and range masks);
+    an unmasked step is the masked one with every mask true, the same operations on the same values, so
+    which path a tile takes (it depends on the tile's other rows) never changes a row's bits."""
     offs_d = tl.arange(0, D)
+    kv = kv0 + tl.arange(0, BLOCK_N)
+    slot = (blk.to(tl.int64) * page_size + kv % page_size) * HKV + hk
+    if MASKED:
+        kv_ok = kv <= max_pos
+        k = tl.load(k_ptr + slot[:, None] * D + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * D + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + slot[:, None] * D + offs_d[None, :])
+        v = tl.load(v_ptr + slot[:, None] * D + offs_d[None, :])
+    scores = tl.dot(q, tl.trans(k))                                      # [BLOCK_M, BLOCK_N] fp32
+    if MASKED:
+        allowed = (kv[None, :] <= pos[:, None]) & row_ok[:, None]
+        scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # a row with nothing yet
+    p = tl.math.exp2(tl.fma(scores, qk_scale, -m_safe[:, None]))
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, min_pos, max_pos, start, end,
+                   qk_scale, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One split's unnormalised partial (m, l, acc) of each packed row over KV [start, end), an fp32 online
+    softmax in BLOCK_N tiles aligned to absolute positions, in order: first the tiles every row of the tile
+    sees whole (no masks), then the diagonal and last tiles (masked). Each step loads the next tile's block
+    ids, so a tile's K/V addresses never wait on a block-table read."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for kv0 in range(start, end, BLOCK_N):
-        kv = kv0 + tl.arange(0, BLOCK_N)
-        kv_ok = kv <= max_pos
-        blk = tl.load(bt_ptr + s * stride_bt + kv // page_size, mask=kv_ok, other=0)
-        slot = blk.to(tl.int64) * page_size + kv % page_size
-        k = tl.load(k_ptr + (slot[:, None] * HKV + hk) * D + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + (slot[:, None] * HKV + hk) * D + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale                          # [BLOCK_M, BLOCK_N] fp32
-        allowed = (kv[None, :] <= pos[:, None]) & row_ok[:, None]
-        scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)           # a row with nothing yet
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    full_end = tl.maximum(start, tl.minimum(end, (min_pos + 1) // BLOCK_N * BLOCK_N))
+    blk = _block_ids(bt_ptr, s, stride_bt, page_size, max_pos, start, BLOCK_N)
+    for kv0 in range(start, full_end, BLOCK_N):
+        nxt = _block_ids(bt_ptr, s, stride_bt, page_size, max_pos, kv0 + BLOCK_N, BLOCK_N)
+        m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, page_size, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc,
+                                 qk_scale, HKV, D, BLOCK_N, False)
+        blk = nxt
+    for kv0 in range(full_end, end, BLOCK_N):
+        nxt = _block_ids(bt_ptr, s, stride_bt, page_size, max_pos, kv0 + BLOCK_N, BLOCK_N)
+        m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, page_size, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc,
+                                 qk_scale, HKV, D, BLOCK_N, True)
+        blk = nxt
     return m_i, l_i, acc
 
 
@@ -92,24 +130,28 @@ def _fold(M, L, ACC, m, lsum, acc):
     kernel that folds (the streaming combine, the in-program fold) rounds alike. An empty split (m = -inf,
     l = 0, acc = 0) is an exact no-op; split 0 is never empty for a real row (it holds position 0)."""
     m_new = tl.maximum(M, m)
-    a = tl.exp(M - m_new)
-    b = tl.exp(m - m_new)
+    a = tl.math.exp2(M - m_new)
+    b = tl.math.exp2(m - m_new)
     return m_new, tl.fma(L, a, lsum * b), tl.fma(ACC, a[:, None], acc * b[:, None])
 
 
-@triton.jit
+# Integer arguments that change from step to step (block-table width, row count, split stride and count) are
+# not specialised on their values: Triton would compile a variant for 1 and one for multiples of 16, and a
+# compile in the middle of serving stalls every request in flight. The page size is a compile-time constant.
+@triton.jit(do_not_specialize=["stride_bt", "num_rows", "SPLIT"])
 def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
-                  o_ptr, m_ptr, l_ptr, out_ptr, scale, stride_bt, num_rows, page_size, SPLIT,
+                  o_ptr, m_ptr, l_ptr, out_ptr, qk_scale, stride_bt, num_rows, SPLIT, PAGE: tl.constexpr,
                   H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)   # a sequence's last (longest) tiles start first
     hk = tl.program_id(1)                    # one KV head; its G query heads are packed into the tile's rows
     sp = tl.program_id(2)
-    s, rows, heads, pos, row_ok, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr,
-                                                         ctx_ptr, tile, hk, H, D, G, BLOCK_M)
+    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr,
+                                                                  cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
     start = sp * SPLIT
-    m_i, l_i, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, max_pos,
-                                   start, tl.minimum(start + SPLIT, max_pos + 1), scale, HKV, D, BLOCK_M, BLOCK_N)
+    m_i, l_i, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, PAGE, hk, pos, row_ok, min_pos,
+                                   max_pos, start, tl.minimum(start + SPLIT, max_pos + 1), qk_scale, HKV, D, BLOCK_M,
+                                   BLOCK_N)
     offs_d = tl.arange(0, D)
     if DIRECT:
         # one split: the combine of one partial is num / den with weight exp(0) = 1, so normalising here
@@ -124,30 +166,30 @@ def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_
         tl.store(l_ptr + out, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "SPLIT"])
 def _attn_folded(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, out_ptr,
-                 scale, stride_bt, page_size, SPLIT, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                 qk_scale, stride_bt, SPLIT, PAGE: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                  G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Streaming mode, one program per (tile, KV head) over all its splits: each split's partial computed as
     `_attn_partial` computes it, folded in split order as `_attn_fold_combine` folds the stored partials.
     No partials in memory, no second launch: for tiles with many query rows (prefill)."""
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     hk = tl.program_id(1)
-    s, rows, heads, pos, row_ok, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr,
-                                                         ctx_ptr, tile, hk, H, D, G, BLOCK_M)
-    M, L, ACC = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, max_pos,
-                               0, tl.minimum(SPLIT, max_pos + 1), scale, HKV, D, BLOCK_M, BLOCK_N)
+    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr,
+                                                                  cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
+    M, L, ACC = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, PAGE, hk, pos, row_ok, min_pos, max_pos,
+                               0, tl.minimum(SPLIT, max_pos + 1), qk_scale, HKV, D, BLOCK_M, BLOCK_N)
     for start in range(SPLIT, max_pos + 1, SPLIT):
-        m, l_, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, max_pos,
-                                    start, tl.minimum(start + SPLIT, max_pos + 1), scale, HKV, D, BLOCK_M,
-                                    BLOCK_N)
+        m, l_, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, PAGE, hk, pos, row_ok, min_pos,
+                                    max_pos, start, tl.minimum(start + SPLIT, max_pos + 1), qk_scale, HKV, D,
+                                    BLOCK_M, BLOCK_N)
         M, L, ACC = _fold(M, L, ACC, m, l_, acc)
     offs_d = tl.arange(0, D)
     out = (rows * H + heads)[:, None] * D + offs_d[None, :]
     tl.store(out_ptr + out, (ACC / L[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_splits"])
 def _attn_fold_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.constexpr, D: tl.constexpr):
     """Streaming mode's combine of stored partials: split 0, then `_fold` of each next split, in order."""
     r = tl.program_id(0)
@@ -164,7 +206,7 @@ def _attn_fold_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl
     tl.store(out_ptr + (r * H + h) * D + offs_d[None, :], (ACC / L[:, None]).to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_splits"])
 def _attn_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.constexpr, D: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -177,12 +219,13 @@ def _attn_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.cons
     den = tl.zeros([1], tl.float32)
     for sp in range(0, num_splits):          # partials summed in split order; empty splits add exact zeros
         idx = (sp * num_rows + r) * H + h
-        w = tl.exp(tl.load(m_ptr + idx + tl.zeros([1], tl.int32)) - m_safe)
+        w = tl.math.exp2(tl.load(m_ptr + idx + tl.zeros([1], tl.int32)) - m_safe)
         num += tl.load(o_ptr + idx * D + offs_d) * w
         den += tl.load(l_ptr + idx + tl.zeros([1], tl.int32)) * w
     tl.store(out_ptr + (r * H + h) * D + offs_d, (num / den).to(out_ptr.dtype.element_ty))
 
 
+LOG2E = 1.4426950408889634
 IN_PROGRAM_MIN_PROGRAMS = 264  # streaming: fold in one program per tile once the launch has 2 per SM (H200)
 
 
@@ -232,6 +275,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     t, h, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     dev = q.device
+    qk_scale = scale * LOG2E  # the kernels' exponentials are base 2
     plan = plan or plan_step(cu_seqlens_q, context_lens, block_tables, config, dev, h // hkv)
     num_splits = plan.num_splits
     out = torch.empty_like(q)
@@ -240,7 +284,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if config.streaming and (direct or plan.num_tiles * hkv >= IN_PROGRAM_MIN_PROGRAMS):
         _attn_folded[(plan.num_tiles, hkv)](
             q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len, plan.cu,
-            plan.context_lens, out, scale, bt.stride(0), page, config.split, H=h, HKV=hkv, D=d, G=h // hkv,
+            plan.context_lens, out, qk_scale, bt.stride(0), config.split, PAGE=page, H=h, HKV=hkv, D=d, G=h // hkv,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
             num_stages=config.num_stages)
         return out
@@ -252,8 +296,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         l_ = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
     _attn_partial[(plan.num_tiles, hkv, num_splits)](
         q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len,
-        plan.cu, plan.context_lens, o, m, l_, out, scale, bt.stride(0), t,
-        page, config.split, H=h, HKV=hkv, D=d, G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        plan.cu, plan.context_lens, o, m, l_, out, qk_scale, bt.stride(0), t, config.split, PAGE=page, H=h, HKV=hkv, D=d, G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DIRECT=direct, num_warps=config.num_warps, num_stages=config.num_stages)
     if not direct:
         combine = _attn_fold_combine if config.streaming else _attn_combine

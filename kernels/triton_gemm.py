@@ -29,7 +29,7 @@ class TritonGemmConfig:
     num_stages: int = 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_programs"])  # they change per call: no compile per value class
 def _persistent_matmul(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, num_programs,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

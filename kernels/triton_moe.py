@@ -117,7 +117,7 @@ def max_blocks(num_entries: int, num_experts: int, block_m: int) -> int:
 ALIGN_KERNEL_MAX_ENTRIES = 256  # up to this many (row, slot) entries (decode batches) one launch aligns them
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries", "num_blocks"])
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_valid_ptr, scratch_ptr, num_entries, num_experts,
                   num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                   NUM_CHUNKS: tl.constexpr):
@@ -208,7 +208,7 @@ def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignm
     return MoeAlignment(sorted_entries, block_expert, num_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries", "num_blocks"])  # per-call counts: no compile per value class
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, entries_ptr, block_expert_ptr, num_entries, num_blocks, row_div,
                          stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
                          N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
