@@ -156,7 +156,8 @@ def _axes(family: str, effs: list) -> tuple[dict[str, tuple], list[dict]]:
 class Oracle:
     """Times one family's kernel on synthetic inputs of a recorded call's shape (median of REPEATS); on a GPU,
     the Triton kernel's launches alone (inputs and the step's plan built once, as a CUDA graph holds them),
-    timed with device events over GPU_LAUNCHES launches per repeat."""
+    timed with device events over GPU_LAUNCHES launches per repeat, replayed from a CUDA graph where the
+    engine replays the call's step from one."""
 
     seed: int = 0
     device: str = "cpu"
@@ -217,12 +218,24 @@ class Oracle:
         for _ in range(GPU_WARMUP):  # Triton compiles a new tile on the first; the clocks settle
             run()
         torch.cuda.synchronize()
+        graph = None
+        if self.graphs is not None and self.graphs.replays(call):
+            # the engine replays this step from a CUDA graph: time the replay, the GPU's work without Python's
+            # launch path (eager timing would charge a split's combine launch its host cost, which replay
+            # does not pay, and so favour one split)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(GPU_LAUNCHES):
+                    run()
         times = []
         for _ in range(GPU_REPEATS):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(GPU_LAUNCHES):
-                run()
+            if graph is not None:
+                graph.replay()
+            else:
+                for _ in range(GPU_LAUNCHES):
+                    run()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3 / GPU_LAUNCHES)
