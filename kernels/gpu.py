@@ -49,6 +49,16 @@ def gemm_tile(m: int, n: int = 0, k: int = 0):
     return TritonGemmConfig(128, 256, 64, 8, 8, 3)
 
 
+def moe_tile(m: int, e: int, h: int, inter: int, top_k: int):
+    """The fused-MoE tile for m rows: vLLM's default rule by M (`stock_config`), which stock and detent both
+    follow. Harmless for the bits, like the GEMM tile: on the H200 every tile field changed alone gives the
+    same bits (benchmarks/gpu_moe.py), and rows keep their bits across the rule's switch at M = E
+    (tests/kernels/test_gpu_moe.py). det keeps one fixed tile."""
+    from detent_audit.kernels.triton_moe import stock_config
+
+    return stock_config(m, e, h, inter, top_k)
+
+
 @functools.lru_cache(maxsize=4096)
 def fa3_num_splits(num_kv_heads: int, heads_per_group: int, max_seqlen_q: int,
                    max_seqlen_k: int, block_m: int, block_n: int, num_sms: int, max_splits: int = 128) -> int:
@@ -85,7 +95,7 @@ def selected_attention_config(params: AttentionParams, streaming: bool = False):
 class GpuKernelSet:
     mode: str                                                # stock | det | detent
     select_attention: Callable[..., AttentionParams] | None  # det/detent: per launch (None: stock)
-    moe_config: object | None = None                         # det/detent: the pinned TritonMoeConfig
+    moe_config: object | None = None                         # det: its one MoE tile (None: moe_tile by M)
     num_sms: int = 132
     streaming: bool = False                                  # det/detent: the attention's streaming fold
     _plan: tuple | None = None                               # (metadata, config, plan) of the current step
@@ -140,7 +150,7 @@ class GpuKernelSet:
         from detent_audit.kernels import triton_moe
 
         m, e, h, inter = x.shape[0], w13.shape[0], w13.shape[2], w2.shape[2]
-        config = self.moe_config if self.mode != "stock" else triton_moe.stock_config(m, e, h, inter, top_k)
+        config = self.moe_config or moe_tile(m, e, h, inter, top_k)
         return triton_moe.fused_moe(x, router_logits, w13, w2, top_k, renormalize, config)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

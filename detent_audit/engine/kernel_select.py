@@ -130,17 +130,18 @@ def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir:
     streaming = deployment.engine.attention_backend == "detent-streaming"
     if mode == "stock":
         return Selection(GpuKernelSet("stock", None, num_sms=sms), {}, {})  # type: ignore[arg-type]
-    moe = _gpu_moe_config(deployment)
     if mode == "det":
         det = AttentionParams(kv_tile=64, split_stride=0)
-        return Selection(GpuKernelSet("det", lambda **_: det, moe, sms, streaming), {}, {})  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), sms, streaming),  # type: ignore[arg-type]
+                         {}, {})
+    # detent's MoE tile follows M as stock's does (kernels.gpu.moe_tile): the tile does not change the bits
     cpu = select_kernels("detent", deployment, committed, cache_dir)
-    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, moe, sms, streaming),  # type: ignore[arg-type]
+    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, None, sms, streaming),  # type: ignore[arg-type]
                      cpu.tuple, cpu.results)
 
 
-def _gpu_moe_config(deployment: Deployment) -> Any:
-    """The fused-MoE tile of det and detent: one per deployment (the pinned row key), never from M."""
+def _det_moe_config(deployment: Deployment) -> Any:
+    """det's one fused-MoE tile, never from M (None without experts)."""
     if not deployment.model.num_experts:
         return None
     from detent_audit.kernels.triton_moe import TritonMoeConfig

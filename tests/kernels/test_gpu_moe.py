@@ -117,3 +117,25 @@ def test_stock_config_reads_the_batch_and_shapes_are_checked() -> None:
     assert triton_moe.fused_moe(x[:0], logits[:0], w13, w2, TOP_K, True, CONFIGS[0]).shape == (0, x.shape[1])
     with pytest.raises(ValueError, match="do not fit"):
         triton_moe.fused_moe(x, logits, w13, w2.transpose(1, 2), TOP_K, True, CONFIGS[0])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"E{s[0]}H{s[1]}I{s[2]}")
+def test_rows_keep_their_bits_when_the_tile_follows_m(shape) -> None:
+    """detent and stock take the MoE tile from M (kernels.gpu.moe_tile, vLLM's rule: another tile past M = E);
+    a row must keep its bits on both sides of the switch, alone and in any batch."""
+    from detent_audit.kernels.gpu import moe_tile
+
+    e = shape[0]
+    rows = 2 * e + 5
+    x, logits, w13, w2 = _problem(shape, rows, seed=7 * sum(shape))
+    assert moe_tile(1, e, shape[1], shape[2], TOP_K) != moe_tile(rows, e, shape[1], shape[2], TOP_K)
+
+    def run(m: int, perm=None):
+        xx, ll = (x[:m], logits[:m]) if perm is None else (x[perm], logits[perm])
+        return triton_moe.fused_moe(xx, ll, w13, w2, TOP_K, True, moe_tile(xx.shape[0], e, shape[1], shape[2], TOP_K))
+
+    full = run(rows)
+    for m in (1, 2, 7, e - 1, e, e + 1, rows - 1):
+        assert torch.equal(run(m), full[:m]), m
+    alone = torch.cat([run(1, torch.tensor([i], device="cuda")) for i in range(0, rows, 37)])
+    assert torch.equal(alone, full[0:rows:37])
