@@ -3,18 +3,21 @@ batch composition, accuracy against fp32, and speed against torch SDPA.
 
 A token's output must have the same bits whether its sequence is prefilled whole, in chunks, decoded one
 token at a time with the context cached, or run beside other sequences. Writes $OUT/gpu_attention.json.
-Usage (device): python3 benchmarks/gpu_attention.py
+Usage (device): python3 benchmarks/gpu_attention.py [--baseline FILE]
+  --baseline: another version of kernels/triton_attention.py (e.g. `git show REV:kernels/triton_attention.py`)
+  timed in the same run on the same inputs, as ratios of this version over it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 import torch
 import torch.nn.functional as F
 import triton.testing
-from kernel_module import load_kernel
+from kernel_module import load_kernel, load_kernel_file
 
 ta = load_kernel("triton_attention")
 H, HKV, D, PAGE = 32, 8, 128, 16
@@ -82,7 +85,7 @@ def invariance(cfg, lens: list[int]) -> dict:
     return res
 
 
-def _launch_only(c: Cache, seqs: list[int], starts: list[int], ends: list[int], cfg):
+def _launch_only(c: Cache, seqs: list[int], starts: list[int], ends: list[int], cfg, mod=ta):
     """A callable that runs only the kernels (inputs and the step's plan built once, as the engine's CUDA graphs
     hold them), so small decode batches time the GPU, not the host."""
     q = torch.cat([c.q[s][a:b] for s, a, b in zip(seqs, starts, ends)])
@@ -90,65 +93,86 @@ def _launch_only(c: Cache, seqs: list[int], starts: list[int], ends: list[int], 
     cu = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     ctx = torch.tensor(starts, dtype=torch.int32, device="cuda")
     tables = c.tables[seqs]
-    plan = ta.plan_step(cu, ctx, tables, cfg, q.device, H // HKV)
-    return lambda: ta.paged_attention(q, c.k, c.v, cu, ctx, tables, D ** -0.5, cfg, plan=plan)
+    plan = mod.plan_step(cu, ctx, tables, cfg, q.device, H // HKV)
+    return lambda: mod.paged_attention(q, c.k, c.v, cu, ctx, tables, D ** -0.5, cfg, plan=plan)
 
 
-def timings(cfg) -> dict:
+def _graph_bench(fn) -> float:
+    """Median ms of `fn` replayed from a CUDA graph, as the engine replays decode steps: a decode launch of a
+    few microseconds times the GPU, not Python's launch path."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def timings(cfg, mod=ta) -> dict:
+    """Decode launches timed replayed from CUDA graphs (as the engine runs them), prefill eagerly."""
     out = {}
     for b, n in ((64, 4096), (1, 1024), (1, 8192), (8, 4096)):  # decode: one query each
         lens = [n] * b
         c = Cache(lens, seed=2)
-        ours = triton.testing.do_bench(_launch_only(c, list(range(b)), [x - 1 for x in lens], lens, cfg),
-                                       warmup=25, rep=100, return_mode="median")
+        ours = _graph_bench(_launch_only(c, list(range(b)), [x - 1 for x in lens], lens, cfg, mod))
         kk = torch.stack([c.kv[s][0] for s in range(b)]).transpose(1, 2)  # [B, HKV, L, D] contiguous copies
         vv = torch.stack([c.kv[s][1] for s in range(b)]).transpose(1, 2)
         qq = torch.stack([c.q[s][-1:] for s in range(b)]).transpose(1, 2)  # [B, H, 1, D]
-        sdpa = triton.testing.do_bench(lambda qq=qq, kk=kk, vv=vv: F.scaled_dot_product_attention(
-            qq, kk, vv, enable_gqa=True), warmup=25, rep=100, return_mode="median")
+        sdpa = _graph_bench(lambda qq=qq, kk=kk, vv=vv: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True))
         out[f"decode {b}x{n}"] = {"ours_ms": ours, "sdpa_contiguous_ms": sdpa,
                                   "floor_ms": 2 * b * n * HKV * D * 2 / 4.28e12 * 1e3}
-    # prefill: 4 sequences of 4096 tokens
-    lens = [4096] * 4
-    c = Cache(lens, seed=3)
-    ours = triton.testing.do_bench(_launch_only(c, list(range(4)), [0] * 4, lens, cfg), warmup=25, rep=50,
-                                   return_mode="median")
-    qq = torch.stack(c.q).transpose(1, 2)
-    kk = torch.stack([c.kv[s][0] for s in range(4)]).transpose(1, 2)
-    vv = torch.stack([c.kv[s][1] for s in range(4)]).transpose(1, 2)
-    sdpa = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
-                                                                          enable_gqa=True),
-                                   warmup=25, rep=50, return_mode="median")
-    flops = 4 * 4 * 4096 * 4096 * H * D / 2
-    out["prefill 4x4096"] = {"ours_ms": ours, "sdpa_contiguous_ms": sdpa, "floor_ms": flops / 790e12 * 1e3}
+    for b, n in ((4, 4096), (1, 8192)):  # prefill: whole sequences
+        lens = [n] * b
+        c = Cache(lens, seed=3)
+        ours = triton.testing.do_bench(_launch_only(c, list(range(b)), [0] * b, lens, cfg, mod), warmup=25, rep=50,
+                                       return_mode="median")
+        qq = torch.stack(c.q).transpose(1, 2)
+        kk = torch.stack([c.kv[s][0] for s in range(b)]).transpose(1, 2)
+        vv = torch.stack([c.kv[s][1] for s in range(b)]).transpose(1, 2)
+        sdpa = triton.testing.do_bench(lambda qq=qq, kk=kk, vv=vv: F.scaled_dot_product_attention(
+            qq, kk, vv, is_causal=True, enable_gqa=True), warmup=25, rep=50, return_mode="median")
+        flops = 4 * b * n * n * H * D / 2
+        out[f"prefill {b}x{n}"] = {"ours_ms": ours, "sdpa_contiguous_ms": sdpa, "floor_ms": flops / 790e12 * 1e3}
     return out
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", default=None, help="another triton_attention.py to time beside this one")
+    ap.add_argument("--configs", default=None, help="comma-separated subset of the configs (default: all)")
+    args = ap.parse_args()
     torch.manual_seed(0)
     configs = {"m64n64s2048": ta.TritonAttentionConfig(64, 64, 2048, 4, 2),
-               "m64n64s2048w4s3": ta.TritonAttentionConfig(64, 64, 2048, 4, 3),
                "m64n64s2048w8": ta.TritonAttentionConfig(64, 64, 2048, 8, 2),
                "m64n32s2048": ta.TritonAttentionConfig(64, 32, 2048, 4, 2),
-               "m64n128s2048w8": ta.TritonAttentionConfig(64, 128, 2048, 8, 2),
                "m64n64s512": ta.TritonAttentionConfig(64, 64, 512, 4, 2),
                "m128n64s2048w8": ta.TritonAttentionConfig(128, 64, 2048, 8, 2),
+               "m128n64s2048w8s3": ta.TritonAttentionConfig(128, 64, 2048, 8, 3),
                # streaming mode (splits folded in one program for prefill): small strides for decode
                "stream-m64n64s2048": ta.TritonAttentionConfig(64, 64, 2048, 4, 2, streaming=True),
                "stream-m64n64s512": ta.TritonAttentionConfig(64, 64, 512, 4, 2, streaming=True),
+               "stream-m64n64s256": ta.TritonAttentionConfig(64, 64, 256, 4, 2, streaming=True),
+               "stream-m64n32s512": ta.TritonAttentionConfig(64, 32, 512, 4, 2, streaming=True),
                "stream-m64n64s512w8": ta.TritonAttentionConfig(64, 64, 512, 8, 2, streaming=True)}
-    results = {"device": torch.cuda.get_device_name(), "invariance": {}, "timing": {}}
+    if args.configs:
+        unknown = set(args.configs.split(",")) - set(configs)
+        if unknown:
+            raise SystemExit(f"unknown configs {sorted(unknown)}; known: {', '.join(configs)}")
+        configs = {n: c for n, c in configs.items() if n in args.configs.split(",")}
+    results = {"device": torch.cuda.get_device_name(), "invariance": {}, "timing": {}, "baseline": {}}
     for name, cfg in configs.items():
         results["invariance"][name] = invariance(cfg, [1, 17, 150, 700, 2500])
         results["timing"][name] = timings(cfg)
         print(name, json.dumps(results["invariance"][name]), flush=True)
+    if args.baseline:
+        base = load_kernel_file(args.baseline, "baseline_attention")
+        for name in [n for n in ("m64n64s2048", "m64n32s2048", "m128n64s2048w8", "stream-m64n64s512") if n in configs]:
+            fields = {f: getattr(configs[name], f) for f in configs[name].__dataclass_fields__}
+            results["baseline"][name] = timings(base.TritonAttentionConfig(**fields), base)
     # tile sensitivity: the same tokens through every config (same split stride) -> same bits?
     lens = [1, 17, 150, 700, 2500]
     c = Cache(lens, seed=1)
     outs = {name: c.run(list(range(len(lens))), [0] * len(lens), lens, cfg) for name, cfg in configs.items()}
-    ref = outs["m64n64s2048"]
-    results["tiles"] = {name: all(torch.equal(a, b) for a, b in zip(o, ref)) for name, o in outs.items()}
-    print("same bits as m64n64s2048:", results["tiles"], flush=True)
+    first = next(iter(outs))
+    results["tiles"] = {name: all(torch.equal(a, b) for a, b in zip(o, outs[first])) for name, o in outs.items()}
+    print(f"same bits as {first}:", results["tiles"], flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "gpu_attention.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"\ndevice: {results['device']}; H={H}, HKV={HKV}, D={D}, page {PAGE}, bf16\n")
@@ -157,11 +181,14 @@ def main() -> None:
     for name, r in results["invariance"].items():
         print(f"| {name} | {r['batch==alone']} | {r['chunked==alone']} | {r['decode==prefill']} | "
               f"{r['mixed batch==alone']} | {r['max rel err vs fp32']:.1e} |")
-    print("\n| config | workload | ours ms | SDPA (contiguous KV) ms | ratio | floor ms |\n|---|---|---|---|---|---|")
+    print("\n| config | workload | ours ms | SDPA (contiguous KV) ms | ratio | floor ms | baseline ms | ours / baseline |"
+          "\n|---|---|---|---|---|---|---|---|")
     for name, rows in results["timing"].items():
         for w, r in rows.items():
+            base = results["baseline"].get(name, {}).get(w)
+            vs = f"{base['ours_ms']:.3f} | {r['ours_ms'] / base['ours_ms']:.2f}" if base else "- | -"
             print(f"| {name} | {w} | {r['ours_ms']:.3f} | {r['sdpa_contiguous_ms']:.3f} | "
-                  f"{r['ours_ms'] / r['sdpa_contiguous_ms']:.2f} | {r['floor_ms']:.3f} |")
+                  f"{r['ours_ms'] / r['sdpa_contiguous_ms']:.2f} | {r['floor_ms']:.3f} | {vs} |")
 
 
 if __name__ == "__main__":

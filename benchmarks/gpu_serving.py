@@ -125,6 +125,37 @@ def engine_config(args: argparse.Namespace, mode: str, max_model_len: int, kind:
                         max_model_len=max_model_len, cache_dir=args.cache_dir, **sizes)
 
 
+class CompileWatch:
+    """Counts Triton JIT compiles (and their seconds) while open: a compile inside a timed run stalls every
+    request in flight, so a run with compiles in it measures the compiler, not the kernels."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._t0 = 0, 0.0, 0.0
+
+    def _before(self, **_: object) -> bool:
+        self._t0 = time.perf_counter()
+        return False  # go on compiling
+
+    def _after(self, **_: object) -> None:
+        self.count += 1
+        self.seconds += time.perf_counter() - self._t0
+
+    def __enter__(self) -> CompileWatch:
+        try:
+            from triton import knobs
+        except ImportError:  # CPU runs: nothing compiles
+            return self
+        self._saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if hasattr(self, "_saved"):
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+
+
 def warm_up(llm: LLM, plan: Plan, wanted: list[str]) -> None:
     """Compile and capture before timing: prefill chunks of every kind and decode batches up to the limit."""
     n = llm.config.max_num_seqs
@@ -329,13 +360,17 @@ def main() -> int:
                 if budget_left <= 0:
                     skipped.append(f"{mode}/{w.name}")
                     continue
-                r = run_workload(llm, w, admit_until=budget_left, progress=args.progress)
+                with CompileWatch() as compiles:
+                    r = run_workload(llm, w, admit_until=budget_left, progress=args.progress)
                 results[mode][w.name] = r
+                out.setdefault("compiles_in_timed_runs", {}).setdefault(mode, {})[w.name] = {
+                    "count": compiles.count, "seconds": compiles.seconds}
                 budget_left -= r.duration_s
                 lat = r.latency_per_output_token
                 print(f"{mode:>14} {w.name:>10}: {len(r.records)} requests ({r.num_dropped} dropped) in "
                       f"{r.duration_s:.1f} s, p50 {lat.p50 * 1e3:.2f} ms/token, {r.throughput:.0f} tok/s, "
-                      f"cache hits {r.cached_fraction:.2f}", flush=True)
+                      f"cache hits {r.cached_fraction:.2f}, {compiles.count} kernel compiles "
+                      f"({compiles.seconds:.1f} s)", flush=True)
             del llm
             gc.collect()
             if args.device == "cuda":

@@ -10,9 +10,14 @@ from types import ModuleType
 
 
 def load_kernel(name: str) -> ModuleType:
-    """kernels/<name>.py as the module `name` (registered in sys.modules: dataclasses resolve their
-    annotations through it)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", f"{name}.py")
+    """kernels/<name>.py as the module `name`."""
+    return load_kernel_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", f"{name}.py"),
+                            name)
+
+
+def load_kernel_file(path: str, name: str) -> ModuleType:
+    """The kernel module at `path` as the module `name` (registered in sys.modules: dataclasses resolve their
+    annotations through it), e.g. another version of a kernel to time beside this one."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
