@@ -133,6 +133,9 @@ def serve(
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     threads: int = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact)."),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, CUDA graphs; a deployment fact)."),
+    attention_streaming: bool = typer.Option(False, "--attention-streaming", help="GPU: the attention's streaming "
+                                             "fold (small split strides stop costing prefill; a deployment fact)."),
     cache_dir: Path = typer.Option(None, "--cache-dir", help="JIT cache directory."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
@@ -156,7 +159,8 @@ def serve(
     if max_queued < 1:
         raise BadInput(f"--max-queued must be >= 1, got {max_queued}")
     private_key = load_private_key(key, _passphrase(passphrase_env))
-    llm = _engine(model, mode, dtype, threads, tuple_file, cache_dir)
+    llm = _engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
+                  attention_streaming=attention_streaming)
     node = ServingNode(llm, private_key, manifest_out, rotate)
     if input_path is not None:
         from detent_audit.server.offline import serve_offline

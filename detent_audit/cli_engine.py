@@ -134,6 +134,8 @@ def tune(
     budget: float = typer.Option(0.15, "--budget", help="Fraction of each family's grid to measure."),
     seed: int = typer.Option(0, "--seed"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (time the GPU kernels)."),
+    attention_streaming: bool = typer.Option(False, "--attention-streaming", help="GPU: tune the attention's "
+                                             "streaming fold (serve with the same flag)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Profile a workload, search each family's legal grid on its recorded calls, commit the best tuple."""
@@ -147,7 +149,7 @@ def tune(
 
     if out.exists():
         raise BadInput(f"{out} exists", remedy="choose another --out or remove the old tuple first")
-    llm = _engine(model, "detent", dtype, threads, tuple_file, device=device)
+    llm = _engine(model, "detent", dtype, threads, tuple_file, device=device, attention_streaming=attention_streaming)
     requests = read_requests(llm, workload)
     committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
                                      budget_fraction=budget, seed=seed)

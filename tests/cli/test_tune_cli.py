@@ -54,3 +54,20 @@ def test_bad_workload_line_is_exit_2(make_checkpoint, tmp_path) -> None:
     res = runner.invoke(app, ["tune", "--model", str(make_checkpoint("tiny-llama")), "--workload", str(bad),
                               "--out", str(tmp_path / "y.tuple")])
     assert res.exit_code == 2 and "bad.jsonl:1" in res.stderr
+
+
+def test_streaming_attention_without_a_gpu_is_exit_2(make_checkpoint, tmp_path) -> None:
+    """--attention-streaming names a mode of the GPU kernel: on the CPU, tune and serve refuse it, with the
+    reason, before any work (the deployment would claim a backend the engine does not run)."""
+    ckpt = str(make_checkpoint("tiny-llama"))
+    res = runner.invoke(app, ["tune", "--model", ckpt, "--workload", str(_workload(tmp_path)), "--out",
+                              str(tmp_path / "s.tuple"), "--attention-streaming"])
+    assert res.exit_code == 2 and "GPU attention" in res.stderr
+    assert not (tmp_path / "s.tuple").exists()
+    key = tmp_path / "node.key"
+    assert runner.invoke(app, ["keygen", "--out", str(key)]).exit_code == 0
+    res = runner.invoke(app, ["serve", "--model", ckpt, "--key", str(key), "--manifest-out", str(tmp_path / "run"),
+                              "--input", str(_workload(tmp_path)), "--output", str(tmp_path / "o.jsonl"),
+                              "--attention-streaming"])
+    assert res.exit_code == 2 and "GPU attention" in res.stderr
+    assert not (tmp_path / "o.jsonl").exists()
