@@ -137,6 +137,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", default=None, help="another triton_attention.py to time beside this one")
     ap.add_argument("--configs", default=None, help="comma-separated subset of the configs (default: all)")
+    ap.add_argument("--one-pass", action="store_true", help="also time each streaming config with its in-program "
+                                                            "fold in one pass (FOLD_IN_ONE_PASS), as '<name>+1pass'")
     args = ap.parse_args()
     torch.manual_seed(0)
     configs = {"m64n64s2048": ta.TritonAttentionConfig(64, 64, 2048, 4, 2),
@@ -161,6 +163,12 @@ def main() -> None:
         results["invariance"][name] = invariance(cfg, [1, 17, 150, 700, 2500])
         results["timing"][name] = timings(cfg)
         print(name, json.dumps(results["invariance"][name]), flush=True)
+        if args.one_pass and cfg.streaming:
+            ta.FOLD_IN_ONE_PASS = True
+            results["invariance"][name + "+1pass"] = invariance(cfg, [1, 17, 150, 700, 2500])
+            results["timing"][name + "+1pass"] = timings(cfg)
+            ta.FOLD_IN_ONE_PASS = False
+            print(name + "+1pass", json.dumps(results["invariance"][name + "+1pass"]), flush=True)
     if args.baseline:
         base = load_kernel_file(args.baseline, "baseline_attention")
         for name in [n for n in ("m64n64s2048", "m64n32s2048", "m128n64s2048w8", "stream-m64n64s512") if n in configs]:
@@ -170,6 +178,15 @@ def main() -> None:
     lens = [1, 17, 150, 700, 2500]
     c = Cache(lens, seed=1)
     outs = {name: c.run(list(range(len(lens))), [0] * len(lens), lens, cfg) for name, cfg in configs.items()}
+    if args.one_pass:  # the one-pass fold must give its loop-per-split config's bits
+        ta.FOLD_IN_ONE_PASS = True
+        outs.update({name + "+1pass": c.run(list(range(len(lens))), [0] * len(lens), lens, cfg)
+                     for name, cfg in configs.items() if cfg.streaming})
+        ta.FOLD_IN_ONE_PASS = False
+        results["one_pass_bits_equal"] = {name: all(torch.equal(a, b) for a, b in zip(outs[name + "+1pass"],
+                                                                                      outs[name]))
+                                          for name, cfg in configs.items() if cfg.streaming}
+        print("one pass == loop per split:", results["one_pass_bits_equal"], flush=True)
     first = next(iter(outs))
     results["tiles"] = {name: all(torch.equal(a, b) for a, b in zip(o, outs[first])) for name, o in outs.items()}
     print(f"same bits as {first}:", results["tiles"], flush=True)

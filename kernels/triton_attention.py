@@ -189,6 +189,55 @@ def _attn_folded(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_l
     tl.store(out_ptr + out, (ACC / L[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit(do_not_specialize=["stride_bt", "SPLIT"])
+def _attn_folded_one_pass(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
+                          out_ptr, qk_scale, stride_bt, SPLIT, PAGE: tl.constexpr, H: tl.constexpr,
+                          HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """`_attn_folded` in one pass over the KV tiles: the same steps in the same order (each split's partial
+    from a fresh state, the unmasked and masked paths as `_split_partial` assigns them) and the same folds,
+    done where a split ends instead of by a loop per split, so the software pipeline is not restarted at
+    every split boundary. Folding split 0 into the empty state (-inf, 0, 0) is exact (weights exp2(-inf) = 0
+    and exp2(0) = 1), so a row gets `_attn_folded`'s bits."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    hk = tl.program_id(1)
+    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr,
+                                                                  cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
+    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_M], tl.float32)
+    ACC = tl.zeros([BLOCK_M, D], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    end = max_pos + 1
+    full_end = tl.minimum(end, (min_pos + 1) // BLOCK_N * BLOCK_N)
+    blk = _block_ids(bt_ptr, s, stride_bt, PAGE, max_pos, 0, BLOCK_N)
+    for kv0 in range(0, full_end, BLOCK_N):
+        if (kv0 > 0) & (kv0 % SPLIT == 0):  # a split ends: fold its partial, start the next from scratch
+            M, L, ACC = _fold(M, L, ACC, m_i, l_i, acc)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+        nxt = _block_ids(bt_ptr, s, stride_bt, PAGE, max_pos, kv0 + BLOCK_N, BLOCK_N)
+        m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, PAGE, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc,
+                                 qk_scale, HKV, D, BLOCK_N, False)
+        blk = nxt
+    for kv0 in range(full_end, end, BLOCK_N):
+        if (kv0 > 0) & (kv0 % SPLIT == 0):
+            M, L, ACC = _fold(M, L, ACC, m_i, l_i, acc)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+        nxt = _block_ids(bt_ptr, s, stride_bt, PAGE, max_pos, kv0 + BLOCK_N, BLOCK_N)
+        m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, PAGE, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc,
+                                 qk_scale, HKV, D, BLOCK_N, True)
+        blk = nxt
+    M, L, ACC = _fold(M, L, ACC, m_i, l_i, acc)
+    offs_d = tl.arange(0, D)
+    out = (rows * H + heads)[:, None] * D + offs_d[None, :]
+    tl.store(out_ptr + out, (ACC / L[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_splits"])
 def _attn_fold_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.constexpr, D: tl.constexpr):
     """Streaming mode's combine of stored partials: split 0, then `_fold` of each next split, in order."""
@@ -227,6 +276,9 @@ def _attn_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.cons
 
 LOG2E = 1.4426950408889634
 IN_PROGRAM_MIN_PROGRAMS = 264  # streaming: fold in one program per tile once the launch has 2 per SM (H200)
+# streaming's in-program fold as one pass over the KV tiles (`_attn_folded_one_pass`, the same bits): off until
+# it is timed on a GPU against the loop per split (benchmarks/gpu_attention.py --one-pass)
+FOLD_IN_ONE_PASS = False
 
 
 @dataclass(frozen=True)
@@ -282,7 +334,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     direct = num_splits == 1
     bt = plan.block_tables
     if config.streaming and (direct or plan.num_tiles * hkv >= IN_PROGRAM_MIN_PROGRAMS):
-        _attn_folded[(plan.num_tiles, hkv)](
+        folded = _attn_folded_one_pass if FOLD_IN_ONE_PASS else _attn_folded
+        folded[(plan.num_tiles, hkv)](
             q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len, plan.cu,
             plan.context_lens, out, qk_scale, bt.stride(0), config.split, PAGE=page, H=h, HKV=hkv, D=d, G=h // hkv,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,

@@ -10,6 +10,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 ta = pytest.importorskip("detent_audit.kernels.triton_attention")
+IN_PROGRAM_DEFAULT = ta.IN_PROGRAM_MIN_PROGRAMS
 
 H, HKV, D, PAGE = 8, 2, 64, 16
 
@@ -65,20 +66,23 @@ def test_token_bits_do_not_depend_on_chunking_decode_or_neighbours(cfg) -> None:
     assert err < 1e-2
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["loop-per-split", "one-pass"])
 @pytest.mark.parametrize("cfg", [ta.TritonAttentionConfig(64, 64, 256, 4, 2, streaming=True),
                                  ta.TritonAttentionConfig(64, 32, 64, 8, 2, streaming=True)])
-def test_streaming_mode_folds_alike_in_one_program_and_across_programs(cfg, monkeypatch) -> None:
-    """Streaming mode: a tile's splits folded in one program (prefill) and split programs folded by the
-    streaming combine (decode) give the same bits; so does every chunking and batching."""
+def test_streaming_mode_folds_alike_in_one_program_and_across_programs(cfg, one_pass, monkeypatch) -> None:
+    """Streaming mode: a tile's splits folded in one program (prefill; a loop per split or one pass over the
+    tiles) and split programs folded by the streaming combine (decode) give the same bits; so does every
+    chunking and batching."""
     lens = [1, 40, 300, 777]
     k, v, tables, q = _setup(lens, seed=5)
     n = len(lens)
     runs = []
+    monkeypatch.setattr(ta, "FOLD_IN_ONE_PASS", one_pass)
     for threshold in (0, 1 << 30):  # always in one program per tile; never
         monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", threshold)
         runs.append(_run(k, v, tables, q, list(range(n)), [0] * n, lens, cfg))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-    monkeypatch.undo()
+    monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", IN_PROGRAM_DEFAULT)
     for s in range(n):
         alone = _run(k, v, tables, q, [s], [0], [lens[s]], cfg)[0]
         assert torch.equal(alone, runs[0][s])

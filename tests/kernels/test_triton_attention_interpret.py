@@ -84,3 +84,29 @@ def test_the_two_streaming_paths_agree_bit_for_bit(monkeypatch) -> None:
         monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", threshold)
         outs.append(_run(k, v, tables, q, [0, 1], [0, 0], lens, cfg))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+@pytest.mark.parametrize(("block_n", "split"), [(4, 8), (4, 4), (8, 24)])
+def test_the_one_pass_fold_gives_the_loop_per_split_bits(block_n: int, split: int, monkeypatch) -> None:
+    """`_attn_folded_one_pass` (folds where a split ends, one pass over the tiles) against `_attn_folded` (a loop
+    per split) and against the parallel splits with the streaming combine: the same bits for every token,
+    prefilled whole, in chunks and decoded, with splits of one tile and of several."""
+    lens = [1, 7, 29, 40]
+    k, v, tables, q = _cache(lens, seed=split + block_n)
+    cfg = ta.TritonAttentionConfig(block_m=16, block_n=block_n, split=split, num_warps=1, num_stages=1,
+                                   streaming=True)
+    n = len(lens)
+    monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", 0)
+    runs = {}
+    for one_pass in (False, True):
+        monkeypatch.setattr(ta, "FOLD_IN_ONE_PASS", one_pass)
+        runs[one_pass] = _run(k, v, tables, q, list(range(n)), [0] * n, lens, cfg)
+    monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", 1 << 30)
+    combined = _run(k, v, tables, q, list(range(n)), [0] * n, lens, cfg)
+    monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", 0)
+    for s in range(n):
+        assert torch.equal(runs[True][s], runs[False][s]) and torch.equal(runs[True][s], combined[s])
+        assert ((runs[True][s].double() - _reference(k, v, tables, q, s, lens[s])).abs().max()) < 1e-5
+        chunks = torch.cat([_run(k, v, tables, q, [s], [a], [min(lens[s], a + 5)], cfg)[0]
+                            for a in range(0, lens[s], 5)])
+        assert torch.equal(chunks, runs[True][s])

@@ -34,6 +34,7 @@ def test_attention_kernels_compile(d: int, g: int, block_n: int) -> None:
     for direct in (True, False):
         _compile(ta._attn_partial, ATTENTION, {**shape, "DIRECT": direct}, num_warps=4, num_stages=2)
     _compile(ta._attn_folded, ATTENTION, shape, num_warps=4, num_stages=2)
+    _compile(ta._attn_folded_one_pass, ATTENTION, shape, num_warps=4, num_stages=2)
     _compile(ta._attn_combine, ATTENTION, dict(H=8 * g, D=d))
     _compile(ta._attn_fold_combine, ATTENTION, dict(H=8 * g, D=d))
 
