@@ -100,15 +100,20 @@ def _kv_step(q, k_ptr, v_ptr, blk, page_size, hk, pos, row_ok, max_pos, kv0, m_i
 
 
 @triton.jit
+def _empty_state(BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """The online softmax's state before any KV: (m, l, acc) = (-inf, 0, 0) per row."""
+    return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, D], tl.float32))
+
+
+@triton.jit
 def _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, min_pos, max_pos, start, end,
                    qk_scale, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One split's unnormalised partial (m, l, acc) of each packed row over KV [start, end), an fp32 online
     softmax in BLOCK_N tiles aligned to absolute positions, in order: first the tiles every row of the tile
     sees whole (no masks), then the diagonal and last tiles (masked). Each step loads the next tile's block
     ids, so a tile's K/V addresses never wait on a block-table read."""
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    m_i, l_i, acc = _empty_state(BLOCK_M, D)
     full_end = tl.maximum(start, tl.minimum(end, (min_pos + 1) // BLOCK_N * BLOCK_N))
     blk = _block_ids(bt_ptr, s, stride_bt, page_size, max_pos, start, BLOCK_N)
     for kv0 in range(start, full_end, BLOCK_N):
@@ -189,6 +194,21 @@ def _attn_folded(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_l
     tl.store(out_ptr + out, (ACC / L[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _one_pass_step(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, hk, pos, row_ok, max_pos, kv0, SPLIT, M, L, ACC, m_i, l_i,
+                   acc, blk, qk_scale, PAGE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of the one-pass fold: where a split ends, fold its partial into (M, L, ACC) and start the next
+    from the empty state; then the tile's step, with the next tile's block ids loaded ahead."""
+    if (kv0 > 0) & (kv0 % SPLIT == 0):
+        M, L, ACC = _fold(M, L, ACC, m_i, l_i, acc)
+        m_i, l_i, acc = _empty_state(BLOCK_M, D)
+    nxt = _block_ids(bt_ptr, s, stride_bt, PAGE, max_pos, kv0 + BLOCK_N, BLOCK_N)
+    m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, PAGE, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc, qk_scale,
+                             HKV, D, BLOCK_N, MASKED)
+    return M, L, ACC, m_i, l_i, acc, nxt
+
+
 @triton.jit(do_not_specialize=["stride_bt", "SPLIT"])
 def _attn_folded_one_pass(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
                           out_ptr, qk_scale, stride_bt, SPLIT, PAGE: tl.constexpr, H: tl.constexpr,
@@ -203,35 +223,19 @@ def _attn_folded_one_pass(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_pt
     hk = tl.program_id(1)
     s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr,
                                                                   cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
-    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    L = tl.zeros([BLOCK_M], tl.float32)
-    ACC = tl.zeros([BLOCK_M, D], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    M, L, ACC = _empty_state(BLOCK_M, D)
+    m_i, l_i, acc = _empty_state(BLOCK_M, D)
     end = max_pos + 1
     full_end = tl.minimum(end, (min_pos + 1) // BLOCK_N * BLOCK_N)
     blk = _block_ids(bt_ptr, s, stride_bt, PAGE, max_pos, 0, BLOCK_N)
     for kv0 in range(0, full_end, BLOCK_N):
-        if (kv0 > 0) & (kv0 % SPLIT == 0):  # a split ends: fold its partial, start the next from scratch
-            M, L, ACC = _fold(M, L, ACC, m_i, l_i, acc)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, D], tl.float32)
-        nxt = _block_ids(bt_ptr, s, stride_bt, PAGE, max_pos, kv0 + BLOCK_N, BLOCK_N)
-        m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, PAGE, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc,
-                                 qk_scale, HKV, D, BLOCK_N, False)
-        blk = nxt
+        M, L, ACC, m_i, l_i, acc, blk = _one_pass_step(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, hk, pos, row_ok,
+                                                       max_pos, kv0, SPLIT, M, L, ACC, m_i, l_i, acc, blk,
+                                                       qk_scale, PAGE, HKV, D, BLOCK_M, BLOCK_N, False)
     for kv0 in range(full_end, end, BLOCK_N):
-        if (kv0 > 0) & (kv0 % SPLIT == 0):
-            M, L, ACC = _fold(M, L, ACC, m_i, l_i, acc)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, D], tl.float32)
-        nxt = _block_ids(bt_ptr, s, stride_bt, PAGE, max_pos, kv0 + BLOCK_N, BLOCK_N)
-        m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, PAGE, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc,
-                                 qk_scale, HKV, D, BLOCK_N, True)
-        blk = nxt
+        M, L, ACC, m_i, l_i, acc, blk = _one_pass_step(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, hk, pos, row_ok,
+                                                       max_pos, kv0, SPLIT, M, L, ACC, m_i, l_i, acc, blk,
+                                                       qk_scale, PAGE, HKV, D, BLOCK_M, BLOCK_N, True)
     M, L, ACC = _fold(M, L, ACC, m_i, l_i, acc)
     offs_d = tl.arange(0, D)
     out = (rows * H + heads)[:, None] * D + offs_d[None, :]
