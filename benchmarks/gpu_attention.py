@@ -137,8 +137,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", default=None, help="another triton_attention.py to time beside this one")
     ap.add_argument("--configs", default=None, help="comma-separated subset of the configs (default: all)")
-    ap.add_argument("--one-pass", action="store_true", help="also time each streaming config with its in-program "
-                                                            "fold in one pass (FOLD_IN_ONE_PASS), as '<name>+1pass'")
+    ap.add_argument("--one-pass", action="store_true", help="time each streaming config's in-program fold both ways: "
+                                                            "a loop per split as '<name>', one pass (FOLD_IN_ONE_PASS, "
+                                                            "the default) as '<name>+1pass'")
     args = ap.parse_args()
     torch.manual_seed(0)
     configs = {"m64n64s2048": ta.TritonAttentionConfig(64, 64, 2048, 4, 2),
@@ -159,6 +160,9 @@ def main() -> None:
             raise SystemExit(f"unknown configs {sorted(unknown)}; known: {', '.join(configs)}")
         configs = {n: c for n, c in configs.items() if n in args.configs.split(",")}
     results = {"device": torch.cuda.get_device_name(), "invariance": {}, "timing": {}, "baseline": {}}
+    one_pass_default = ta.FOLD_IN_ONE_PASS
+    if args.one_pass:
+        ta.FOLD_IN_ONE_PASS = False  # '<name>' is the loop per split, '<name>+1pass' the one-pass fold
     for name, cfg in configs.items():
         results["invariance"][name] = invariance(cfg, [1, 17, 150, 700, 2500])
         results["timing"][name] = timings(cfg)
@@ -182,7 +186,7 @@ def main() -> None:
         ta.FOLD_IN_ONE_PASS = True
         outs.update({name + "+1pass": c.run(list(range(len(lens))), [0] * len(lens), lens, cfg)
                      for name, cfg in configs.items() if cfg.streaming})
-        ta.FOLD_IN_ONE_PASS = False
+        ta.FOLD_IN_ONE_PASS = one_pass_default
         results["one_pass_bits_equal"] = {name: all(torch.equal(a, b) for a, b in zip(outs[name + "+1pass"],
                                                                                       outs[name]))
                                           for name, cfg in configs.items() if cfg.streaming}

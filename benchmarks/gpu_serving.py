@@ -223,8 +223,8 @@ def kind_of(workload_name: str) -> str:
 
 
 def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
-    """Tune detent's tuple per kind of workload on a profiling sample of that kind (another seed than the
-    timed workloads): budgeted and, with --tune-exhaustive, exhaustively (validation). Writes each kind's
+    """Tune detent's tuple per kind of workload served (--workloads) on a profiling sample of that kind
+    (another seed than the timed workloads): budgeted and, with --tune-exhaustive, exhaustively (validation). Writes each kind's
     budgeted tuple and returns {kind: report}; args.tuned_tuples maps kind -> tuple file."""
     from detent_audit.engine.tune import tune_engine
     from detent_audit.engine.tuples import save_tuple
@@ -236,7 +236,8 @@ def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
                                 output_tokens=args.output_tokens)
     info: dict = {}
     args.tuned_tuples = {}
-    for kind, sample in samples.items():
+    served = {kind_of(w) for w in args.workloads.split(",")}
+    for kind, sample in ((k, v) for k, v in samples.items() if k in served):
         requests = engine_requests(f"profile-{kind}", sample)
         info[kind] = {"profiling_requests": len(requests)}
         for mode in ("budgeted", "exhaustive") if kind in args.tune_exhaustive.split(",") else ("budgeted",):

@@ -208,6 +208,39 @@ def test_budgeted_lands_within_one_percent_measuring_at_most_15_percent():
     assert random_misses >= 8, f"random sampling missed 1% on only {random_misses} of 24 families"
 
 
+def _valley(seed: int):
+    """The shape of the H200's docs landscape (benchmarks/results/h200-2026-11-29-s4): a split stride on a
+    256 step (58 levels) by four KV tiles, each tile's cost a V along the stride axis whose floor lies at
+    its own random stride (an interaction the additive surface cannot express), KV 64 the cheapest tile."""
+    rng = random.Random(seed)
+    strides = tuple(range(768, 16384 + 1, 256))
+    axes = {"kv_tile": (16, 32, 64, 128), "split_stride": strides}
+    base = {16: rng.uniform(1.8, 2.2), 32: rng.uniform(1.3, 1.5), 64: 1.0, 128: rng.uniform(1.3, 1.4)}
+    floor = {k: rng.randrange(len(strides)) for k in base}
+    slope = {k: rng.uniform(0.005, 0.03) for k in base}
+
+    def cost(a, call):
+        r = strides.index(a["split_stride"])
+        return base[a["kv_tile"]] * (1 + slope[a["kv_tile"]] * abs(r - floor[a["kv_tile"]])) * 1e-3
+
+    default = Assignment(kv_tile=64, split_stride=4096)
+    grid = FamilyGrid("attention", axes, FamilyGrid.product("attention", axes, default).legal, default)
+    return grid, Workload(((("decode", seed), 1),)), cost
+
+
+def test_budgeted_finds_a_valley_the_surface_cannot_place():
+    ratios = []
+    for seed in range(40):
+        grid, workload, cost = _valley(seed)
+        exact = search(grid, workload, cost, mode="exhaustive")
+        found = search(grid, workload, cost, seed=seed, abandon=False)
+        assert found.measured <= 0.15 * len(grid.legal)
+        ratios.append(found.cost / exact.cost)
+    # the surface and local steps alone miss 2% on 9 of these 40; its line search leaves 3
+    assert sum(r > 1.02 for r in ratios) <= 3, sorted(ratios)[-6:]
+    assert statistics.median(ratios) == 1.0
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), mode=st.sampled_from(("budgeted", "exhaustive")))
 def test_only_legal_assignments_are_ever_measured(seed, mode):
