@@ -236,7 +236,7 @@ def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
                                 output_tokens=args.output_tokens)
     info: dict = {}
     args.tuned_tuples = {}
-    served = {kind_of(w) for w in args.workloads.split(",")}
+    served = {kind_of(w.strip()) for w in args.workloads.split(",") if w.strip()}
     for kind, sample in ((k, v) for k, v in samples.items() if k in served):
         requests = engine_requests(f"profile-{kind}", sample)
         info[kind] = {"profiling_requests": len(requests)}
