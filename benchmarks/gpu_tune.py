@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--kinds", default="docs,closed")
     ap.add_argument("--attention-streaming", action="store_true", help="tune the attention's streaming mode")
+    ap.add_argument("--cold-kv", action="store_true", help="the oracle's cold_kv: each launch of a repeat reads "
+                                                           "its own K/V copy, as the engine's layers do")
     args = ap.parse_args()
     llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode="detent",
                            max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=16384, max_model_len=8320,
@@ -35,7 +37,7 @@ def main() -> None:
     space = token_space_of(llm)
     samples = profiling_samples(space, scale=0.25, doc_tokens=8192, output_tokens=128)
     shape = graph_shape(llm)
-    out: dict = {"shape": args.shape, "kinds": {},
+    out: dict = {"shape": args.shape, "kinds": {}, "cold_kv": args.cold_kv,
                  "graphs": [shape.max_model_len, shape.max_batch] if shape is not None else None}
     for kind in args.kinds.split(","):
         llm.reset()
@@ -44,7 +46,7 @@ def main() -> None:
         grid, _ = family_grid(llm.selection.results[FAMILY], llm.selection.tuple[FAMILY], "cuda")
         workload = heaviest(FAMILY, calls[FAMILY])
         reduced = launch_classes(grid, workload, shape)  # as tune does
-        oracle = Oracle(0, "cuda", args.attention_streaming, shape)
+        oracle = Oracle(0, "cuda", args.attention_streaming, shape, args.cold_kv)
         log: list = []
 
         def timed(a, call, oracle=oracle, log=log):

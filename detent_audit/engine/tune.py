@@ -165,6 +165,10 @@ class Oracle:
     device: str = "cpu"
     streaming: bool = False  # GPU: the attention's streaming fold (the engine's `attention_streaming`)
     graphs: GraphShape | None = None  # GPU: decode steps replayed from CUDA graphs launch as those do
+    # GPU attention: the launches of a repeat read K/V copies that together pass the L2 twice over, as the
+    # engine's layers each read their own (one K/V read again and again is served from L2). Off until timed
+    # against the warm oracle on the device (benchmarks/gpu_tune.py --cold-kv, RESULTS section 13)
+    cold_kv: bool = False
     _inputs: dict = field(default_factory=dict, repr=False)  # GPU: each call's synthetic inputs
 
     def __call__(self, family: str, a: Assignment, call: tuple) -> float:
@@ -216,9 +220,9 @@ class Oracle:
     def _gpu_time(self, family: str, a: Assignment, call: tuple) -> float:
         if family != "embedded.attention":
             return 0.0  # a grid of one (GPU_SAME_KERNEL): nothing to compare
-        run = self._prepare_gpu_attention(a, call)
+        runs = self._prepare_gpu_attention(a, call)
         for _ in range(GPU_WARMUP):  # Triton compiles a new tile on the first; the clocks settle
-            run()
+            runs[0]()
         torch.cuda.synchronize()
         graph = None
         if self.graphs is not None and self.graphs.replays(call):
@@ -227,8 +231,8 @@ class Oracle:
             # does not pay, and so favour one split)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                for _ in range(GPU_LAUNCHES):
-                    run()
+                for i in range(GPU_LAUNCHES):
+                    runs[i % len(runs)]()
         times = []
         for _ in range(GPU_REPEATS):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -236,14 +240,15 @@ class Oracle:
             if graph is not None:
                 graph.replay()
             else:
-                for _ in range(GPU_LAUNCHES):
-                    run()
+                for i in range(GPU_LAUNCHES):
+                    runs[i % len(runs)]()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3 / GPU_LAUNCHES)
         return statistics.median(times)
 
-    def _prepare_gpu_attention(self, a: Assignment, call: tuple) -> Callable[[], Any]:
+    def _prepare_gpu_attention(self, a: Assignment, call: tuple) -> list[Callable[[], Any]]:
+        """The launches to time, in turn: one, or with `cold_kv` one per K/V copy."""
         from detent_audit.kernels.gpu import selected_attention_config
         from detent_audit.kernels.triton_attention import paged_attention, plan_step
 
@@ -270,7 +275,13 @@ class Oracle:
         plan = plan_step(cu, ctx, tables, cfg, q.device, hq // hkv)
         if self.graphs is not None and self.graphs.replays(call):  # the graph's splits: the longest context's
             plan = dataclasses.replace(plan, num_splits=-(-self.graphs.max_model_len // cfg.split))
-        return lambda: paged_attention(q, k_cache, v_cache, cu, ctx, tables, d ** -0.5, cfg, plan=plan)
+        caches = [(k_cache, v_cache)]
+        if self.cold_kv:
+            l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
+            copies = min(GPU_LAUNCHES, -(-2 * l2 // (k_cache.nbytes + v_cache.nbytes)))
+            caches += [(torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(copies - 1)]
+        return [lambda k=k, v=v: paged_attention(q, k, v, cu, ctx, tables, d ** -0.5, cfg, plan=plan)
+                for k, v in caches]
 
 
 @dataclass(frozen=True)
@@ -331,15 +342,16 @@ class FamilyReport:
 
 
 def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_fraction: float = 0.15,
-                seed: int = 0, progress: Callable[[str, int, int], None] | None = None
+                seed: int = 0, progress: Callable[[str, int, int], None] | None = None, cold_kv: bool = False
                 ) -> tuple[dict[str, dict], list[FamilyReport]]:
-    """Profile `requests` on `llm` (detent mode), tune every called family, return (tuple, reports)."""
+    """Profile `requests` on `llm` (detent mode), tune every called family, return (tuple, reports).
+    `cold_kv`: the GPU oracle's `cold_kv`."""
     if llm.config.mode != "detent":
         raise BadInput("tune commits a tuple for detent mode", remedy="use --mode detent")
     calls = record_calls(llm, requests)
     device = llm.config.device
     shape = graph_shape(llm)
-    oracle = Oracle(seed, device, getattr(llm.selection.kernels, "streaming", False), shape)
+    oracle = Oracle(seed, device, getattr(llm.selection.kernels, "streaming", False), shape, cold_kv)
     committed = dict(llm.selection.tuple)
     reports = []
     for family, counter in sorted(calls.items()):
