@@ -224,8 +224,8 @@ def kind_of(workload_name: str) -> str:
 
 def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
     """Tune detent's tuple per kind of workload served (--workloads) on a profiling sample of that kind
-    (another seed than the timed workloads): budgeted and, with --tune-exhaustive, exhaustively (validation). Writes each kind's
-    budgeted tuple and returns {kind: report}; args.tuned_tuples maps kind -> tuple file."""
+    (another seed than the timed workloads): budgeted and, with --tune-exhaustive, exhaustively (validation).
+    Writes each kind's budgeted tuple and returns {kind: report}; args.tuned_tuples maps kind -> tuple file."""
     from detent_audit.engine.tune import tune_engine
     from detent_audit.engine.tuples import save_tuple
 

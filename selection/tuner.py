@@ -439,14 +439,13 @@ def _budgeted(meter: _Meter, lattice: _Lattice, rng: random.Random) -> None:
             _line_search(meter, lattice, before)
 
 
-
 def _line_search(meter: _Meter, lattice: _Lattice, before: Assignment) -> None:
     """Go on along the move that just improved the best point (from `before`, in ranks): each move twice as
     long as the last while the moves improve on the best; once one does not (or leaves the legal points, or
     lands on a measured one), the move's own length, then half as long after each move that does not
-    improve, until a move is shorter than one rank. This
-    finds the valley of a long axis, such as a split stride, in a few measurements where the surface's
-    additive fit misplaces it (recorded H200 costs: benchmarks/replay_tune.py)."""
+    improve, until a move is shorter than one rank. This finds the valley of a long axis, such as a split
+    stride, in a few measurements where the surface's additive fit misplaces it (recorded H200 costs:
+    benchmarks/replay_tune.py)."""
     step = lattice.rank[lattice.index[meter.best[0]]] - lattice.rank[lattice.index[before]]
     expanding = True
     while step.any():
