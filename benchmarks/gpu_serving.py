@@ -56,6 +56,7 @@ from detent_audit.bench.serving import (
     token_space_of,
 )
 from detent_audit.bench.workloads import (
+    PROFILING_CONCURRENCY,
     TokenSpace,
     Workload,
     closed_loop,
@@ -243,7 +244,9 @@ def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
         for mode in ("budgeted", "exhaustive") if kind in args.tune_exhaustive.split(",") else ("budgeted",):
             llm.reset()
             t1 = time.perf_counter()
-            committed, reports = tune_engine(llm, requests, mode=mode, cold_kv=args.tune_cold_kv)
+            committed, reports = tune_engine(llm, requests, mode=mode, cold_kv=args.tune_cold_kv,
+                                             concurrency=PROFILING_CONCURRENCY[kind] if args.tune_as_served
+                                             else (None,))
             info[kind][mode] = {"tuple": committed, "seconds": time.perf_counter() - t1,
                                 "families": [r.to_json() for r in reports]}
             for r in reports:
@@ -281,6 +284,9 @@ def parse_args() -> argparse.Namespace:
                                                             "exhaustive search, for validation")
     ap.add_argument("--tune-cold-kv", action="store_true", help="--tune with the oracle's cold_kv (each timed "
                                                                 "launch reads its own K/V copy)")
+    ap.add_argument("--tune-as-served", action="store_true", help="--tune on a profile served at each kind's "
+                                                                  "concurrencies (PROFILING_CONCURRENCY), not all "
+                                                                  "at once")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
     ap.add_argument("--scale", type=float, default=0.5, help="request counts (and ShareGPT-like lengths); 1 = full")
     ap.add_argument("--doc-tokens", type=int, default=8192, help="long-document prompt length")

@@ -15,9 +15,16 @@ import os
 import time
 
 from detent_audit.bench.serving import engine_requests, token_space_of
-from detent_audit.bench.workloads import profiling_samples
+from detent_audit.bench.workloads import PROFILING_CONCURRENCY, profiling_samples
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.tune import Oracle, family_grid, graph_shape, heaviest, launch_classes, record_calls
+from detent_audit.engine.tune import (
+    Oracle,
+    family_grid,
+    graph_shape,
+    heaviest,
+    launch_classes,
+    record_profile,
+)
 from detent_audit.selection.tuner import search
 
 FAMILY = "embedded.attention"
@@ -28,6 +35,9 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--kinds", default="docs,closed")
     ap.add_argument("--attention-streaming", action="store_true", help="tune the attention's streaming mode")
+    ap.add_argument("--as-served", action="store_true", help="profile each kind at the concurrencies its timed "
+                                                             "workloads run at (PROFILING_CONCURRENCY), as "
+                                                             "gpu_serving.py --tune-as-served does")
     ap.add_argument("--cold-kv", action="store_true", help="the oracle's cold_kv: each launch of a repeat reads "
                                                            "its own K/V copy, as the engine's layers do")
     args = ap.parse_args()
@@ -37,12 +47,12 @@ def main() -> None:
     space = token_space_of(llm)
     samples = profiling_samples(space, scale=0.25, doc_tokens=8192, output_tokens=128)
     shape = graph_shape(llm)
-    out: dict = {"shape": args.shape, "kinds": {}, "cold_kv": args.cold_kv,
+    out: dict = {"shape": args.shape, "kinds": {}, "cold_kv": args.cold_kv, "as_served": args.as_served,
                  "graphs": [shape.max_model_len, shape.max_batch] if shape is not None else None}
     for kind in args.kinds.split(","):
         llm.reset()
         requests = engine_requests(kind, samples[kind])
-        calls = record_calls(llm, requests)
+        calls = record_profile(llm, requests, PROFILING_CONCURRENCY[kind] if args.as_served else (None,))
         grid, _ = family_grid(llm.selection.results[FAMILY], llm.selection.tuple[FAMILY], "cuda")
         workload = heaviest(FAMILY, calls[FAMILY])
         reduced = launch_classes(grid, workload, shape)  # as tune does

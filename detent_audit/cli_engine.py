@@ -121,6 +121,22 @@ def generate(
         typer.echo(f"{p!r} -> {o.text!r} ({len(o.token_ids)} tokens, {o.finish_reason})")
 
 
+def _concurrencies(text: str) -> tuple[int | None, ...]:
+    """`--concurrency`: comma-separated integers >= 1 or `all` (None: every request submitted together)."""
+    from detent_audit.errors import BadInput
+
+    levels: list[int | None] = []
+    for item in (t.strip() for t in text.split(",")):
+        if item == "all":
+            levels.append(None)
+        elif item.isdigit() and int(item) >= 1:
+            levels.append(int(item))
+        else:
+            raise BadInput(f"--concurrency {text!r}: {item!r} is neither an integer >= 1 nor 'all'",
+                           remedy="e.g. --concurrency 1,8 or --concurrency all")
+    return tuple(levels)
+
+
 @app.command()
 @handles_errors
 def tune(
@@ -136,6 +152,9 @@ def tune(
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (time the GPU kernels)."),
     attention_streaming: bool = typer.Option(False, "--attention-streaming", help="GPU: tune the attention's "
                                              "streaming fold (serve with the same flag)."),
+    concurrency: str = typer.Option("all", "--concurrency", help="Profile the workload at these concurrencies, "
+                                    "comma-separated (e.g. 1,8; all: every request submitted together), the "
+                                    "calls added up: tune for the batch sizes you serve at."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Profile a workload, search each family's legal grid on its recorded calls, commit the best tuple."""
@@ -149,13 +168,15 @@ def tune(
 
     if out.exists():
         raise BadInput(f"{out} exists", remedy="choose another --out or remove the old tuple first")
+    levels = _concurrencies(concurrency)
     llm = _engine(model, "detent", dtype, threads, tuple_file, device=device, attention_streaming=attention_streaming)
     requests = read_requests(llm, workload)
     committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
-                                     budget_fraction=budget, seed=seed)
+                                     budget_fraction=budget, seed=seed, concurrency=levels)
     save_tuple(committed, out)
     if as_json:
-        typer.echo(json.dumps({"tuple": committed, "out": str(out), "families": [r.to_json() for r in reports]},
+        typer.echo(json.dumps({"tuple": committed, "out": str(out), "families": [r.to_json() for r in reports],
+                               "concurrency": ["all" if c is None else c for c in levels]},
                               indent=2, sort_keys=True))
         return
     table = Table(title=f"detent-audit tune: {workload.name} -> {out}")

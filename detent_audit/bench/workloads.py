@@ -297,6 +297,11 @@ def closed_loop(num_requests: int = 32, concurrency: int = 8, *, prompt_tokens: 
 
 
 PROFILING_SEED = 7  # the tuner's profiling samples: another seed than any timed workload's
+# the concurrencies at which a kind's timed workloads run, for a profile that sees their batch sizes
+# (`tune_engine(concurrency=...)`; None: every request submitted together): the closed loop at 1 and 8, long
+# documents alone (the low loads) and together (the peak), the ShareGPT-like replay at load (together)
+PROFILING_CONCURRENCY: dict[str, tuple[int | None, ...]] = {"sharegpt": (None,), "docs": (1, None),
+                                                           "closed": (1, 8)}
 
 
 def profiling_samples(vocab: int | TokenSpace, *, scale: float, doc_tokens: int, output_tokens: int,

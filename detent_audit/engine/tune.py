@@ -17,7 +17,7 @@ import itertools
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,16 +69,46 @@ class RecordingKernels:
         return self.inner.moe(x, router_logits, w13, w2, top_k, renormalize)
 
 
-def record_calls(llm: LLM, requests: Iterable[tuple[str, list[int], Any]]) -> dict[str, Counter]:
-    """Serve `requests` (all submitted together) and return each family's recorded calls."""
+def record_calls(llm: LLM, requests: Iterable[tuple[str, list[int], Any]],
+                 max_in_flight: int | None = None) -> dict[str, Counter]:
+    """Serve `requests` and return each family's recorded calls: all submitted together, or, with
+    `max_in_flight`, that many kept in flight and the next admitted when one finishes (as a closed loop at
+    that concurrency serves them, so decode steps run at the batch sizes it runs)."""
+    if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
+                                      or max_in_flight < 1):
+        raise BadInput(f"profiling concurrency must be an integer >= 1, got {max_in_flight!r}")
+    queue = list(requests)
+    limit = max_in_flight or max(1, len(queue))
     recorder = RecordingKernels(llm.runner.kernels)
     llm.runner.kernels, graphs, llm.runner.graphs = recorder, llm.runner.graphs, None  # eager: every call seen
     try:
-        seqs = [llm.add_request(ids, params, rid) for rid, ids, params in requests]
-        llm.run(seqs)
+        live = 0
+        while queue or live:
+            admitted, queue = queue[:limit - live], queue[limit - live:]
+            for rid, ids, params in admitted:
+                llm.add_request(ids, params, rid)
+            live += len(admitted)
+            if not llm.has_unfinished():
+                raise RuntimeError("the scheduler stopped with requests unfinished")
+            live -= len(llm.step())
     finally:
         llm.runner.kernels, llm.runner.graphs = recorder.inner, graphs
     return {f: c for f, c in recorder.calls.items() if c}
+
+
+def record_profile(llm: LLM, requests: list, concurrency: Sequence[int | None] = (None,)) -> dict[str, Counter]:
+    """`record_calls` once per entry of `concurrency` (None: all submitted together; n: n kept in flight),
+    passes after the first from an empty prefix cache, the calls added up: a profile with the batch sizes the
+    workload is served at."""
+    if not concurrency:
+        raise BadInput("profiling needs at least one concurrency (None: all requests together)")
+    calls: dict[str, Counter] = {}
+    for i, c in enumerate(concurrency):
+        if i:
+            llm.reset(max_prefill_chunk=llm.scheduler.config.max_prefill_chunk)
+        for family, counter in record_calls(llm, requests, c).items():
+            calls.setdefault(family, Counter()).update(counter)
+    return calls
 
 
 # On a GPU the GEMM and MoE kernels take their tile from the shape (no tile changes a row's bits, measured:
@@ -342,13 +372,13 @@ class FamilyReport:
 
 
 def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_fraction: float = 0.15,
-                seed: int = 0, progress: Callable[[str, int, int], None] | None = None, cold_kv: bool = False
-                ) -> tuple[dict[str, dict], list[FamilyReport]]:
-    """Profile `requests` on `llm` (detent mode), tune every called family, return (tuple, reports).
-    `cold_kv`: the GPU oracle's `cold_kv`."""
+                seed: int = 0, progress: Callable[[str, int, int], None] | None = None, cold_kv: bool = False,
+                concurrency: Sequence[int | None] = (None,)) -> tuple[dict[str, dict], list[FamilyReport]]:
+    """Profile `requests` on `llm` (detent mode; `record_profile` at `concurrency`), tune every called family,
+    return (tuple, reports). `cold_kv`: the GPU oracle's `cold_kv`."""
     if llm.config.mode != "detent":
         raise BadInput("tune commits a tuple for detent mode", remedy="use --mode detent")
-    calls = record_calls(llm, requests)
+    calls = record_profile(llm, requests, concurrency)
     device = llm.config.device
     shape = graph_shape(llm)
     oracle = Oracle(seed, device, getattr(llm.selection.kernels, "streaming", False), shape, cold_kv)

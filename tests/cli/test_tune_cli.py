@@ -71,3 +71,18 @@ def test_streaming_attention_without_a_gpu_is_exit_2(make_checkpoint, tmp_path) 
                               "--attention-streaming"])
     assert res.exit_code == 2 and "GPU attention" in res.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_concurrency_profiles_each_level_and_bad_levels_are_exit_2(make_checkpoint, tmp_path) -> None:
+    ckpt = str(make_checkpoint("tiny-llama"))
+    out = tmp_path / "c.tuple"
+    res = runner.invoke(app, ["tune", "--model", ckpt, "--workload", str(_workload(tmp_path)), "--out", str(out),
+                              "--concurrency", "1, all", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["concurrency"] == [1, "all"]
+    assert load_tuple(out) == json.loads(res.stdout)["tuple"]
+    for bad in ("0", "2,x", "", "1.5"):
+        res = runner.invoke(app, ["tune", "--model", ckpt, "--workload", str(_workload(tmp_path)), "--out",
+                                  str(tmp_path / "bad.tuple"), "--concurrency", bad])
+        assert res.exit_code == 2 and "--concurrency" in res.stderr, (bad, res.output)
+        assert not (tmp_path / "bad.tuple").exists()
