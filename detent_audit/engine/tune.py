@@ -82,15 +82,13 @@ def record_calls(llm: LLM, requests: Iterable[tuple[str, list[int], Any]],
     recorder = RecordingKernels(llm.runner.kernels)
     llm.runner.kernels, graphs, llm.runner.graphs = recorder, llm.runner.graphs, None  # eager: every call seen
     try:
-        live = 0
+        live: set[int] = set()  # this profile's sequences in flight
         while queue or live:
-            admitted, queue = queue[:limit - live], queue[limit - live:]
-            for rid, ids, params in admitted:
-                llm.add_request(ids, params, rid)
-            live += len(admitted)
+            admitted, queue = queue[:limit - len(live)], queue[limit - len(live):]
+            live.update(llm.add_request(ids, params, rid).seq_id for rid, ids, params in admitted)
             if not llm.has_unfinished():
                 raise RuntimeError("the scheduler stopped with requests unfinished")
-            live -= len(llm.step())
+            live.difference_update(seq.seq_id for seq in llm.step())
     finally:
         llm.runner.kernels, llm.runner.graphs = recorder.inner, graphs
     return {f: c for f, c in recorder.calls.items() if c}
