@@ -19,15 +19,15 @@ from detent_audit.bench.workloads import PROFILING_CONCURRENCY, profiling_sample
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.tune import (
     Oracle,
+    classes_fraction,
     family_grid,
     graph_shape,
     heaviest,
     launch_classes,
     record_profile,
 )
+from detent_audit.engine.tune_replay import BUDGET_FRACTION, FAMILY, RECORDING_ENGINE
 from detent_audit.selection.tuner import search
-
-FAMILY = "embedded.attention"
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
                                                            "its own K/V copy, as the engine's layers do")
     args = ap.parse_args()
     llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode="detent",
-                           max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=16384, max_model_len=8320,
+                           num_kv_blocks=16384, **RECORDING_ENGINE,
                            attention_streaming=args.attention_streaming))
     space = token_space_of(llm)
     samples = profiling_samples(space, scale=0.25, doc_tokens=8192, output_tokens=128)
@@ -67,7 +67,7 @@ def main() -> None:
         t0 = time.perf_counter()
         ex = search(reduced, workload, timed, mode="exhaustive")
         t1 = time.perf_counter()
-        frac = min(1.0, 0.15 * len(grid.legal) / len(reduced.legal))
+        frac = classes_fraction(grid, reduced, BUDGET_FRACTION)
         bu = search(reduced, workload, timed, mode="budgeted", budget_fraction=frac, abandon=False)  # as tune does
         t2 = time.perf_counter()
         out["kinds"][kind] = {

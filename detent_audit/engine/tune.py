@@ -325,6 +325,12 @@ class GraphShape:
         return len(seqs) <= self.max_batch and all(q == 1 for _, q in seqs)
 
 
+def classes_fraction(grid: FamilyGrid, classes: FamilyGrid, fraction: float) -> float:
+    """The budget fraction of `classes` (`launch_classes(grid, ...)`) that measures `fraction` of the whole
+    `grid`: the budget stays a fraction of the grid the user sees."""
+    return min(1.0, fraction * len(grid.legal) / len(classes.legal))
+
+
 def graph_shape(llm: LLM) -> GraphShape | None:
     """How `llm` replays decode steps (None: it does not)."""
     graphs = llm.runner.graphs
@@ -389,7 +395,7 @@ def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_frac
         if device != "cpu" and family == "embedded.attention":
             # search the classes of identical launches; the budget stays a fraction of the whole grid
             searched = launch_classes(grid, workload, shape)
-            fraction = min(1.0, budget_fraction * len(grid.legal) / len(searched.legal))
+            fraction = classes_fraction(grid, searched, budget_fraction)
         # on a GPU candidates are timed on every call (a noisy timer's abandoned estimates mislead the
         # surface: benchmarks/replay_tune.py); the CPU keeps the lossless early abandon
         result: TuneResult = search(searched, workload, lambda a, c, f=family: oracle(f, a, c), mode=mode,

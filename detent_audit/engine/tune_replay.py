@@ -18,11 +18,13 @@ from pathlib import Path
 
 from detent_audit.engine.config import NAMED_SHAPES
 from detent_audit.engine.kernel_select import engine_deployment, select_kernels
-from detent_audit.engine.tune import GraphShape, family_grid, launch_classes
+from detent_audit.engine.tune import GraphShape, classes_fraction, family_grid, launch_classes
 from detent_audit.selection.tuner import Assignment, FamilyGrid, Workload
 
 FAMILY = "embedded.attention"
 BUDGET_FRACTION = 0.15  # of the whole grid, as `tune_engine` spends it
+# the engine benchmarks/gpu_tune.py records on (its grid is the one replayed)
+RECORDING_ENGINE = {"max_num_seqs": 32, "max_num_batched_tokens": 2048, "max_model_len": 8320}
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class RecordedKind:
     @property
     def budget_fraction(self) -> float:
         """The fraction of the classes a budgeted search may measure: 15% of the whole grid."""
-        return min(1.0, BUDGET_FRACTION * len(self.grid.legal) / len(self.classes.legal))
+        return classes_fraction(self.grid, self.classes, BUDGET_FRACTION)
 
     def median_cost(self, a: Assignment, call: str) -> float:
         return statistics.median(self.times[(a["kv_tile"], a["split_stride"], call)])
@@ -68,8 +70,7 @@ def load_recorded(path: str | Path) -> list[RecordedKind]:
     with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
         data = json.load(f)
     deployment = engine_deployment(NAMED_SHAPES[data["shape"]], dtype="bfloat16", num_threads=1, block_size=16,
-                                   max_model_len=8320, max_num_seqs=32, max_num_batched_tokens=2048,
-                                   prefix_caching=True)
+                                   prefix_caching=True, **RECORDING_ENGINE)
     selection = select_kernels("detent", deployment)
     grid, _ = family_grid(selection.results[FAMILY], selection.tuple[FAMILY], "cuda")
     # the classes the device run timed: with the graphs' splits for replayed decode steps, if it modelled them
