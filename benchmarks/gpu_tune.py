@@ -4,7 +4,7 @@ and write every (assignment, call, seconds) the oracle measured, so the search c
 H200 costs (`replay_oracle`).
 
 Usage (device): python3 benchmarks/gpu_tune.py [--shape llama-3.1-8b] [--kinds docs,closed]
-Writes $OUT/gpu_tune_<shape>.json.
+Writes $OUT/gpu_tune_<shape>.json (after every kind).
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def main() -> None:
               f"{ex.cost * 1e3:.2f} ms ({t1 - t0:.0f} s); budgeted {dict(bu.best)} {bu.cost * 1e3:.2f} ms, "
               f"measured {bu.measured} ({t2 - t1:.0f} s); ratio {bu.cost / ex.cost:.4f}", flush=True)
         oracle._inputs.clear()
-    with open(os.path.join(os.environ.get("OUT", "."), f"gpu_tune_{args.shape}.json"), "w") as f:
-        json.dump(out, f)
+        # after every kind, so a run cut short keeps the kinds it finished
+        with open(os.path.join(os.environ.get("OUT", "."), f"gpu_tune_{args.shape}.json"), "w") as f:
+            json.dump(out, f)
 
 
 if __name__ == "__main__":

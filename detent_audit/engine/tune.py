@@ -358,7 +358,9 @@ def launch_classes(grid: FamilyGrid, workload: Workload, graphs: GraphShape | No
     for a in grid.legal:
         reps.setdefault(signature(a), a)
     legal = tuple(a for a in grid.legal if reps[signature(a)] == a)
-    return FamilyGrid(grid.family, grid.axes, legal, grid.default)
+    # the search's anchors: per KV tile, the class that splits no call (no partials, no combine pass)
+    unsplit = tuple(a for a in legal if all(n is None for n in signature(a)[1]))
+    return FamilyGrid(grid.family, grid.axes, legal, grid.default, unsplit)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,12 @@ def test_launch_classes_merge_exactly_the_identical_launches() -> None:
                      and 0 < a["split_stride"] < min(c + q for call, _ in calls for c, q in call[0])}
             kept = {a["split_stride"] for a in reduced.legal if a["kv_tile"] == tile}
             assert short <= kept  # a stride that splits every call is its own class
+        # the anchors: per tile, the one class that splits no call (its representative), where one is legal
+        unsplit = {a["kv_tile"]: a for a in reduced.legal
+                   if all(a["split_stride"] == 0 or a["split_stride"] >= c + q
+                          for call, _ in calls for c, q in call[0])}
+        assert set(reduced.anchors) == set(unsplit.values())
+        assert len({a["kv_tile"] for a in reduced.anchors}) == len(reduced.anchors)
 
 
 def test_gpu_tuning_searches_launch_classes_within_the_budget(monkeypatch) -> None:
@@ -112,4 +118,7 @@ def test_graph_replayed_decode_steps_split_as_the_graph_does() -> None:
     assert len(eager.legal) == len(GPU_KV_TILES)  # every stride >= 201: one launch per tile
     assert len(replayed.legal) > 10 * len(GPU_KV_TILES)  # strides below 8320 split the graph's launch
     assert launch_classes(grid, prefill, graphs).legal == launch_classes(grid, prefill).legal
+    # a replayed step splits no call only at a stride past the graph's longest context
+    assert replayed.anchors and all(a["split_stride"] >= 8320 for a in replayed.anchors)
+    assert set(eager.anchors) == set(eager.legal)
     assert graphs.replays(decode.calls[0][0]) and not graphs.replays(prefill.calls[0][0])

@@ -241,6 +241,52 @@ def test_budgeted_finds_a_valley_the_surface_cannot_place():
     assert statistics.median(ratios) == 1.0
 
 
+def _edge_regime(seed: int):
+    """The shape of the H200's closed-loop landscape with the one-pass fold (results/h200-2026-11-29-s5, call
+    2): the largest stride of each KV tile launches no split at all, a regime of its own that is cheaper than
+    any trend of its neighbours predicts; away from it KV 128 is the cheapest tile, and at it KV 64 is, by
+    5-15%."""
+    rng = random.Random(seed)
+    strides = tuple(range(768, 8448 + 1, 256))
+    axes = {"kv_tile": (16, 32, 64, 128), "split_stride": strides}
+    base = {16: rng.uniform(1.7, 2.0), 32: rng.uniform(1.3, 1.5), 64: rng.uniform(1.05, 1.1), 128: 1.0}
+    unsplit = {16: 1.8, 32: 1.25, 64: rng.uniform(0.85, 0.95), 128: 1.0}
+    wiggle = {(k, s): rng.uniform(-0.02, 0.02) for k in base for s in strides}
+
+    def cost(a, call):
+        k, s = a["kv_tile"], a["split_stride"]
+        return (unsplit[k] if s == strides[-1] else base[k] * (1 + wiggle[k, s])) * 1e-3
+
+    default = Assignment(kv_tile=64, split_stride=4096)
+    legal = FamilyGrid.product("attention", axes, default).legal
+    anchors = tuple(Assignment(kv_tile=k, split_stride=strides[-1]) for k in axes["kv_tile"])
+    return FamilyGrid("attention", axes, legal, default, anchors), Workload(((("decode", seed), 1),)), cost
+
+
+def test_budgeted_measures_the_anchors_and_finds_an_edge_regime():
+    for seed in range(30):
+        grid, workload, cost = _edge_regime(seed)
+        exact = search(grid, workload, cost, mode="exhaustive")
+        found = search(grid, workload, cost, seed=seed, abandon=False)
+        assert exact.best == Assignment(kv_tile=64, split_stride=8448)
+        assert found.measured <= 0.15 * len(grid.legal)
+        # the default, then the anchors, in the grid's order
+        assert [m.assignment for m in found.trace[:5]] == [grid.default, *grid.anchors]
+        assert found.best == exact.best, (seed, found.best, found.cost / exact.cost)
+
+
+def test_anchors_must_be_distinct_and_legal():
+    axes = {"kv_tile": (16, 32), "split_stride": (0, 512)}
+    legal = FamilyGrid.product("attention", axes, {"kv_tile": 16, "split_stride": 0},
+                               lambda a: a["kv_tile"] == 16 or a["split_stride"] == 0).legal
+    with pytest.raises(BadInput, match="anchors"):
+        FamilyGrid("attention", axes, legal, legal[0], ({"kv_tile": 32, "split_stride": 512},))
+    with pytest.raises(BadInput, match="anchors"):
+        FamilyGrid("attention", axes, legal, legal[0], (legal[1], legal[1]))
+    assert FamilyGrid("attention", axes, legal, legal[0], ({"kv_tile": 16, "split_stride": 512},)).anchors == (
+        Assignment(kv_tile=16, split_stride=512),)
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), mode=st.sampled_from(("budgeted", "exhaustive")))
 def test_only_legal_assignments_are_ever_measured(seed, mode):
