@@ -76,6 +76,9 @@ def verify(
     threads: int = typer.Option(None, "--threads", help="Run with this many CPU threads (default: the "
                                                         "receipt's); a different count is not comparable."),
     tuple_file: Path = typer.Option(None, "--tuple", help="Verify as this tuple (default: the receipt's)."),
+    workers: int = typer.Option(1, "--workers", help="Processes that re-execute, each an engine of the "
+                                                     "receipt's own deployment and threads: more cores verify "
+                                                     "faster, the bits unchanged."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Verify receipts: signature, deployment, tuple, re-execution, bits. Exit 0 pass, 1 mismatch, 2 bad input,
@@ -101,7 +104,7 @@ def verify(
         task = progress.add_task("re-executing", total=None)
         report = run_verify(paths, trusted, model=model, mode=mode, sample=sample, seed=seed,
                             cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
-                            tuple_override=override,
+                            tuple_override=override, workers=workers,
                             progress=lambda done, total: progress.update(task, completed=done, total=total))
     if as_json:
         typer.echo(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),

@@ -7,13 +7,20 @@ teacher-forced prefill per request, many requests batched: batch invariance make
 seeded draw at every position is recomputed from the logits) or `replay` (autoregressive, seeded, batched);
 (6) compare token ids and logprob bits; (7) the report. Run manifests: signature, then the Merkle root of
 their receipts present.
+
+`workers` > 1 re-executes the batches in that many processes, each an engine of the receipt's own deployment
+(its thread count included), so the bits are the same as one process's: a verifier with more cores than the
+deployment's threads verifies that many times faster, where using the cores inside one engine would change
+the deployment and make every receipt not comparable.
 """
 
 from __future__ import annotations
 
 import math
+import multiprocessing
 import random
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +28,7 @@ from typing import Any
 from detent_audit.engine.facts import facts_hash
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tuples import tuple_hash
-from detent_audit.errors import DetentError
+from detent_audit.errors import BadInput, DetentError
 from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.errors import InvalidReceipt, ManifestMismatch
 from detent_audit.manifests.receipt import Receipt, verify_envelope
@@ -122,11 +129,14 @@ def _finish_problem(r: Receipt, eos: set[int]) -> Divergence | str | None:
 
 def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | None = None, mode: str = "rescore",
            sample: float | None = None, seed: int = 0, cache_dir: str | None = None,
-           threads: int | None = None, tuple_override: dict | None = None,
+           threads: int | None = None, tuple_override: dict | None = None, workers: int = 1,
            progress: Callable[[int, int], None] | None = None) -> Report:
-    """Verify every receipt and run manifest under `paths`; never raises for a bad receipt: reports it."""
+    """Verify every receipt and run manifest under `paths`; never raises for a bad receipt: reports it.
+    `workers`: processes that re-execute (see the module docstring)."""
     if mode not in ("rescore", "replay"):
         raise DetentError(f"unknown mode {mode!r}", remedy="use --mode rescore or --mode replay")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise BadInput(f"workers must be a whole number >= 1, got {workers!r}")
     receipt_paths, manifest_paths, outcomes = collect(paths)
     opened: dict[Path, Receipt] = {}
     for p in receipt_paths:
@@ -140,29 +150,73 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
     groups: dict[tuple[str, str], list[Path]] = {}
     for p in chosen:
         groups.setdefault((opened[p].deployment_hash, opened[p].tuple_hash), []).append(p)
+    # the batches, each of one deployment and tuple; with workers, small enough that every worker gets one
+    batches = []
+    for _, group in sorted(groups.items()):
+        size = BATCH if workers == 1 else max(1, min(BATCH, math.ceil(len(group) / workers)))
+        batches += [group[start:start + size] for start in range(0, len(group), size)]
+    options = _Options(None if model is None else str(model), mode, cache_dir, threads, tuple_override)
     done, total = 0, len(chosen)
-    for (_, _), group in sorted(groups.items()):
-        first = opened[group[0]]
-        try:
-            llm = reconstruct(first.deployment_facts, first.tuple_values, model, cache_dir,  # (3), (4)
-                              threads, tuple_override)
-        except NotComparable as exc:
-            outcomes += [Outcome(str(p), "receipt", "NOT_COMPARABLE", exc.message, opened[p].request.request_id,
-                                 fields=exc.fields) for p in group]
-            done += len(group)
-            if progress:
-                progress(done, total)
-            continue
-        eos = set(llm.tokenizer.eos_token_ids)
-        for start in range(0, len(group), BATCH):
-            batch = group[start:start + BATCH]
-            outcomes += _reexecute(llm, [(p, opened[p]) for p in batch], mode, eos)
+    if workers == 1 or len(batches) <= 1:
+        engines: dict = {}
+        for batch in batches:
+            outcomes += _run_batch([(p, opened[p]) for p in batch], options, engines)
             done += len(batch)
             if progress:
                 progress(done, total)
+    else:
+        spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds torch's threads
+        with ProcessPoolExecutor(min(workers, len(batches)), mp_context=spawn) as pool:
+            pending: dict[Future, int] = {
+                pool.submit(_worker_batch, [(str(p), opened[p].to_bytes()) for p in batch], options): len(batch)
+                for batch in batches}
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    outcomes += future.result()  # an engine that cannot be built raises here, as serially
+                    done += pending.pop(future)
+                    if progress:
+                        progress(done, total)
     order = {str(p): i for i, p in enumerate([*receipt_paths, *manifest_paths])}
     outcomes.sort(key=lambda o: (order.get(o.path, -1), o.path))
     return Report(outcomes, mode)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What rebuilds and runs a group's engine, besides its receipts (picklable, for the workers)."""
+
+    model: str | None
+    mode: str
+    cache_dir: str | None
+    threads: int | None
+    tuple_override: dict | None
+
+
+def _run_batch(batch: list[tuple[Path, Receipt]], options: _Options, engines: dict) -> list[Outcome]:
+    """Re-execute and compare one batch of receipts of one deployment and tuple, on the engine `engines` keeps
+    for it (built on first use: (3) deployment, (4) tuple)."""
+    first = batch[0][1]
+    key = (first.deployment_hash, first.tuple_hash)
+    if key not in engines:
+        try:
+            engines[key] = reconstruct(first.deployment_facts, first.tuple_values, options.model,
+                                       options.cache_dir, options.threads, options.tuple_override)
+        except NotComparable as exc:
+            engines[key] = exc
+    llm = engines[key]
+    if isinstance(llm, NotComparable):
+        return [Outcome(str(p), "receipt", "NOT_COMPARABLE", llm.message, r.request.request_id, fields=llm.fields)
+                for p, r in batch]
+    return _reexecute(llm, batch, options.mode, set(llm.tokenizer.eos_token_ids))
+
+
+_WORKER_ENGINES: dict = {}  # a worker process's engines, kept across its batches
+
+
+def _worker_batch(batch: list[tuple[str, bytes]], options: _Options) -> list[Outcome]:
+    """A worker's batch: receipts as their payload bytes (already signature-checked by the parent)."""
+    return _run_batch([(Path(p), Receipt.from_bytes(b)) for p, b in batch], options, _WORKER_ENGINES)
 
 
 def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:

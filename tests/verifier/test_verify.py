@@ -155,3 +155,30 @@ def test_receipts_of_a_generated_model_verify_without_a_checkpoint(tmp_path, mon
     node.close()
     res = runner.invoke(app, ["verify", str(tmp_path / "out"), "--key", str(key.public_path), "--json"])
     assert res.exit_code == 0, res.output
+
+
+def test_workers_give_the_verdicts_of_one_process(served, tmp_path) -> None:
+    """Re-execution spread over processes, each an engine of the receipt's own deployment: the same verdicts,
+    a tampered receipt failing at the same position, whatever the worker count."""
+    import shutil
+
+    folder = tmp_path / "mixed"
+    shutil.copytree(served["out"] / "receipts", folder)
+    forged = _tampered(served, tmp_path, lambda t, lp: (t, _flip_bit(lp, 1)))
+    shutil.move(forged, folder / "r4.receipt")  # in place of the real r4
+    code, one = _verify(served, folder)
+    assert code == 1
+    for workers in ("2", "3"):
+        code, many = _verify(served, folder, extra=("--workers", workers))
+        assert code == 1 and many == one
+    (fail,) = [o for o in one["outcomes"] if o["status"] != "OK"]
+    assert fail["path"].endswith("r4.receipt") and fail["divergence"]["position"] == 1
+    assert one["counts"]["OK"] == 9
+
+
+def test_workers_report_a_deployment_mismatch_and_refuse_a_bad_count(served) -> None:
+    code, report = _verify(served, served["out"] / "receipts", extra=("--threads", "2", "--workers", "2"))
+    assert code == 3
+    assert {tuple(o["fields"]) for o in report["outcomes"]} == {("deployment.gpu.num_sms", "runtime.num_threads")}
+    res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers", "0"])
+    assert res.exit_code == 2 and "workers" in res.stderr
