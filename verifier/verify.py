@@ -9,9 +9,9 @@ seeded draw at every position is recomputed from the logits) or `replay` (autore
 their receipts present.
 
 `workers` > 1 re-executes the batches in that many processes, each an engine of the receipt's own deployment
-(its thread count included), so the bits are the same as one process's: a verifier with more cores than the
-deployment's threads verifies that many times faster, where using the cores inside one engine would change
-the deployment and make every receipt not comparable.
+(its thread count included), so the bits are the same as one process's. A verifier's spare cores then
+shorten the run (2 workers on 2 cores: 1.55x, benchmarks/verify.py), where giving them to one engine would
+change the deployment and make every receipt not comparable.
 """
 
 from __future__ import annotations
@@ -195,10 +195,12 @@ class _Options:
 
 def _run_batch(batch: list[tuple[Path, Receipt]], options: _Options, engines: dict) -> list[Outcome]:
     """Re-execute and compare one batch of receipts of one deployment and tuple, on the engine `engines` keeps
-    for it (built on first use: (3) deployment, (4) tuple)."""
+    for it (built on first use: (3) deployment, (4) tuple; batches come in group order, so one engine at a
+    time is kept)."""
     first = batch[0][1]
     key = (first.deployment_hash, first.tuple_hash)
     if key not in engines:
+        engines.clear()
         try:
             engines[key] = reconstruct(first.deployment_facts, first.tuple_values, options.model,
                                        options.cache_dir, options.threads, options.tuple_override)
