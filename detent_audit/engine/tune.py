@@ -342,7 +342,8 @@ def launch_classes(grid: FamilyGrid, workload: Workload, graphs: GraphShape | No
     stride at or past a call's longest sequence (for a decode step a CUDA graph replays, the engine's longest
     context) launches that call exactly as no split does, so candidates that differ only there run the same
     kernels on every recorded call and cost the same. Lossless: the representative (the first in grid order,
-    the default for its own class) is timed for all of them."""
+    the default for its own class) is timed for all of them. The reduced grid's anchors are, per KV tile, the
+    class that splits no call, a kernel regime of its own (`FamilyGrid.anchors`)."""
     def longest_of(call: tuple) -> int:
         if graphs is not None and graphs.replays(call):
             return graphs.max_model_len
@@ -358,7 +359,7 @@ def launch_classes(grid: FamilyGrid, workload: Workload, graphs: GraphShape | No
     for a in grid.legal:
         reps.setdefault(signature(a), a)
     legal = tuple(a for a in grid.legal if reps[signature(a)] == a)
-    # the search's anchors: per KV tile, the class that splits no call (no partials, no combine pass)
+    # the anchors: no partials, no combine pass
     unsplit = tuple(a for a in legal if all(n is None for n in signature(a)[1]))
     return FamilyGrid(grid.family, grid.axes, legal, grid.default, unsplit)
 
