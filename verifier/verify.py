@@ -10,7 +10,7 @@ their receipts present.
 
 `workers` > 1 re-executes the batches in that many processes, each an engine of the receipt's own deployment
 (its thread count included), so the bits are the same as one process's. A verifier's spare cores then
-shorten the run (2 workers on 2 cores: 1.55x, benchmarks/verify.py), where giving them to one engine would
+shorten the run (2 workers on 2 cores: 1.55-1.62x, benchmarks/verify.py), where giving them to one engine would
 change the deployment and make every receipt not comparable.
 """
 
