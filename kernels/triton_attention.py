@@ -29,8 +29,9 @@ class TritonAttentionConfig:
     split: int = 2048      # KV positions per split (a multiple of block_n); the pinned split stride
     num_warps: int = 4
     num_stages: int = 2
-    # streaming mode (not yet measured on a GPU, so off): splits folded one after another with explicit FMAs,
-    # in one program per tile when the launch has programs enough (prefill: no partials in memory), else in
+    # streaming mode (a deployment fact, off unless asked for: --attention-streaming; the H200 serving runs of
+    # RESULTS sections 13-14 use it): splits folded one after another with explicit FMAs, in one program per
+    # tile when the launch has programs enough (prefill: no partials in memory), else in
     # parallel programs and a streaming combine; the two give a row the same bits, so the choice per launch
     # is harmless, and small split strides stop costing prefill (the tuner can pick them for decode)
     streaming: bool = False
@@ -354,8 +355,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         l_ = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
     _attn_partial[(plan.num_tiles, hkv, num_splits)](
         q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len,
-        plan.cu, plan.context_lens, o, m, l_, out, qk_scale, bt.stride(0), t, config.split, PAGE=page, H=h, HKV=hkv, D=d, G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        DIRECT=direct, num_warps=config.num_warps, num_stages=config.num_stages)
+        plan.cu, plan.context_lens, o, m, l_, out, qk_scale, bt.stride(0), t, config.split, PAGE=page, H=h,
+        HKV=hkv, D=d, G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, DIRECT=direct,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     if not direct:
         combine = _attn_fold_combine if config.streaming else _attn_combine
         combine[(t, h)](o, m, l_, out, t, num_splits, H=h, D=d)

@@ -236,9 +236,9 @@ def search(grid: FamilyGrid, workload: Workload, oracle: Oracle, *, mode: Mode =
     Exhaustive mode measures every legal assignment on every call and returns the true optimum (ties go to
     the first in `grid.legal`). Budgeted mode measures at most `budget(len(grid.legal), budget_fraction)`
     distinct assignments (see the module docstring). `progress(measured, limit)` is called after each new
-    assignment. `abandon=False` times
-    every candidate on every call (more oracle calls, the same budget): the surface then fits true costs, not
-    the compressed estimates of abandoned candidates, which a noisy oracle's flat-looking landscape needs.
+    assignment. `abandon=False` times every candidate on every call (more oracle calls, the same budget):
+    the surface then fits true costs, not the compressed estimates of abandoned candidates, which a noisy
+    oracle's flat-looking landscape needs.
     Raises `BadInput` when the oracle returns anything but a finite time >= 0.
     """
     if mode not in ("budgeted", "exhaustive"):

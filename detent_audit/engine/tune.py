@@ -355,12 +355,13 @@ def launch_classes(grid: FamilyGrid, workload: Workload, graphs: GraphShape | No
         stride = a["split_stride"]
         return (a["kv_tile"], tuple(None if stride == 0 or stride >= n else stride for n in longest))
 
-    reps: dict[tuple, Assignment] = {signature(grid.default): grid.default}
+    signatures = {a: signature(a) for a in grid.legal}
+    reps: dict[tuple, Assignment] = {signatures[grid.default]: grid.default}
     for a in grid.legal:
-        reps.setdefault(signature(a), a)
-    legal = tuple(a for a in grid.legal if reps[signature(a)] == a)
+        reps.setdefault(signatures[a], a)
+    legal = tuple(a for a in grid.legal if reps[signatures[a]] == a)
     # the anchors: no partials, no combine pass
-    unsplit = tuple(a for a in legal if all(n is None for n in signature(a)[1]))
+    unsplit = tuple(a for a in legal if all(n is None for n in signatures[a][1]))
     return FamilyGrid(grid.family, grid.axes, legal, grid.default, unsplit)
 
 
