@@ -76,9 +76,10 @@ def verify(
     threads: int = typer.Option(None, "--threads", help="Run with this many CPU threads (default: the "
                                                         "receipt's); a different count is not comparable."),
     tuple_file: Path = typer.Option(None, "--tuple", help="Verify as this tuple (default: the receipt's)."),
-    workers: int = typer.Option(1, "--workers", help="Processes that re-execute, each an engine of the "
-                                                     "receipt's own deployment and threads: more cores verify "
-                                                     "faster, the bits unchanged."),
+    workers: str = typer.Option("auto", "--workers", help="Processes that re-execute, each an engine of the "
+                                                          "receipt's own deployment and threads: more cores "
+                                                          "verify faster, the bits unchanged. auto: as many as "
+                                                          "the cores, the receipts and the memory allow."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Verify receipts: signature, deployment, tuple, re-execution, bits. Exit 0 pass, 1 mismatch, 2 bad input,
@@ -94,6 +95,8 @@ def verify(
         raise BadInput("give exactly one of --key FILE or --trusted-keys DIR")
     if sample is not None and not 0 < sample <= 1:
         raise BadInput(f"--sample must be in (0, 1], got {sample}")
+    if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
+        raise BadInput(f"--workers must be a whole number >= 1 or auto, got {workers!r}")
     trusted = load_trusted_keys(key or trusted_keys)
     override = None
     if tuple_file is not None:
@@ -104,7 +107,7 @@ def verify(
         task = progress.add_task("re-executing", total=None)
         report = run_verify(paths, trusted, model=model, mode=mode, sample=sample, seed=seed,
                             cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
-                            tuple_override=override, workers=workers,
+                            tuple_override=override, workers=workers if workers == "auto" else int(workers),
                             progress=lambda done, total: progress.update(task, completed=done, total=total))
     if as_json:
         typer.echo(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),

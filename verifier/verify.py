@@ -11,13 +11,16 @@ their receipts present.
 `workers` > 1 re-executes the batches in that many processes, each an engine of the receipt's own deployment
 (its thread count included), so the bits are the same as one process's. A verifier's spare cores then
 shorten the run (2 workers on 2 cores: 1.55-1.62x, benchmarks/verify.py), where giving them to one engine would
-change the deployment and make every receipt not comparable.
+change the deployment and make every receipt not comparable. `workers="auto"` (the CLI's default) takes as
+many as the cores allow at the receipts' thread count, no more than there are full batches of receipts (a
+worker's start, about 2 s, is worth it only then), and no more than the available memory holds engines.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import random
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -38,6 +41,7 @@ from detent_audit.verifier.reconstruct import NotComparable, reconstruct
 
 RECEIPT_SUFFIX, MANIFEST_SUFFIX = ".receipt", ".manifest"
 BATCH = 64  # requests re-executed together
+_ENGINE_OVERHEAD = 512 << 20  # bytes a worker's engine needs besides its weights (torch, KV pool, activations)
 
 
 @dataclass
@@ -129,14 +133,14 @@ def _finish_problem(r: Receipt, eos: set[int]) -> Divergence | str | None:
 
 def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | None = None, mode: str = "rescore",
            sample: float | None = None, seed: int = 0, cache_dir: str | None = None,
-           threads: int | None = None, tuple_override: dict | None = None, workers: int = 1,
+           threads: int | None = None, tuple_override: dict | None = None, workers: int | str = 1,
            progress: Callable[[int, int], None] | None = None) -> Report:
     """Verify every receipt and run manifest under `paths`; never raises for a bad receipt: reports it.
     `workers`: processes that re-execute (see the module docstring)."""
     if mode not in ("rescore", "replay"):
         raise DetentError(f"unknown mode {mode!r}", remedy="use --mode rescore or --mode replay")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise BadInput(f"workers must be a whole number >= 1, got {workers!r}")
+    if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise BadInput(f"workers must be a whole number >= 1 or 'auto', got {workers!r}")
     receipt_paths, manifest_paths, outcomes = collect(paths)
     opened: dict[Path, Receipt] = {}
     for p in receipt_paths:
@@ -150,6 +154,8 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
     groups: dict[tuple[str, str], list[Path]] = {}
     for p in chosen:
         groups.setdefault((opened[p].deployment_hash, opened[p].tuple_hash), []).append(p)
+    if workers == "auto":
+        workers = auto_workers(len(chosen), [opened[g[0]].deployment_facts for g in groups.values()], threads)
     # the batches, each of one deployment and tuple; with workers, small enough that every worker gets one
     batches = []
     for _, group in sorted(groups.items()):
@@ -180,6 +186,67 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
     order = {str(p): i for i, p in enumerate([*receipt_paths, *manifest_paths])}
     outcomes.sort(key=lambda o: (order.get(o.path, -1), o.path))
     return Report(outcomes, mode)
+
+
+def auto_workers(num_receipts: int, facts: Iterable[Any], threads: int | None = None, *,
+                 cores: int | None = None, available_memory: int | None = None) -> int:
+    """Worker processes for `workers="auto"`: the cores over the receipts' thread count (`threads` where the
+    verifier states its own), at most one per full batch of receipts, at most the engines that the available
+    memory holds (when it is known); at least 1, and 1 for GPU receipts (their engines would share one
+    device). `cores`/`available_memory` default to this machine's."""
+    facts = list(facts)
+    if any(_device(f) != "cpu" for f in facts):
+        return 1
+    per_engine = max([threads or _num_threads(f) for f in facts] or [1])
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limits = [cores // per_engine, num_receipts // BATCH]
+    if available_memory is None:
+        available_memory = _available_memory()
+    if available_memory is not None and facts:
+        limits.append(available_memory // max(_engine_bytes(f) for f in facts))
+    return max(1, min(limits))
+
+
+def _device(facts: Any) -> Any:
+    try:
+        return facts["runtime"]["device"]
+    except (KeyError, TypeError):
+        return None
+
+
+def _num_threads(facts: Any) -> int:
+    try:
+        return max(1, int(facts["runtime"]["num_threads"]))
+    except (KeyError, TypeError, ValueError):
+        return 1
+
+
+def _engine_bytes(facts: Any) -> int:
+    """An engine's memory for these facts: its weights (from the model's shape and dtype) and the overhead."""
+    try:
+        m = facts["deployment"]["model"]
+        h, layers, hd = m["hidden_size"], m["num_layers"], m["head_dim"]
+        attention = h * hd * (2 * m["num_heads"] + 2 * m["num_kv_heads"])
+        mlp = (3 * h * m["moe_intermediate_size"] * m["num_experts"] + h * m["num_experts"] if m["num_experts"]
+               else 3 * h * m["intermediate_size"])
+        params = layers * (attention + mlp) + 2 * m["vocab_size"] * h
+        width = 2 if facts["runtime"]["dtype"] in ("bfloat16", "float16") else 4
+    except (KeyError, TypeError):
+        return _ENGINE_OVERHEAD
+    return params * width + _ENGINE_OVERHEAD
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), in bytes; None elsewhere."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @dataclass(frozen=True)

@@ -182,3 +182,32 @@ def test_workers_report_a_deployment_mismatch_and_refuse_a_bad_count(served) -> 
     assert {tuple(o["fields"]) for o in report["outcomes"]} == {("deployment.gpu.num_sms", "runtime.num_threads")}
     res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers", "0"])
     assert res.exit_code == 2 and "workers" in res.stderr
+
+
+def test_auto_workers_follow_cores_receipts_threads_and_memory(served) -> None:
+    """`--workers auto`: one worker per core at the receipts' thread count, no more than full batches of receipts
+    or engines the memory holds, and one for GPU receipts."""
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.manifests.receipt import verify_envelope
+    from detent_audit.verifier.verify import BATCH, _engine_bytes, auto_workers
+
+    r = verify_envelope((served["out"] / "receipts" / "r0.receipt").read_bytes(),
+                        load_trusted_keys(served["key"].public_path)).receipt
+    facts = r.deployment_facts
+    assert facts["runtime"]["num_threads"] == 1 and facts["runtime"]["device"] == "cpu"
+    lots = 1 << 40
+    assert auto_workers(4 * BATCH, [facts], cores=2, available_memory=lots) == 2
+    assert auto_workers(4 * BATCH, [facts], cores=16, available_memory=lots) == 4       # the receipts
+    assert auto_workers(BATCH - 1, [facts], cores=16, available_memory=lots) == 1       # under one batch
+    assert auto_workers(64 * BATCH, [facts], threads=4, cores=16, available_memory=lots) == 4   # 4-thread engines
+    engine = _engine_bytes(facts)
+    assert auto_workers(64 * BATCH, [facts], cores=16, available_memory=3 * engine + 1) == 3  # the memory
+    assert auto_workers(64 * BATCH, [facts], cores=16, available_memory=engine // 2) == 1
+    gpu = {**facts, "runtime": {**facts["runtime"], "device": {"name": "NVIDIA H200"}}}
+    assert auto_workers(64 * BATCH, [facts, gpu], cores=16, available_memory=lots) == 1
+    # the estimate grows with the model: the weights of the receipt's shape in its dtype, plus the overhead
+    model = facts["deployment"]["model"]
+    wider = {**facts, "deployment": {**facts["deployment"], "model": {**model, "hidden_size": 2 * model["hidden_size"]}}}
+    assert _engine_bytes(wider) > engine
+    res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers", "x"])
+    assert res.exit_code == 2 and "workers" in res.stderr
