@@ -277,7 +277,22 @@ def _run_batch(batch: list[tuple[Path, Receipt]], options: _Options, engines: di
     if isinstance(llm, NotComparable):
         return [Outcome(str(p), "receipt", "NOT_COMPARABLE", llm.message, r.request.request_id, fields=llm.fields)
                 for p, r in batch]
-    return _reexecute(llm, batch, options.mode, set(llm.tokenizer.eos_token_ids))
+    return _reexecute_isolating(llm, batch, options.mode, set(llm.tokenizer.eos_token_ids))
+
+
+def _reexecute_isolating(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
+    """`_reexecute`, and where the engine refuses the batch (a receipt it cannot run: a request longer than
+    the deployment's context, say), each receipt alone, so that the refusal lands on the receipts it concerns
+    (a FAIL: the deployment could not have served them) and the others are still checked."""
+    try:
+        return _reexecute(llm, batch, mode, eos)
+    except DetentError as exc:
+        llm.reset(drop_unfinished=True)
+        if len(batch) == 1:
+            p, r = batch[0]
+            return [Outcome(str(p), "receipt", "FAIL", f"the deployment cannot re-execute it: {exc.message}",
+                            r.request.request_id)]
+    return [o for item in batch for o in _reexecute_isolating(llm, [item], mode, eos)]
 
 
 _WORKER_ENGINES: dict = {}  # a worker process's engines, kept across its batches

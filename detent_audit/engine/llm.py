@@ -133,12 +133,14 @@ class LLM:
         self._scores: dict[int, Rescored] = {}
         self._tops: dict[int, list[list[tuple[int, float]]]] = {}
 
-    def reset(self, *, max_prefill_chunk: int | None = None) -> None:
-        """Forget every request and the prefix cache (the KV memory is kept: stale slots are never read)."""
-        if self.scheduler.has_unfinished():
+    def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
+        """Forget every request and the prefix cache (the KV memory is kept: stale slots are never read).
+        `max_prefill_chunk`: the engine's configured one unless given (None: no limit). Requests still queued
+        or running are an error, unless `drop_unfinished` (after a refused batch)."""
+        if self.scheduler.has_unfinished() and not drop_unfinished:
             raise RuntimeError("reset() with requests still running")
         cfg = self._scheduler_config
-        if max_prefill_chunk != cfg.max_prefill_chunk:
+        if max_prefill_chunk != "configured" and max_prefill_chunk != cfg.max_prefill_chunk:
             cfg = SchedulerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                                   max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -152,14 +154,18 @@ class LLM:
 
     # ---- requests
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
-                    *, score_from: int | None = None, score_params: SamplingParams | None = None) -> Sequence:
+                    *, score_from: int | None = None, score_params: SamplingParams | None = None,
+                    score_targets: SequenceOf[int] = ()) -> Sequence:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if score_from is not None and len(score_targets) != len(ids) - score_from + 1:
+            raise ValueError(f"{len(score_targets)} score targets for a sequence of {len(ids)} tokens scored from "
+                             f"{score_from}: the sequence must hold every target but the last")
         seq = Sequence(next(self._ids), ids, params, request_id=request_id)
         if score_from is not None:  # the scored positions' logits must be computed, not served from cache
             self.scheduler.block_manager.hit_limit[seq.seq_id] = max(0, score_from - 1)
         self.scheduler.add(seq)
         if score_from is not None:
-            self._score_from[seq.seq_id] = ScoreSpec(score_from, score_params or params)
+            self._score_from[seq.seq_id] = ScoreSpec(score_from, score_params or params, tuple(score_targets))
             self._scores[seq.seq_id] = Rescored([], [])
         self._tops[seq.seq_id] = []
         return seq
@@ -222,9 +228,10 @@ class LLM:
         for i, (prompt, output) in enumerate(pairs):
             if not output:
                 raise BadInput("rescore needs at least one output token")
-            ids = list(prompt) + list(output)
+            # the last output token is only a target: a response that filled max_model_len rescores within it
+            ids = list(prompt) + list(output[:-1])
             seqs.append(self.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                                         score_from=len(prompt),
+                                         score_from=len(prompt), score_targets=output,
                                          score_params=None if params is None else params[i]))
         self.run(seqs)
         out = []

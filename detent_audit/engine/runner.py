@@ -21,10 +21,13 @@ from detent_audit.kernels import sampling as sampling_ops
 
 @dataclass(frozen=True)
 class ScoreSpec:
-    """A rescoring sequence: score tokens from position `first` on; they were drawn with `params`."""
+    """A rescoring sequence: score `targets`, the tokens at positions `first`, `first + 1`, ...; they were
+    drawn with `params`. The sequence holds the prompt and every target but the last (the last one's logits
+    are those of the position before it), so a response that filled the context is rescored within it."""
 
     first: int
     params: SamplingParams
+    targets: tuple[int, ...]
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
@@ -115,10 +118,10 @@ class ModelRunner:
         for i, e in enumerate(entries):
             sid = e.seq.seq_id
             if sid in score_from:
-                first = max(e.start_pos, score_from[sid].first - 1)
-                for p in range(first, min(e.end_pos, e.seq.num_tokens - 1)):
+                spec = score_from[sid]
+                for p in range(max(e.start_pos, spec.first - 1), e.end_pos):
                     rows.append(cu[i] + p - e.start_pos)
-                    teacher.append(e.seq.token_ids[p + 1])
+                    teacher.append(spec.targets[p + 1 - spec.first])
                     owners.append((sid, "score"))
             if e.samples_token:
                 rows.append(cu[i + 1] - 1)

@@ -62,6 +62,23 @@ def test_rescore_equals_generation_for_100_requests(make_checkpoint, tmp_path) -
         assert torch.equal(_bits(s.logprobs), _bits(o.logprobs))
 
 
+def test_a_response_that_fills_the_context_rescores_within_it(make_checkpoint, tmp_path) -> None:
+    """Prompt plus output equal to max_model_len (what a chat request without max_tokens gets): rescoring
+    feeds every output token but the last, so it fits, and gives the served bits, beside shorter requests."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (40, 63, 1, 17)]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=64 - len(p), ignore_eos=True)
+              for i, (p, t) in enumerate(zip(prompts, (0.0, 0.8, 0.8, 0.0)))]
+    llm = _engine(make_checkpoint("tiny-llama"), cache_dir=str(tmp_path), max_model_len=64)
+    outs = llm.generate(prompts, params)
+    assert all(len(o.prompt_token_ids) + len(o.token_ids) == 64 for o in outs)
+    short = llm.generate([prompts[0][:5]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    scores = llm.rescore_batch([(o.prompt_token_ids, o.token_ids) for o in outs + short],
+                               params + [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)])
+    for o, s in zip(outs + short, scores):
+        assert torch.equal(_bits(s.logprobs), _bits(o.logprobs)) and s.tokens == o.token_ids
+
+
 def test_seeded_sampling_alone_and_in_a_mixed_batch_of_32(make_checkpoint, tmp_path) -> None:
     path = make_checkpoint("tiny-qwen3")
     rng = random.Random(3)

@@ -211,3 +211,38 @@ def test_auto_workers_follow_cores_receipts_threads_and_memory(served) -> None:
     assert _engine_bytes(wider) > engine
     res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers", "x"])
     assert res.exit_code == 2 and "workers" in res.stderr
+
+
+@pytest.mark.parametrize("mode", ["rescore", "replay"])
+def test_a_response_that_filled_the_context_verifies_and_an_impossible_one_fails_alone(make_checkpoint, tmp_path,
+                                                                                       mode: str) -> None:
+    """A response whose prompt and output fill max_model_len verifies in both modes; a receipt the deployment
+    could not have served (longer than its context, signed by the node) fails on its own, and the receipts
+    batched with it are still checked."""
+    ckpt = make_checkpoint("tiny-llama")
+    key = generate_key(tmp_path / "node.key")
+    llm = LLM(EngineConfig(model=str(ckpt), mode="detent", max_model_len=64, cache_dir=str(tmp_path / "jit")))
+    node = ServingNode(llm, load_private_key(key.private_path), tmp_path / "out")
+    lines = [{"id": "full", "prompt_token_ids": list(range(5, 45)), "max_tokens": 24, "temperature": 0.8,
+              "seed": 3, "ignore_eos": True},
+             {"id": "short", "prompt_token_ids": [7, 8, 9], "max_tokens": 5, "ignore_eos": True}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    serve_offline(llm, node, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    node.close()
+    base = ["verify", str(tmp_path / "out"), "--key", str(key.public_path), "--model", str(ckpt), "--cache-dir",
+            str(tmp_path / "jit"), "--json", "--mode", mode]
+    res = runner.invoke(app, base)
+    assert res.exit_code == 0, res.output
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.manifests.receipt import verify_envelope
+
+    r = verify_envelope((tmp_path / "out" / "receipts" / "full.receipt").read_bytes(),
+                        load_trusted_keys(key.public_path)).receipt
+    longer = dataclasses.replace(r.request, request_id="longer", prompt_token_ids=tuple(range(5, 70)))
+    (tmp_path / "out" / "receipts" / "longer.receipt").write_bytes(
+        sign_receipt(dataclasses.replace(r, request=longer), load_private_key(key.private_path)))
+    res = runner.invoke(app, [base[0], str(tmp_path / "out" / "receipts"), *base[2:]])
+    assert res.exit_code == 1, res.output
+    outcomes = {Path(o["path"]).stem: o for o in json.loads(res.stdout)["outcomes"]}
+    assert outcomes["full"]["status"] == outcomes["short"]["status"] == "OK"
+    assert outcomes["longer"]["status"] == "FAIL" and "cannot re-execute" in outcomes["longer"]["message"]
