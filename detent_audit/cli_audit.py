@@ -71,7 +71,7 @@ def verify(
     model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     mode: str = typer.Option("rescore", "--mode", help="rescore (one teacher-forced prefill) | replay"),
     sample: float = typer.Option(None, "--sample", help="Verify a seeded sample: this fraction of receipts."),
-    seed: int = typer.Option(0, "--seed", help="Seed of --sample."),
+    seed: int = typer.Option(None, "--seed", help="Seed of --sample (default 0)."),
     cache_dir: Path = typer.Option(None, "--cache-dir", help="JIT cache directory."),
     threads: int = typer.Option(None, "--threads", help="Run with this many CPU threads (default: the "
                                                         "receipt's); a different count is not comparable."),
@@ -95,6 +95,11 @@ def verify(
         raise BadInput("give exactly one of --key FILE or --trusted-keys DIR")
     if sample is not None and not 0 < sample <= 1:
         raise BadInput(f"--sample must be in (0, 1], got {sample}")
+    if seed is not None and sample is None:
+        raise BadInput("--seed chooses the receipts of --sample; without --sample every receipt is verified",
+                       remedy="add --sample FRACTION, or drop --seed")
+    if threads is not None and threads < 1:
+        raise BadInput(f"--threads must be >= 1, got {threads}")
     if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
         raise BadInput(f"--workers must be a whole number >= 1 or auto, got {workers!r}")
     trusted = load_trusted_keys(key or trusted_keys)
@@ -105,7 +110,7 @@ def verify(
         override = load_tuple(tuple_file)
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("re-executing", total=None)
-        report = run_verify(paths, trusted, model=model, mode=mode, sample=sample, seed=seed,
+        report = run_verify(paths, trusted, model=model, mode=mode, sample=sample, seed=seed or 0,
                             cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
                             tuple_override=override, workers=workers if workers == "auto" else int(workers),
                             progress=lambda done, total: progress.update(task, completed=done, total=total))
@@ -164,15 +169,28 @@ def serve(
         raise BadInput("--input and --output go together", remedy="give both, or neither to serve over HTTP")
     if max_queued < 1:
         raise BadInput(f"--max-queued must be >= 1, got {max_queued}")
+    if output_path is not None and not output_path.parent.is_dir():
+        raise BadInput(f"--output {output_path}: the folder {output_path.parent} does not exist")
+    if output_path is not None and output_path.is_dir():
+        raise BadInput(f"--output {output_path} is a folder", remedy="name the JSONL file to write")
+    if manifest_out.exists() and not manifest_out.is_dir():
+        raise BadInput(f"--manifest-out {manifest_out} is a file", remedy="name a folder (it is created if new)")
     private_key = load_private_key(key, _passphrase(passphrase_env))
     llm = _engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
                   attention_streaming=attention_streaming)
     node = ServingNode(llm, private_key, manifest_out, rotate)
     if input_path is not None:
+        from rich.console import Console
+        from rich.progress import Progress
+
         from detent_audit.server.offline import serve_offline
 
         try:
-            count = serve_offline(llm, node, input_path, output_path)
+            with Progress(console=Console(stderr=True), transient=True) as progress:
+                task = progress.add_task("serving", total=None)
+                count = serve_offline(llm, node, input_path, output_path,
+                                      progress=lambda done, total: progress.update(task, completed=done,
+                                                                                  total=total))
         finally:
             manifest = node.close()
         typer.echo(f"OK: {count} requests served, receipts in {manifest_out / 'receipts'}"

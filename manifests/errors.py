@@ -71,7 +71,7 @@ class KeyFileError(BadInput):
     """A key file cannot be used: missing, not a key, not Ed25519, too open, or already there."""
 
     exit_code = 2
-    remedy = "create a key pair with `detent-audit keygen OUT` (writes OUT and OUT.pub)"
+    remedy = "create a key pair with `detent-audit keygen --out FILE` (writes FILE and FILE.pub)"
 
 
 class WrongPassphrase(KeyFileError):

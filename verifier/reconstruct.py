@@ -86,7 +86,8 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
         llm = LLM(config)  # (4): select_kernels refuses a tuple that is not legal for the solved pins
     except BadInput as exc:
         if "is not legal" in exc.message or "does not run" in exc.message:
-            raise NotComparable(["tuple"], f"the receipt's tuple is not legal here: {exc.message}") from None
+            whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
+            raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
         raise
     local = collect_facts(llm)
     fields = differing_fields(dict(facts), local)

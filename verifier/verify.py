@@ -55,10 +55,11 @@ class Outcome:
     request_id: str | None = None
     divergence: Divergence | None = None
     fields: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # a manifest's: digests of its receipts not found
 
     def to_json(self) -> dict:
         return {"path": self.path, "kind": self.kind, "status": self.status, "message": self.message,
-                "request_id": self.request_id, "fields": self.fields,
+                "request_id": self.request_id, "fields": self.fields, "missing": self.missing,
                 "divergence": self.divergence.to_json() if self.divergence else None}
 
 
@@ -77,14 +78,19 @@ class Report:
 
 
 def collect(paths: Iterable[str | Path]) -> tuple[list[Path], list[Path], list[Outcome]]:
-    """Receipt and manifest files named or found under folders (sorted); unreadable paths as BAD."""
+    """Receipt and manifest files named or found under folders (sorted); unreadable paths, and folders with
+    neither, as BAD (nothing verified is not a pass)."""
     receipts: set[Path] = set()
     manifests: set[Path] = set()
     bad: list[Outcome] = []
     for p in map(Path, paths):
         if p.is_dir():
-            receipts |= set(p.rglob(f"*{RECEIPT_SUFFIX}"))
-            manifests |= set(p.rglob(f"*{MANIFEST_SUFFIX}"))
+            found_r, found_m = set(p.rglob(f"*{RECEIPT_SUFFIX}")), set(p.rglob(f"*{MANIFEST_SUFFIX}"))
+            if not found_r and not found_m:
+                bad.append(Outcome(str(p), "receipt", "BAD",
+                                   f"{p}: no *{RECEIPT_SUFFIX} or *{MANIFEST_SUFFIX} files in this folder"))
+            receipts |= found_r
+            manifests |= found_m
         elif p.is_file():
             (manifests if p.suffix == MANIFEST_SUFFIX else receipts).add(p)
         else:
@@ -340,7 +346,10 @@ def _check_manifest(path: Path, trusted: dict, opened: dict[Path, Receipt]) -> O
         present = [r for r in opened.values() if r.digest in wanted]
         check_run(manifest, present)
     except ManifestMismatch as exc:
-        return Outcome(str(path), "manifest", "FAIL", exc.message)
+        shown = ", ".join(exc.missing[:3]) + (", ..." if len(exc.missing) > 3 else "")
+        return Outcome(str(path), "manifest", "FAIL",
+                       exc.message + (f" (receipt digests missing: {shown})" if exc.missing else ""),
+                       missing=list(exc.missing))
     except DetentError as exc:
         return Outcome(str(path), "manifest", "FAIL" if exc.exit_code == 1 else "BAD", exc.message)
     return Outcome(str(path), "manifest", "OK", f"{manifest.receipt_count} receipts, Merkle root "

@@ -8,6 +8,7 @@ answered request. A run manifest (the Merkle root of the receipt digests since t
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -20,6 +21,7 @@ from detent_audit.engine.facts import collect_facts, facts_hash
 from detent_audit.engine.llm import LLM, RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tuples import tuple_hash
+from detent_audit.errors import BadInput
 from detent_audit.manifests.keys import keyid as keyid_of
 from detent_audit.manifests.receipt import (
     OutputRecord,
@@ -32,6 +34,7 @@ from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
 
 RECEIPT_SUFFIX = ".receipt"
 MANIFEST_SUFFIX = ".manifest"
+RECEIPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # names a file on every platform, inside receipts/
 
 
 def tuple_values(llm: LLM) -> dict[str, dict[str, Any]]:
@@ -52,8 +55,12 @@ class ServingNode:
     def __init__(self, llm: LLM, private_key: Any, manifest_out: str | Path, rotate: int | None = None) -> None:
         self.llm, self.key, self.rotate = llm, private_key, rotate
         self.out = Path(manifest_out)
-        (self.out / "receipts").mkdir(parents=True, exist_ok=True)
-        (self.out / "manifests").mkdir(parents=True, exist_ok=True)
+        try:
+            (self.out / "receipts").mkdir(parents=True, exist_ok=True)
+            (self.out / "manifests").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BadInput(f"{self.out}: cannot make the receipts and manifests folders ({exc.strerror})",
+                           remedy="give --manifest-out a folder this user can write") from None
         self.keyid = keyid_of(private_key.public_key())
         self.facts = collect_facts(llm)
         self.facts_hash = facts_hash(self.facts)
@@ -67,6 +74,9 @@ class ServingNode:
     def sign(self, output: RequestOutput, params: SamplingParams, request_id: str | None = None) -> SignedReceipt:
         """Sign and durably write the receipt of one finished request; returns where it is."""
         receipt_id = request_id or uuid.uuid4().hex
+        if not RECEIPT_ID.fullmatch(receipt_id):
+            raise BadInput(f"request id {receipt_id!r} cannot name a receipt file",
+                           remedy="use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
         receipt = Receipt(
             deployment_facts=self.facts, deployment_hash=self.facts_hash,
             tuple_values=self.tuple, tuple_hash=self.tuple_hash,
@@ -75,7 +85,7 @@ class ServingNode:
             output=OutputRecord.from_floats(output.token_ids, output.logprobs, output.finish_reason or "length"),
             node_keyid=self.keyid, time_unix_ns=time.time_ns())
         envelope = sign_receipt(receipt, self.key)
-        path = self.out / "receipts" / f"{receipt_id}{RECEIPT_SUFFIX}"
+        path = self.receipt_path(receipt_id)
         with self._lock:
             if path.exists():
                 raise FileExistsError(f"a receipt named {path.name} exists already")
@@ -84,6 +94,9 @@ class ServingNode:
             if self.rotate and len(self._pending) >= self.rotate:
                 self._write_manifest()
         return SignedReceipt(receipt_id, path, receipt)
+
+    def receipt_path(self, receipt_id: str) -> Path:
+        return self.out / "receipts" / f"{receipt_id}{RECEIPT_SUFFIX}"
 
     def close(self) -> Path | None:
         """Write the run manifest of the receipts since the last one (if any)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import pytest
 
 from detent_audit.manifests.receipt import verify_envelope
 from detent_audit.manifests.run_manifest import check_run, verify_run_manifest
@@ -136,3 +137,69 @@ def test_serve_input_file_offline_and_argument_errors(env: Env, tmp_path: Path) 
     loose.chmod(0o644)
     result = CliRunner().invoke(app, [*base[:3], "--key", str(loose), *base[5:]])
     assert result.exit_code == 2 and "too open" in result.output
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ('{"id": "../../escaped", "prompt": "hi"}', "cannot name a receipt file"),
+    ('{"id": "a/b", "prompt": "hi"}', "cannot name a receipt file"),
+    ('{"id": "' + "x" * 200 + '", "prompt": "hi"}', "cannot name a receipt file"),
+    ('{"id": true, "prompt": "hi"}', "cannot name a receipt file"),
+    ('{"prompt_token_ids": [99999999, 5]}', "token ids in [0,"),
+    ('{"prompt_token_ids": "abc"}', "token ids in [0,"),
+    ('{"prompt_token_ids": []}', "the prompt is empty"),
+    ('{"prompt": [1, 2]}', "'prompt' must be a string"),
+    ('{"messages": "hello"}', "'messages' must be a non-empty list"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0]"),
+    ('{"prompt": "hi", "max_tokens": 100000}', "beyond the model's context"),
+    ('{"prompt": "hi", "stop_token_ids": [-1]}', "stop_token_ids"),
+    ('{"prompt": "hi", "max_tokens": "3"}', "max_tokens"),
+])
+def test_serve_input_refuses_a_bad_line_before_serving(env: Env, tmp_path: Path, line: str, says: str) -> None:
+    """Each bad line is exit 2 with its file:line and the reason, before any request is served or signed (the
+    HTTP server's checks, and ids that must name a file inside receipts/)."""
+    from typer.testing import CliRunner
+
+    from detent_audit.cli import app
+
+    requests = tmp_path / "prompts.jsonl"
+    requests.write_text('{"id": "fine", "prompt": "hello", "max_tokens": 2}\n' + line + "\n")
+    result = CliRunner().invoke(app, ["serve", "--model", str(env.checkpoint), "--key", str(env.key.private_path),
+                                      "--cache-dir", str(env.cache_dir), "--manifest-out", str(tmp_path / "out"),
+                                      "--input", str(requests), "--output", str(tmp_path / "out.jsonl")])
+    assert result.exit_code == 2, result.output
+    assert "prompts.jsonl:2" in result.output and says in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert not list((tmp_path / "out" / "receipts").iterdir())
+    assert not list(tmp_path.glob("**/*.receipt"))
+
+
+def test_serve_input_reruns_outputs_and_top_logprobs(env: Env, tmp_path: Path) -> None:
+    """A second run into the same folder is refused up front (its ids have receipts); an output file in a missing
+    folder, an output that is a folder and a manifest folder that is a file are exit 2; `logprobs: n` brings the
+    top-n alternatives into the output line."""
+    from typer.testing import CliRunner
+
+    from detent_audit.cli import app
+
+    requests = tmp_path / "prompts.jsonl"
+    requests.write_text('{"id": "a", "prompt": "hello", "max_tokens": 3, "logprobs": 2}\n'
+                        '{"id": "b", "prompt_token_ids": [5, 6, 7], "max_tokens": 2}\n')
+    base = ["serve", "--model", str(env.checkpoint), "--key", str(env.key.private_path), "--cache-dir",
+            str(env.cache_dir), "--input", str(requests)]
+
+    def serve(out: Path, output: Path):
+        return CliRunner().invoke(app, [*base, "--manifest-out", str(out), "--output", str(output)])
+
+    assert serve(tmp_path / "out", tmp_path / "out.jsonl").exit_code == 0
+    a, b = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(a["top_logprobs"]) == 3 and all(len(top) == 2 for top in a["top_logprobs"])
+    assert all(top[0][1] >= top[1][1] for top in a["top_logprobs"]) and "top_logprobs" not in b
+    again = serve(tmp_path / "out", tmp_path / "again.jsonl")
+    assert again.exit_code == 2 and "already have a receipt" in again.output
+    assert not (tmp_path / "again.jsonl").exists()
+    missing = serve(tmp_path / "out2", tmp_path / "nowhere" / "out.jsonl")
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    assert serve(tmp_path / "out2", tmp_path).exit_code == 2
+    (tmp_path / "a-file").write_text("")
+    clash = serve(tmp_path / "a-file", tmp_path / "out3.jsonl")
+    assert clash.exit_code == 2 and "is a file" in clash.output

@@ -137,12 +137,25 @@ def test_untrusted_key_and_garbage_are_refused(served, tmp_path) -> None:
     assert res.exit_code == 2
     res = runner.invoke(app, ["verify", str(junk)])
     assert res.exit_code == 2 and "exactly one of --key" in res.stderr
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "renamed.msgpack").write_bytes((served["out"] / "receipts" / "r1.receipt").read_bytes())
+    res = runner.invoke(app, ["verify", str(tmp_path / "empty"), "--key", str(served["key"].public_path)])
+    assert res.exit_code == 2 and "no *.receipt or *.manifest files" in res.stdout  # nothing checked is no pass
+    for extra, says in ((("--threads", "0"), "--threads"), (("--seed", "3"), "--seed")):
+        res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), *extra])
+        assert res.exit_code == 2 and says in res.stderr, res.output
 
 
 def test_manifest_with_a_missing_receipt_fails(served, tmp_path) -> None:
     manifest = sorted((served["out"] / "manifests").glob("*.manifest"))[0]
     code, report = _verify(served, manifest)  # the manifest alone: its receipts are absent
-    assert code == 1 and "missing" in report["outcomes"][0]["message"]
+    (o,) = report["outcomes"]
+    assert code == 1 and "missing" in o["message"]
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.manifests.run_manifest import verify_run_manifest
+
+    listed = verify_run_manifest(manifest.read_bytes(), load_trusted_keys(served["key"].public_path)).manifest
+    assert o["missing"] == sorted(listed.receipt_digests) and o["missing"][0] in o["message"]
 
 
 def test_receipts_of_a_generated_model_verify_without_a_checkpoint(tmp_path, monkeypatch) -> None:
@@ -246,3 +259,28 @@ def test_a_response_that_filled_the_context_verifies_and_an_impossible_one_fails
     outcomes = {Path(o["path"]).stem: o for o in json.loads(res.stdout)["outcomes"]}
     assert outcomes["full"]["status"] == outcomes["short"]["status"] == "OK"
     assert outcomes["longer"]["status"] == "FAIL" and "cannot re-execute" in outcomes["longer"]["message"]
+
+
+def test_a_tuple_illegal_for_the_solved_pins_is_not_comparable(served, tmp_path) -> None:
+    """Step (4): a receipt whose signed tuple is not legal for the solved pins, and a --tuple that is not, are
+    exit 3 with "tuple" named, and the message says whose tuple it was."""
+    from detent_audit.engine.tuples import tuple_hash
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.manifests.receipt import verify_envelope
+
+    r = verify_envelope((served["out"] / "receipts" / "r1.receipt").read_bytes(),
+                        load_trusted_keys(served["key"].public_path)).receipt
+    values = {k: dict(v) for k, v in r.tuple_values.items() if k != "mode"}
+    values["embedded.gemm"] = {**values["embedded.gemm"], "chunk_rows": 512, "embedded.gemm.chunk_rows": 512}
+    save_tuple(values, tmp_path / "illegal.tuple")
+    code, report = _verify(served, served["out"] / "receipts" / "r1.receipt",
+                           extra=("--tuple", str(tmp_path / "illegal.tuple")))
+    (o,) = report["outcomes"]
+    assert code == 3 and o["fields"] == ["tuple"] and "the --tuple given is not legal" in o["message"], o
+    signed_values = {**values, "mode": dict(r.tuple_values["mode"])}
+    forged = dataclasses.replace(r, tuple_values=signed_values, tuple_hash=tuple_hash(signed_values))
+    path = tmp_path / "forged.receipt"
+    path.write_bytes(sign_receipt(forged, load_private_key(served["key"].private_path)))
+    code, report = _verify(served, path)
+    (o,) = report["outcomes"]
+    assert code == 3 and o["fields"] == ["tuple"] and "the receipt's tuple is not legal" in o["message"], o
