@@ -278,6 +278,9 @@ def _mixed_specs() -> list[dict[str, Any]]:
             spec["prompt"] = [7] * 32 + [rng.randrange(256) for _ in range(rng.randint(1, 40))]
         else:
             spec["prompt"] = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 90)))
+        if i % 5 == 1:  # top-n alternatives asked for: the receipt still holds the chosen tokens' bits
+            n = rng.randint(0, 3)
+            spec.update({"logprobs": True, "top_logprobs": n} if "messages" in spec else {"logprobs": n})
         spec["extra_body"] = extra
         specs.append(spec)
     return specs

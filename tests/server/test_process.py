@@ -203,3 +203,19 @@ def test_serve_input_reruns_outputs_and_top_logprobs(env: Env, tmp_path: Path) -
     (tmp_path / "a-file").write_text("")
     clash = serve(tmp_path / "a-file", tmp_path / "out3.jsonl")
     assert clash.exit_code == 2 and "is a file" in clash.output
+
+
+def test_serve_offline_reports_progress_per_answered_request(env: Env, tmp_path: Path) -> None:
+    from detent_audit.engine.llm import LLM
+    from detent_audit.manifests.keys import load_private_key
+    from detent_audit.server.node import ServingNode
+    from detent_audit.server.offline import serve_offline
+
+    requests = tmp_path / "prompts.jsonl"
+    requests.write_text("\n".join(json.dumps({"id": f"q{i}", "prompt_token_ids": [3 + i, 4], "max_tokens": 1 + i})
+                                  for i in range(5)))
+    llm = LLM(env.engine_config())
+    node = ServingNode(llm, load_private_key(env.key.private_path), tmp_path / "out")
+    calls: list[tuple[int, int]] = []
+    assert serve_offline(llm, node, requests, tmp_path / "out.jsonl", progress=lambda d, t: calls.append((d, t))) == 5
+    assert calls == [(i, 5) for i in range(1, 6)]  # one call per answered request, in order, out of the five
