@@ -13,7 +13,8 @@ their receipts present.
 shorten the run (2 workers on 2 cores: 1.55-1.62x, benchmarks/verify.py), where giving them to one engine would
 change the deployment and make every receipt not comparable. `workers="auto"` (the CLI's default) takes as
 many as the cores allow at the receipts' thread count, no more than there are full batches of receipts (a
-worker's start, about 2 s, is worth it only then), and no more than the available memory holds engines.
+worker's start, 2.4-2.8 s on the CI CPU for the interpreter, torch and the engine, pays only then), and no
+more than the available memory holds engines.
 """
 
 from __future__ import annotations
