@@ -19,15 +19,17 @@ Every failure raises the `error` class the caller names (an `InvalidReceipt` sub
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import math
 import os
+import stat
 import struct
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgpack
 
@@ -113,11 +115,26 @@ def _check_keys(value: Mapping, where: str, error: type[InvalidReceipt]) -> list
 # ---- decode -------------------------------------------------------------------------------------------
 
 
+def open_regular(path: str | Path) -> BinaryIO:
+    """`path` opened for reading, without blocking, and only if it is a regular file (else `OSError`)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_bounded(path: str | Path, max_bytes: int, *, what: str,
                  error: type[InvalidReceipt] = InvalidReceipt) -> bytes:
-    """The bytes of the file at `path`, refused before reading when larger than `max_bytes`."""
+    """The bytes of the file at `path`, refused before reading when larger than `max_bytes` or not a regular
+    file (a FIFO or a device would block the open or the read)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size > max_bytes:
                 raise error(f"{path}: {size} bytes is larger than any {what} ({max_bytes} bytes at most)")

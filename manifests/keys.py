@@ -26,7 +26,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from detent_audit.manifests.encoding import sha256_hex
+from detent_audit.manifests.encoding import open_regular, sha256_hex
 from detent_audit.manifests.errors import KeyFileError, WrongPassphrase
 
 MAX_KEY_FILE_BYTES = 64 * 1024
@@ -181,7 +181,7 @@ def load_trusted_keys(path: str | Path) -> dict[str, Ed25519PublicKey]:
 
 def _read_key_file(path: Path) -> bytes:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read(MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
         raise KeyFileError(f"{path}: cannot read key file: {exc.strerror or exc}") from None

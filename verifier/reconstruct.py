@@ -47,13 +47,22 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
     dep = _get(facts, "deployment", "engine")
     sched = _get(facts, "scheduler")
     runtime = _get(facts, "runtime")
+    device, served_threads = _get(facts, "runtime", "device"), _get(facts, "runtime", "num_threads")
+    if isinstance(served_threads, bool) or not isinstance(served_threads, int) or not 1 <= served_threads <= 4096:
+        raise BadInput(f"the receipt's runtime.num_threads is {served_threads!r}, not a thread count")
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise NotComparable(["runtime.device"], f"the receipt was served on {device!r}; this machine has no "
+                                                    "CUDA device")
     mode = _get(tuple_values, "mode", "name")
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
     generated = _get(facts, "checkpoint").get("generated")  # weights drawn on the device: no checkpoint needed
     return EngineConfig(
         model=str(model) if model else generated, mode=mode, dtype=runtime["dtype"],
-        device="cpu" if runtime["device"] == "cpu" else "cuda",
-        num_threads=threads or runtime["num_threads"],
+        device="cpu" if device == "cpu" else "cuda",
+        num_threads=threads or served_threads,
         block_size=sched["block_size"], max_model_len=dep["max_model_len"], max_num_seqs=dep["max_num_seqs"],
         max_num_batched_tokens=sched["max_num_batched_tokens"],
         max_prefill_chunk=sched["max_prefill_chunk"] or None, prefix_caching=sched["prefix_caching"],

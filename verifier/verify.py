@@ -86,7 +86,16 @@ def collect(paths: Iterable[str | Path]) -> tuple[list[Path], list[Path], list[O
     bad: list[Outcome] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found_r, found_m = set(p.rglob(f"*{RECEIPT_SUFFIX}")), set(p.rglob(f"*{MANIFEST_SUFFIX}"))
+            found_r: set[Path] = set()
+            found_m: set[Path] = set()
+
+            def unreadable(exc: OSError) -> None:  # a folder skipped in silence could hide a receipt
+                bad.append(Outcome(str(exc.filename), "receipt", "BAD",
+                                   f"{exc.filename}: cannot list this folder ({exc.strerror or exc})"))
+
+            for folder, _, names in os.walk(p, onerror=unreadable):  # symlinked folders are not followed
+                found_r |= {Path(folder, n) for n in names if n.endswith(RECEIPT_SUFFIX)}
+                found_m |= {Path(folder, n) for n in names if n.endswith(MANIFEST_SUFFIX)}
             if not found_r and not found_m:
                 bad.append(Outcome(str(p), "receipt", "BAD",
                                    f"{p}: no *{RECEIPT_SUFFIX} or *{MANIFEST_SUFFIX} files in this folder"))
@@ -280,10 +289,17 @@ def _run_batch(batch: list[tuple[Path, Receipt]], options: _Options, engines: di
                                        options.cache_dir, options.threads, options.tuple_override)
         except NotComparable as exc:
             engines[key] = exc
+        except DetentError as exc:  # facts that cannot be rebuilt: the group's receipts are bad input
+            engines[key] = exc
+        except Exception as exc:  # noqa: BLE001 (signed facts the engine chokes on must not end the run)
+            engines[key] = BadInput(f"the receipt's deployment could not be rebuilt here: "
+                                    f"{type(exc).__name__}: {exc}")
     llm = engines[key]
     if isinstance(llm, NotComparable):
         return [Outcome(str(p), "receipt", "NOT_COMPARABLE", llm.message, r.request.request_id, fields=llm.fields)
                 for p, r in batch]
+    if isinstance(llm, DetentError):
+        return [Outcome(str(p), "receipt", "BAD", llm.message, r.request.request_id) for p, r in batch]
     return _reexecute_isolating(llm, batch, options.mode, set(llm.tokenizer.eos_token_ids))
 
 

@@ -284,3 +284,83 @@ def test_a_tuple_illegal_for_the_solved_pins_is_not_comparable(served, tmp_path)
     code, report = _verify(served, path)
     (o,) = report["outcomes"]
     assert code == 3 and o["fields"] == ["tuple"] and "the receipt's tuple is not legal" in o["message"], o
+
+
+def test_facts_this_machine_cannot_rebuild_are_reported_per_receipt(served, tmp_path) -> None:
+    """A GPU receipt on a CPU-only machine is not comparable (runtime.device named); facts that are not facts
+    (a thread count as text, absurd or missing) are bad input; neither stops the other receipts' checks."""
+    import shutil
+
+    import torch
+
+    from detent_audit.engine.facts import facts_hash
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.manifests.receipt import verify_envelope
+
+    folder = tmp_path / "mixed"
+    shutil.copytree(served["out"] / "receipts", folder)
+    r = verify_envelope((folder / "r1.receipt").read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
+    key = load_private_key(served["key"].private_path)
+
+    def forge(name: str, **runtime) -> None:
+        facts = json.loads(json.dumps(r.deployment_facts, default=dict))
+        facts["runtime"].update(runtime)
+        for k, v in runtime.items():
+            if v is None:
+                del facts["runtime"][k]
+        forged = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts))
+        (folder / f"{name}.receipt").write_bytes(sign_receipt(forged, key))
+
+    forge("gpu", device="NVIDIA H200 sm90 132 SMs cuda 13.0 triton 3.6.0")
+    forge("text-threads", num_threads="2")
+    forge("many-threads", num_threads=10**6)
+    forge("no-threads", num_threads=None)
+    code, report = _verify(served, folder)
+    by = {Path(o["path"]).stem: o for o in report["outcomes"]}
+    assert [by[f"r{i}"]["status"] for i in range(10)] == ["OK"] * 10
+    for name in ("text-threads", "many-threads", "no-threads"):
+        assert by[name]["status"] == "BAD" and "num_threads" in by[name]["message"], by[name]
+    if not torch.cuda.is_available():
+        assert by["gpu"]["status"] == "NOT_COMPARABLE" and by["gpu"]["fields"] == ["runtime.device"], by["gpu"]
+        assert code == 2  # bad input outranks not comparable
+
+
+def test_fifos_and_unlistable_folders_are_bad_input_never_a_hang_or_a_silent_skip(served, tmp_path,
+                                                                                   monkeypatch) -> None:
+    """A FIFO named like a receipt or a key is refused without blocking; a folder that cannot be listed is
+    reported (a receipt inside it would otherwise be skipped while the run passes)."""
+    import os
+    import shutil
+    import threading
+
+    folder = tmp_path / "hostile"
+    shutil.copytree(served["out"] / "receipts", folder)
+    os.mkfifo(folder / "x.receipt")
+    os.mkfifo(tmp_path / "fifo.pub")
+    locked = folder / "locked"
+    locked.mkdir()
+    shutil.copy(folder / "r1.receipt", locked / "in.receipt")
+    real_scandir = os.scandir
+
+    def scandir(path=".", *args):
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path, *args)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    results: dict = {}
+
+    def run() -> None:
+        results["folder"] = _verify(served, folder)
+        results["key"] = runner.invoke(app, ["verify", str(folder / "r1.receipt"), "--key", str(tmp_path / "fifo.pub")])
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "verify blocked on a FIFO"
+    code, report = results["folder"]
+    by = {o["path"]: o for o in report["outcomes"]}
+    assert code == 2
+    assert by[str(folder / "x.receipt")]["status"] == "BAD" and "not a regular file" in by[str(folder / "x.receipt")]["message"]
+    assert by[str(locked)]["status"] == "BAD" and "cannot list" in by[str(locked)]["message"]
+    assert results["key"].exit_code == 2 and "not a regular file" in results["key"].stderr
