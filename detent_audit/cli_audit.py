@@ -157,8 +157,8 @@ def serve(
     output_path: Path = typer.Option(None, "--output", help="Where --input writes its results (JSONL)."),
 ) -> None:
     """Serve with a signed receipt for every response: an OpenAI-compatible HTTP server (default) or a file of
-    requests (--input). On SIGTERM/SIGINT the server stops accepting, finishes the responses under way, writes
-    the run manifest and exits."""
+    requests (--input). On SIGTERM/SIGINT the server stops accepting, finishes the responses under way (for up
+    to 60 s: what is still running then is cut off, without a receipt), writes the run manifest and exits."""
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_private_key
     from detent_audit.server.node import ServingNode

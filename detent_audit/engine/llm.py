@@ -170,6 +170,13 @@ class LLM:
         self._tops[seq.seq_id] = []
         return seq
 
+    def abort(self, seq: Sequence) -> None:
+        """Stop serving `seq` between steps (its client left): its blocks are freed, nothing more is computed
+        for it, and it never finishes."""
+        self.scheduler.abort(seq)
+        for per_seq in (self._tops, self._score_from, self._scores):
+            per_seq.pop(seq.seq_id, None)
+
     def step(self) -> list[Sequence]:
         """Run one scheduled step; returns the sequences that finished in it."""
         out = self.scheduler.schedule()

@@ -236,6 +236,23 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop a live sequence between steps (its client left): out of the queues, its blocks freed (cached
+        ones stay in the prefix cache), its status FINISHED with no finish reason. It is never returned as
+        finished."""
+        if self._pending is not None:
+            raise RuntimeError("abort() between schedule() and update()")
+        if seq.seq_id not in self._live_ids:
+            raise ValueError(f"seq {seq.seq_id} is not live")
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        else:
+            self.waiting.remove(seq)  # waiting or preempted: it holds no blocks
+        self._live_ids.discard(seq.seq_id)
+        self.block_manager.hit_limit.pop(seq.seq_id, None)
+        seq.status = SequenceStatus.FINISHED
+
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         return ScheduledSeq(
             seq=seq,

@@ -6,12 +6,17 @@ tokens come back (streamed as SSE chunks as steps produce them, or all at once);
 receipt and writes it durably; (5) only then does the response, or a stream's final chunk, leave. So a crash
 loses no receipt of an answered request. The receipt id is the response id: the JSON field `receipt_id`
 and the header `X-Detent-Receipt` (a stream sends the header up front, and `receipt_id` in its final chunks,
-after the receipt is on disk). Engine failures answer 500 (a stream: an error event). The app owns the
+after the receipt is on disk). Engine failures answer 500 (a stream: an error event). A client that leaves
+before its response is complete (a stream closed, a connection dropped while waiting) has its request
+aborted, its queue slot and KV blocks freed, and no receipt: receipts are of completed responses only (a
+stream's header announced the id, which then names no receipt). Bodies are read up to `MAX_BODY_BYTES`
+(413 beyond), and text that cannot fit in the context is refused before it is tokenized. The app owns the
 engine and the node: its shutdown stops the engine and closes the node (the run manifest).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -44,7 +49,8 @@ from detent_audit.server.responses import (
 )
 
 RECEIPT_HEADER = "X-Detent-Receipt"
-MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (400) before it is parsed
+MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413) while it is read
+DISCONNECT_POLL_S = 0.25    # how often a non-streamed request checks that its client is still there
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -78,7 +84,7 @@ def _error(exc: BaseException) -> Response:
 
 def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`, signing with `node` (module docstring)."""
-    limits = Limits(model_name, engine.max_model_len, engine.vocab_size)
+    limits = Limits.of(model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer)
     fmt = TokenFormatter(engine.tokenizer)
     started = int(time.time())
 
@@ -117,14 +123,13 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
 
     async def serve(request: Request, chat: bool) -> Response:
         try:
-            raw = await request.body()
-            if len(raw) > MAX_BODY_BYTES:
-                raise InvalidRequest(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            raw = await _bounded_body(request)
             try:
                 body = json.loads(raw)
             except (ValueError, RecursionError) as exc:
                 raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-            req = parse_request(body, chat, limits, engine.tokenizer)
+            # tokenizing (and the chat template) off the event loop: a long prompt must not stall other requests
+            req = await run_in_threadpool(parse_request, body, chat, limits, engine.tokenizer)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             handle = engine.submit(req.prompt_ids, req.params, rid)
         except (BadInput, EngineUnavailable) as exc:
@@ -134,7 +139,7 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
                 await handle.admitted()  # a request the scheduler refuses still gets a 400, not a broken stream
                 return StreamingResponse(stream(req, handle, rid), media_type="text/event-stream",
                                          headers={RECEIPT_HEADER: rid, "Cache-Control": "no-cache"})
-            out = await handle.result()
+            out = await _result_unless_gone(request, handle)
         except (BadInput, EngineUnavailable, EngineFailed) as exc:
             return _error(exc)
         except BaseException:
@@ -200,6 +205,40 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
             handle.cancel()  # a no-op once finished; else the client left and the output is discarded
 
     return app
+
+
+async def _bounded_body(request: Request) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed `MAX_BODY_BYTES`: from its Content-Length
+    before reading, or while it streams in, so memory stays bounded whatever the client sends."""
+    too_large = InvalidRequest(f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large",
+                               status=413)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _result_unless_gone(request: Request, handle: RequestHandle) -> Any:
+    """The handle's output; if the client disconnects first, the request is aborted (its slot and KV blocks
+    freed) and ends with `EngineClosed`, so no receipt is signed for a response nobody received."""
+    result = asyncio.ensure_future(handle.result())
+    try:
+        while True:
+            done, _ = await asyncio.wait({result}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return result.result()
+            if await request.is_disconnected():
+                handle.cancel()
+                return await result  # raises EngineClosed once the engine has dropped it
+    finally:
+        if not result.done():
+            result.cancel()
 
 
 def _tops(out: Any, req: ParsedRequest) -> list[list[tuple[int, float]]]:

@@ -11,7 +11,8 @@ Invariants:
 - Every accepted request ends exactly once: with its `RequestOutput`, or with an exception (`BadInput` when
   the scheduler refuses it, `EngineClosed` when cancelled by shutdown, `EngineFailed` when a step raised).
   A step that raises fails every outstanding request and stops the engine: the LLM's state is then unknown.
-- A cancelled handle (client gone) still runs to its end (the engine has no abort) and is then discarded.
+- A cancelled handle (client gone) is aborted before the next step: its KV blocks and its queue slot are
+  freed at once, and it ends with `EngineClosed` (so it never reaches signing: no receipt).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class RequestHandle:
                 return
 
     def cancel(self) -> None:
-        """The caller no longer wants the result: it is discarded when the request ends."""
+        """The caller no longer wants the result: the engine aborts the request before its next step."""
         self.cancelled = True
 
     # ---- engine side (the engine thread only)
@@ -241,6 +242,13 @@ class AsyncEngine:
         handle.admitted_future.set_result(None)
 
     def _step(self) -> None:
+        for seq_id, (seq, handle) in list(self._live.items()):
+            if handle.cancelled:  # the client left: free its blocks and its slot before computing for it
+                self.llm.abort(seq)
+                del self._live[seq_id], self._emitted[seq_id]
+                self._end(handle, EngineClosed("the request was cancelled"))
+        if not self._live:
+            return
         finished = self.llm.step()
         for seq_id, (seq, handle) in self._live.items():
             done = self._emitted[seq_id]

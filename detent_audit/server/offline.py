@@ -19,7 +19,7 @@ from detent_audit.engine.llm import LLM
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import BadInput
 from detent_audit.server.node import RECEIPT_ID, ServingNode
-from detent_audit.server.protocol import Limits, _messages, _token_ids
+from detent_audit.server.protocol import Limits, _messages, _token_ids, check_text
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids", "ignore_eos")
 _PROMPT = ("prompt", "prompt_token_ids", "messages")
@@ -59,7 +59,7 @@ def read_requests(llm: LLM, path: Path) -> list[tuple[str, list[int], SamplingPa
             if "prompt" in obj:
                 if not isinstance(obj["prompt"], str):
                     raise BadInput("'prompt' must be a string (token ids go in 'prompt_token_ids')")
-                ids = llm.tokenizer.encode(obj["prompt"])
+                ids = llm.tokenizer.encode(check_text(obj["prompt"], "prompt"))
             elif "messages" in obj:
                 ids = llm.tokenizer.encode_chat(_messages(obj["messages"]))
             else:

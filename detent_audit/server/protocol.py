@@ -60,6 +60,32 @@ class Limits:
     model_name: str
     max_model_len: int
     vocab_size: int
+    max_prompt_chars: int | None = None  # text longer than this cannot fit in max_model_len tokens
+
+    @classmethod
+    def of(cls, model_name: str, max_model_len: int, vocab_size: int, tokenizer: Any) -> Limits:
+        """With `max_prompt_chars` = max_model_len times the longest vocabulary entry (no token covers more
+        characters), so an overlong text is refused before it is tokenized (which would take seconds and GBs)."""
+        vocab = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+        return cls(model_name, max_model_len, vocab_size, max_model_len * max(map(len, vocab), default=1))
+
+
+def check_text(text: str, param: str) -> str:
+    """`text`, if it encodes as UTF-8 (a lone surrogate does not, and no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"'{param}' is not valid Unicode text (it holds a lone surrogate)", param=param,
+                             code="invalid_type") from None
+    return text
+
+
+def _fits(texts: list[str], param: str, limits: Limits) -> None:
+    chars = sum(map(len, texts))
+    if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
+        raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
+                             f"has {chars} characters, more than that many tokens can hold", param=param,
+                             code="context_length_exceeded")
 
 
 @dataclass(frozen=True)
@@ -133,7 +159,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise InvalidRequest(f"{where}.content must be a string", param=f"{where}.content",
                                  code="invalid_type")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": check_text(content, f"{where}.content")})
     return out
 
 
@@ -147,7 +173,9 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
         raise InvalidRequest(f"the model '{model}' does not exist (this server serves '{limits.model_name}')",
                              param="model", code="model_not_found", status=404)
     if chat:
-        prompt_ids = tokenizer.encode_chat(_messages(body.get("messages")))
+        messages = _messages(body.get("messages"))
+        _fits([m["content"] for m in messages], "messages", limits)
+        prompt_ids = tokenizer.encode_chat(messages)
         top_n = _get(body, "top_logprobs", int, None, 0, MAX_LOGPROBS)
         want_logprobs = _get(body, "logprobs", bool, False)
         if top_n is not None and not want_logprobs:
@@ -155,6 +183,7 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
+            _fits([check_text(prompt, "prompt")], "prompt", limits)
             prompt_ids = tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(_is(t, int) for t in prompt):
             prompt_ids = _token_ids(prompt, "prompt", limits)

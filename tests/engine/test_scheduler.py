@@ -404,3 +404,34 @@ def test_sampling_params_defaults_and_normalisation() -> None:
 def test_construction_errors_name_the_bad_value(build, message: str) -> None:
     with pytest.raises(BadInput, match=message):
         build()
+
+
+def test_abort_frees_a_running_and_drops_a_waiting_sequence() -> None:
+    """abort() between steps: a running sequence's blocks are freed (a full block stays cached), a waiting one
+    leaves the queue, neither is ever returned as finished, the others go on; abort mid-step is refused."""
+    rng = random.Random(13)
+    cfg = SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
+    sched = Scheduler(cfg)
+    a, b, c = (Sequence(i, [rng.randrange(1, VOCAB) for _ in range(9)], SamplingParams(max_tokens=5))
+               for i in range(3))
+    for seq in (a, b, c):
+        sched.add(seq)
+    scripted_step(sched, {0: 5, 1: 6})  # a and b run (max_num_seqs 2); c waits
+    used = sched.block_manager.stats.num_used_blocks
+    sched.abort(a)
+    sched.abort(c)
+    assert sched.block_manager.stats.num_used_blocks == used - 3 and a.status is SequenceStatus.FINISHED
+    assert a.finish_reason is None and c not in sched.waiting and a not in sched.running
+    sched.block_manager.check_integrity()
+    finished = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        finished += sched.update(out, {e.seq.seq_id: 6 if e.samples_token else None for e in out.scheduled})
+    assert finished == [b] and b.output_token_ids == [6] * 5
+    with pytest.raises(ValueError, match="not live"):
+        sched.abort(a)
+    d = Sequence(3, [1, 2, 3], SamplingParams(max_tokens=2))
+    sched.add(d)
+    sched.schedule()
+    with pytest.raises(RuntimeError, match="between schedule"):
+        sched.abort(d)

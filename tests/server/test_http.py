@@ -182,6 +182,12 @@ BAD = [  # (endpoint, body, param, fragment of the message)
     ("completions", {"prompt": [5] * 3000}, "prompt", "maximum context length is 2048 tokens"),
     ("completions", {"prompt": [5] * 2040, "max_tokens": 16}, "max_tokens", "the prompt has 2040 tokens"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "'stream': true"),
+    ("completions", {"prompt": "x" * 10**6}, "prompt", "more than that many tokens can hold"),
+    ("completions", b'{"prompt": "a\\ud800b"}', "prompt", "lone surrogate"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "y" * 10**6}]}, "messages",
+     "more than that many tokens can hold"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\udfffz"}]}', "messages[0].content",
+     "lone surrogate"),
     ("chat/completions", {"messages": []}, "messages", "non-empty list"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, "messages", "leaves no room"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0]", "'role'"),
@@ -204,6 +210,56 @@ def test_bad_requests_get_400_with_a_message(live: Live, endpoint: str, body: An
     assert fragment in error["message"] and error["param"] == param and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
     assert "x-detent-receipt" not in r.headers and not list((live.out / "receipts").iterdir())
+
+
+def test_an_oversized_body_is_413_while_it_is_read(live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused from its Content-Length before reading, or, sent chunked with no length, as soon as the bytes
+    read pass the limit: the server never holds more than the limit."""
+    import detent_audit.server.app as app_module
+
+    monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 4096)
+    body = json.dumps({"model": MODEL_NAME, "prompt": "z" * 8000}).encode()
+    sent: list[int] = []
+
+    def chunked():
+        for i in range(0, len(body), 1000):
+            sent.append(i)
+            yield body[i:i + 1000]
+
+    for content in (body, chunked()):
+        r = httpx.post(f"{live.url}/v1/completions", content=content, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    small = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "ok", "max_tokens": 2})
+    assert small.status_code == 200 and len(list(live.out.rglob("*.receipt"))) == 1
+
+
+def test_a_client_that_leaves_frees_its_slot_and_gets_no_receipt(serve_live: Any, tmp_path: Path) -> None:
+    """A stream closed after its first chunk and a non-streamed request whose client times out are aborted
+    before they finish: the engine stops computing for them, their queue slots free up, no receipt is
+    signed for a response nobody received, and the server goes on serving."""
+    with serve_live(tmp_path / "out", max_queued=2) as live:
+        steps, original = [0], live.llm.step
+
+        def counted() -> list:
+            steps[0] += 1
+            return original()
+
+        live.llm.step = counted
+        long = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}
+        with httpx.stream("POST", f"{live.url}/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+            next(r.iter_lines())  # the first chunk, then the client hangs up
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/completions", json=long, timeout=1.0)
+        deadline = time.monotonic() + 30
+        while live.engine.num_outstanding:
+            assert time.monotonic() < deadline, "an abandoned request kept its slot"
+            time.sleep(0.02)
+        assert steps[0] < 1500  # aborted: not run to their 2,000 tokens
+        assert not list((live.out / "receipts").iterdir())
+        ok = httpx.post(f"{live.url}/v1/completions", json={**long, "max_tokens": 3}, timeout=30)
+        assert ok.status_code == 200
+        assert live.llm.scheduler.block_manager.stats.num_used_blocks == 0  # the aborted ones' freed too
+    assert [p.stem for p in (tmp_path / "out" / "receipts").iterdir()] == [ok.json()["receipt_id"]]
 
 
 def test_unknown_model_is_404_and_the_client_raises(live: Live) -> None:
