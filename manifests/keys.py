@@ -150,7 +150,9 @@ def load_public_key(path: str | Path) -> Ed25519PublicKey:
     data = _read_key_file(path)
     if b"PRIVATE KEY-----" in data:
         raise KeyFileError(f"{path} is a private key; a verifier trusts public keys only",
-                           remedy=f"pass {path}{PUBLIC_SUFFIX}, and keep the private key on the serving node")
+                           remedy=(f"pass {path}{PUBLIC_SUFFIX}" if path.suffix != PUBLIC_SUFFIX else
+                                   "pass the public key keygen wrote beside it (FILE.pub)")
+                           + ", and keep the private key on the serving node")
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, UnsupportedAlgorithm):
