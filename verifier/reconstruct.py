@@ -50,12 +50,6 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
     device, served_threads = _get(facts, "runtime", "device"), _get(facts, "runtime", "num_threads")
     if isinstance(served_threads, bool) or not isinstance(served_threads, int) or not 1 <= served_threads <= 4096:
         raise BadInput(f"the receipt's runtime.num_threads is {served_threads!r}, not a thread count")
-    if device != "cpu":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise NotComparable(["runtime.device"], f"the receipt was served on {device!r}; this machine has no "
-                                                    "CUDA device")
     mode = _get(tuple_values, "mode", "name")
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
     generated = _get(facts, "checkpoint").get("generated")  # weights drawn on the device: no checkpoint needed
@@ -91,6 +85,12 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
                 tuple_override: Mapping[str, Any] | None = None) -> LLM:
     """(3) deployment and (4) tuple: the local engine for these facts; raises NotComparable."""
     config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override)
+    if config.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise NotComparable(["runtime.device"], f"the receipt was served on {facts['runtime']['device']!r}; "
+                                                    "this machine has no CUDA device")
     try:
         llm = LLM(config)  # (4): select_kernels refuses a tuple that is not legal for the solved pins
     except BadInput as exc:
