@@ -41,9 +41,11 @@ def _get(facts: Mapping[str, Any], *path: str) -> Any:
 
 def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                   cache_dir: str | None = None, threads: int | None = None,
-                  tuple_override: Mapping[str, Any] | None = None) -> EngineConfig:
+                  tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0) -> EngineConfig:
     """The EngineConfig a receipt's facts and tuple describe, on the local checkpoint `model`; `threads` and
-    `tuple_override` replace the receipt's (a verifier stating its own deployment)."""
+    `tuple_override` replace the receipt's (a verifier stating its own deployment). The KV pool (not a
+    bit-relevant fact: the kernels' bits do not depend on where a block lives or on preemption) holds at least
+    one request of `kv_tokens` tokens."""
     dep = _get(facts, "deployment", "engine")
     sched = _get(facts, "scheduler")
     runtime = _get(facts, "runtime")
@@ -61,6 +63,7 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
         max_num_batched_tokens=sched["max_num_batched_tokens"],
         max_prefill_chunk=sched["max_prefill_chunk"] or None, prefix_caching=sched["prefix_caching"],
         tuple=families if mode == "detent" else None, cache_dir=cache_dir,
+        num_kv_blocks=max(EngineConfig.num_kv_blocks, -(-kv_tokens // sched["block_size"]) + 2),
         attention_streaming=dep.get("attention_backend") == "detent-streaming")
 
 
@@ -82,9 +85,12 @@ def differing_fields(expected: Any, got: Any, prefix: str = "") -> list[str]:
 
 def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                 cache_dir: str | None = None, threads: int | None = None,
-                tuple_override: Mapping[str, Any] | None = None) -> LLM:
+                tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0) -> LLM:
     """(3) deployment and (4) tuple: the local engine for these facts; raises NotComparable."""
-    config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override)
+    config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override, kv_tokens=kv_tokens)
+    if config.mode == "stock":
+        raise NotComparable(["tuple.mode.name"], "stock mode is not batch-invariant: its bits depend on the batch "
+                                                 "the request was served in, which no verifier can rebuild")
     if config.device == "cuda":
         import torch
 

@@ -133,17 +133,33 @@ def _params(r: Receipt) -> SamplingParams:
                           logprobs=s.logprobs)
 
 
-def _finish_problem(r: Receipt, eos: set[int]) -> Divergence | str | None:
-    """The stated finish must be the one generation reaches: no stop token before the end, and the reason."""
-    s, tokens = r.request.sampling, list(r.output.token_ids)
+def _finish_problem(r: Receipt, eos: set[int], max_model_len: int) -> str | None:
+    """The stated finish must be the one generation reaches (the scheduler's rule): no stop token before the
+    end; 'stop' exactly when the last token is a stop token (a stop wins over a length limit); else 'length',
+    at max_tokens or where prompt and output fill the context."""
+    s, tokens, reason = r.request.sampling, list(r.output.token_ids), r.output.finish_reason
     stops = set(s.stop_token_ids) | (set() if s.ignore_eos else eos)
     for i, t in enumerate(tokens[:-1]):
         if t in stops:
             return f"output token {i} ({t}) is a stop token, yet generation went on"
-    if r.output.finish_reason == "length" and len(tokens) != s.max_tokens and not (tokens and tokens[-1] in stops):
-        return f"finish 'length' after {len(tokens)} of max_tokens={s.max_tokens} tokens"
-    if r.output.finish_reason == "stop" and not (tokens and tokens[-1] in stops):
+    ends_on_stop = bool(tokens) and tokens[-1] in stops
+    if ends_on_stop and reason != "stop":
+        return f"the output ends on stop token {tokens[-1]}, so it finished with 'stop', not {reason!r}"
+    if reason == "stop" and not ends_on_stop:
         return "finish 'stop' without a stop token at the end"
+    total = len(r.request.prompt_token_ids) + len(tokens)
+    if reason == "length" and len(tokens) != s.max_tokens and total < max_model_len:
+        return (f"finish 'length' after {len(tokens)} of max_tokens={s.max_tokens} tokens, with {total} of the "
+                f"context's {max_model_len} used")
+    return None
+
+
+def _vocabulary_problem(r: Receipt, vocab_size: int) -> str | None:
+    """Token ids the model cannot have read or drawn (checked before they reach an embedding or a gather)."""
+    for what, ids in (("prompt", r.request.prompt_token_ids), ("output", r.output.token_ids)):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            return f"{what} token id {bad} is outside the model's vocabulary of {vocab_size}"
     return None
 
 
@@ -164,6 +180,8 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
             opened[p] = _open_receipt(p, trusted)
         except DetentError as exc:
             outcomes.append(Outcome(str(p), "receipt", "FAIL" if exc.exit_code == 1 else "BAD", exc.message))
+        except Exception as exc:  # noqa: BLE001 (a signed payload that breaks a check is a bad receipt, not a crash)
+            outcomes.append(Outcome(str(p), "receipt", "BAD", f"{p.name}: {type(exc).__name__}: {exc}"))
     outcomes += [_check_manifest(m, trusted, opened) for m in manifest_paths]
 
     chosen = sample_paths(sorted(opened), sample, seed)
@@ -177,7 +195,9 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
     for _, group in sorted(groups.items()):
         size = BATCH if workers == 1 else max(1, min(BATCH, math.ceil(len(group) / workers)))
         batches += [group[start:start + size] for start in range(0, len(group), size)]
-    options = _Options(None if model is None else str(model), mode, cache_dir, threads, tuple_override)
+    longest = max((len(opened[p].request.prompt_token_ids) + len(opened[p].output.token_ids) for p in chosen),
+                  default=0)
+    options = _Options(None if model is None else str(model), mode, cache_dir, threads, tuple_override, longest)
     done, total = 0, len(chosen)
     if workers == 1 or len(batches) <= 1:
         engines: dict = {}
@@ -274,6 +294,7 @@ class _Options:
     cache_dir: str | None
     threads: int | None
     tuple_override: dict | None
+    kv_tokens: int = 0  # the longest receipt's tokens: the rebuilt engine's KV pool holds at least one of them
 
 
 def _run_batch(batch: list[tuple[Path, Receipt]], options: _Options, engines: dict) -> list[Outcome]:
@@ -286,7 +307,8 @@ def _run_batch(batch: list[tuple[Path, Receipt]], options: _Options, engines: di
         engines.clear()
         try:
             engines[key] = reconstruct(first.deployment_facts, first.tuple_values, options.model,
-                                       options.cache_dir, options.threads, options.tuple_override)
+                                       options.cache_dir, options.threads, options.tuple_override,
+                                       kv_tokens=options.kv_tokens)
         except NotComparable as exc:
             engines[key] = exc
         except DetentError as exc:  # facts that cannot be rebuilt: the group's receipts are bad input
@@ -315,6 +337,12 @@ def _reexecute_isolating(llm: Any, batch: list[tuple[Path, Receipt]], mode: str,
             p, r = batch[0]
             return [Outcome(str(p), "receipt", "FAIL", f"the deployment cannot re-execute it: {exc.message}",
                             r.request.request_id)]
+    except Exception as exc:  # noqa: BLE001 (one receipt's crash must not take the others' verdicts with it)
+        llm.reset(drop_unfinished=True)
+        if len(batch) == 1:
+            p, r = batch[0]
+            return [Outcome(str(p), "receipt", "BAD", f"re-execution raised {type(exc).__name__}: {exc}",
+                            r.request.request_id)]
     return [o for item in batch for o in _reexecute_isolating(llm, [item], mode, eos)]
 
 
@@ -327,32 +355,37 @@ def _worker_batch(batch: list[tuple[str, bytes]], options: _Options) -> list[Out
 
 
 def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
+    # what the output's own shape already refutes is not re-executed: out-of-vocabulary ids, a wrong finish
+    max_len, vocab = llm.scheduler.config.max_model_len, llm.model.config.vocab_size
+    problems = {p: _vocabulary_problem(r, vocab) or _finish_problem(r, eos, max_len) for p, r in batch}
+    usable = [(p, r) for p, r in batch if problems[p] is None and r.output.token_ids]
     # (5): re-execute, all of the batch together
-    usable = [(p, r) for p, r in batch if r.output.token_ids]
     if mode == "rescore":
         got = llm.rescore_batch([(r.request.prompt_token_ids, r.output.token_ids) for _, r in usable],
                                 [_params(r) for _, r in usable])
-        results = {p: (res.tokens, res.logprobs) for (p, _), res in zip(usable, got)}
+        results = {p: (res.tokens, res.logprobs, None) for (p, _), res in zip(usable, got)}
     else:
         outs = llm.generate([list(r.request.prompt_token_ids) for _, r in usable], [_params(r) for _, r in usable])
-        results = {p: (o.token_ids, o.logprobs) for (p, _), o in zip(usable, outs)}
+        results = {p: (o.token_ids, o.logprobs, o.finish_reason) for (p, _), o in zip(usable, outs)}
     out = []
     for p, r in batch:
         rid = r.request.request_id
-        problem = _finish_problem(r, eos)
-        if isinstance(problem, str):
-            out.append(Outcome(str(p), "receipt", "FAIL", problem, rid))
+        if problems[p] is not None:
+            out.append(Outcome(str(p), "receipt", "FAIL", problems[p], rid))
             continue
         if p not in results:  # an empty output: nothing to re-execute, the finish check above is all
             out.append(Outcome(str(p), "receipt", "OK", "empty output", rid))
             continue
-        tokens, lps = results[p]
-        # (6): compare token ids and logprob bits
+        tokens, lps, finish = results[p]
+        # (6): compare token ids and logprob bits (and, replayed, the finish reason)
         div = first_divergence(list(r.output.token_ids), list(r.output.logprobs), list(tokens), list(lps))
-        if div is None:
-            out.append(Outcome(str(p), "receipt", "OK", f"{len(tokens)} tokens, bits equal ({mode})", rid))
-        else:
+        if div is not None:
             out.append(Outcome(str(p), "receipt", "FAIL", div.describe(), rid, div))
+        elif finish is not None and finish != r.output.finish_reason:
+            out.append(Outcome(str(p), "receipt", "FAIL", f"finish reason {r.output.finish_reason!r}, replay "
+                                                           f"finished with {finish!r}", rid))
+        else:
+            out.append(Outcome(str(p), "receipt", "OK", f"{len(tokens)} tokens, bits equal ({mode})", rid))
     return out
 
 

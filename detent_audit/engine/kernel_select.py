@@ -36,8 +36,10 @@ EMBEDDED_PREFERENCES: dict[str, dict[str, Any]] = {
 
 def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, block_size: int,
                       max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                      prefix_caching: bool, name: str = "embedded", attention_backend: str = "detent") -> Deployment:
-    """The embedded engine's deployment facts, in the shipped files' schema."""
+                      prefix_caching: bool, name: str = "embedded", attention_backend: str = "detent",
+                      batch_invariant: bool = True) -> Deployment:
+    """The embedded engine's deployment facts, in the shipped files' schema (`batch_invariant`: False for
+    stock mode, whose kernels read the batch)."""
     data = {
         "name": name, "description": "the embedded detent engine on a CPU",
         "model": {"name": name, "architecture": config.architecture, "num_layers": config.num_hidden_layers,
@@ -55,7 +57,7 @@ def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, bloc
                    "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                    "cuda_graph_capture_sizes": [], "full_cuda_graph": False,
                    "fa_max_num_splits_for_cuda_graph": 0, "prefix_caching": prefix_caching,
-                   "chunked_prefill": True, "batch_invariant": True, "custom_all_reduce": False,
+                   "chunked_prefill": True, "batch_invariant": batch_invariant, "custom_all_reduce": False,
                    "custom_all_reduce_algo": "auto", "nccl_symm_mem": False, "torch_symm_mem": False,
                    "flashinfer_all_reduce": False},
         "parallel": {"tensor_parallel_size": 1},

@@ -109,7 +109,8 @@ class LLM:
             mc, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
-            attention_backend="detent-streaming" if config.attention_streaming else "detent")
+            attention_backend="detent-streaming" if config.attention_streaming else "detent",
+            batch_invariant=config.mode != "stock")
         self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir,
                                                    device=config.device)
         usable_blocks = config.num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)

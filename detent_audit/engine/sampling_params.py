@@ -8,6 +8,7 @@ derived from a request id or the global RNG), so a receipt carries everything ne
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 from detent_audit.errors import BadInput
@@ -30,6 +31,10 @@ def check_token_id(token_id: object, what: str) -> int:
             remedy="pass token ids produced by the model's tokenizer",
         )
     return token_id
+
+
+def _as_float32(value: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 def _is_number(value: object) -> bool:
@@ -70,9 +75,10 @@ class SamplingParams:
                 f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}",
                 remedy="pass top_k=0 to disable top-k filtering",
             )
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0) or _as_float32(self.top_p) == 0.0:
             raise BadInput(
-                f"top_p must be a number in (0, 1], got {self.top_p!r}",
+                f"top_p must be a number in (0, 1] (and not 0 in float32, as the sampler holds it), got "
+                f"{self.top_p!r}",
                 remedy="pass top_p=1.0 to disable nucleus filtering",
             )
         if not is_int(self.max_tokens) or self.max_tokens < 1:

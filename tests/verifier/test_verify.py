@@ -364,3 +364,115 @@ def test_fifos_and_unlistable_folders_are_bad_input_never_a_hang_or_a_silent_ski
     assert by[str(folder / "x.receipt")]["status"] == "BAD" and "not a regular file" in by[str(folder / "x.receipt")]["message"]
     assert by[str(locked)]["status"] == "BAD" and "cannot list" in by[str(locked)]["message"]
     assert results["key"].exit_code == 2 and "not a regular file" in results["key"].stderr
+
+
+def _forge_all(served, tmp_path, name: str, change) -> Path:
+    """r0's receipt (greedy, 6 tokens, ignore_eos) changed by `change(receipt) -> receipt`, re-signed."""
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.manifests.receipt import verify_envelope
+
+    r = verify_envelope((served["out"] / "receipts" / "r0.receipt").read_bytes(),
+                        load_trusted_keys(served["key"].public_path)).receipt
+    path = tmp_path / f"{name}.receipt"
+    path.write_bytes(sign_receipt(change(r), load_private_key(served["key"].private_path)))
+    return path
+
+
+def _with(r, tokens, logprobs, finish, **sampling):
+    request = dataclasses.replace(r.request, sampling=dataclasses.replace(r.request.sampling, **sampling))
+    return dataclasses.replace(r, request=request, output=OutputRecord.from_floats(tokens, logprobs, finish))
+
+
+@pytest.mark.parametrize("mode", ["rescore", "replay"])
+def test_a_node_cannot_forge_the_finish_reason_or_feed_ids_outside_the_vocabulary(served, tmp_path,
+                                                                                 mode: str) -> None:
+    """Signed by the node, the served tokens and logprob bits, but: 'length' where a stop token ended the
+    output (a stop wins), or an output id the model has no row for. Both FAIL, in both modes, beside the
+    honest 'stop' version of the same cut, which passes; nothing crashes."""
+    folder = tmp_path / "forged"
+    folder.mkdir()
+
+    def cut(finish, **sampling):
+        def change(r):
+            tokens, lps = list(r.output.token_ids), list(r.output.logprobs)
+            return _with(r, tokens[:3], lps[:3], finish, stop_token_ids=(tokens[2],), **sampling)
+        return change
+
+    r0_tokens = None
+
+    def oov(r):
+        nonlocal r0_tokens
+        r0_tokens = list(r.output.token_ids)
+        return _with(r, r0_tokens[:-1] + [10**6], list(r.output.logprobs), r.output.finish_reason)
+
+    for name, change in (("stop-honest", cut("stop")), ("length-at-stop", cut("length")),
+                         ("length-at-stop-max", cut("length", max_tokens=3)), ("oov", oov)):
+        _forge_all(served, folder, name, change)
+    if len(set(r0_tokens[:3])) < 3:  # the cut is honest only where its stop token first appears at the end
+        pytest.skip("r0's first tokens repeat")
+    code, report = _verify(served, folder, extra=("--mode", mode))
+    by = {Path(o["path"]).stem: o for o in report["outcomes"]}
+    assert by["stop-honest"]["status"] == "OK", by["stop-honest"]
+    for name in ("length-at-stop", "length-at-stop-max"):
+        assert by[name]["status"] == "FAIL" and "so it finished with 'stop'" in by[name]["message"], by[name]
+    assert by["oov"]["status"] == "FAIL" and "outside the model's vocabulary" in by["oov"]["message"]
+    assert code == 1
+
+
+def test_stock_receipts_are_not_comparable(served, make_checkpoint, tmp_path) -> None:
+    """Stock kernels read the batch: no verifier can rebuild the batch a request was served in, so stock
+    receipts are not comparable (and their facts do not claim batch invariance)."""
+    ckpt = make_checkpoint("tiny-llama")
+    key = generate_key(tmp_path / "node.key")
+    llm = LLM(EngineConfig(model=str(ckpt), mode="stock", cache_dir=str(served["jit"])))
+    assert llm.deployment.engine.batch_invariant is False
+    node = ServingNode(llm, load_private_key(key.private_path), tmp_path / "out")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_token_ids": [4, 5, 6], "max_tokens": 3}))
+    serve_offline(llm, node, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    node.close()
+    res = runner.invoke(app, ["verify", str(tmp_path / "out" / "receipts"), "--key", str(key.public_path), "--model",
+                              str(ckpt), "--json"])
+    (o,) = json.loads(res.stdout)["outcomes"]
+    assert res.exit_code == 3 and o["fields"] == ["tuple.mode.name"] and "not batch-invariant" in o["message"]
+
+
+def test_a_response_cut_by_the_context_and_a_request_longer_than_the_default_kv_pool_verify(make_checkpoint,
+                                                                                          tmp_path) -> None:
+    """Honest receipts the verifier used to refuse: 'length' because prompt and output filled max_model_len
+    before max_tokens (the engine API allows it), and a request needing more KV blocks than the default pool
+    (block size 1); both modes pass."""
+    ckpt = make_checkpoint("tiny-llama")
+    key = generate_key(tmp_path / "node.key")
+    for name, overrides, prompt, max_tokens in (("context", {"max_model_len": 64}, list(range(3, 60)), 20),
+                                                ("pool", {"block_size": 1, "num_kv_blocks": 4096},
+                                                 [(7 * i) % 250 for i in range(1500)], 3)):
+        llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(tmp_path / "jit"), **overrides))
+        node = ServingNode(llm, load_private_key(key.private_path), tmp_path / name)
+        from detent_audit.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0.7, seed=5, max_tokens=max_tokens, ignore_eos=True)
+        (out,) = llm.generate([prompt], params)
+        assert out.finish_reason == "length"
+        node.sign(out, params, name)
+        node.close()
+        for mode in ("rescore", "replay"):
+            res = runner.invoke(app, ["verify", str(tmp_path / name), "--key", str(key.public_path), "--model",
+                                      str(ckpt), "--cache-dir", str(tmp_path / "jit"), "--mode", mode])
+            assert res.exit_code == 0, (name, mode, res.output)
+
+
+def test_a_checkpoint_with_another_eos_set_is_not_comparable(served, tmp_path) -> None:
+    """The EOS ids decide which finishes are legal, and generation_config.json is not among the hashed files:
+    they are a fact of their own, so a verifier whose copy stops on other ids is told so."""
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(served["ckpt"], copy)
+    gen = json.loads((copy / "generation_config.json").read_text())
+    eos = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
+    gen["eos_token_id"] = eos + [87]
+    (copy / "generation_config.json").write_text(json.dumps(gen))
+    res = runner.invoke(app, ["verify", str(served["out"] / "receipts" / "r1.receipt"), "--key",
+                              str(served["key"].public_path), "--model", str(copy), "--json"])
+    (o,) = json.loads(res.stdout)["outcomes"]
+    assert res.exit_code == 3 and o["fields"] == ["checkpoint.eos_token_ids"], o
