@@ -75,12 +75,14 @@ class SamplingParams:
                 f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}",
                 remedy="pass top_k=0 to disable top-k filtering",
             )
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0) or _as_float32(self.top_p) == 0.0:
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise BadInput(
-                f"top_p must be a number in (0, 1] (and not 0 in float32, as the sampler holds it), got "
-                f"{self.top_p!r}",
+                f"top_p must be a number in (0, 1], got {self.top_p!r}",
                 remedy="pass top_p=1.0 to disable nucleus filtering",
             )
+        if _as_float32(self.top_p) == 0.0:
+            raise BadInput(f"top_p {self.top_p!r} is 0 in float32, as the sampler holds it",
+                           remedy="pass a top_p of at least 1e-45")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise BadInput(
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",

@@ -361,6 +361,7 @@ def test_update_rejects_outputs_that_do_not_match_the_schedule() -> None:
         (dict(top_k=-1), "top_k must be an integer >= 0 \\(0 = off\\), got -1"),
         (dict(top_p=0.0), "top_p must be a number in \\(0, 1\\], got 0.0"),
         (dict(top_p=1.5), "top_p must be a number in \\(0, 1\\], got 1.5"),
+        (dict(top_p=1e-46), "top_p 1e-46 is 0 in float32"),
         (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
         (dict(max_tokens=True), "max_tokens must be an integer >= 1, got True"),
         (dict(seed=-1), "seed must be an integer in \\[0, 2\\*\\*64 - 1\\], got -1"),
