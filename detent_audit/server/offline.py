@@ -19,7 +19,7 @@ from detent_audit.engine.llm import LLM
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import BadInput
 from detent_audit.server.node import RECEIPT_ID, ServingNode
-from detent_audit.server.protocol import Limits, _messages, _token_ids, check_text
+from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids", "ignore_eos")
 _PROMPT = ("prompt", "prompt_token_ids", "messages")
@@ -61,14 +61,14 @@ def read_requests(llm: LLM, path: Path) -> list[tuple[str, list[int], SamplingPa
                     raise BadInput("'prompt' must be a string (token ids go in 'prompt_token_ids')")
                 ids = llm.tokenizer.encode(check_text(obj["prompt"], "prompt"))
             elif "messages" in obj:
-                ids = llm.tokenizer.encode_chat(_messages(obj["messages"]))
+                ids = llm.tokenizer.encode_chat(parse_messages(obj["messages"]))
             else:
-                ids = list(_token_ids(obj["prompt_token_ids"], "prompt_token_ids", limits))
+                ids = list(check_token_ids(obj["prompt_token_ids"], "prompt_token_ids", limits))
             if not ids:
                 raise BadInput("the prompt is empty (it encodes to no tokens)")
             kwargs: dict[str, Any] = {k: obj[k] for k in _SAMPLING if k in obj}
             if "stop_token_ids" in kwargs:
-                kwargs["stop_token_ids"] = tuple(_token_ids(kwargs["stop_token_ids"], "stop_token_ids", limits))
+                kwargs["stop_token_ids"] = tuple(check_token_ids(kwargs["stop_token_ids"], "stop_token_ids", limits))
             params = SamplingParams(**{"temperature": 0.0, **kwargs})
         except (BadInput, TypeError) as exc:
             raise BadInput(f"{where}: {getattr(exc, 'message', exc)}") from None

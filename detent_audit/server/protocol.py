@@ -123,7 +123,7 @@ def _get(body: dict, name: str, kind: type, default: Any, lo: Any = None, hi: An
     return value
 
 
-def _token_ids(value: Any, name: str, limits: Limits) -> list[int]:
+def check_token_ids(value: Any, name: str, limits: Limits) -> list[int]:
     if not isinstance(value, list) or not all(_is(t, int) and 0 <= t < limits.vocab_size for t in value):
         raise InvalidRequest(f"'{name}' must be a list of token ids in [0, {limits.vocab_size - 1}]",
                              param=name, code="invalid_type")
@@ -141,7 +141,7 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
             raise InvalidRequest(f"unrecognized request argument: '{name}'", param=name, code="unknown_field")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def parse_messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages", code="invalid_type")
     out = []
@@ -173,7 +173,7 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
         raise InvalidRequest(f"the model '{model}' does not exist (this server serves '{limits.model_name}')",
                              param="model", code="model_not_found", status=404)
     if chat:
-        messages = _messages(body.get("messages"))
+        messages = parse_messages(body.get("messages"))
         _fits([m["content"] for m in messages], "messages", limits)
         prompt_ids = tokenizer.encode_chat(messages)
         top_n = _get(body, "top_logprobs", int, None, 0, MAX_LOGPROBS)
@@ -186,7 +186,7 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
             _fits([check_text(prompt, "prompt")], "prompt", limits)
             prompt_ids = tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(_is(t, int) for t in prompt):
-            prompt_ids = _token_ids(prompt, "prompt", limits)
+            prompt_ids = check_token_ids(prompt, "prompt", limits)
         else:
             raise InvalidRequest("'prompt' must be one string or one non-empty list of token ids (batched "
                                  "prompts are not supported: one request, one receipt)", param="prompt",
@@ -229,7 +229,7 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
         temperature=float(_get(body, "temperature", float, 1.0, 0)), top_k=max(top_k, 0),
         top_p=top_p, max_tokens=max_tokens,
         seed=_get(body, "seed", int, 0, 0, MAX_SEED),
-        stop_token_ids=tuple(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids", limits)),
+        stop_token_ids=tuple(check_token_ids(body.get("stop_token_ids") or [], "stop_token_ids", limits)),
         ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=(top_n or 0) if want_logprobs else None)
     return ParsedRequest(chat, list(prompt_ids), params, stream,
                          _get(options or {}, "include_usage", bool, False), want_logprobs,
