@@ -71,7 +71,8 @@ def verify(
     model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     mode: str = typer.Option("rescore", "--mode", help="rescore (one teacher-forced prefill) | replay"),
     sample: float = typer.Option(None, "--sample", help="Verify a seeded sample: this fraction of receipts."),
-    seed: int = typer.Option(None, "--seed", help="Seed of --sample (default 0)."),
+    seed: int = typer.Option(None, "--seed", help="Seed of --sample, to repeat a sample (default: drawn at "
+                                                  "random and reported, so a node cannot know the sample)."),
     cache_dir: Path = typer.Option(None, "--cache-dir", help="JIT cache directory."),
     threads: int = typer.Option(None, "--threads", help="Run with this many CPU threads (default: the "
                                                         "receipt's); a different count is not comparable."),
@@ -110,12 +111,13 @@ def verify(
         override = load_tuple(tuple_file)
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("re-executing", total=None)
-        report = run_verify(paths, trusted, model=model, mode=mode, sample=sample, seed=seed or 0,
+        report = run_verify(paths, trusted, model=model, mode=mode, sample=sample, seed=seed,
                             cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
                             tuple_override=override, workers=workers if workers == "auto" else int(workers),
                             progress=lambda done, total: progress.update(task, completed=done, total=total))
     if as_json:
         typer.echo(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
+                               "sample_seed": report.sample_seed,
                                "outcomes": [o.to_json() for o in report.outcomes]}, indent=2))
     else:
         for o in report.outcomes:
@@ -124,7 +126,7 @@ def verify(
             typer.echo(f"{tag}: {o.path}{extra}: {o.message}")
         c = report.counts()
         typer.echo(f"{c['OK']} ok, {c['FAIL']} failed, {c['BAD']} bad input, {c['NOT_COMPARABLE']} not comparable "
-                   f"({mode})")
+                   f"({mode})" + (f"; a sample drawn with --seed {report.sample_seed}" if sample is not None else ""))
     raise typer.Exit(report.exit_code)
 
 

@@ -53,6 +53,8 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
     if isinstance(served_threads, bool) or not isinstance(served_threads, int) or not 1 <= served_threads <= 4096:
         raise BadInput(f"the receipt's runtime.num_threads is {served_threads!r}, not a thread count")
     mode = _get(tuple_values, "mode", "name")
+    if tuple_override is not None and mode != "detent":
+        raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
     generated = _get(facts, "checkpoint").get("generated")  # weights drawn on the device: no checkpoint needed
     return EngineConfig(

@@ -23,6 +23,7 @@ import math
 import multiprocessing
 import os
 import random
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class Outcome:
 class Report:
     outcomes: list[Outcome]
     mode: str
+    sample_seed: int | None = None  # the seed the sample was drawn with (to repeat it), when sampling
 
     @property
     def exit_code(self) -> int:
@@ -142,7 +144,9 @@ def _finish_problem(r: Receipt, eos: set[int], max_model_len: int) -> str | None
     for i, t in enumerate(tokens[:-1]):
         if t in stops:
             return f"output token {i} ({t}) is a stop token, yet generation went on"
-    ends_on_stop = bool(tokens) and tokens[-1] in stops
+    if not tokens:
+        return "an empty output: the engine draws at least one token for every request it admits"
+    ends_on_stop = tokens[-1] in stops
     if ends_on_stop and reason != "stop":
         return f"the output ends on stop token {tokens[-1]}, so it finished with 'stop', not {reason!r}"
     if reason == "stop" and not ends_on_stop:
@@ -151,6 +155,28 @@ def _finish_problem(r: Receipt, eos: set[int], max_model_len: int) -> str | None
     if reason == "length" and len(tokens) != s.max_tokens and total < max_model_len:
         return (f"finish 'length' after {len(tokens)} of max_tokens={s.max_tokens} tokens, with {total} of the "
                 f"context's {max_model_len} used")
+    return None
+
+
+def _kv_tokens(r: Receipt) -> int:
+    """The most tokens re-executing `r` can hold in the KV cache: its prompt and the longer of its output and
+    max_tokens (what the scheduler reserves for a replay), within the deployment's context."""
+    need = len(r.request.prompt_token_ids) + max(len(r.output.token_ids), r.request.sampling.max_tokens)
+    try:
+        return min(need, int(r.deployment_facts["deployment"]["engine"]["max_model_len"]))
+    except (KeyError, TypeError, ValueError):
+        return need
+
+
+def _tuple_problem(r: Receipt) -> str | None:
+    """The tuple a receipt commits to must be the engine's own: its facts' mode and per-family tuple (the
+    engine is rebuilt, and its facts compared, from the facts; a different signed tuple would go unchecked)."""
+    try:
+        recorded = {"mode": {"name": r.deployment_facts["engine"]["mode"]}, **r.deployment_facts["tuple"]}
+    except (KeyError, TypeError):
+        return "the receipt's facts record no engine mode or tuple"
+    if facts_hash(dict(r.tuple_values)) != facts_hash(recorded):
+        return "the receipt's tuple is not the one its deployment facts record"
     return None
 
 
@@ -164,7 +190,7 @@ def _vocabulary_problem(r: Receipt, vocab_size: int) -> str | None:
 
 
 def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | None = None, mode: str = "rescore",
-           sample: float | None = None, seed: int = 0, cache_dir: str | None = None,
+           sample: float | None = None, seed: int | None = None, cache_dir: str | None = None,
            threads: int | None = None, tuple_override: dict | None = None, workers: int | str = 1,
            progress: Callable[[int, int], None] | None = None) -> Report:
     """Verify every receipt and run manifest under `paths`; never raises for a bad receipt: reports it.
@@ -184,7 +210,9 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
             outcomes.append(Outcome(str(p), "receipt", "BAD", f"{p.name}: {type(exc).__name__}: {exc}"))
     outcomes += [_check_manifest(m, trusted, opened) for m in manifest_paths]
 
-    chosen = sample_paths(sorted(opened), sample, seed)
+    if sample is not None and seed is None:  # unpredictable unless stated: a node must not know the sample
+        seed = int.from_bytes(os.urandom(8), "little")
+    chosen = sample_paths(sorted(opened), sample, seed or 0)
     groups: dict[tuple[str, str], list[Path]] = {}
     for p in chosen:
         groups.setdefault((opened[p].deployment_hash, opened[p].tuple_hash), []).append(p)
@@ -195,8 +223,7 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
     for _, group in sorted(groups.items()):
         size = BATCH if workers == 1 else max(1, min(BATCH, math.ceil(len(group) / workers)))
         batches += [group[start:start + size] for start in range(0, len(group), size)]
-    longest = max((len(opened[p].request.prompt_token_ids) + len(opened[p].output.token_ids) for p in chosen),
-                  default=0)
+    longest = max((_kv_tokens(opened[p]) for p in chosen), default=0)
     options = _Options(None if model is None else str(model), mode, cache_dir, threads, tuple_override, longest)
     done, total = 0, len(chosen)
     if workers == 1 or len(batches) <= 1:
@@ -221,7 +248,7 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
                         progress(done, total)
     order = {str(p): i for i, p in enumerate([*receipt_paths, *manifest_paths])}
     outcomes.sort(key=lambda o: (order.get(o.path, -1), o.path))
-    return Report(outcomes, mode)
+    return Report(outcomes, mode, seed if sample is not None else None)
 
 
 def auto_workers(num_receipts: int, facts: Iterable[Any], threads: int | None = None, *,
@@ -357,8 +384,9 @@ def _worker_batch(batch: list[tuple[str, bytes]], options: _Options) -> list[Out
 def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
     # what the output's own shape already refutes is not re-executed: out-of-vocabulary ids, a wrong finish
     max_len, vocab = llm.scheduler.config.max_model_len, llm.model.config.vocab_size
-    problems = {p: _vocabulary_problem(r, vocab) or _finish_problem(r, eos, max_len) for p, r in batch}
-    usable = [(p, r) for p, r in batch if problems[p] is None and r.output.token_ids]
+    problems = {p: _tuple_problem(r) or _vocabulary_problem(r, vocab) or _finish_problem(r, eos, max_len)
+                for p, r in batch}
+    usable = [(p, r) for p, r in batch if problems[p] is None]
     # (5): re-execute, all of the batch together
     if mode == "rescore":
         got = llm.rescore_batch([(r.request.prompt_token_ids, r.output.token_ids) for _, r in usable],
@@ -372,9 +400,6 @@ def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[
         rid = r.request.request_id
         if problems[p] is not None:
             out.append(Outcome(str(p), "receipt", "FAIL", problems[p], rid))
-            continue
-        if p not in results:  # an empty output: nothing to re-execute, the finish check above is all
-            out.append(Outcome(str(p), "receipt", "OK", "empty output", rid))
             continue
         tokens, lps, finish = results[p]
         # (6): compare token ids and logprob bits (and, replayed, the finish reason)
@@ -395,6 +420,10 @@ def _check_manifest(path: Path, trusted: dict, opened: dict[Path, Receipt]) -> O
         wanted = set(manifest.receipt_digests)
         present = [r for r in opened.values() if r.digest in wanted]
         check_run(manifest, present)
+        repeated = sorted(i for i, n in Counter(r.request.request_id for r in present).items() if n > 1)
+        if repeated:  # one request answered twice in a run: a node could keep the draw it liked
+            return Outcome(str(path), "manifest", "FAIL", f"request id(s) answered more than once in this run: "
+                                                           f"{', '.join(map(repr, repeated[:3]))}")
     except ManifestMismatch as exc:
         shown = ", ".join(exc.missing[:3]) + (", ..." if len(exc.missing) > 3 else "")
         return Outcome(str(path), "manifest", "FAIL",

@@ -434,6 +434,11 @@ def test_stock_receipts_are_not_comparable(served, make_checkpoint, tmp_path) ->
                               str(ckpt), "--json"])
     (o,) = json.loads(res.stdout)["outcomes"]
     assert res.exit_code == 3 and o["fields"] == ["tuple.mode.name"] and "not batch-invariant" in o["message"]
+    save_tuple(LLM(EngineConfig(model=str(ckpt), cache_dir=str(served["jit"]))).selection.tuple, tmp_path / "t")
+    res = runner.invoke(app, ["verify", str(tmp_path / "out" / "receipts"), "--key", str(key.public_path), "--model",
+                              str(ckpt), "--tuple", str(tmp_path / "t"), "--json"])
+    (o,) = json.loads(res.stdout)["outcomes"]
+    assert res.exit_code == 2 and "--tuple applies to detent receipts only" in o["message"], o
 
 
 def test_a_response_cut_by_the_context_and_a_request_longer_than_the_default_kv_pool_verify(make_checkpoint,
@@ -476,3 +481,95 @@ def test_a_checkpoint_with_another_eos_set_is_not_comparable(served, tmp_path) -
                               str(served["key"].public_path), "--model", str(copy), "--json"])
     (o,) = json.loads(res.stdout)["outcomes"]
     assert res.exit_code == 3 and o["fields"] == ["checkpoint.eos_token_ids"], o
+
+
+def test_an_empty_output_and_a_tuple_its_facts_do_not_record_fail(served, tmp_path) -> None:
+    """The engine draws at least one token for every request it admits, so an empty output FAILs (even where
+    the prompt fills the context); the tuple a receipt signs must be its facts' mode and per-family tuple."""
+    from detent_audit.engine.tuples import tuple_hash
+
+    folder = tmp_path / "forged"
+    folder.mkdir()
+
+    def retuple(values):
+        return lambda r: dataclasses.replace(r, tuple_values=values, tuple_hash=tuple_hash(values))
+
+    def empty(prompt_len):
+        def change(r):
+            request = dataclasses.replace(r.request, prompt_token_ids=tuple(3 + i % 300 for i in range(prompt_len)))
+            return dataclasses.replace(r, request=request, output=OutputRecord.from_floats([], [], "length"))
+        return change
+
+    _forge_all(served, folder, "empty", empty(5))
+    _forge_all(served, folder, "empty-full", empty(2048))
+    _forge_all(served, folder, "mode-only", retuple({"mode": {"name": "detent"}}))
+    _forge_all(served, folder, "extra-key", lambda r: retuple({**{k: dict(v) for k, v in r.tuple_values.items()},
+                                                               "mode": {"name": "detent", "junk": 7}})(r))
+    for mode in ("rescore", "replay"):
+        code, report = _verify(served, folder, extra=("--mode", mode))
+        by = {Path(o["path"]).stem: o for o in report["outcomes"]}
+        assert code == 1 and all(o["status"] == "FAIL" for o in by.values()), by
+        assert "an empty output" in by["empty"]["message"] and "an empty output" in by["empty-full"]["message"]
+        for name in ("mode-only", "extra-key"):
+            assert "not the one its deployment facts record" in by[name]["message"], by[name]
+
+
+def test_a_sample_is_unpredictable_unless_its_seed_is_given_and_a_run_answers_each_request_once(served,
+                                                                                              tmp_path) -> None:
+    """--sample draws its seed at random and reports it; --seed repeats that sample. A run manifest whose
+    receipts answer one request id twice (a node keeping the draw it liked) FAILs."""
+    import shutil
+
+    seeds, picks = set(), {}
+    for _ in range(3):
+        code, report = _verify(served, served["out"] / "receipts", extra=("--sample", "0.3"))
+        assert code == 0 and report["sample_seed"] is not None
+        seeds.add(report["sample_seed"])
+        picks[report["sample_seed"]] = sorted(o["path"] for o in report["outcomes"])
+    assert len(seeds) == 3  # 64-bit draws
+    seed, paths = next(iter(picks.items()))
+    code, again = _verify(served, served["out"] / "receipts", extra=("--sample", "0.3", "--seed", str(seed)))
+    assert again["sample_seed"] == seed and sorted(o["path"] for o in again["outcomes"]) == paths
+
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.manifests.receipt import verify_envelope
+    from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
+
+    trusted = load_trusted_keys(served["key"].public_path)
+    a, b = (verify_envelope((served["out"] / "receipts" / f"r{i}.receipt").read_bytes(), trusted).receipt
+            for i in (1, 2))
+    b_as_a = dataclasses.replace(b, request=dataclasses.replace(b.request, request_id=a.request.request_id))
+    folder = tmp_path / "twice"
+    folder.mkdir()
+    key = load_private_key(served["key"].private_path)
+    shutil.copy(served["out"] / "receipts" / "r1.receipt", folder / "r1.receipt")
+    (folder / "r1-again.receipt").write_bytes(sign_receipt(b_as_a, key))
+    manifest = RunManifest.for_receipts([a, b_as_a], run_id="twice", node_keyid=a.node_keyid,
+                                        deployment_hash=a.deployment_hash, tuple_hash=a.tuple_hash,
+                                        time_unix_ns=a.time_unix_ns)
+    (folder / "run.manifest").write_bytes(sign_run_manifest(manifest, key))
+    code, report = _verify(served, folder)
+    (m,) = [o for o in report["outcomes"] if o["kind"] == "manifest"]
+    assert code == 1 and m["status"] == "FAIL" and "answered more than once" in m["message"], m
+
+
+def test_replay_holds_a_request_whose_max_tokens_exceeds_the_default_kv_pool(make_checkpoint, tmp_path) -> None:
+    """Replay reserves prompt + max_tokens blocks (within the context) even when a stop token ends it early:
+    the rebuilt pool is sized for that, not for the output's length."""
+    ckpt = make_checkpoint("tiny-llama")
+    key = generate_key(tmp_path / "node.key")
+    llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(tmp_path / "jit"), block_size=1,
+                           num_kv_blocks=3000))
+    from detent_audit.engine.sampling_params import SamplingParams
+
+    (probe,) = llm.generate([[9, 8, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    params = SamplingParams(temperature=0.0, max_tokens=1500, stop_token_ids=(probe.token_ids[1],), ignore_eos=True)
+    (out,) = llm.generate([[9, 8, 7]], params)
+    assert out.finish_reason == "stop" and len(out.token_ids) <= 2
+    node = ServingNode(llm, load_private_key(key.private_path), tmp_path / "out")
+    node.sign(out, params, "early-stop")
+    node.close()
+    for mode in ("rescore", "replay"):
+        res = runner.invoke(app, ["verify", str(tmp_path / "out"), "--key", str(key.public_path), "--model",
+                                  str(ckpt), "--cache-dir", str(tmp_path / "jit"), "--mode", mode])
+        assert res.exit_code == 0, (mode, res.output)
