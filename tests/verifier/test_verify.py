@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from detent_audit.cli import app
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.tuples import save_tuple
-from detent_audit.manifests.keys import generate_key, load_private_key
-from detent_audit.manifests.receipt import OutputRecord, sign_receipt
+from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
+from detent_audit.manifests.receipt import OutputRecord, sign_receipt, verify_envelope
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline
 
@@ -44,6 +44,19 @@ def _verify(served: dict, *paths: Path, extra: tuple[str, ...] = ()) -> tuple[in
     return res.exit_code, json.loads(res.stdout)
 
 
+def _receipt(served: dict, name: str):
+    """A served receipt, opened and signature-checked."""
+    path = served["out"] / "receipts" / f"{name}.receipt"
+    return verify_envelope(path.read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
+
+
+def _tuple_with_chunk(r, rows: int) -> dict:
+    """The receipt's per-family tuple with the GEMM chunk set to `rows`."""
+    values = {k: dict(v) for k, v in r.tuple_values.items() if k != "mode"}
+    values["embedded.gemm"] = {**values["embedded.gemm"], "chunk_rows": rows, "embedded.gemm.chunk_rows": rows}
+    return values
+
+
 @pytest.mark.parametrize("mode", ["rescore", "replay"])
 def test_served_receipts_verify(served, mode: str) -> None:
     code, report = _verify(served, served["out"], extra=("--mode", mode))
@@ -53,8 +66,6 @@ def test_served_receipts_verify(served, mode: str) -> None:
 
 def _tampered(served: dict, tmp_path: Path, change) -> Path:
     src = served["out"] / "receipts" / "r4.receipt"
-    from detent_audit.manifests.keys import load_trusted_keys
-    from detent_audit.manifests.receipt import verify_envelope
 
     r = verify_envelope(src.read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
     tokens, lps = change(list(r.output.token_ids), list(r.output.logprobs))
@@ -111,13 +122,9 @@ def test_other_thread_count_is_not_comparable(served) -> None:
 
 
 def test_other_tuple_is_not_comparable(served, tmp_path) -> None:
-    from detent_audit.manifests.keys import load_trusted_keys
-    from detent_audit.manifests.receipt import verify_envelope
 
-    r = verify_envelope((served["out"] / "receipts" / "r1.receipt").read_bytes(),
-                        load_trusted_keys(served["key"].public_path)).receipt
-    values = {k: dict(v) for k, v in r.tuple_values.items() if k != "mode"}
-    values["embedded.gemm"] = {**values["embedded.gemm"], "chunk_rows": 8, "embedded.gemm.chunk_rows": 8}
+    r = _receipt(served, "r1")
+    values = _tuple_with_chunk(r, 8)
     save_tuple(values, tmp_path / "other.tuple")
     code, report = _verify(served, served["out"] / "receipts" / "r1.receipt",
                            extra=("--tuple", str(tmp_path / "other.tuple")))
@@ -151,7 +158,6 @@ def test_manifest_with_a_missing_receipt_fails(served, tmp_path) -> None:
     code, report = _verify(served, manifest)  # the manifest alone: its receipts are absent
     (o,) = report["outcomes"]
     assert code == 1 and "missing" in o["message"]
-    from detent_audit.manifests.keys import load_trusted_keys
     from detent_audit.manifests.run_manifest import verify_run_manifest
 
     listed = verify_run_manifest(manifest.read_bytes(), load_trusted_keys(served["key"].public_path)).manifest
@@ -200,12 +206,9 @@ def test_workers_report_a_deployment_mismatch_and_refuse_a_bad_count(served) -> 
 def test_auto_workers_follow_cores_receipts_threads_and_memory(served) -> None:
     """`--workers auto`: one worker per core at the receipts' thread count, no more than full batches of receipts
     or engines the memory holds, and one for GPU receipts."""
-    from detent_audit.manifests.keys import load_trusted_keys
-    from detent_audit.manifests.receipt import verify_envelope
     from detent_audit.verifier.verify import BATCH, _engine_bytes, auto_workers
 
-    r = verify_envelope((served["out"] / "receipts" / "r0.receipt").read_bytes(),
-                        load_trusted_keys(served["key"].public_path)).receipt
+    r = _receipt(served, "r0")
     facts = r.deployment_facts
     assert facts["runtime"]["num_threads"] == 1 and facts["runtime"]["device"] == "cpu"
     lots = 1 << 40
@@ -246,8 +249,6 @@ def test_a_response_that_filled_the_context_verifies_and_an_impossible_one_fails
             str(tmp_path / "jit"), "--json", "--mode", mode]
     res = runner.invoke(app, base)
     assert res.exit_code == 0, res.output
-    from detent_audit.manifests.keys import load_trusted_keys
-    from detent_audit.manifests.receipt import verify_envelope
 
     r = verify_envelope((tmp_path / "out" / "receipts" / "full.receipt").read_bytes(),
                         load_trusted_keys(key.public_path)).receipt
@@ -265,13 +266,9 @@ def test_a_tuple_illegal_for_the_solved_pins_is_not_comparable(served, tmp_path)
     """Step (4): a receipt whose signed tuple is not legal for the solved pins, and a --tuple that is not, are
     exit 3 with "tuple" named, and the message says whose tuple it was."""
     from detent_audit.engine.tuples import tuple_hash
-    from detent_audit.manifests.keys import load_trusted_keys
-    from detent_audit.manifests.receipt import verify_envelope
 
-    r = verify_envelope((served["out"] / "receipts" / "r1.receipt").read_bytes(),
-                        load_trusted_keys(served["key"].public_path)).receipt
-    values = {k: dict(v) for k, v in r.tuple_values.items() if k != "mode"}
-    values["embedded.gemm"] = {**values["embedded.gemm"], "chunk_rows": 512, "embedded.gemm.chunk_rows": 512}
+    r = _receipt(served, "r1")
+    values = _tuple_with_chunk(r, 512)
     save_tuple(values, tmp_path / "illegal.tuple")
     code, report = _verify(served, served["out"] / "receipts" / "r1.receipt",
                            extra=("--tuple", str(tmp_path / "illegal.tuple")))
@@ -294,8 +291,6 @@ def test_facts_this_machine_cannot_rebuild_are_reported_per_receipt(served, tmp_
     import torch
 
     from detent_audit.engine.facts import facts_hash
-    from detent_audit.manifests.keys import load_trusted_keys
-    from detent_audit.manifests.receipt import verify_envelope
 
     folder = tmp_path / "mixed"
     shutil.copytree(served["out"] / "receipts", folder)
@@ -368,11 +363,8 @@ def test_fifos_and_unlistable_folders_are_bad_input_never_a_hang_or_a_silent_ski
 
 def _forge_all(served, tmp_path, name: str, change) -> Path:
     """r0's receipt (greedy, 6 tokens, ignore_eos) changed by `change(receipt) -> receipt`, re-signed."""
-    from detent_audit.manifests.keys import load_trusted_keys
-    from detent_audit.manifests.receipt import verify_envelope
 
-    r = verify_envelope((served["out"] / "receipts" / "r0.receipt").read_bytes(),
-                        load_trusted_keys(served["key"].public_path)).receipt
+    r = _receipt(served, "r0")
     path = tmp_path / f"{name}.receipt"
     path.write_bytes(sign_receipt(change(r), load_private_key(served["key"].private_path)))
     return path
@@ -531,8 +523,6 @@ def test_a_sample_is_unpredictable_unless_its_seed_is_given_and_a_run_answers_ea
     code, again = _verify(served, served["out"] / "receipts", extra=("--sample", "0.3", "--seed", str(seed)))
     assert again["sample_seed"] == seed and sorted(o["path"] for o in again["outcomes"]) == paths
 
-    from detent_audit.manifests.keys import load_trusted_keys
-    from detent_audit.manifests.receipt import verify_envelope
     from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
 
     trusted = load_trusted_keys(served["key"].public_path)
