@@ -103,6 +103,9 @@ def verify(
         raise BadInput(f"--threads must be >= 1, got {threads}")
     if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
         raise BadInput(f"--workers must be a whole number >= 1 or auto, got {workers!r}")
+    if key is not None and key.is_dir():
+        raise BadInput(f"--key {key} is a folder; --key takes one public key file",
+                       remedy="pass --trusted-keys DIR to trust every *.pub file in a folder")
     trusted = load_trusted_keys(key or trusted_keys)
     override = None
     if tuple_file is not None:

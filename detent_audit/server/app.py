@@ -125,7 +125,7 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
         try:
             raw = await _bounded_body(request)
             try:
-                body = json.loads(raw)
+                body = json.loads(raw, object_pairs_hook=_unique_keys)
             except (ValueError, RecursionError) as exc:
                 raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
             # tokenizing (and the chat template) off the event loop: a long prompt must not stall other requests
@@ -205,6 +205,16 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
             handle.cancel()  # a no-op once finished; else the client left and the output is discarded
 
     return app
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused (as not valid JSON) when a key repeats: which value counts would be a guess."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        repeated = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {repeated!r} appears more than once in one object")
+    return out
 
 
 async def _bounded_body(request: Request) -> bytes:

@@ -163,6 +163,7 @@ BAD = [  # (endpoint, body, param, fragment of the message)
     ("completions", b"{not json", None, "not valid JSON"),
     ("completions", b"[1, 2]", None, "must be a JSON object"),
     ("completions", b"[" * 100_000, None, "not valid JSON"),
+    ("completions", b'{"prompt": "x", "max_tokens": 2, "max_tokens": 900}', None, "'max_tokens' appears more than once"),
     ("completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens", "must be an integer"),
     ("completions", {"prompt": "x", "max_tokens": True}, "max_tokens", "must be an integer"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "must be in [1, inf]"),

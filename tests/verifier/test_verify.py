@@ -148,6 +148,8 @@ def test_untrusted_key_and_garbage_are_refused(served, tmp_path) -> None:
     (tmp_path / "empty" / "renamed.msgpack").write_bytes((served["out"] / "receipts" / "r1.receipt").read_bytes())
     res = runner.invoke(app, ["verify", str(tmp_path / "empty"), "--key", str(served["key"].public_path)])
     assert res.exit_code == 2 and "no *.receipt or *.manifest files" in res.stdout  # nothing checked is no pass
+    res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path.parent)])
+    assert res.exit_code == 2 and "--trusted-keys" in res.stderr
     for extra, says in ((("--threads", "0"), "--threads"), (("--seed", "3"), "--seed")):
         res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), *extra])
         assert res.exit_code == 2 and says in res.stderr, res.output
