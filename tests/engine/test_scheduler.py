@@ -132,12 +132,22 @@ def check_step(
         assert seq.status is SequenceStatus.PREEMPTED and seq.num_computed_tokens == 0 and seq.block_table == []
 
 
-def run(cfg: SchedulerConfig, requests: list[tuple[int, Sequence]], stats: RunStats) -> None:
-    """Serve (arrival step, sequence) pairs, checking every step; then compare each with its solo run."""
+def run(cfg: SchedulerConfig, requests: list[tuple[int, Sequence]], stats: RunStats,
+        abort: random.Random | None = None) -> None:
+    """Serve (arrival step, sequence) pairs, checking every step; then compare each with its solo run. With
+    `abort`, a live sequence (running, waiting or preempted) is aborted before one step in four: the others
+    must not notice."""
     sched, pending = Scheduler(cfg), sorted(requests, key=lambda r: (r[0], r[1].seq_id))
     model = FakeModel(sched)
     accepted: list[Sequence] = []
+    aborted: set[int] = set()
     while pending or sched.has_unfinished():
+        live = [*sched.running, *sched.waiting]
+        if abort is not None and live and abort.random() < 0.25:
+            victim = abort.choice(live)
+            sched.abort(victim)
+            aborted.add(victim.seq_id)
+            sched.block_manager.check_integrity()
         while pending and pending[0][0] <= stats.steps:
             seq = pending.pop(0)[1]
             longest = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, cfg.max_model_len)
@@ -165,6 +175,9 @@ def run(cfg: SchedulerConfig, requests: list[tuple[int, Sequence]], stats: RunSt
             assert tuple(model.kv[s][0] for s in slots) == block_tokens
         assert stats.steps < 5000, "no progress"
     for seq in accepted:
+        if seq.seq_id in aborted:
+            assert seq.finish_reason is None and seq.block_table == []
+            continue
         outputs, reason, logprobs = generate_alone(list(seq.prompt_token_ids), seq.sampling_params, cfg.max_model_len)
         assert (seq.output_token_ids, seq.finish_reason) == (outputs, reason), f"seq {seq.seq_id}"
         assert seq.output_logprobs == logprobs
@@ -224,6 +237,19 @@ def test_random_runs_match_solo_runs(name: str) -> None:
         assert stats.preemptions > 0 and stats.evictions > 0
     if name == "chunky":
         assert stats.chunked > 0 and stats.rejected > 0
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_random_runs_with_aborts_match_solo_runs(name: str) -> None:
+    """Clients leaving at random (abort between steps, in any state): every other request's tokens, logprobs
+    and finish equal its solo run, the cached blocks hold what they claim, and every block comes back."""
+    cfg = SchedulerConfig(eos_token_ids=(EOS,), **SCENARIOS[name])
+    stats = RunStats()
+    for seed in range(12):
+        rng = random.Random(f"abort-{name}-{seed}")
+        run(cfg, random_requests(rng, num=32, block_size=cfg.block_size, max_arrival=50), stats,
+            abort=random.Random(seed))
+    assert stats.hit_tokens > 0
 
 
 def scripted_step(sched: Scheduler, tokens: dict[int, int]) -> SchedulerOutput:
