@@ -1,12 +1,16 @@
 """`detent-audit verify`: receipts, folders and run manifests, checked step by step (DESIGN section 7).
 
-(0) bounded read and decode; (1) signature against the trusted keys; (2) schema, canonical re-encoding,
-deployment and tuple hashes; (3) deployment: the local engine rebuilt from the receipt's facts must match
-them field by field; (4) the tuple must be legal for the solved pins; (5) re-execute: `rescore` (one
-teacher-forced prefill per request, many requests batched: batch invariance makes batching legal; the
-seeded draw at every position is recomputed from the logits) or `replay` (autoregressive, seeded, batched);
-(6) compare token ids and logprob bits; (7) the report. Run manifests: signature, then the Merkle root of
-their receipts present.
+(0) bounded read and decode (regular files only); (1) signature against the trusted keys; (2) schema,
+canonical re-encoding, deployment and tuple hashes; (3) deployment: the local engine rebuilt from the
+receipt's facts must match them field by field (stock mode, whose bits depend on the batch, is not
+comparable); (4) the tuple must be legal for the solved pins, and the one the facts record; (5) before
+re-executing, what the output itself refutes FAILs (ids outside the vocabulary, an empty output, a finish
+other than the scheduler's rule gives); then re-execute: `rescore` (one teacher-forced prefill per request,
+many requests batched: batch invariance makes batching legal; the seeded draw at every position is
+recomputed from the logits) or `replay` (autoregressive, seeded, batched; its finish is compared too);
+(6) compare token ids and logprob bits; (7) the report. A receipt that crashes a step is that receipt's
+verdict, never the run's end. Run manifests: signature, the Merkle root of their receipts present, each
+request answered once. `sample` draws its seed at random unless one is given, so a node cannot know it.
 
 `workers` > 1 re-executes the batches in that many processes, each an engine of the receipt's own deployment
 (its thread count included), so the bits are the same as one process's. A verifier's spare cores then
