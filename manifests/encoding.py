@@ -117,11 +117,12 @@ def _check_keys(value: Mapping, where: str, error: type[InvalidReceipt]) -> list
 
 def open_regular(path: str | Path) -> BinaryIO:
     """`path` opened for reading, without blocking, and only if it is a regular file (else `OSError`)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    nonblock = getattr(os, "O_NONBLOCK", 0)  # POSIX: a FIFO's open would otherwise wait for a writer
+    fd = os.open(path, os.O_RDONLY | nonblock)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file")
-        if hasattr(os, "set_blocking"):
+        if nonblock:  # (Windows has no O_NONBLOCK, and its set_blocking takes pipes only)
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -65,7 +65,7 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
         max_num_batched_tokens=sched["max_num_batched_tokens"],
         max_prefill_chunk=sched["max_prefill_chunk"] or None, prefix_caching=sched["prefix_caching"],
         tuple=families if mode == "detent" else None, cache_dir=cache_dir,
-        num_kv_blocks=max(EngineConfig.num_kv_blocks, -(-kv_tokens // sched["block_size"]) + 2),
+        kv_pool_tokens=kv_tokens,
         attention_streaming=dep.get("attention_backend") == "detent-streaming")
 
 

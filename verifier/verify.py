@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.engine.facts import facts_hash
+from detent_audit.engine.llm import EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tuples import tuple_hash
 from detent_audit.errors import BadInput, DetentError
@@ -162,14 +163,12 @@ def _finish_problem(r: Receipt, eos: set[int], max_model_len: int) -> str | None
     return None
 
 
-def _kv_tokens(r: Receipt) -> int:
-    """The most tokens re-executing `r` can hold in the KV cache: its prompt and the longer of its output and
-    max_tokens (what the scheduler reserves for a replay), within the deployment's context."""
-    need = len(r.request.prompt_token_ids) + max(len(r.output.token_ids), r.request.sampling.max_tokens)
-    try:
-        return min(need, int(r.deployment_facts["deployment"]["engine"]["max_model_len"]))
-    except (KeyError, TypeError, ValueError):
-        return need
+def _kv_tokens(r: Receipt, mode: str) -> int:
+    """The most tokens re-executing `r` holds in the KV cache: a rescore, its prompt and output; a replay, its
+    prompt and the longer of its output and max_tokens (what the scheduler reserves). The engine caps it at its
+    model's context."""
+    prompt, output = len(r.request.prompt_token_ids), len(r.output.token_ids)
+    return prompt + (output if mode == "rescore" else max(output, r.request.sampling.max_tokens))
 
 
 def _tuple_problem(r: Receipt) -> str | None:
@@ -227,8 +226,8 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
     for _, group in sorted(groups.items()):
         size = BATCH if workers == 1 else max(1, min(BATCH, math.ceil(len(group) / workers)))
         batches += [group[start:start + size] for start in range(0, len(group), size)]
-    longest = max((_kv_tokens(opened[p]) for p in chosen), default=0)
-    options = _Options(None if model is None else str(model), mode, cache_dir, threads, tuple_override, longest)
+    kv_tokens = {key: max(_kv_tokens(opened[p], mode) for p in group) for key, group in groups.items()}
+    options = _Options(None if model is None else str(model), mode, cache_dir, threads, tuple_override, kv_tokens)
     done, total = 0, len(chosen)
     if workers == 1 or len(batches) <= 1:
         engines: dict = {}
@@ -290,7 +289,8 @@ def _num_threads(facts: Any) -> int:
 
 
 def _engine_bytes(facts: Any) -> int:
-    """An engine's memory for these facts: its weights (from the model's shape and dtype) and the overhead."""
+    """An engine's memory for these facts: its weights and its default KV pool (from the model's shape, the
+    page size and the dtype) and the overhead."""
     try:
         m = facts["deployment"]["model"]
         h, layers, hd = m["hidden_size"], m["num_layers"], m["head_dim"]
@@ -299,9 +299,10 @@ def _engine_bytes(facts: Any) -> int:
                else 3 * h * m["intermediate_size"])
         params = layers * (attention + mlp) + 2 * m["vocab_size"] * h
         width = 2 if facts["runtime"]["dtype"] in ("bfloat16", "float16") else 4
+        kv_pool = EngineConfig.num_kv_blocks * facts["scheduler"]["block_size"] * layers * 2 * m["num_kv_heads"] * hd
     except (KeyError, TypeError):
         return _ENGINE_OVERHEAD
-    return params * width + _ENGINE_OVERHEAD
+    return (params + kv_pool) * width + _ENGINE_OVERHEAD
 
 
 def _available_memory() -> int | None:
@@ -325,7 +326,9 @@ class _Options:
     cache_dir: str | None
     threads: int | None
     tuple_override: dict | None
-    kv_tokens: int = 0  # the longest receipt's tokens: the rebuilt engine's KV pool holds at least one of them
+    # per (deployment, tuple) group, its longest receipt's tokens: the group's engine holds one of them (the
+    # engine caps it at its own model's context, so a receipt's claims cannot size another group's memory)
+    kv_tokens: dict = field(default_factory=dict)
 
 
 def _run_batch(batch: list[tuple[Path, Receipt]], options: _Options, engines: dict) -> list[Outcome]:
@@ -339,7 +342,7 @@ def _run_batch(batch: list[tuple[Path, Receipt]], options: _Options, engines: di
         try:
             engines[key] = reconstruct(first.deployment_facts, first.tuple_values, options.model,
                                        options.cache_dir, options.threads, options.tuple_override,
-                                       kv_tokens=options.kv_tokens)
+                                       kv_tokens=options.kv_tokens.get(key, 0))
         except NotComparable as exc:
             engines[key] = exc
         except DetentError as exc:  # facts that cannot be rebuilt: the group's receipts are bad input

@@ -43,6 +43,7 @@ class EngineConfig:
     num_threads: int = 1                # CPU threads, fixed at start (a bit-relevant fact)
     block_size: int = 16
     num_kv_blocks: int = 1024
+    kv_pool_tokens: int = 0             # more blocks if needed to hold one request this long (capped at the context)
     max_model_len: int = 2048
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -113,7 +114,9 @@ class LLM:
             batch_invariant=config.mode != "stock")
         self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir,
                                                    device=config.device)
-        usable_blocks = config.num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)
+        # a verifier sizes the pool for its longest receipt: never past what this model's own context holds
+        num_kv_blocks = max(config.num_kv_blocks, -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2)
+        usable_blocks = num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=usable_blocks, block_size=config.block_size, max_model_len=max_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -121,14 +124,14 @@ class LLM:
         if not config.prefix_caching:
             self.scheduler.block_manager.prefix_caching = False
         self._scheduler_config = self.scheduler.config
-        self.runner = ModelRunner(self.model, self.selection.kernels, config.num_kv_blocks, config.block_size,
+        self.runner = ModelRunner(self.model, self.selection.kernels, num_kv_blocks, config.block_size,
                                   device=config.device)
         if config.device == "cuda" and config.cuda_graphs:
             from detent_audit.engine.cuda_graphs import DecodeGraphs
 
             # the last KV block is the padding rows' scratch: never handed to a sequence
             self.runner.graphs = DecodeGraphs(self.model, self.selection.kernels, self.runner.kv_caches,
-                                              config.block_size, max_len, config.num_kv_blocks - 1, config.device)
+                                              config.block_size, max_len, num_kv_blocks - 1, config.device)
         self._ids = itertools.count()
         self._score_from: dict[int, ScoreSpec] = {}
         self._scores: dict[int, Rescored] = {}

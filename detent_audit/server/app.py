@@ -17,6 +17,7 @@ engine and the node: its shutdown stops the engine and closes the node (the run 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -32,13 +33,14 @@ from starlette.exceptions import HTTPException
 from detent_audit.errors import BadInput
 from detent_audit.server.async_engine import (
     AsyncEngine,
+    EngineClosed,
     EngineFailed,
     EngineUnavailable,
     QueueFull,
     RequestHandle,
 )
 from detent_audit.server.node import ServingNode
-from detent_audit.server.protocol import InvalidRequest, Limits, ParsedRequest, parse_request
+from detent_audit.server.protocol import InvalidRequest, Limits, ParsedRequest, parse_request, unique_keys
 from detent_audit.server.responses import (
     TextStream,
     TokenFormatter,
@@ -125,7 +127,7 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
         try:
             raw = await _bounded_body(request)
             try:
-                body = json.loads(raw, object_pairs_hook=_unique_keys)
+                body = json.loads(raw, object_pairs_hook=unique_keys)
             except (ValueError, RecursionError) as exc:
                 raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
             # tokenizing (and the chat template) off the event loop: a long prompt must not stall other requests
@@ -207,16 +209,6 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
     return app
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object, refused (as not valid JSON) when a key repeats: which value counts would be a guess."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        repeated = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"the key {repeated!r} appears more than once in one object")
-    return out
-
-
 async def _bounded_body(request: Request) -> bytes:
     """The body, refused (413) as soon as it is known to exceed `MAX_BODY_BYTES`: from its Content-Length
     before reading, or while it streams in, so memory stays bounded whatever the client sends."""
@@ -245,7 +237,9 @@ async def _result_unless_gone(request: Request, handle: RequestHandle) -> Any:
                 return result.result()
             if await request.is_disconnected():
                 handle.cancel()
-                return await result  # raises EngineClosed once the engine has dropped it
+                with contextlib.suppress(Exception):  # ended by the abort, or finished in the step under way
+                    await result
+                raise EngineClosed("the client disconnected before its response was complete")
     finally:
         if not result.done():
             result.cancel()

@@ -69,6 +69,14 @@ class _Failed:
     error: BaseException
 
 
+async def _shielded(future: concurrent.futures.Future) -> Any:
+    """Await the engine's `future` without letting a cancelled waiter cancel it. Its outcome is marked as
+    retrieved even when no waiter is left (a client gone), so nothing logs an unretrieved exception."""
+    wrapped = asyncio.wrap_future(future)
+    wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return await asyncio.shield(wrapped)
+
+
 class RequestHandle:
     """One submitted request. Await `admitted()` (the scheduler took it), iterate `stream()` (deltas in
     order), await `result()` (the final output). Created by `AsyncEngine.submit` only."""
@@ -83,11 +91,12 @@ class RequestHandle:
         self._events: asyncio.Queue[TokenDelta | _Finished | _Failed] = asyncio.Queue()
 
     async def admitted(self) -> None:
-        """Return once the engine accepted the request; raises what refused it (e.g. `BadInput`)."""
-        await asyncio.wrap_future(self.admitted_future)
+        """Return once the engine accepted the request; raises what refused it (e.g. `BadInput`). Cancelling
+        the waiter leaves the engine's future alone (shielded): only the engine ends a request."""
+        await _shielded(self.admitted_future)
 
     async def result(self) -> RequestOutput:
-        return await asyncio.wrap_future(self.future)
+        return await _shielded(self.future)
 
     async def stream(self) -> AsyncIterator[TokenDelta]:
         """Every delta in order, then return; raises the request's error instead of ending normally."""

@@ -19,7 +19,7 @@ from detent_audit.engine.llm import LLM
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import BadInput
 from detent_audit.server.node import RECEIPT_ID, ServingNode
-from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages
+from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids", "ignore_eos")
 _PROMPT = ("prompt", "prompt_token_ids", "messages")
@@ -41,7 +41,7 @@ def read_requests(llm: LLM, path: Path) -> list[tuple[str, list[int], SamplingPa
             continue
         where = f"{path.name}:{n}"
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=unique_keys)
         except (ValueError, RecursionError) as exc:
             raise BadInput(f"{where}: not JSON ({exc})") from None
         if not isinstance(obj, dict):

@@ -70,6 +70,17 @@ class Limits:
         return cls(model_name, max_model_len, vocab_size, max_model_len * max(map(len, vocab), default=1))
 
 
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`'s object hook: an object whose key repeats is refused (as not valid JSON), since which value
+    counts would be a guess."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        repeated = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {repeated!r} appears more than once in one object")
+    return out
+
+
 def check_text(text: str, param: str) -> str:
     """`text`, if it encodes as UTF-8 (a lone surrogate does not, and no tokenizer takes it)."""
     try:

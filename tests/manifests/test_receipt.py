@@ -370,3 +370,25 @@ def test_manifests_import_neither_torch_nor_the_engine() -> None:
             "detent_audit.manifests.keys; bad = [m for m in sys.modules if m == 'torch' or "
             "m.startswith('detent_audit.engine')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_open_regular_reads_files_and_refuses_the_rest_with_or_without_o_nonblock(tmp_path, monkeypatch) -> None:
+    """POSIX opens without blocking (a FIFO would wait for a writer); where O_NONBLOCK does not exist (Windows,
+    whose set_blocking takes pipes only) a regular file still reads and set_blocking is never called."""
+    from detent_audit.manifests.encoding import read_bounded
+
+    data = os.urandom(300)
+    (tmp_path / "f.receipt").write_bytes(data)
+    os.mkfifo(tmp_path / "fifo.receipt")
+    assert read_bounded(tmp_path / "f.receipt", 1000, what="receipt") == data
+    with pytest.raises(InvalidReceipt, match="not a regular file"):
+        read_bounded(tmp_path / "fifo.receipt", 1000, what="receipt")
+    with pytest.raises(InvalidReceipt, match="not a regular file"):
+        read_bounded(tmp_path, 1000, what="receipt")
+    monkeypatch.delattr(os, "O_NONBLOCK")
+
+    def pipes_only(fd, blocking):
+        raise OSError(22, "The parameter is incorrect")
+
+    monkeypatch.setattr(os, "set_blocking", pipes_only)
+    assert read_bounded(tmp_path / "f.receipt", 1000, what="receipt") == data

@@ -135,3 +135,71 @@ def test_an_engine_exception_fails_every_outstanding_request(env: Env) -> None:
         engine.submit([1], SamplingParams(), "after")
     assert engine.num_outstanding == 0 and not engine.is_alive
     engine.shutdown()
+
+
+def test_cancelled_waiters_never_leak_a_slot_and_an_abandoned_request_is_aborted(env: Env) -> None:
+    """A waiter task cancelled (a handler torn down) leaves the engine's futures alone, so the request still
+    ends once and frees its slot; a cancelled handle is aborted before the next step, never run to its end."""
+    llm = LLM(env.engine_config())
+    gate = _gate(llm)
+    engine = AsyncEngine(llm, max_queued=2)
+
+    async def main() -> None:
+        handles = [engine.submit([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), f"w{i}")
+                   for i in range(2)]
+        waiters = [asyncio.ensure_future(handles[0].result()), asyncio.ensure_future(handles[1].admitted())]
+        await asyncio.sleep(0.05)
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        assert not handles[0].future.cancelled() and not handles[1].admitted_future.cancelled()
+        for h in handles:
+            h.cancel()  # the clients left
+        gate.set()
+        for h in handles:
+            with pytest.raises(EngineClosed):
+                await h.result()
+
+    try:
+        asyncio.run(main())
+        assert engine.num_outstanding == 0 and engine.is_alive
+        assert llm.scheduler.block_manager.stats.num_used_blocks == 0 and not llm.has_unfinished()
+        again = engine.submit([1, 2], SamplingParams(max_tokens=1), "after").future.result(30)
+        assert len(again.token_ids) == 1
+    finally:
+        gate.set()
+        engine.shutdown()
+
+
+def test_a_response_finished_as_its_client_left_is_not_answered() -> None:
+    """The disconnect noticed while the final step runs: the output that step produced is not handed on to be
+    signed (no receipt for a response nobody receives); with the client there, it is."""
+    from detent_audit.server.app import _result_unless_gone
+
+    class Handle:
+        def __init__(self) -> None:
+            self.cancelled = False
+
+        async def result(self) -> str:
+            await asyncio.sleep(0.6)  # the step under way ends after the disconnect is seen
+            return "output"
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    class Request:
+        def __init__(self, gone: bool) -> None:
+            self.gone = gone
+
+        async def is_disconnected(self) -> bool:
+            return self.gone
+
+    async def main() -> None:
+        gone = Handle()
+        with pytest.raises(EngineClosed, match="disconnected"):
+            await _result_unless_gone(Request(True), gone)
+        assert gone.cancelled
+        stayed = Handle()
+        assert await _result_unless_gone(Request(False), stayed) == "output" and not stayed.cancelled
+
+    asyncio.run(main())

@@ -154,6 +154,7 @@ def test_serve_input_file_offline_and_argument_errors(env: Env, tmp_path: Path) 
     ('{"prompt": "hi", "stop_token_ids": [-1]}', "stop_token_ids"),
     ('{"prompt": "hi", "max_tokens": "3"}', "max_tokens"),
     ('{"prompt": "a\\ud800b"}', "lone surrogate"),
+    ('{"prompt": "a", "prompt": "b"}', "appears more than once"),
 ])
 def test_serve_input_refuses_a_bad_line_before_serving(env: Env, tmp_path: Path, line: str, says: str) -> None:
     """Each bad line is exit 2 with its file:line and the reason, before any request is served or signed (the

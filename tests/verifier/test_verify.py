@@ -565,3 +565,46 @@ def test_replay_holds_a_request_whose_max_tokens_exceeds_the_default_kv_pool(mak
         res = runner.invoke(app, ["verify", str(tmp_path / "out"), "--key", str(key.public_path), "--model",
                                   str(ckpt), "--cache-dir", str(tmp_path / "jit"), "--mode", mode])
         assert res.exit_code == 0, (mode, res.output)
+
+
+def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkeypatch) -> None:
+    """The rebuilt engine's KV pool follows its own group's longest receipt, capped at its model's context: a
+    signed receipt claiming a huge max_tokens (in facts of its own) sizes no other engine, and its own engine
+    stays within the context."""
+    import shutil
+
+    import detent_audit.verifier.verify as verify_module
+    from detent_audit.engine.facts import facts_hash
+
+    folder = tmp_path / "mixed"
+    shutil.copytree(served["out"] / "receipts", folder)
+    r = _receipt(served, "r1")
+    facts = json.loads(json.dumps(r.deployment_facts, default=dict))
+    facts["deployment"]["engine"]["max_model_len"] = 200_000
+    request = dataclasses.replace(r.request, sampling=dataclasses.replace(r.request.sampling, max_tokens=4_000_000))
+    forged = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts), request=request)
+    (folder / "huge.receipt").write_bytes(sign_receipt(forged, load_private_key(served["key"].private_path)))
+    seen: dict[str, tuple[int, int]] = {}
+    real = verify_module.reconstruct
+
+    def recording(facts, *args, kv_tokens=0, **kwargs):
+        llm = None
+        try:
+            llm = real(facts, *args, kv_tokens=kv_tokens, **kwargs)
+            return llm
+        finally:
+            blocks = None if llm is None else llm.runner.kv_caches[0][0].shape[0]
+            seen[facts["deployment"]["engine"]["max_model_len"]] = (kv_tokens, blocks)
+
+    monkeypatch.setattr(verify_module, "reconstruct", recording)
+    report = verify_module.verify([folder], load_trusted_keys(served["key"].public_path), model=served["ckpt"],
+                                  mode="replay", cache_dir=str(served["jit"]))
+    statuses = {Path(o.path).stem: o.status for o in report.outcomes}
+    assert statuses.pop("huge") == "NOT_COMPARABLE" and set(statuses.values()) == {"OK"}
+    honest_tokens, honest_blocks = seen[r.deployment_facts["deployment"]["engine"]["max_model_len"]]
+    assert honest_tokens < 100 and honest_blocks == EngineConfig.num_kv_blocks
+    huge_tokens, _ = seen[200_000]
+    assert huge_tokens > 4_000_000
+    capped = LLM(EngineConfig(model=str(served["ckpt"]), cache_dir=str(served["jit"]), block_size=1,
+                              kv_pool_tokens=huge_tokens))
+    assert capped.scheduler.config.num_blocks == capped.scheduler.config.max_model_len + 2  # the context, no more
