@@ -34,7 +34,7 @@ from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
 
 RECEIPT_SUFFIX = ".receipt"
 MANIFEST_SUFFIX = ".manifest"
-RECEIPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # names a file on every platform, inside receipts/
+RECEIPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a plain file name in receipts/: no separator, no dot first
 
 
 def tuple_values(llm: LLM) -> dict[str, dict[str, Any]]:
