@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import detent_audit.kernels.gemm as gemm
+from detent_audit.bench.workloads import parse_concurrencies
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
 from detent_audit.server.node import ServingNode
@@ -56,19 +57,6 @@ def gemm_clock():
         gemm._chunked_matmul = inner
 
 
-def parse_concurrency(text: str) -> list[int | None]:
-    out: list[int | None] = []
-    for part in text.split(","):
-        part = part.strip()
-        if part == "all":
-            out.append(None)
-        elif part.isdigit() and int(part) >= 1:
-            out.append(int(part))
-        else:
-            raise SystemExit(f"--concurrency: {part!r} is neither 'all' nor a whole number >= 1")
-    return out
-
-
 def label(c: int | None) -> str:
     return "all at once" if c is None else f"concurrency {c}"
 
@@ -89,7 +77,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=1, help="verify --workers: processes that re-execute")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
-    concurrencies = parse_concurrency(args.concurrency)
+    concurrencies = parse_concurrencies(args.concurrency)
     rng = random.Random(0)
     tokens = args.requests * args.output_tokens
     serving: list[dict] = []

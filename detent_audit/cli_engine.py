@@ -121,22 +121,6 @@ def generate(
         typer.echo(f"{p!r} -> {o.text!r} ({len(o.token_ids)} tokens, {o.finish_reason})")
 
 
-def _concurrencies(text: str) -> tuple[int | None, ...]:
-    """`--concurrency`: comma-separated integers >= 1 or `all` (None: every request submitted together)."""
-    from detent_audit.errors import BadInput
-
-    levels: list[int | None] = []
-    for item in (t.strip() for t in text.split(",")):
-        if item == "all":
-            levels.append(None)
-        elif item.isdigit() and int(item) >= 1:
-            levels.append(int(item))
-        else:
-            raise BadInput(f"--concurrency {text!r}: {item!r} is neither an integer >= 1 nor 'all'",
-                           remedy="e.g. --concurrency 1,8 or --concurrency all")
-    return tuple(levels)
-
-
 @app.command()
 @handles_errors
 def tune(
@@ -161,6 +145,7 @@ def tune(
     from rich.console import Console
     from rich.table import Table
 
+    from detent_audit.bench.workloads import parse_concurrencies
     from detent_audit.engine.tune import tune_engine
     from detent_audit.engine.tuples import save_tuple
     from detent_audit.errors import BadInput
@@ -168,7 +153,7 @@ def tune(
 
     if out.exists():
         raise BadInput(f"{out} exists", remedy="choose another --out or remove the old tuple first")
-    levels = _concurrencies(concurrency)
+    levels = parse_concurrencies(concurrency)
     llm = _engine(model, "detent", dtype, threads, tuple_file, device=device, attention_streaming=attention_streaming)
     requests = read_requests(llm, workload)
     committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",

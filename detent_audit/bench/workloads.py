@@ -304,6 +304,20 @@ PROFILING_CONCURRENCY: dict[str, tuple[int | None, ...]] = {"sharegpt": (None,),
                                                            "closed": (1, 8)}
 
 
+def parse_concurrencies(text: str) -> tuple[int | None, ...]:
+    """`--concurrency`: comma-separated integers >= 1 or `all` (None: every request submitted together)."""
+    levels: list[int | None] = []
+    for item in (t.strip() for t in text.split(",")):
+        if item == "all":
+            levels.append(None)
+        elif item.isdigit() and int(item) >= 1:
+            levels.append(int(item))
+        else:
+            raise BadInput(f"--concurrency {text!r}: {item!r} is neither an integer >= 1 nor 'all'",
+                           remedy="e.g. --concurrency 1,8 or --concurrency all")
+    return tuple(levels)
+
+
 def profiling_samples(vocab: int | TokenSpace, *, scale: float, doc_tokens: int, output_tokens: int,
                       seed: int = PROFILING_SEED) -> dict[str, tuple[Request, ...]]:
     """Per kind of workload (sharegpt, docs, closed), the requests `detent-audit tune` profiles before the
