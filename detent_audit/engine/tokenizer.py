@@ -120,8 +120,9 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """tokenizer.json, plus tokenizer_config.json (template, bos/eos) and the EOS ids of
-        generation_config.json and config.json (their union)."""
+        """tokenizer.json, plus tokenizer_config.json (template, bos/eos), the chat template of
+        chat_template.jinja where tokenizer_config.json has none, and the EOS ids of generation_config.json
+        and config.json (their union)."""
         path = Path(path)
         try:
             tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
@@ -133,7 +134,13 @@ class Tokenizer:
         for extra in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
             value = extra.get("eos_token_id")
             eos_ids += value if isinstance(value, list) else [] if value is None else [value]
-        return cls(tokenizer, tok_config.get("chat_template"), bos, eos, eos_ids)
+        template = tok_config.get("chat_template")
+        if template is None and (path / "chat_template.jinja").is_file():  # where transformers writes it today
+            try:
+                template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise BadCheckpoint(f"cannot read {path / 'chat_template.jinja'}: {exc}") from exc
+        return cls(tokenizer, template, bos, eos, eos_ids)
 
     @property
     def vocab_size(self) -> int:

@@ -28,6 +28,7 @@ from detent_audit.manifests.receipt import (
     Receipt,
     RequestRecord,
     SamplingRecord,
+    ScoringRecord,
     sign_receipt,
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
@@ -40,6 +41,14 @@ RECEIPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a plain file nam
 def tuple_values(llm: LLM) -> dict[str, dict[str, Any]]:
     """What a receipt commits to as the tuple: the per-family pins and knobs, and the mode (as `mode.name`)."""
     return {"mode": {"name": llm.config.mode}, **llm.selection.tuple}
+
+
+def scoring_record(output: RequestOutput, params: SamplingParams) -> ScoringRecord | None:
+    """The scoring record of an echo request's output (its prompt logprobs and their top-n); else None."""
+    if output.prompt_logprobs is None:
+        return None
+    top_n = params.logprobs or 0
+    return ScoringRecord.from_floats(output.prompt_logprobs, output.prompt_top_logprobs if top_n else [], top_n)
 
 
 @dataclass(frozen=True)
@@ -71,8 +80,11 @@ class ServingNode:
         self._pending: list[Receipt] = []
         self._num_manifests = len(list((self.out / "manifests").glob(f"*{MANIFEST_SUFFIX}")))
 
-    def sign(self, output: RequestOutput, params: SamplingParams, request_id: str | None = None) -> SignedReceipt:
-        """Sign and durably write the receipt of one finished request; returns where it is."""
+    def sign(self, output: RequestOutput, params: SamplingParams, request_id: str | None = None, *,
+             max_tokens: int | None = None) -> SignedReceipt:
+        """Sign and durably write the receipt of one finished request; returns where it is. An output with
+        prompt logprobs (echo) gets a scoring record; `max_tokens`: the request's, where it asked for 0 (the
+        engine drew a token the response does not return, and `output` holds none)."""
         receipt_id = request_id or uuid.uuid4().hex
         if not RECEIPT_ID.fullmatch(receipt_id):
             raise BadInput(f"request id {receipt_id!r} cannot name a receipt file",
@@ -80,10 +92,10 @@ class ServingNode:
         receipt = Receipt(
             deployment_facts=self.facts, deployment_hash=self.facts_hash,
             tuple_values=self.tuple, tuple_hash=self.tuple_hash,
-            request=RequestRecord(receipt_id, tuple(output.prompt_token_ids), SamplingRecord.from_params(params),
-                                  params.seed),
+            request=RequestRecord(receipt_id, tuple(output.prompt_token_ids),
+                                  SamplingRecord.from_params(params, max_tokens), params.seed),
             output=OutputRecord.from_floats(output.token_ids, output.logprobs, output.finish_reason or "length"),
-            node_keyid=self.keyid, time_unix_ns=time.time_ns())
+            node_keyid=self.keyid, time_unix_ns=time.time_ns(), scoring=scoring_record(output, params))
         envelope = sign_receipt(receipt, self.key)
         path = self.receipt_path(receipt_id)
         with self._lock:
