@@ -117,7 +117,7 @@ class SamplingRecord:
         `max_tokens` where the request's differs from the engine's (0 for an echo request that draws nothing)."""
         return cls(params.temperature, params.top_k, params.top_p,
                    params.max_tokens if max_tokens is None else max_tokens,
-                   tuple(params.stop_token_ids), params.ignore_eos, params.logprobs, tuple(params.stop))
+                   tuple(params.stop_token_ids), params.ignore_eos, params.logprobs, tuple(getattr(params, "stop", ())))
 
     def _to_wire(self) -> dict[str, Any]:
         wire = {"ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "max_tokens": self.max_tokens,

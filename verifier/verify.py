@@ -37,13 +37,14 @@ from typing import Any
 from detent_audit.engine.facts import facts_hash
 from detent_audit.engine.llm import EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.stop_strings import check_stop
 from detent_audit.engine.tuples import tuple_hash
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.errors import InvalidReceipt, ManifestMismatch
 from detent_audit.manifests.receipt import Receipt, verify_envelope
 from detent_audit.manifests.run_manifest import RunManifest, check_run, verify_run_manifest
-from detent_audit.verifier.compare import Divergence, first_divergence
+from detent_audit.verifier.compare import Divergence, first_divergence, prompt_divergence
 from detent_audit.verifier.reconstruct import NotComparable, reconstruct
 
 RECEIPT_SUFFIX, MANIFEST_SUFFIX = ".receipt", ".manifest"
@@ -135,27 +136,42 @@ def _open_receipt(path: Path, trusted: dict) -> Receipt:
 
 def _params(r: Receipt) -> SamplingParams:
     s = r.request.sampling
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=s.max_tokens,
+    # max_tokens 0 (an echo receipt that drew nothing): the engine's request draws one token, never compared
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=max(1, s.max_tokens),
                           seed=r.request.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                          logprobs=s.logprobs)
+                          logprobs=s.logprobs, stop=tuple(s.stop))
 
 
-def _finish_problem(r: Receipt, eos: set[int], max_model_len: int) -> str | None:
+def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Callable | None = None) -> str | None:
     """The stated finish must be the one generation reaches (the scheduler's rule): no stop token before the
-    end; 'stop' exactly when the last token is a stop token (a stop wins over a length limit); else 'length',
-    at max_tokens or where prompt and output fill the context."""
+    end, and no earlier token whose text completed a stop string (recomputed with the deployment's tokenizer,
+    `decode`); 'stop' exactly when the last token is a stop token or completes a stop string (a stop wins over
+    a length limit); else 'length', at max_tokens or where prompt and output fill the context."""
     s, tokens, reason = r.request.sampling, list(r.output.token_ids), r.output.finish_reason
     stops = set(s.stop_token_ids) | (set() if s.ignore_eos else eos)
     for i, t in enumerate(tokens[:-1]):
         if t in stops:
             return f"output token {i} ({t}) is a stop token, yet generation went on"
     if not tokens:
+        if s.max_tokens == 0 and r.scoring is not None and reason == "length":
+            return None  # echo only: the prompt scored, nothing drawn
         return "an empty output: the engine draws at least one token for every request it admits"
-    ends_on_stop = tokens[-1] in stops
+    if r.scoring is None and s.max_tokens == 0:
+        return "max_tokens 0 in a receipt that scores no prompt"
+    stopped_by_text = False
+    if s.stop:
+        if decode is None:
+            return "the receipt has stop strings, and no tokenizer was given to check them"
+        stopped_by_text, problem = check_stop(decode, tokens, s.stop)
+        if problem is not None:
+            return problem
+    ends_on_stop = tokens[-1] in stops or stopped_by_text
     if ends_on_stop and reason != "stop":
-        return f"the output ends on stop token {tokens[-1]}, so it finished with 'stop', not {reason!r}"
+        what = f"stop token {tokens[-1]}" if tokens[-1] in stops else "a token whose text completes a stop string"
+        return f"the output ends on {what}, so it finished with 'stop', not {reason!r}"
     if reason == "stop" and not ends_on_stop:
-        return "finish 'stop' without a stop token at the end"
+        return ("finish 'stop' without a stop token at the end" + (", and the output text contains none of the "
+                "stop strings (the node cut it early)" if s.stop else ""))
     total = len(r.request.prompt_token_ids) + len(tokens)
     if reason == "length" and len(tokens) != s.max_tokens and total < max_model_len:
         return (f"finish 'length' after {len(tokens)} of max_tokens={s.max_tokens} tokens, with {total} of the "
@@ -391,23 +407,46 @@ def _worker_batch(batch: list[tuple[str, bytes]], options: _Options) -> list[Out
 def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
     # what the output's own shape already refutes is not re-executed: out-of-vocabulary ids, a wrong finish
     max_len, vocab = llm.scheduler.config.max_model_len, llm.model.config.vocab_size
-    problems = {p: _tuple_problem(r) or _vocabulary_problem(r, vocab) or _finish_problem(r, eos, max_len)
+    decode = llm.tokenizer.decode
+    problems = {p: _tuple_problem(r) or _vocabulary_problem(r, vocab) or _finish_problem(r, eos, max_len, decode)
                 for p, r in batch}
     usable = [(p, r) for p, r in batch if problems[p] is None]
-    # (5): re-execute, all of the batch together
+    # (5): re-execute, all of the batch together. An echo receipt's prompt is scored by the same teacher-forced
+    # prefill (from its second token on, with its top-n), its output with it (rescore) or after it (replay)
+    scored = {p: _score_prompt(r, mode) for p, r in usable}
+    prompt_scores: dict[Path, Any] = {}
     if mode == "rescore":
-        got = llm.rescore_batch([(r.request.prompt_token_ids, r.output.token_ids) for _, r in usable],
-                                [_params(r) for _, r in usable])
-        results = {p: (res.tokens, res.logprobs, None) for (p, _), res in zip(usable, got)}
+        jobs = [(p, r) for p, r in usable if scored[p] or r.output.token_ids]
+        got = llm.rescore_batch([_rescore_pair(r, scored[p]) for p, r in jobs], [_params(r) for _, r in jobs],
+                                [r.scoring.top_n if scored[p] else 0 for p, r in jobs])
+        results = {p: (list(r.output.token_ids), [], None) for p, r in usable}
+        for (p, r), res in zip(jobs, got):
+            skip = len(r.request.prompt_token_ids) - 1 if scored[p] else 0  # the prompt's scores come first
+            results[p] = (res.tokens[skip:], res.logprobs[skip:], None)
+            if scored[p]:
+                prompt_scores[p] = (res.logprobs[:skip], res.tops[:skip])
     else:
-        outs = llm.generate([list(r.request.prompt_token_ids) for _, r in usable], [_params(r) for _, r in usable])
-        results = {p: (o.token_ids, o.logprobs, o.finish_reason) for (p, _), o in zip(usable, outs)}
+        drawn = [(p, r) for p, r in usable if r.output.token_ids]
+        outs = llm.generate([list(r.request.prompt_token_ids) for _, r in drawn], [_params(r) for _, r in drawn])
+        results = {p: ([], [], None) for p, _ in usable}
+        results.update({p: (o.token_ids, o.logprobs, o.finish_reason) for (p, _), o in zip(drawn, outs)})
+        jobs = [(p, r) for p, r in usable if scored[p]]
+        got = llm.rescore_batch([_rescore_pair(r, True, with_output=False) for _, r in jobs],
+                                [_params(r) for _, r in jobs], [r.scoring.top_n for _, r in jobs])
+        prompt_scores = {p: (res.logprobs, res.tops) for (p, _), res in zip(jobs, got)}
     out = []
     for p, r in batch:
         rid = r.request.request_id
         if problems[p] is not None:
             out.append(Outcome(str(p), "receipt", "FAIL", problems[p], rid))
             continue
+        if p in prompt_scores:
+            lps, tops = prompt_scores[p]
+            problem = prompt_divergence(list(r.request.prompt_token_ids), list(r.scoring.logprobs), lps,
+                                        r.scoring.tops, tops if r.scoring.top_n else [])
+            if problem is not None:
+                out.append(Outcome(str(p), "receipt", "FAIL", problem, rid))
+                continue
         tokens, lps, finish = results[p]
         # (6): compare token ids and logprob bits (and, replayed, the finish reason)
         div = first_divergence(list(r.output.token_ids), list(r.output.logprobs), list(tokens), list(lps))
@@ -417,8 +456,22 @@ def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[
             out.append(Outcome(str(p), "receipt", "FAIL", f"finish reason {r.output.finish_reason!r}, replay "
                                                            f"finished with {finish!r}", rid))
         else:
-            out.append(Outcome(str(p), "receipt", "OK", f"{len(tokens)} tokens, bits equal ({mode})", rid))
+            scored_note = f", {r.scoring.num_positions} prompt positions" if r.scoring is not None else ""
+            out.append(Outcome(str(p), "receipt", "OK", f"{len(tokens)} tokens{scored_note}, bits equal ({mode})",
+                               rid))
     return out
+
+
+def _score_prompt(r: Receipt, mode: str) -> bool:
+    """Whether `r`'s prompt scores are re-executed: an echo receipt with at least one scored position."""
+    return r.scoring is not None and r.scoring.num_positions > 0
+
+
+def _rescore_pair(r: Receipt, score_prompt: bool, with_output: bool = True) -> tuple[list[int], list[int]]:
+    """The (prefix, targets) of `r`'s teacher-forced prefill: after the first prompt token, the rest of the
+    prompt and the output (echo), or after the prompt, the output."""
+    prompt, output = list(r.request.prompt_token_ids), list(r.output.token_ids) if with_output else []
+    return (prompt[:1], prompt[1:] + output) if score_prompt else (prompt, output)
 
 
 def _check_manifest(path: Path, trusted: dict, opened: dict[Path, Receipt]) -> Outcome:
