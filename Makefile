@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" "$(TORCH_SPEC)"  # torch named again: nothing may replace the CPU build
 	touch $@
 
 # serve the example prompts on the embedded default model (generated on first use, no download), sign a
