@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -29,9 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from detent_audit.engine.stop_strings import output_text
 from detent_audit.errors import BadInput, DetentError
 
 _RESULTS = re.compile(r"results_(.+)\.json")
+LOGPROB_FLOOR = -9999.0  # what the server writes for a logprob JSON cannot hold (server/responses.py)
 
 
 @dataclass(frozen=True)
@@ -242,8 +245,6 @@ def _payloads(lm: Any, request_type: str, args: list[tuple]) -> list[tuple[dict,
 
 def rebuild_requests(lm: Any, task: str, request_type: str, sample: dict, tokenizer: Any) -> list[Request]:
     """The requests of one logged document, as the server received them (prompt ids as the server made them)."""
-    from detent_audit.server.protocol import parse_messages
-
     args = _arguments(sample)
     chat = type(lm).__name__ == "LocalChatCompletion"
     if chat:
@@ -253,7 +254,8 @@ def rebuild_requests(lm: Any, task: str, request_type: str, sample: dict, tokeni
     requests = []
     for index, (payload, ctxlen) in enumerate(_payloads(lm, request_type, args)):
         if chat:  # the server renders the messages with the deployment's chat template
-            prompt = tuple(tokenizer.encode_chat(parse_messages(payload["messages"])))
+            messages = [{"role": m["role"], "content": m["content"]} for m in payload["messages"]]
+            prompt = tuple(tokenizer.encode_chat(messages))
         else:  # a batch of one: [ids] or [text]; or ids or text
             one = payload["prompt"]
             one = one[0] if isinstance(one, list) and len(one) == 1 and isinstance(one[0], (list, str)) else one
@@ -279,21 +281,30 @@ def receipt_key(r: Any) -> tuple:
 # ---- (5): the response a verified receipt gives, parsed by lm-eval
 
 
-def response_of(lm: Any, req: Request, receipt: Any, fmt: Any, decode: Callable) -> Any:
-    """What lm-eval parses from the response this receipt's bits give (the server's own response code)."""
-    from detent_audit.engine.stop_strings import output_text
-    from detent_audit.server.responses import completion_logprobs
+def _json_logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR  # JSON has no -inf: the server writes -9999.0
 
+
+def response_of(lm: Any, req: Request, receipt: Any, decode: Callable) -> Any:
+    """What lm-eval parses from the response this receipt's bits give: the echoed prompt's logprobs, or the
+    output text cut at its stop string (the server's rule, stop_strings.py).
+
+    A response's top_logprobs entry maps each alternative's text, then the token's own, to its logprob, the
+    first of equal texts kept; lm-eval reads only its values (`is_greedy`: the token's logprob equals the
+    largest, the top-1's, which is always kept). Keyed here by token id, the values lm-eval reads are the same."""
     out = receipt.output
     if req.kind == "score":
         sc = receipt.scoring
-        ids = [*receipt.request.prompt_token_ids, *out.token_ids]
-        tops = [*(sc.tops if sc.top_n else [[] for _ in range(sc.num_positions)]),
-                *[[] for _ in out.token_ids]]  # the output token's top-n: not in a scoring receipt (max_tokens 1)
-        block = completion_logprobs(fmt, ids[1:], [*sc.logprobs, *out.logprobs], tops, [0] * (len(ids) - 1), False)
-        choice = {"index": 0, "logprobs": {"tokens": [None, *block["tokens"]],
-                                           "token_logprobs": [None, *block["token_logprobs"]],
-                                           "top_logprobs": [None, *block["top_logprobs"]]}}
+        prompt = list(receipt.request.prompt_token_ids)
+        lps = [_json_logprob(v) for v in (*sc.logprobs, *out.logprobs)]
+        tops: list[dict[str, float]] = []
+        for i, token in enumerate([*prompt[1:], *out.token_ids]):
+            alternatives = sc.tops[i] if sc.top_n and i < sc.num_positions else []
+            entry = {f"token_id:{a}": _json_logprob(v) for a, v in alternatives}
+            entry.setdefault(f"token_id:{token}", lps[i])
+            tops.append(entry)
+        choice = {"index": 0, "logprobs": {"token_logprobs": [None, *lps], "top_logprobs": [None, *tops]}}
+        ids = [*prompt, *out.token_ids]
         (ll, greedy), = type(lm).parse_logprobs(outputs={"choices": [choice]}, tokens=[ids], ctxlens=[req.ctxlen])
         return [ll, greedy]
     text, _ = output_text(decode, list(out.token_ids), receipt.request.sampling.stop)
@@ -357,7 +368,6 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     import time
 
     from detent_audit.engine.tokenizer import Tokenizer
-    from detent_audit.server.responses import TokenFormatter
     from detent_audit.verifier.verify import _open_receipt, collect, verify
 
     seconds: dict[str, float] = {}
@@ -411,7 +421,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     seconds["verify"] = time.perf_counter() - start
     status = {Path(o.path): o for o in report.outcomes if o.kind == "receipt"}
     # (5): each document's responses from its verified receipts, against what lm-eval logged
-    fmt, decode = TokenFormatter(tokenizer), tokenizer.decode
+    decode = tokenizer.decode
     docs: list[DocVerdict] = []
     verified: dict[str, dict[int, list]] = {t: {} for t in tasks}
     for t in tasks:
@@ -429,7 +439,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
                     why = f"{outcome.status}: {outcome.message}" if outcome else "no verdict"
                     verdict.reasons.append(f"{where}: receipt {p.name} did not verify ({why})")
                     continue
-                rebuilt = response_of(lm, req, opened[p], fmt, decode)
+                rebuilt = response_of(lm, req, opened[p], decode)
                 logged = sample["resps"][req.index][0] if sample["resps"][req.index] else None
                 if not _same(logged, rebuilt):
                     verdict.reasons.append(f"{where}: lm-eval logged {json.dumps(logged)[:80]}, the receipt "

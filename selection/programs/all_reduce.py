@@ -4,8 +4,8 @@ vLLM: `vllm/distributed/device_communicators/cuda_communicator.py` (`CudaCommuni
 match wins), `all_reduce_utils.py` (`should_nccl_symm_mem_allreduce`, the max-size tables),
 `custom_all_reduce.py` (`should_custom_ar`) and `csrc/custom_all_reduce.cuh` (1-stage vs 2-stage).
 SGLang: `srt/distributed/parallel_state.py` (`GroupCoordinator.all_reduce`) and the JIT CustomAllReduceV2
-(`custom_all_reduce_v2.py` `_pick_config`, `configs/custom_all_reduce_v2.py` SM90 tables)
-(shared/reference/selection-heuristics.md section 3, engine-integration.md section 4). CUDA only: ROCm paths
+(`custom_all_reduce_v2.py` `_pick_config`, `configs/custom_all_reduce_v2.py` SM90 tables), both read at
+those release tags. CUDA only: ROCm paths
 (QuickReduce, AITER) are absent; FlashInfer all-reduce is not transcribed and is required off.
 
 Inputs: `num_tokens` (Runtime) is the token count the dispatch reads; `num_tokens_actual` (Unpinnable) is
@@ -179,7 +179,8 @@ def all_reduce_sglang(d: AllReduceFacts, num_tokens: Runtime[int], in_cuda_graph
     elif usable and nbytes <= two_pull:
         backend, algorithm = "custom", "2shot_pull"
     else:
-        # deterministic mode: custom all-reduce off, NCCL_ALGO tree and 8 channels pinned (section 6.1)
+        # deterministic mode: custom all-reduce off, NCCL_ALGO tree and 8 channels pinned (SGLang's
+        # srt/arg_groups/attention_hook.py, handle_deterministic_inference)
         backend = "nccl"
         algorithm = "nccl_pinned" if d.batch_invariant else "nccl_tuner"
     require(backend != "custom" or d.custom_ar and actual_bytes % 16 == 0 and actual_bytes <= cap,

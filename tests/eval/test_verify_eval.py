@@ -77,8 +77,8 @@ def test_tampered_or_missing_receipts_drop_coverage_and_name_the_sample(served_r
     generating = sorted(p for p, r in opened.items() if r.scoring is None and r.request.sampling.stop
                         and len(r.output.token_ids) > 1)
     rng = random.Random(16)
-    flipped, removed, changed = rng.choice(scoring), rng.choice(generating), rng.choice(
-        [p for p in generating if p != removed] if len(generating) > 1 else generating)
+    flipped, removed = rng.choice(scoring), rng.choice(generating)
+    changed = rng.choice([p for p in generating if p != removed] or [removed])
     _tamper(flipped, served, _flip_prompt_bit)
     removed.unlink()
     if changed != removed:
