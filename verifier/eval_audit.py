@@ -20,7 +20,9 @@ and every recomputed score equals the reported one bit for bit; 1 otherwise; 2 b
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import math
 import re
@@ -210,7 +212,13 @@ def make_lm(results: dict, tokenizer_path: str | None) -> Any:
 
 def _payloads(lm: Any, request_type: str, args: list[tuple]) -> list[tuple[dict, int]]:
     """What lm-eval sends for these requests of one document: (the payload, the context length), through
-    its own loglikelihood / generate_until code with the network call replaced by a recorder."""
+    its own loglikelihood / generate_until code with the network call replaced by a recorder (its progress
+    bars, one per call, silenced)."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        return _record_payloads(lm, request_type, args)
+
+
+def _record_payloads(lm: Any, request_type: str, args: list[tuple]) -> list[tuple[dict, int]]:
     from lm_eval.api.instance import Instance
 
     instances = [Instance(request_type, {}, a, i, (None, 0, 1)) for i, a in enumerate(args)]
@@ -313,7 +321,11 @@ def response_of(lm: Any, req: Request, receipt: Any, decode: Callable) -> Any:
 
 
 def _same(logged: Any, rebuilt: Any) -> bool:
-    return json.dumps(logged) == json.dumps(rebuilt)
+    """lm-eval logs a loglikelihood response (a tuple) as the str() of each value, a generation as its text;
+    str() of a float is its shortest round-trip form, so equal strings are equal bits."""
+    if isinstance(rebuilt, list):
+        return isinstance(logged, list) and [str(x) for x in logged] == [str(x) for x in rebuilt]
+    return logged == rebuilt
 
 
 # ---- (6): the metrics, with the task's own code
@@ -346,6 +358,8 @@ def recompute(task_obj: Any, task: str, docs: list[dict], responses: dict[int, l
                               task_obj.OUTPUT_TYPE != "multiple_choice" else tuple(resp))
         instances[doc_id] = insts
     flat = [inst for insts in instances.values() for inst in insts]
+    if not flat:
+        return {}
     for f in getattr(task_obj, "_filters", []):
         f.apply(flat)
     values: dict[str, list] = defaultdict(list)
