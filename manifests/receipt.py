@@ -310,6 +310,9 @@ class Receipt:
                 raise InvalidReceipt(f"scoring: {self.scoring.num_positions} prompt logprobs for a prompt of "
                                      f"{len(self.request.prompt_token_ids)} tokens (expected one per token after "
                                      f"the first)")
+            if self.scoring.top_n != (self.request.sampling.logprobs or 0):
+                raise InvalidReceipt(f"scoring.top_n: {self.scoring.top_n} alternatives per prompt position, but "
+                                     f"the request asked for {self.request.sampling.logprobs or 0}")
         elif self.request.sampling.max_tokens == 0:
             raise InvalidReceipt("request.sampling.max_tokens: 0 only in a receipt that scores its prompt (scoring)")
 

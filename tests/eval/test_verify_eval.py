@@ -107,8 +107,9 @@ def test_a_logged_response_that_is_not_the_receipts_is_named(served_run, tmp_pat
     path = samples["detent_qa_mc"]
     lines = path.read_text().splitlines()
     first = json.loads(lines[0])
-    ll, greedy = first["resps"][0][0]
-    first["resps"][0][0] = [struct.unpack("<d", struct.pack("<d", ll))[0] + 2.0 ** -40, greedy]
+    ll, greedy = first["resps"][0][0]  # lm-eval logs the str() of each value
+    bits = struct.unpack("<Q", struct.pack("<d", float(ll)))[0] ^ 1  # the lowest bit of the sum's double
+    first["resps"][0][0] = [str(struct.unpack("<d", struct.pack("<Q", bits))[0]), greedy]
     path.write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
     report = _audit(run, served.out / "receipts", served)
     named = [d for d in report.docs if not d.covered]
