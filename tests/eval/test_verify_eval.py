@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from conftest import run_lm_eval, serving
+from eval_helpers import run_lm_eval, serving
 
 from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.keys import load_private_key

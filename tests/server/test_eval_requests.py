@@ -5,12 +5,16 @@ strings in the receipt); each choice's bits equal the same prompt served alone."
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 import httpx
 
 from detent_audit.manifests.receipt import verify_envelope
 
-from .conftest import MODEL_NAME, Live
+if TYPE_CHECKING:
+    from conftest import Live
+
+MODEL_NAME = "tiny-llama"  # the live server's (conftest)
 
 
 def _post(live: Live, body: dict) -> dict:
