@@ -174,11 +174,12 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
                 raw = await _bounded_body(request, budget, held)
                 # JSON, the client binding and tokenizing (and the chat template) off the event loop: a large
                 # body must not stall other requests or /health
-                body, client = await run_in_threadpool(_parse_body, raw, chat)
+                body = await run_in_threadpool(_parse_body, raw)
                 del raw
             finally:
                 budget.give(held[0])
             req = await run_in_threadpool(parse_request, body, chat, limits, engine.tokenizer)
+            client = await run_in_threadpool(_bind, body, chat)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if node.storage_error is not None:  # its receipt could not be written: refuse before computing
                 raise StorageFailed(node.storage_error)
@@ -285,20 +286,21 @@ async def _bounded_body(request: Request, budget: _BodyBudget, held: list[int]) 
     return b"".join(chunks)
 
 
-def _parse_body(raw: bytes, chat: bool) -> tuple[Any, ClientRequest]:
-    """The JSON body and the client binding a receipt carries (its canonical form), off the event loop."""
+def _parse_body(raw: bytes) -> Any:
+    """The JSON body (off the event loop)."""
     try:
-        body = json.loads(raw, object_pairs_hook=unique_keys)
+        return json.loads(raw, object_pairs_hook=unique_keys)
     except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
+
+
+def _bind(body: Any, chat: bool) -> ClientRequest:
+    """The client binding a receipt carries: the checked body's canonical JSON (413 when too large to carry)."""
     try:
-        client = ClientRequest.of(APIS[chat], body)
-    except BadInput as exc:  # NaN or a body too large to carry
+        return ClientRequest.of(APIS[chat], body)
+    except BadInput as exc:  # a body parse_request accepted is JSON: only its size can fail here
         raise InvalidRequest(f"the request body cannot be bound into a receipt: {exc.message} (at most "
                              f"{MAX_CLIENT_BODY} bytes of canonical JSON)", code="body_too_large", status=413) from None
-    return body, client
 
 
 async def _result_unless_gone(request: Request, handle: RequestHandle) -> Any:
