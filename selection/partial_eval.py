@@ -18,7 +18,7 @@ from typing import Any
 
 from detent_audit.selection.errors import SelIRError
 from detent_audit.selection.frontend import Source, check_grammar, program_inputs
-from detent_audit.selection.ir import Builder, Node, Op
+from detent_audit.selection.ir import Builder, Node, Op, is_boolean
 from detent_audit.selection.pe_expressions import ExpressionEvaluator
 from detent_audit.selection.pe_values import (
     BINOPS,
@@ -89,6 +89,8 @@ class PartialEvaluator(ExpressionEvaluator):
             return b if a else a
         if not isinstance(b, Node) and b:
             return a
+        if b is False and is_boolean(a):
+            return False  # `<boolean> and False` is False whichever the boolean
         return self.b.make(Op.AND, None, (a, self.node(b, at)), line=self._pos(at)[0], col=self._pos(at)[1])
 
     def or_(self, a: Any, b: Any, at: ast.AST | None = None) -> Any:
@@ -96,6 +98,8 @@ class PartialEvaluator(ExpressionEvaluator):
             return a if a else b
         if not isinstance(b, Node) and not b:
             return a
+        if b is True and is_boolean(a):
+            return True  # `<boolean> or True` is True whichever the boolean
         return self.b.make(Op.OR, None, (a, self.node(b, at)), line=self._pos(at)[0], col=self._pos(at)[1])
 
     def merge(self, cond: Any, a: Any, b: Any, at: ast.AST | None = None) -> Any:
