@@ -153,6 +153,11 @@ class EngineFacts:
     nccl_symm_mem: bool                    # NCCL symmetric-memory all-reduce enabled
     torch_symm_mem: bool                   # torch symmetric-memory all-reduce enabled
     flashinfer_all_reduce: bool            # FlashInfer all-reduce enabled
+    nccl_algo: str = ""                    # NCCL_ALGO as set for the server ("": NCCL's tuner picks by size)
+    nccl_proto: str = ""                   # NCCL_PROTO ("": NCCL's tuner picks by size)
+    nccl_channels: int = 0                 # NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS (0: not pinned)
+    disable_cascade_attn: bool = False     # vLLM --disable-cascade-attn (cascade attention on by default)
+    fa3_source: str = ""                   # the FlashAttention-3 build: "<owner>/<repo>@<commit>" ("": unknown)
 
     def __post_init__(self) -> None:
         check(self.name in ENGINES, f"name {self.name!r} must be one of {list(ENGINES)}")
@@ -171,6 +176,9 @@ class EngineFacts:
               "fa_max_num_splits_for_cuda_graph must not be negative (0: FlashAttention's heuristic)")
         check(self.custom_all_reduce_algo in ("auto", "1stage", "2stage"),
               f"custom_all_reduce_algo {self.custom_all_reduce_algo!r} must be 'auto', '1stage' or '2stage'")
+        check(self.nccl_channels >= 0, "nccl_channels must not be negative (0: not pinned)")
+        check(self.fa3_source == "" or ("/" in self.fa3_source and "@" in self.fa3_source),
+              f"fa3_source {self.fa3_source!r} must read <owner>/<repo>@<commit>")
         check(not self.uses_vllm_fa_fork or self.name == "vllm",
               "uses_vllm_fa_fork: only the vllm engine ships the vLLM FlashAttention fork")
 
