@@ -5,7 +5,7 @@ fixed order, the specs that apply to a deployment: at most one program per famil
 
 | family | program (module) | applies when |
 |---|---|---|
-| attention | `fa3` (fa3), `fa3_vllm` (fa3) | engine attention backend is FA3 (sm90); the vLLM fork when the engine ships it |
+| attention | `fa3`, `fa3_vllm`, `fa3_sglang` (fa3) | FA3 (sm90): the vLLM fork when vLLM ships it, sgl-attn for SGLang, else upstream |
 | moe | `fused_moe` (fused_moe) | the model has experts (vllm, sglang) |
 | all_reduce | `all_reduce_vllm`, `all_reduce_sglang` (all_reduce) | TP > 1, by engine (SGLang: sm90 tables only) |
 | gemm | `gemm` (gemm) | vllm and sglang |
@@ -54,7 +54,9 @@ def _fa3(dep: Deployment) -> bool:
 
 _SPECS = (
     FamilySpec("attention", "fa3", fa3.fa3, fa3.facts,
-               lambda dep: _fa3(dep) and not dep.engine.uses_vllm_fa_fork),
+               lambda dep: _fa3(dep) and not dep.engine.uses_vllm_fa_fork and dep.engine.name != "sglang"),
+    FamilySpec("attention", "fa3", fa3.fa3_sglang, fa3.facts,
+               lambda dep: _fa3(dep) and dep.engine.name == "sglang"),
     FamilySpec("attention", "fa3", fa3.fa3_vllm, fa3.facts,
                lambda dep: _fa3(dep) and dep.engine.uses_vllm_fa_fork),
     FamilySpec("moe", "fused_moe", fused_moe.fused_moe, fused_moe.facts,

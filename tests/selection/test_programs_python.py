@@ -66,7 +66,7 @@ def test_registry() -> None:
         assert key == spec.program.__name__ and spec.program.__selir_family__ == spec.name
     keys = {name: [s.key for s in families_for(dep(name))] for name in shipped_deployments()}
     assert keys["llama-3.1-70b-instruct-tp4-h100-vllm"] == ["fa3_vllm", "all_reduce_vllm", "gemm"]
-    assert keys["llama-3.1-70b-instruct-tp4-h100-sglang"] == ["fa3", "all_reduce_sglang", "gemm"]
+    assert keys["llama-3.1-70b-instruct-tp4-h100-sglang"] == ["fa3_sglang", "all_reduce_sglang", "gemm"]
     assert keys["qwen3-30b-a3b-tp4-h100-vllm"] == ["fa3_vllm", "fused_moe", "all_reduce_vllm", "gemm"]
     assert keys["llama-3.1-8b-instruct-tp1-h100-vllm"] == ["fa3_vllm", "gemm"]          # TP1: no all-reduce
     assert keys["llama-3.1-8b-instruct-tp1-b200-vllm"] == ["gemm"]                      # FlashInfer: not transcribed

@@ -71,3 +71,44 @@ def test_sglang_without_pinned_nccl_has_no_legal_all_reduce() -> None:
     assert r.legal_count == 0 and r.default is None  # 128 MiB steps exceed every workspace: NCCL by size
     with pytest.raises(SelectionFailure, match="NCCL picks"):
         all_reduce.all_reduce_sglang(all_reduce.facts(bare), 8192, 0, 8192)
+
+
+# ---- FA3 as SGLang builds and calls it ----
+
+def test_sglang_runs_the_sgl_attn_build() -> None:
+    for name in shipped_deployments():
+        d = dep(name)
+        if d.engine.name == "sglang":
+            assert [s.key for s in families_for(d)][0] == "fa3_sglang", name
+            assert d.engine.fa3_source.startswith("sgl-project/sgl-attn@"), name
+
+
+def test_sglang_hdim64_decode_and_mixed_batches_get_different_kv_tiles() -> None:
+    from detent_audit.selection.programs import fa3
+
+    d = fa3.facts(dep("llama-3.2-1b-tp1-h100-sglang"))            # head dim 64, 1-token pages (no TMA)
+    decode = fa3.fa3_sglang(d, 8, 8, 1, 1000, 64, 1000)
+    mixed = fa3.fa3_sglang(d, 600, 8, 593, 1000, 64, 1000)
+    # sgl-attn tile_size.h:24: kBlockN 128 only for causal/local; a decode batch drops causal -> 192
+    assert (decode.is_causal, decode.block_n) == (False, 192)
+    assert (mixed.is_causal, mixed.block_n) == (True, 128)
+    # Dao-AILab HEAD adds the paged-non-TMA term: 128 either way
+    assert {fa3.fa3(d, 8, 8, 1, 1000, 64, 1000).block_n, fa3.fa3(d, 600, 8, 593, 1000, 64, 1000).block_n} == {128}
+    # hdim 64 / dv 256: (128, 112) in sgl-attn, (128, 96) upstream
+    assert fa3.tile_size_fwd_sm90_sgl(64, 256, True, False, 2, True, False) == (128, 112)
+    assert fa3.tile_size_fwd_sm90(64, 256, True, False, 2, True, False) == (128, 96)
+
+
+def test_sglang_heuristic_reads_the_page_table_width() -> None:
+    from detent_audit.selection.programs import fa3
+
+    d = fa3.facts(dep("llama-3.1-70b-instruct-tp4-h100-sglang"))   # context 32768, decode graphs to 256
+    # in a decode CUDA graph the page table is context-wide: the split count ignores the live max_seqlen_k
+    graph = {fa3.fa3_sglang(d, 4, 4, 1, k, 64, k).num_splits for k in (100, 2000, 30000)}
+    assert graph == {fa3.fa3(d, 4, 4, 1, 32768, 64, 32768).num_splits}
+    # eagerly (a prefill) the table is max_seqlen_k wide, as upstream with max_seqlen_k
+    for k in (2000, 30000):
+        assert fa3.fa3_sglang(d, 600, 4, 593, k, 64, k).num_splits == fa3.fa3(d, 600, 4, 593, k, 64, k).num_splits
+    # so the solver sees one value for the graph path's seqlen_k: its split count is the context's
+    spec, r = solved("llama-3.1-70b-instruct-tp4-h100-sglang", "attention")
+    assert r.program == "fa3_sglang"
