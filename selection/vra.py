@@ -275,10 +275,12 @@ def _default(groups: tuple[LegalGroup, ...], want: dict, knob_names: set[str]) -
             out.update(zip(g.axes, target))
             continue
 
-        def score(row: tuple) -> tuple[int, int]:
-            knobs = sum(row[i] == target[i] for i in knob_pos)
-            return (knobs, sum(row[i] == target[i] for i in range(len(row)) if i not in knob_pos))
-
-        best = max(score(r) for r in g.rows)
-        out.update(zip(g.axes, next(r for r in g.rows if score(r) == best)))
+        scores = [_default_score(r, target, knob_pos) for r in g.rows]
+        out.update(zip(g.axes, g.rows[scores.index(max(scores))]))
     return out
+
+
+def _default_score(row: tuple, target: tuple, knob_pos: list[int]) -> tuple[int, int]:
+    """(knobs at their defaults, pins at the lone request's values): the default prefers more of both."""
+    knobs = sum(row[i] == target[i] for i in knob_pos)
+    return knobs, sum(row[i] == target[i] for i in range(len(row)) if i not in knob_pos)
