@@ -136,8 +136,8 @@ class PartialEvaluator(ExpressionEvaluator):
         return self.and_(g, self.live(frame))
 
     def bind(self, frame: Frame, name: str, value: Any, at: ast.AST) -> None:
-        if isinstance(value, Node) and value.name is None and value.op is not Op.CONST:
-            value.name = name
+        if isinstance(value, Node) and value.name is None and value.op is not Op.CONST and not name.startswith("$"):
+            value.name = name  # ($ret and the control flags are no names: the caller's variable names it)
         live = self.live(frame)
         if live is not True:
             value = self.merge(live, value, frame.env.get(name, UNDEF), at)

@@ -72,6 +72,8 @@ class Fa3Facts:
     num_splits_arg: int        # num_splits the engine passes outside full CUDA graphs (0: FA3's heuristic)
     graph_num_splits_arg: int  # ... inside full CUDA graphs
     max_cuda_graph_size: int   # 0: no full CUDA graphs
+    cascade_enabled: bool      # vLLM: cascade attention possible (not disabled, not batch-invariant, prefix cache)
+    alibi: bool                # ALiBi slopes (cascade does not support them)
 
 
 @record
@@ -84,6 +86,7 @@ class Fa3Choice:
     num_splits_dynamic: int    # this sequence's real split count
     kv_blocks_per_split: int   # KV blocks per split of this sequence: where its splits begin
     split_stride: int          # the knob (0: FA3's count-based splitting)
+    cascade: bool              # vLLM: the shared prefix in its own non-causal call, merged by LSE
 
 
 def facts(dep: Deployment) -> Fa3Facts:
@@ -104,7 +107,12 @@ def facts(dep: Deployment) -> Fa3Facts:
         * cdiv(e.max_model_len, MIN_TILE),
         num_splits_arg=1 if e.batch_invariant else 0,
         graph_num_splits_arg=1 if e.batch_invariant else e.fa_max_num_splits_for_cuda_graph,
-        max_cuda_graph_size=e.max_cuda_graph_size if e.full_cuda_graph else 0)
+        max_cuda_graph_size=e.max_cuda_graph_size if e.full_cuda_graph else 0,
+        # vLLM gpu_model_runner: cascade_attn_enabled = not model_config.disable_cascade_attn, forced off under
+        # VLLM_BATCH_INVARIANT; the common prefix comes from the prefix cache's shared blocks
+        cascade_enabled=e.name == "vllm" and not e.disable_cascade_attn and not e.batch_invariant
+        and e.prefix_caching,
+        alibi=False)
 
 
 @program(family="attention")
@@ -143,14 +151,18 @@ def fa3(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqle
             "a sliding window shorter than the context needs the local kernel")
     return Fa3Choice(block_m=block_m, block_n=block_n, is_causal=is_causal, pack_gqa=pack_gqa,
                      num_splits=num_splits, num_splits_dynamic=dynamic, kv_blocks_per_split=blocks_per_split,
-                     split_stride=stride)
+                     split_stride=stride, cascade=False)
 
 
 @program(family="attention")
 def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqlen_q: Runtime[int],
-             max_seqlen_k: Runtime[int], total_blocks: Runtime[int], seqlen_k: Request[int]) -> Fa3Choice:
-    """vLLM's FA3 fork (vllm_flash_attn): the one-MMA-warpgroup decode switch and its own tile table."""
+             max_seqlen_k: Runtime[int], total_blocks: Runtime[int], seqlen_k: Request[int],
+             common_prefix_len: Runtime[int]) -> Fa3Choice:
+    """vLLM's FA3 fork (vllm_flash_attn): the one-MMA-warpgroup decode switch, its own tile table, and the
+    FlashAttention backend's cascade switch. `common_prefix_len`: the tokens every request of the step shares
+    (the runner's _compute_cascade_attn_prefix_len, before use_cascade_attention)."""
     assume_inputs(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, total_blocks, seqlen_k)
+    assume(0 <= common_prefix_len <= d.max_model_len, "a shared prefix fits the context")
     hdim, hdim_v = round_up_headdim(d.head_dim), round_up_headdim(d.head_dim_v)
     is_causal, is_local = attention_flags(d, max_seqlen_q, max_seqlen_k)
     ratio = d.num_heads // d.num_kv_heads
@@ -181,6 +193,13 @@ def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_
         num_splits = 1
     dynamic, blocks_per_split = per_sequence_splits(d, stride, d.varlen, num_seqs, total_blocks, seqlen_k,
                                                     block_n, pack_gqa, num_splits)
+    # vLLM v1/attention/backends/flash_attn.py build(): use_cascade = common_prefix_len > 0, where the runner
+    # passes the prefix only if use_cascade_attention says so; the prefix then runs as its own call
+    # (causal=False, the batch as one query block) and merges with the suffix by LSE: a request's sums split
+    # at a boundary the batch chooses. The two calls' own tiles are not modelled: a legal tuple keeps it off.
+    cascade = d.cascade_enabled and use_cascade_attention(d, common_prefix_len, num_seqs, max_seqlen_q)
+    require(not cascade or common_prefix_len >= 256,
+            "cascade attention merges at the step's shared prefix, which only the batch decides")
     require(1 <= num_splits <= MAX_SPLITS_COMBINE, "the combine kernel takes 1 to 256 splits")
     require(is_causal or is_local or not d.causal or max_seqlen_q == 1,
             "only a decode-only batch may drop the causal mask")
@@ -188,7 +207,7 @@ def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_
             "a sliding window shorter than the context needs the local kernel")
     return Fa3Choice(block_m=block_m, block_n=block_n, is_causal=is_causal, pack_gqa=pack_gqa,
                      num_splits=num_splits, num_splits_dynamic=dynamic, kv_blocks_per_split=blocks_per_split,
-                     split_stride=stride)
+                     split_stride=stride, cascade=cascade)
 
 
 @program(family="attention")
@@ -236,7 +255,7 @@ def fa3_sglang(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], ma
             "a sliding window shorter than the context needs the local kernel")
     return Fa3Choice(block_m=block_m, block_n=block_n, is_causal=is_causal, pack_gqa=pack_gqa,
                      num_splits=num_splits, num_splits_dynamic=dynamic_splits,
-                     kv_blocks_per_split=blocks_per_split, split_stride=stride)
+                     kv_blocks_per_split=blocks_per_split, split_stride=stride, cascade=False)
 
 
 # ---- helpers (inlined by the compiler) ----
@@ -250,6 +269,19 @@ def assume_inputs(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, total_blo
     assume(1 <= total_blocks <= d.max_total_blocks, "the batch's attention blocks, bounded by its limits")
     assume(1 <= seqlen_k <= d.max_model_len, "the sequence fits the model's context")
     return 0
+
+
+def use_cascade_attention(d, common_prefix_len, num_reqs, max_seqlen_q):
+    # vLLM v1/attention/backends/flash_attn.py use_cascade_attention: "too short common prefix" (< 256),
+    # no ALiBi / sliding / local attention, "too few queries" (< 8 requests), no DCP; then cascade unless
+    # FlashDecoding is used (GQA decode: all query lens 1), where a wave model of 128 x 128 tiles decides
+    ratio = d.num_heads // d.num_kv_heads
+    eligible = (common_prefix_len >= 256 and not d.alibi and d.window_left < 0 and num_reqs >= 8)
+    flash_decoding = ratio > 1 and not d.alibi and d.window_left < 0 and max_seqlen_q == 1
+    prefix_tiles = cdiv(common_prefix_len, 128)
+    cascade_time = cdiv(d.num_heads * cdiv(num_reqs, 128), d.num_sms) * prefix_tiles
+    flash_decoding_time = cdiv(num_reqs * d.num_kv_heads * cdiv(ratio, 128) * prefix_tiles, d.num_sms)
+    return eligible and (not flash_decoding or cascade_time < flash_decoding_time)
 
 
 def round_up_headdim(head_size):

@@ -38,7 +38,7 @@ def _points(facts, params: list[str]):
         values = {"num_tokens": num_tokens, "num_tokens_actual": num_tokens, "expert_rows": num_tokens,
                   "num_seqs": num_seqs, "max_seqlen_q": min(num_tokens, getattr(facts, "max_query_len", tokens)),
                   "max_seqlen_k": seq_k, "seqlen_k": seq_k, "total_blocks": num_seqs * (seq_k // 64 + 1),
-                  "in_cuda_graph": int(num_tokens <= 160)}
+                  "in_cuda_graph": int(num_tokens <= 160), "common_prefix_len": min(seq_k, 300)}
         yield [values[p] for p in params]
 
 
@@ -120,17 +120,17 @@ def test_should_pack_gqa_by_hand() -> None:
 
 def test_dynamic_split_depends_on_the_whole_batch() -> None:
     d = fa3.facts(dep("llama-3.1-70b-instruct-tp4-h100-vllm"))      # h 16, h_k 2, 132 SMs, graph bound 32
-    alone = fa3.fa3_vllm(d, 1, 1, 1, 8192, 64, 8192)
+    alone = fa3.fa3_vllm(d, 1, 1, 1, 8192, 64, 8192, 0)
     # a full-graph decode step: 32 static splits; 64 blocks x 1.1 x 2 heads / 132 SMs -> 2 blocks per SM
     assert (alone.block_m, alone.block_n, alone.num_splits) == (64, 128, 32)
     assert (alone.num_splits_dynamic, alone.kv_blocks_per_split) == (32, 2)
     # the same request beside 99 others of 8192 tokens: ceil(6400 x 2.2 / 132) = 107 blocks per SM -> 1 split
-    crowded = fa3.fa3_vllm(d, 100, 100, 1, 8192, 6400, 8192)
+    crowded = fa3.fa3_vllm(d, 100, 100, 1, 8192, 6400, 8192, 0)
     assert (crowded.num_splits_dynamic, crowded.kv_blocks_per_split) == (1, 64)
     # outside a CUDA graph the static count is the heuristic's (55, as computed by hand above)
-    assert fa3.fa3_vllm(d, 600, 600, 1, 8192, 600 * 64, 8192).num_splits == 55
+    assert fa3.fa3_vllm(d, 600, 600, 1, 8192, 600 * 64, 8192, 0).num_splits == 55
     # more than 992 sequences: the fork disables splitting
-    many = fa3.fa3_vllm(d, 1000, 1000, 1, 8192, 64000, 8192)
+    many = fa3.fa3_vllm(d, 1000, 1000, 1, 8192, 64000, 8192, 0)
     assert (many.num_splits, many.num_splits_dynamic) == (1, 1)
 
 
@@ -138,19 +138,19 @@ def test_blocks_per_sm_matches_float32_where_float64_does_not() -> None:
     # TP8: h 8, h_k 1 (packed: 1 head). 360 blocks x 1.1 / 132 SMs = 3 exactly, as upstream's float32 gives;
     # float64 rounds 360 x 1.1 up and would give 4. 1280 tokens = 10 blocks -> ceil(10 / 3) = 4 splits
     d = fa3.facts(dep("llama-3.1-70b-instruct-tp8-h100-vllm"))
-    assert fa3.fa3_vllm(d, 1, 1, 1, 1280, 360, 1280).num_splits_dynamic == 4
+    assert fa3.fa3_vllm(d, 1, 1, 1, 1280, 360, 1280, 0).num_splits_dynamic == 4
 
 
 def test_decode_drops_causal_and_moves_the_hdim64_tile() -> None:
     d = fa3.facts(dep("llama-3.2-1b-tp1-h100-vllm"))                # hdim 64, 32 heads / 8 KV heads
-    decode = fa3.fa3_vllm(d, 4, 4, 1, 1000, 64, 1000)
-    mixed = fa3.fa3_vllm(d, 600, 4, 597, 1000, 64, 1000)
+    decode = fa3.fa3_vllm(d, 4, 4, 1, 1000, 64, 1000, 0)
+    mixed = fa3.fa3_vllm(d, 600, 4, 597, 1000, 64, 1000, 0)
     assert (decode.is_causal, decode.block_m, decode.block_n) == (False, 64, 192)
     assert (mixed.is_causal, mixed.block_m, mixed.block_n) == (True, 192, 128)
     # hdim 128 with paged KV keeps causal in decode, and its kBlockN stays 128
     d128 = fa3.facts(dep("llama-3.1-8b-instruct-tp1-h100-vllm"))
-    assert fa3.fa3_vllm(d128, 4, 4, 1, 1000, 64, 1000).is_causal is True
-    assert {fa3.fa3_vllm(d128, t, 4, q, 1000, 64, 1000).block_n for t, q in ((4, 1), (600, 597))} == {128}
+    assert fa3.fa3_vllm(d128, 4, 4, 1, 1000, 64, 1000, 0).is_causal is True
+    assert {fa3.fa3_vllm(d128, t, 4, q, 1000, 64, 1000, 0).block_n for t, q in ((4, 1), (600, 597))} == {128}
 
 
 def test_paged_kv_tma_moves_the_tile() -> None:
@@ -167,8 +167,8 @@ def test_paged_kv_tma_moves_the_tile() -> None:
 def test_split_stride_makes_splits_request_only() -> None:
     d = fa3.facts(dep("llama-3.1-70b-instruct-tp4-h100-vllm"))
     with knob_settings({"attention.split_stride": 1024}):
-        alone = fa3.fa3_vllm(d, 1, 1, 1, 3000, 24, 3000)
-        crowded = fa3.fa3_vllm(d, 100, 100, 1, 8000, 6400, 3000)
+        alone = fa3.fa3_vllm(d, 1, 1, 1, 3000, 24, 3000, 0)
+        crowded = fa3.fa3_vllm(d, 100, 100, 1, 8000, 6400, 3000, 0)
     # 3000 tokens = 24 blocks of 128; 1024 tokens = 8 blocks per split -> 3 splits, whatever the batch
     for choice in (alone, crowded):
         assert (choice.num_splits_dynamic, choice.kv_blocks_per_split, choice.split_stride) == (3, 8, 1024)
@@ -180,7 +180,7 @@ def test_engine_num_splits_arguments() -> None:
     sgl = fa3.facts(dep("llama-3.1-70b-instruct-tp4-h100-sglang"))
     assert fa3.fa3(sgl, 1, 1, 1, 8192, 64, 8192).num_splits == 55
     bi = fa3.facts(dep("qwen3-1.7b-tp1-h100-vllm-bi"))
-    assert {fa3.fa3_vllm(bi, t, 1, 1, 8192, 64, 8192).num_splits for t in (1, 600)} == {1}
+    assert {fa3.fa3_vllm(bi, t, 1, 1, 8192, 64, 8192, 0).num_splits for t in (1, 600)} == {1}
 
 
 # ---- fused MoE ----

@@ -112,3 +112,34 @@ def test_sglang_heuristic_reads_the_page_table_width() -> None:
     # so the solver sees one value for the graph path's seqlen_k: its split count is the context's
     spec, r = solved("llama-3.1-70b-instruct-tp4-h100-sglang", "attention")
     assert r.program == "fa3_sglang"
+
+
+# ---- vLLM cascade attention ----
+
+def test_vllm_cascade_switch_follows_the_batch() -> None:
+    from detent_audit.selection.programs import fa3
+
+    d = fa3.facts(dep("llama-3.1-8b-instruct-tp1-h100-vllm"))   # 32 heads, 8 KV heads, 132 SMs
+    assert d.cascade_enabled
+    # a mixed step of 8 requests sharing 300 tokens: no FlashDecoding, cascade
+    assert fa3.fa3_vllm(d, 600, 8, 100, 1000, 64, 1000, 300).cascade is True
+    # fewer than 8 requests, or a prefix under 256 tokens: never
+    assert fa3.fa3_vllm(d, 600, 7, 100, 1000, 64, 1000, 300).cascade is False
+    assert fa3.fa3_vllm(d, 600, 8, 100, 1000, 64, 1000, 255).cascade is False
+    # GQA decode: the wave model; 16 requests x 4096 shared tokens: 32 waves either way -> FlashDecoding;
+    # 64 requests: cascade 32 vs FlashDecoding 125 -> cascade
+    assert fa3.fa3_vllm(d, 16, 16, 1, 5000, 64, 5000, 4096).cascade is False
+    assert fa3.fa3_vllm(d, 64, 64, 1, 5000, 64, 5000, 4096).cascade is True
+
+
+def test_cascade_is_a_pin_legal_only_off_and_absent_when_disabled() -> None:
+    _, on = solved("llama-3.1-8b-instruct-tp1-h100-vllm", "attention")
+    pin = next(p for p in on.pins if p["name"] == "cascade")
+    assert pin["candidates"] == [False, True] and pin["legal_values"] == [False]
+    assert "cascade" in on.batch_dependent_points and on.default["cascade"] is False
+    sel = on.selector()
+    assert {sel(64, 64, 1, 5000, 64, 5000, 4096).cascade, sel(600, 8, 100, 1000, 64, 1000, 300).cascade} == {False}
+    d = dep("llama-3.1-8b-instruct-tp1-h100-vllm")
+    off = dataclasses.replace(d, engine=dataclasses.replace(d.engine, disable_cascade_attn=True))
+    _, r = solved("", "attention", off)
+    assert "cascade" not in r.batch_dependent_points and all(p["name"] != "cascade" for p in r.pins)
