@@ -143,3 +143,40 @@ def test_cascade_is_a_pin_legal_only_off_and_absent_when_disabled() -> None:
     off = dataclasses.replace(d, engine=dataclasses.replace(d.engine, disable_cascade_attn=True))
     _, r = solved("", "attention", off)
     assert "cascade" not in r.batch_dependent_points and all(p["name"] != "cascade" for p in r.pins)
+
+
+# ---- fused MoE ----
+
+def test_vllm_naive_block_assignment_switch() -> None:
+    from detent_audit.selection.programs import fused_moe
+
+    d = fused_moe.facts(dep("qwen3-30b-a3b-tp4-h100-vllm"))      # 128 experts, top 8: 4 x 8 x 4 = 128 <= 128
+    assert [fused_moe.fused_moe(d, m).block_assignment for m in (1, 4, 5, 8192)] == ["naive", "naive",
+                                                                                      "aligned", "aligned"]
+    sgl = fused_moe.facts(dep("qwen3-30b-a3b-tp4-h100-sglang"))   # SGLang has no such switch
+    assert {fused_moe.fused_moe(sgl, m).block_assignment for m in (1, 4, 5)} == {"aligned"}
+    # the solved default is one assignment for every batch
+    _, r = solved("qwen3-30b-a3b-tp4-h100-vllm", "moe")
+    assert "block_assignment" in r.batch_dependent_points
+    sel = r.selector()
+    assert len({sel(m) for m in (1, 4, 5, 100, 8192)}) == 1
+
+
+def test_sglang_down_projection_table() -> None:
+    from detent_audit.manifests.deployment import MoeConfigRow
+    from detent_audit.selection.programs import fused_moe
+
+    d = dep("qwen3-30b-a3b-tp4-h100-sglang")
+    down = ((1, MoeConfigRow(16, 32, 256, 1, 4, 2)), (64, MoeConfigRow(64, 128, 64, 16, 8, 4)))
+    with_down = dataclasses.replace(d, tables=dataclasses.replace(d.tables, fused_moe_down=down))
+    facts = fused_moe.facts(with_down)
+    small, large = fused_moe.fused_moe(facts, 2), fused_moe.fused_moe(facts, 500)
+    assert (small.down_block_size_k, small.down_num_stages) == (256, 2)          # nearest key 1
+    assert (large.down_block_size_n, large.down_group_size_m, large.down_num_warps) == (128, 16, 8)  # key 64
+    # BLOCK_SIZE_M stays the up projection's; without the down file both GEMMs share the up config
+    plain = fused_moe.fused_moe(fused_moe.facts(d), 500)
+    assert (plain.down_block_size_k, plain.down_num_warps) == (plain.block_size_k, plain.num_warps)
+    # vLLM reads no down file
+    v = dep("qwen3-30b-a3b-tp4-h100-vllm")
+    v_down = dataclasses.replace(v, tables=dataclasses.replace(v.tables, fused_moe_down=down))
+    assert fused_moe.facts(v_down).has_down_table is False
