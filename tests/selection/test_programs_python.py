@@ -38,7 +38,8 @@ def _points(facts, params: list[str]):
         values = {"num_tokens": num_tokens, "num_tokens_actual": num_tokens, "expert_rows": num_tokens,
                   "num_seqs": num_seqs, "max_seqlen_q": min(num_tokens, getattr(facts, "max_query_len", tokens)),
                   "max_seqlen_k": seq_k, "seqlen_k": seq_k, "total_blocks": num_seqs * (seq_k // 64 + 1),
-                  "in_cuda_graph": int(num_tokens <= 160), "common_prefix_len": min(seq_k, 300)}
+                  "in_cuda_graph": int(num_tokens <= 160), "common_prefix_len": min(seq_k, 300),
+                  "max_kv_pages": max(1, seq_k // 16), "num_q_tiles": num_seqs}
         yield [values[p] for p in params]
 
 
@@ -69,7 +70,7 @@ def test_registry() -> None:
     assert keys["llama-3.1-70b-instruct-tp4-h100-sglang"] == ["fa3_sglang", "all_reduce_sglang", "gemm"]
     assert keys["qwen3-30b-a3b-tp4-h100-vllm"] == ["fa3_vllm", "fused_moe", "all_reduce_vllm", "gemm"]
     assert keys["llama-3.1-8b-instruct-tp1-h100-vllm"] == ["fa3_vllm", "gemm"]          # TP1: no all-reduce
-    assert keys["llama-3.1-8b-instruct-tp1-b200-vllm"] == ["gemm"]                      # FlashInfer: not transcribed
+    assert keys["llama-3.1-8b-instruct-tp1-b200-vllm"] == ["flashinfer_prefill", "gemm"]  # its planner
     assert keys["llama-3.2-1b-tp1-cpu-detent"] == ["embedded_attention", "embedded_gemm"]
 
 

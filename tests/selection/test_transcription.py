@@ -180,3 +180,50 @@ def test_sglang_down_projection_table() -> None:
     v = dep("qwen3-30b-a3b-tp4-h100-vllm")
     v_down = dataclasses.replace(v, tables=dataclasses.replace(v.tables, fused_moe_down=down))
     assert fused_moe.facts(v_down).has_down_table is False
+
+
+# ---- FlashInfer's planner (B200) ----
+
+def test_flashinfer_cta_tile_q_from_the_packed_query_length() -> None:
+    from detent_audit.selection.programs import flashinfer
+
+    d = flashinfer.facts(dep("llama-3.1-8b-instruct-tp1-b200-vllm"))   # 32 heads / 8 KV heads: packed x 4
+    tile = lambda t, s, q: flashinfer.flashinfer_prefill(d, t, s, q, 100, 8, 1600).cta_tile_q  # noqa: E731
+    # eagerly: the batch's average packed length (num_tokens x 4 // num_seqs): > 64 -> 128, > 16 -> 64, else 16
+    assert [tile(2000, 100, 50), tile(1620, 100, 50), tile(500, 100, 50), tile(400, 100, 50)] == [128, 64,
+                                                                                                 64, 16]
+    # in a decode graph: (num_tokens - num_seqs + 1) x 4 = 4 -> 16, whatever the batch
+    assert tile(200, 200, 1) == 16
+
+
+def test_flashinfer_kv_chunk_by_binary_search_over_the_batch() -> None:
+    from detent_audit.selection.programs import flashinfer
+
+    d = flashinfer.facts(dep("llama-3.1-8b-instruct-tp1-b200-vllm"))   # 148 SMs: 2 x 148 // 8 = 37 work items
+    pick = flashinfer.flashinfer_prefill
+    # one request, 1 query tile, 1000 pages: the smallest chunk c with ceil(1000 / c) <= 37 is 28
+    one = pick(d, 600, 1, 600, 1000, 1, 16000)
+    assert (one.kv_chunk_size, one.split_kv) == (28, True)
+    # ten query tiles on the same KV: ceil(1000 / c) <= 3 -> 334 pages; the chunk follows the batch
+    assert pick(d, 600, 1, 600, 1000, 10, 16000).kv_chunk_size == 334
+    # short KV: at least 128 tokens (8 pages) per chunk, and no split when one chunk holds it all
+    short = pick(d, 600, 1, 600, 8, 40, 128)
+    assert (short.kv_chunk_size, short.split_kv) == (8, False)
+
+
+def test_flashinfer_default_tuple_is_constant() -> None:
+    _, r = solved("llama-3.1-8b-instruct-tp1-b200-vllm", "attention")
+    assert {p["name"] for p in r.pins} >= {"kv_chunk_size", "cta_tile_q"}
+    sel = r.selector()
+    assert len({sel(t, s, q, k, n, 16) for t, s, q, k, n in ((1, 1, 1, 1, 1), (8192, 3, 8000, 8192, 2000),
+                                                              (200, 200, 1, 500, 200))}) == 1
+
+
+def test_not_transcribed_is_exit_3_for_every_caller() -> None:
+    from detent_audit.selection.errors import NotTranscribed
+
+    d = dep("llama-3.1-70b-instruct-tp4-h100-sglang")
+    fi = dataclasses.replace(d, engine=dataclasses.replace(d.engine, attention_backend="flashinfer"))
+    with pytest.raises(NotTranscribed, match="not transcribed") as exc:
+        families_for(fi)                                   # SGLang's FlashInfer backend: no program
+    assert exc.value.exit_code == 3
