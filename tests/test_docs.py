@@ -55,7 +55,7 @@ def _offending(pattern: re.Pattern[str]) -> list[str]:
     for path in _files():
         if path == Path(__file__):
             continue
-        for n, line in enumerate(_prose(path).splitlines(), 1):
+        for line in _prose(path).splitlines():
             if pattern.search(line):
                 hits.append(f"{path.relative_to(ROOT)}: {line.strip()[:120]}")
     return hits
