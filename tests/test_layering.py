@@ -30,12 +30,16 @@ ALLOWED: dict[str, frozenset[str]] = {
     "manifests": frozenset({"core"}),
     "selection": frozenset({"manifests", "core"}),
     "kernels": frozenset({"core"}),
-    "engine": frozenset({"selection", "kernels", "manifests", "core"}),
-    "bench": frozenset({"engine", "selection", "kernels", "manifests", "core"}),
-    "integrations": frozenset({"engine", "selection", "kernels", "manifests", "core"}),
-    "verifier": frozenset({"engine", "integrations", "selection", "kernels", "manifests", "core"}),
-    "server": frozenset({"engine", "integrations", "selection", "kernels", "manifests", "core"}),
-    "cli": frozenset({"server", "verifier", "bench", "integrations", "engine", "selection", "kernels",
+    # detent_audit/engine_api.py: the boundary every engine implements; it names the integrations it can pick
+    "engine_api": frozenset({"integrations", "core"}),
+    "engine": frozenset({"engine_api", "selection", "kernels", "manifests", "core"}),
+    "integrations": frozenset({"engine_api", "engine", "selection", "kernels", "manifests", "core"}),
+    "bench": frozenset({"engine_api", "engine", "selection", "kernels", "manifests", "core"}),
+    "server": frozenset({"engine_api", "engine", "integrations", "selection", "kernels", "manifests", "core"}),
+    # the verifier reads a client's request with the server's own parsers (server/protocol.py, offline.py)
+    "verifier": frozenset({"server", "engine_api", "engine", "integrations", "selection", "kernels", "manifests",
+                           "core"}),
+    "cli": frozenset({"verifier", "server", "bench", "engine_api", "engine", "integrations", "selection", "kernels",
                       "manifests", "core"}),
 }
 CORE = frozenset({"detent_audit", "detent_audit.errors", "detent_audit.atomic"})
