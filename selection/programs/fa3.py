@@ -3,8 +3,8 @@ SGLang's sgl-attn build (`fa3_sglang`).
 
 Transcribed from Dao-AILab/flash-attention @ 0251105a and vllm-project/flash-attention @ 617264c1
 (`hopper/flash_api.cpp`, `heuristics.h`, `tile_size.h`, `flash_prepare_scheduler.cu`), as the engines call
-them: varlen (`cu_seqlens_q` + `seqused_k`), paged KV, no `leftpad_k`, no in-kernel KV append, sm_margin 0
-(shared/reference/selection-heuristics.md section 1). Every batch-dependent choice is kept: the decode case
+them: varlen (`cu_seqlens_q` + `seqused_k`), paged KV, no `leftpad_k`, no in-kernel KV append, sm_margin 0.
+Every batch-dependent choice is kept: the decode case
 that drops `causal`, the paged-KV TMA switch that moves the tile, the fork's one-MMA-warpgroup decode tiles,
 the static split count with its CUDA-graph override, PackGQA, and the per-sequence split count the prepare
 kernel derives from the whole batch.

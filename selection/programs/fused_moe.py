@@ -2,10 +2,10 @@
 
 vLLM: `vllm/model_executor/layers/fused_moe/fused_moe.py` (`try_get_optimal_moe_config`, `get_moe_configs`,
 `get_default_config`); SGLang: `srt/layers/moe/moe_runner/triton_utils/fused_moe_triton_config.py` (the same
-rule) and `_use_moe_sum_reduce_torch_compile` on the combine (shared/reference/selection-heuristics.md
-section 2, engine-integration.md section 3). Both pick the tuned row whose key (a token count) is nearest
-the batch's token count M, else a default config that switches at M <= E; in batch-invariant mode both
-ignore the table and use one fixed config. Unquantized bf16 experts only (no fp8/int4 rows).
+rule) and `_use_moe_sum_reduce_torch_compile` on the combine, both at those release tags. Both pick the tuned
+row whose key (a token count) is nearest the batch's token count M, else a default config that switches at M
+<= E; in batch-invariant mode both ignore the table and use one fixed config. Unquantized bf16 experts only
+(no fp8/int4 rows).
 
 SGLang tunes the down projection apart: `try_get_optimal_moe_config(..., return_down_config=True)` reads a
 second file (`..._down.json`, the deployment's `tables.fused_moe_down`) by the same nearest-key rule and

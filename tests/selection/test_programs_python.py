@@ -1,5 +1,5 @@
 """The SelIR programs run as plain Python: every shipped deployment at a grid of runtime points, and known
-values of the upstream heuristics (shared/reference/selection-heuristics.md), computed by hand."""
+values of the upstream heuristics (the sources each program's docstring names), computed by hand."""
 
 from __future__ import annotations
 
