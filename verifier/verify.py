@@ -1,4 +1,4 @@
-"""`detent-audit verify`: receipts, folders and run manifests, checked step by step (DESIGN section 7).
+"""`detent-audit verify`: receipts, folders and run manifests, checked step by step (docs/design.md 7).
 
 (0) bounded read and decode (regular files only); (1) signature against the trusted keys; (2) schema,
 canonical re-encoding, deployment and tuple hashes; (3) deployment: the local engine rebuilt from the
@@ -515,6 +515,8 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
     asked = {"temperature": enc.f64_to_bits(params.temperature), "top_p": enc.f64_to_bits(params.top_p),
              "top_k": params.top_k, "max_tokens": params.max_tokens, "stop_token_ids": tuple(params.stop_token_ids),
              "ignore_eos": params.ignore_eos, "logprobs": params.logprobs, "seed": params.seed}
+    if body.get("seed") is None:  # a seed the client left to the node is the node's draw (returned as `seed`)
+        del ran["seed"], asked["seed"]
     differ = [k for k in ran if ran[k] != asked[k]]
     if differ:
         return "the sampling run is not the client's request: " + ", ".join(

@@ -2,7 +2,8 @@
 
 Collected automatically: engine version and mode, source hashes of the kernels and selection programs, the
 deployment the selection was solved for (model shape, limits, page size, chunking), checkpoint hashes
-(config, weights, tokenizer) and its EOS ids, dtype, device and its properties, torch version, the CPU thread count (fixed
+(config, weights, tokenizer), the model's name and source (what `--model` to pass: descriptive, the hashes are
+its identity) and its EOS ids, dtype, device and its properties, torch version, the CPU thread count (fixed
 at start: it changes BLAS bits) and the committed tuple. Weight hashes are cached by (path, device, inode,
 size, mtime, ctime): a write with the mtime set back still changes the ctime (which no user call can set), and
 a file replaced by another has another inode. Settings that change no bit (the prefill chunk, which batch
@@ -114,12 +115,14 @@ def _device(device: str) -> str:
 
 def static_facts(cfg: Any) -> dict[str, Any]:
     """The facts of an `EngineConfig` known before its model is built: engine, checkpoint files (hashed, not
-    loaded), runtime. `collect_facts` extends them."""
+    loaded) with the model's name and source, runtime. `collect_facts` extends them."""
+    named = cfg.resolved_model
     return {
         "engine": {"name": "detent-audit", "version": __version__, "mode": cfg.mode,
                    "sources": {k: source_hash(v) for k, v in sorted(_ROOTS.items())}},
-        "checkpoint": ({"generated": cfg.model, "config": file_hash(cfg.model_path / "config.json")}
-                       if is_generated(cfg.model) else checkpoint_hashes(cfg.model_path)),
+        "checkpoint": {**({"generated": cfg.model, "config": file_hash(cfg.model_path / "config.json")}
+                          if is_generated(cfg.model) else checkpoint_hashes(cfg.model_path)),
+                       "name": named.name, "source": named.source},
         "runtime": {"torch": str(torch.__version__), "device": _device(cfg.device),
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "num_threads": cfg.num_threads, "dtype": cfg.dtype},

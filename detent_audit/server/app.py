@@ -213,7 +213,7 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
                                                       req.tokens_as_ids) if req.logprobs else None)
         return _json({**head(rid, chat, chunk=False, created=int(time.time())), "choices": [choice],
                       "usage": usage(len(out.prompt_token_ids), len(out.token_ids)),
-                      "receipt_id": signed.receipt_id, "receipt": signed.client_proof},
+                      "receipt_id": signed.receipt_id, "seed": req.params.seed, "receipt": signed.client_proof},
                      headers=receipt_headers(signed))
 
     def head(rid: str, chat: bool, chunk: bool, created: int) -> dict[str, Any]:
@@ -250,7 +250,8 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
             out = await handle.result()
             signed = await run_in_threadpool(node.sign, out, req.params, rid, client)  # (4): before the last chunk
             proof = signed.client_proof
-            yield chunk(text.flush(), None, out.finish_reason, receipt_id=signed.receipt_id, receipt=proof)
+            yield chunk(text.flush(), None, out.finish_reason, receipt_id=signed.receipt_id, seed=req.params.seed,
+                        receipt=proof)
             if req.include_usage:
                 yield _sse({**head(rid, req.chat, chunk=True, created=created), "choices": [],
                             "usage": usage(len(out.prompt_token_ids), len(out.token_ids)),
