@@ -26,6 +26,14 @@ from detent_audit.errors import BadInput
 Message = dict[str, str]  # {"role": ..., "content": ...}
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet of byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}\n"
     "{%- for message in messages %}\n"
