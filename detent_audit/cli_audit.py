@@ -251,6 +251,10 @@ def serve(
     private_key = load_private_key(key, _passphrase(passphrase_env))
     llm = _engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
                   attention_streaming=attention_streaming, max_model_len=max_model_len)
+    positions = llm.model.config.max_position_embeddings
+    if max_model_len is not None and max_model_len > positions:
+        raise BadInput(f"--max-model-len {max_model_len} exceeds the model's {positions} positions",
+                       remedy=f"pass --max-model-len {positions} or less")
     node = ServingNode(llm, private_key, manifest_out, rotate)
     if publish_deployment is not None:
         typer.echo(f"published deployment {node.publish(publish_deployment)} to {publish_deployment}", err=True)
