@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from detent_audit.engine.checkpoint import ensure_default_model
-from detent_audit.engine.generated import generate_model, is_generated, model_card
+from detent_audit.engine.generated import generate_model, is_generated
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
 from detent_audit.engine.loader import load_model
+from detent_audit.engine.named_models import ResolvedModel, resolve_model
 from detent_audit.engine.runner import ModelRunner, ScoreSpec
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
@@ -36,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class EngineConfig:
     """Everything that shapes the engine; the bit-relevant parts go into the deployment facts."""
 
-    model: str | None = None            # checkpoint folder; None: the embedded default; "random:<shape>": generated
+    model: str | None = None            # a name (named_models), a checkpoint folder or "random:<shape>"; None: the default
     device: str = "cpu"                 # cpu | cuda
     cuda_graphs: bool = True            # GPU: replay captured decode steps (False: always eager)
     mode: str = "detent"                # detent | stock | det
@@ -45,7 +45,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int = 1024
     kv_pool_tokens: int = 0             # more blocks if needed to hold one request this long (capped at the context)
-    max_model_len: int = 2048
+    max_model_len: int | None = None    # prompt + output tokens; None: the model's positions, within the KV pool
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int | None = None
@@ -65,20 +65,25 @@ class EngineConfig:
             raise BadInput(f"num_threads must be >= 1, got {self.num_threads}")
         if self.attention_streaming and self.device != "cuda":
             raise BadInput("attention_streaming is a mode of the GPU attention kernel", remedy="use device cuda")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise BadInput(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
         if self.tuple is not None and self.mode != "detent":
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
     @cached_property
+    def resolved_model(self) -> ResolvedModel:
+        """The checkpoint `model` names, with the name and source a receipt records."""
+        return resolve_model(self.model)
+
+    @property
     def model_path(self) -> Path:
-        if is_generated(self.model):
-            return model_card(self.model)
-        return Path(self.model) if self.model else ensure_default_model()
+        return self.resolved_model.path
 
 
 class Rescored(NamedTuple):
     logprobs: list[float]   # fp32 values, one per output token
     tokens: list[int]       # the token the request's sampling draws at each output position
-    tops: list[list[tuple[int, float]]]  # per position, the top-n alternatives (when asked; else empty)
+    tops: list[list[tuple[int, float]]] = []  # with the sampling's logprobs=n: the top-n at each position
 
 
 @dataclass
@@ -110,7 +115,7 @@ class LLM:
         else:
             self.model = load_model(config.model_path, DTYPES[config.dtype], device=config.device)
         mc = self.model.config
-        max_len = min(config.max_model_len, mc.max_position_embeddings)
+        max_len = self._max_model_len(config, mc.max_position_embeddings)
         self.deployment = engine_deployment(
             mc, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
@@ -143,6 +148,15 @@ class LLM:
         self._scores: dict[int, Rescored] = {}
         self._tops: dict[int, list[list[tuple[int, float]]]] = {}
 
+    @staticmethod
+    def _max_model_len(config: EngineConfig, positions: int) -> int:
+        """The context: `config.max_model_len` if given, else the model's positions bounded by what the
+        configured KV pool holds; never past the model's positions (the facts then record the cap, so a
+        receipt that claims more is not comparable, and `serve` refuses such an option before)."""
+        if config.max_model_len is None:
+            return max(2, min(positions, config.num_kv_blocks * config.block_size))
+        return min(config.max_model_len, positions)
+
     def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
         """Forget every request and the prefix cache (the KV memory is kept: stale slots are never read).
         `max_prefill_chunk`: the engine's configured one unless given (None: no limit). Requests still queued
@@ -165,10 +179,9 @@ class LLM:
     # ---- requests
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
                     *, score_from: int | None = None, score_params: SamplingParams | None = None,
-                    score_targets: SequenceOf[int] = (), score_top_n: int = 0,
-                    score_prompt: bool = False) -> Sequence:
+                    score_targets: SequenceOf[int] = (), score_prompt: bool = False) -> Sequence:
         """Queue one request. `score_prompt` (echo): also the logprob of every prompt token after the first
-        (and `score_top_n` alternatives), from the same prefill that samples the output; they reach
+        (and `params.logprobs` alternatives), from the same prefill that samples the output; they reach
         `output_of`. `score_from`/`score_targets` are `rescore_batch`'s teacher forcing."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if score_prompt:
@@ -181,8 +194,7 @@ class LLM:
             self.scheduler.block_manager.hit_limit[seq.seq_id] = max(0, score_from - 1)
         self.scheduler.add(seq)
         if score_from is not None:
-            self._score_from[seq.seq_id] = ScoreSpec(score_from, score_params or params, tuple(score_targets),
-                                                     score_top_n)
+            self._score_from[seq.seq_id] = ScoreSpec(score_from, score_params or params, tuple(score_targets))
             self._scores[seq.seq_id] = Rescored([], [], [])
         self._tops[seq.seq_id] = []
         return seq
@@ -209,7 +221,7 @@ class LLM:
             if sid in self._scores:
                 # a recompute after preemption scores its rows again: keep each position's score once
                 keep = max(0, starts[sid] - (self._score_from[sid].first - 1))
-                for scores, new in zip(self._scores[sid], (r.scored, r.scored_samples, r.scored_top)):
+                for scores, new in zip(self._scores[sid], (r.scored, r.scored_samples, r.scored_tops)):
                     del scores[keep:]
                     scores.extend(new)
             if r.top is not None:
@@ -249,11 +261,10 @@ class LLM:
         return self.rescore_batch([(prompt_ids, output_ids)])[0].logprobs
 
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
-                      params: SequenceOf[SamplingParams] | None = None,
-                      top_n: SequenceOf[int] | None = None) -> list[Rescored]:
+                      params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
         """Rescore many (prompt, output) pairs together (batch invariance makes batching legal): each output
-        token's logprob, the token the request's sampling (`params`, default greedy) draws there, and (`top_n`
-        per pair, default none) its top-n alternatives."""
+        token's logprob, the token the request's sampling (`params`, default greedy) draws there, and (with its
+        `logprobs` = n) the top-n alternatives there."""
         seqs = []
         for i, (prompt, output) in enumerate(pairs):
             if not output:
@@ -262,8 +273,7 @@ class LLM:
             ids = list(prompt) + list(output[:-1])
             seqs.append(self.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
                                          score_from=len(prompt), score_targets=output,
-                                         score_params=None if params is None else params[i],
-                                         score_top_n=0 if top_n is None else top_n[i]))
+                                         score_params=None if params is None else params[i]))
         self.run(seqs)
         out = []
         for s, (_, output) in zip(seqs, pairs):

@@ -25,12 +25,11 @@ class ScoreSpec:
     drawn with `params`. The sequence holds the prompt and every target but the last (the last one's logits
     are those of the position before it), so a response that filled the context is rescored within it; or,
     for a served prompt's logprobs (echo), the prompt, every token of it from `first` on a target, and samples
-    after it. `top_n` > 0: each scored row's top-n alternatives too."""
+    after it."""
 
     first: int
     params: SamplingParams
     targets: tuple[int, ...]
-    top_n: int = 0
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
@@ -57,7 +56,7 @@ class SeqResult:
     top: list[tuple[int, float]] | None = None   # top-n (token, logprob), most likely first
     scored: list[float] = field(default_factory=list)  # teacher-forced logprobs of known next tokens
     scored_samples: list[int] = field(default_factory=list)  # what sampling would have drawn at those rows
-    scored_top: list[list[tuple[int, float]]] = field(default_factory=list)  # their top-n, when asked
+    scored_tops: list[list[tuple[int, float]]] = field(default_factory=list)  # top-n at those rows (score_params)
 
 
 class ModelRunner:
@@ -146,13 +145,13 @@ class ModelRunner:
             for j, lp, tok in zip(score_idx, scored.tolist(), draws.tolist()):
                 results[owners[j][0]].scored.append(lp)
                 results[owners[j][0]].scored_samples.append(tok)
-            n_top = max(s.top_n for s in specs)
-            if n_top:  # row-local, like the logprobs: a row's top-n does not depend on the rows beside it
+            n_top = max((s.params.logprobs or 0) for s in specs)
+            if n_top:  # the alternatives a response returned at each position, recomputed from the same logits
                 top = sampling_ops.top_logprobs(sub, n_top)
                 for row, (j, spec) in enumerate(zip(score_idx, specs)):
-                    if spec.top_n:
-                        results[owners[j][0]].scored_top.append(
-                            list(zip(top.ids[row, :spec.top_n].tolist(), top.logprobs[row, :spec.top_n].tolist())))
+                    n = spec.params.logprobs or 0
+                    results[owners[j][0]].scored_tops.append(
+                        list(zip(top.ids[row, :n].tolist(), top.logprobs[row, :n].tolist())))
         if sample_idx:
             self._sample(entries, owners, sample_idx, logits, results)
         return results

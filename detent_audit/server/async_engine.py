@@ -246,7 +246,7 @@ class AsyncEngine:
             return
         try:
             seq = self.llm.add_request(handle.prompt_ids, handle.params, request_id=handle.request_id,
-                                       score_prompt=handle.score_prompt, score_top_n=handle.params.logprobs or 0)
+                                       score_prompt=handle.score_prompt)
         except Exception as exc:  # BadInput: the scheduler refused it (too long for the KV cache)
             self._end(handle, exc)
             return

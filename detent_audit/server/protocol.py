@@ -1,12 +1,13 @@
 """The OpenAI-compatible request schema: JSON bodies checked field by field into a `ParsedRequest`.
 
-Supported (both endpoints): model (must name the served model), max_tokens, temperature, top_p, seed (default
-0, recorded in the receipt), stop (a string or a list of strings: vLLM's rule, stop_strings.py; recorded in
-the receipt), stream, stream_options.include_usage, user (ignored), and the vLLM-style extensions top_k (0 or
--1 = off), stop_token_ids, ignore_eos, return_tokens_as_token_ids. /v1/completions: prompt (a string, a list
-of token ids, or a batch: a list of strings or of token-id lists, one choice and one receipt each), logprobs
-(int, top-n), echo (the prompt's text and, with logprobs, each prompt token's logprob and top-n before the
-output's; max_tokens may then be 0: score the prompt, draw nothing). /v1/chat/completions: messages (role and
+Supported (both endpoints): model (must name the served model), max_tokens, temperature, top_p, seed (recorded
+in the receipt and returned as `seed`; a sampled request without one gets a fresh seed, a greedy one 0), stop
+(a string or a list of strings: vLLM's rule, stop_strings.py; recorded in the receipt), stream,
+stream_options.include_usage, user (ignored), and the vLLM-style extensions top_k (0 or -1 = off),
+stop_token_ids, ignore_eos, return_tokens_as_token_ids. /v1/completions: prompt (a string, a list of token
+ids, or a batch: a list of strings or of token-id lists, one choice and one receipt each), logprobs (int,
+top-n), echo (the prompt's text and, with logprobs, each prompt token's logprob and top-n before the output's;
+max_tokens may then be 0: score the prompt, draw nothing). /v1/chat/completions: messages (role and
 text content, rendered by the checkpoint's chat template), logprobs (bool), top_logprobs (int),
 max_completion_tokens. Refused with 400: unknown fields, and fields whose effect the engine cannot produce or a
 receipt cannot record (n or best_of other than 1, suffix, logit_bias, penalties, tools, response_format; a
@@ -19,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from detent_audit.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from detent_audit.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, seed_for
 from detent_audit.engine.stop_strings import check_stop_strings
 from detent_audit.errors import BadInput
 
@@ -254,10 +255,10 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
     top_p = float(_get(body, "top_p", float, 1.0, 0, 1))
     if top_p == 0:
         raise InvalidRequest("'top_p' must be in (0, 1], got 0", param="top_p")
+    temperature = float(_get(body, "temperature", float, 1.0, 0))
     params = SamplingParams(
-        temperature=float(_get(body, "temperature", float, 1.0, 0)), top_k=max(top_k, 0),
-        top_p=top_p, max_tokens=max(max_tokens, 1),
-        seed=_get(body, "seed", int, 0, 0, MAX_SEED),
+        temperature=temperature, top_k=max(top_k, 0), top_p=top_p, max_tokens=max(max_tokens, 1),
+        seed=seed_for(temperature, _get(body, "seed", int, None, 0, MAX_SEED)),
         stop_token_ids=tuple(check_token_ids(body.get("stop_token_ids") or [], "stop_token_ids", limits)),
         ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=(top_n or 0) if want_logprobs else None,
         stop=stop)

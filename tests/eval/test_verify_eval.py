@@ -5,6 +5,7 @@ bit-identical in detent mode and not in stock mode."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -56,16 +57,15 @@ def _flip_prompt_bit(r: Receipt) -> Receipt:
     sc = r.scoring
     raw = bytearray(sc.logprobs_f32le)
     raw[-4] ^= 1  # the last prompt position's lowest mantissa bit: the continuation lm-eval sums
-    return Receipt(r.deployment_facts, r.deployment_hash, r.tuple_values, r.tuple_hash, r.request, r.output,
-                   r.node_keyid, r.time_unix_ns, ScoringRecord(bytes(raw), sc.top_n, sc.top_ids, sc.top_logprobs_f32le))
+    return dataclasses.replace(r, scoring=ScoringRecord(bytes(raw), sc.top_n, sc.top_ids, sc.top_logprobs_f32le))
 
 
 def _other_token(r: Receipt) -> Receipt:
     ids = list(r.output.token_ids)
     ids[0] = (ids[0] + 1) % 256
-    out = OutputRecord(tuple(ids), r.output.logprobs_f32le, r.output.finish_reason)
-    return Receipt(r.deployment_facts, r.deployment_hash, r.tuple_values, r.tuple_hash, r.request, out,
-                   r.node_keyid, r.time_unix_ns, r.scoring)
+    out = OutputRecord.from_floats(ids, r.output.logprobs, r.output.finish_reason, r.output.text,
+                                   r.output.top_logprobs)
+    return dataclasses.replace(r, output=out)
 
 
 def test_tampered_or_missing_receipts_drop_coverage_and_name_the_sample(served_run, tmp_path: Path) -> None:

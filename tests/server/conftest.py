@@ -34,7 +34,9 @@ class Env:
     tuple_file: Path
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
-        return EngineConfig(model=str(self.checkpoint), mode="detent", cache_dir=str(self.cache_dir), **overrides)
+        """The tests' context is 2048 tokens (of the checkpoint's 4096), unless overridden."""
+        return EngineConfig(model=str(self.checkpoint), mode="detent", cache_dir=str(self.cache_dir),
+                            **{"max_model_len": 2048, **overrides})
 
     @property
     def trusted(self) -> dict:
@@ -57,7 +59,7 @@ def env(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathF
     root = tmp_path_factory.mktemp("server-env")
     checkpoint = make_checkpoint("tiny-llama")
     cache_dir = root / "jit"
-    llm = LLM(EngineConfig(model=str(checkpoint), mode="detent", cache_dir=str(cache_dir)))
+    llm = LLM(EngineConfig(model=str(checkpoint), mode="detent", cache_dir=str(cache_dir), max_model_len=2048))
     tuple_file = root / "tuple.msgpack"
     save_tuple(llm.selection.tuple, tuple_file)
     return Env(checkpoint, generate_key(root / "node.key"), cache_dir, tuple_file)

@@ -19,10 +19,29 @@ from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.stop_strings import find_stop
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
-from detent_audit.manifests.receipt import OutputRecord, Receipt, ScoringRecord, sign_receipt, verify_envelope
+from detent_audit.manifests.receipt import (
+    ClientRequest,
+    OutputRecord,
+    Receipt,
+    ScoringRecord,
+    sign_receipt,
+    verify_envelope,
+)
 from detent_audit.server.node import ServingNode
 
 runner = CliRunner()
+API = "openai/v1/completions"
+
+
+def _body(prompt: list[int], params: SamplingParams, **extra) -> dict:
+    """The /v1/completions body a client sends for this prompt and sampling (what the receipt binds)."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature,
+            "seed": params.seed, "ignore_eos": params.ignore_eos, **extra}
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.logprobs is not None:
+        body["logprobs"] = params.logprobs
+    return body
 
 
 @pytest.fixture(scope="module")
@@ -87,20 +106,22 @@ def test_the_engine_stops_at_the_first_token_whose_text_holds_a_stop_string(setu
 def receipts(setup) -> dict:
     s, llm = setup, setup["llm"]
     out = {}
-    for i, (_, params, _, got) in enumerate(_stopped_runs(s)):
-        out[f"stop{i}"] = s["node"].sign(got, params, f"stop{i}").path
+    for i, (prompt, params, _, got) in enumerate(_stopped_runs(s)):
+        client = ClientRequest.of(API, _body(prompt, params))
+        out[f"stop{i}"] = s["node"].sign(got, params, f"cmpl-stop{i}", client).path
     rng = random.Random()
     for i, (top_n, max_tokens) in enumerate([(1, 1), (3, 0), (0, 2), (None, 1)]):
         prompt = [rng.randrange(3, 250) for _ in range(rng.randint(2, 30))]
         params = SamplingParams(temperature=0.0, max_tokens=max(1, max_tokens), logprobs=top_n)
-        seq = llm.add_request(prompt, params, score_prompt=True, score_top_n=top_n or 0)
+        seq = llm.add_request(prompt, params, score_prompt=True)
         llm.run([seq])
         got = llm.output_of(seq)
         assert len(got.prompt_logprobs) == len(prompt) - 1
         assert all(len(t) == (top_n or 0) for t in got.prompt_top_logprobs)
         if max_tokens == 0:
             got = dataclasses.replace(got, token_ids=[], logprobs=[], top_logprobs=[], text="", finish_reason="length")
-        out[f"echo{i}"] = s["node"].sign(got, params, f"echo{i}", max_tokens=max_tokens).path
+        client = ClientRequest.of(API, {**_body(prompt, params, echo=True), "max_tokens": max_tokens})
+        out[f"echo{i}"] = s["node"].sign(got, params, f"cmpl-echo{i}", client, max_tokens=max_tokens).path
     return out
 
 
@@ -117,7 +138,8 @@ def test_echo_prompt_scores_equal_a_teacher_forced_rescore(setup, receipts) -> N
     for name in ("echo0", "echo1"):
         r = _open(setup, receipts[name])
         prompt = list(r.request.prompt_token_ids)
-        again = setup["llm"].rescore_batch([(prompt[:1], prompt[1:])], top_n=[r.scoring.top_n])[0]
+        again = setup["llm"].rescore_batch([(prompt[:1], prompt[1:])],
+                                           [SamplingParams(temperature=0.0, logprobs=r.scoring.top_n or None)])[0]
         assert struct.pack(f"<{len(again.logprobs)}f", *again.logprobs) == r.scoring.logprobs_f32le
         assert [[(t, struct.pack("<f", v)) for t, v in top] for top in again.tops] == \
             [[(t, struct.pack("<f", v)) for t, v in top] for top in r.scoring.tops]
@@ -126,7 +148,8 @@ def test_echo_prompt_scores_equal_a_teacher_forced_rescore(setup, receipts) -> N
 def test_a_node_that_cuts_early_or_goes_past_a_stop_string_fails(setup, receipts, tmp_path: Path) -> None:
     stops = [p for n, p in receipts.items() if n.startswith("stop") and len(_open(setup, p).output.token_ids) > 1]
     r = _open(setup, stops[0])
-    early = dataclasses.replace(r, output=OutputRecord(r.output.token_ids[:-1], r.output.logprobs_f32le[:-4], "stop"))
+    early = dataclasses.replace(r, output=OutputRecord.from_floats(r.output.token_ids[:-1], r.output.logprobs[:-1],
+                                                                   "stop", r.output.text))
     code, report = _verify(setup, _resign(setup, early, tmp_path / "early.receipt"))
     assert code == 1 and "contains none of the stop strings" in report["outcomes"][0]["message"]
     # the same tokens under a stop string that an earlier token already completed
@@ -171,4 +194,5 @@ def test_scoring_receipts_round_trip_and_are_checked(setup, receipts) -> None:
         dataclasses.replace(r, scoring=ScoringRecord(r.scoring.logprobs_f32le, 0, (), b""))
     with pytest.raises(InvalidReceipt, match="0 only in a receipt that scores"):
         dataclasses.replace(r, scoring=None, request=dataclasses.replace(
-            r.request, sampling=dataclasses.replace(r.request.sampling, max_tokens=0)), output=OutputRecord((), b"", "length"))
+            r.request, sampling=dataclasses.replace(r.request.sampling, max_tokens=0)),
+            output=OutputRecord.from_floats((), (), "length"))
