@@ -65,11 +65,14 @@ def _open(s: dict, path: Path) -> Receipt:
 
 
 def _resign(s: dict, receipt: Receipt, path: Path) -> Path:
+    """The forged receipt, signed with the node's key, in a folder of its own under its request's name."""
+    path = path.with_suffix("") / f"{receipt.request.request_id}.receipt"
+    path.parent.mkdir(parents=True)
     path.write_bytes(sign_receipt(receipt, load_private_key(s["key"].private_path)))
     return path
 
 
-def _stopped_runs(s: dict, n: int = 8) -> list[tuple[list[int], SamplingParams, object, object]]:
+def _stopped_runs(s: dict, n: int = 24) -> list[tuple[list[int], SamplingParams, object, object]]:
     """Fresh random prompts: an unstopped run, a stop string taken from its text, the stopped run."""
     llm, rng = s["llm"], random.Random()
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(3, 20))] for _ in range(n)]
@@ -77,7 +80,7 @@ def _stopped_runs(s: dict, n: int = 8) -> list[tuple[list[int], SamplingParams, 
     cases = []
     for prompt, out in zip(prompts, free):
         text = out.text
-        if len(text) < 6:
+        if len(text) < 5:
             continue
         start = rng.randrange(2, len(text) - 2)
         stop = text[start:start + rng.randint(1, 3)]
