@@ -42,7 +42,7 @@ def _start(model: Path, key: Path, out: Path, cache: Path, log: Path, rotate: in
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a shared, loaded CPU can take minutes to import and solve
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"serve exited with {proc.returncode}: {log.read_text()[-3000:]}")
