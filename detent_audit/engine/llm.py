@@ -82,6 +82,7 @@ class EngineConfig:
 class Rescored(NamedTuple):
     logprobs: list[float]   # fp32 values, one per output token
     tokens: list[int]       # the token the request's sampling draws at each output position
+    tops: list[list[tuple[int, float]]] = []  # with the sampling's logprobs=n: the top-n at each position
 
 
 @dataclass
@@ -184,7 +185,7 @@ class LLM:
         self.scheduler.add(seq)
         if score_from is not None:
             self._score_from[seq.seq_id] = ScoreSpec(score_from, score_params or params, tuple(score_targets))
-            self._scores[seq.seq_id] = Rescored([], [])
+            self._scores[seq.seq_id] = Rescored([], [], [])
         self._tops[seq.seq_id] = []
         return seq
 
@@ -209,6 +210,7 @@ class LLM:
             if sid in self._scores:
                 self._scores[sid].logprobs.extend(r.scored)
                 self._scores[sid].tokens.extend(r.scored_samples)
+                self._scores[sid].tops.extend(r.scored_tops)
             if r.top is not None:
                 self._tops[sid].append(r.top)
         return self.scheduler.update(out, tokens, logprobs)
