@@ -47,10 +47,9 @@ def inspect(
 ) -> None:
     """Show a receipt or run manifest (decoded, NOT verified: use `verify` for that)."""
     from detent_audit.manifests.dsse import RUN_MANIFEST_PAYLOAD_TYPE, Envelope, read_envelope_bytes
+    from detent_audit.manifests.errors import InvalidReceipt
     from detent_audit.manifests.receipt import Receipt
     from detent_audit.manifests.run_manifest import RunManifest
-
-    from detent_audit.manifests.errors import InvalidReceipt
 
     env = Envelope.from_bytes(read_envelope_bytes(path))
     try:

@@ -23,10 +23,13 @@ more than the available memory holds engines.
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import os
 import random
+import struct
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -34,18 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import json
-import struct
-import time
-
 from detent_audit.engine.facts import facts_hash
 from detent_audit.engine.llm import EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tuples import tuple_hash
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.errors import InvalidReceipt, ManifestMismatch
-from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.receipt import Receipt, verify_envelope
 from detent_audit.manifests.run_manifest import RunManifest, check_run, verify_run_manifest
 from detent_audit.verifier.compare import Divergence, first_divergence

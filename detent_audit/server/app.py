@@ -38,6 +38,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from detent_audit.errors import BadInput
+from detent_audit.manifests.receipt import MAX_CLIENT_BODY, ClientRequest
 from detent_audit.server.async_engine import (
     AsyncEngine,
     EngineClosed,
@@ -46,7 +47,6 @@ from detent_audit.server.async_engine import (
     QueueFull,
     RequestHandle,
 )
-from detent_audit.manifests.receipt import MAX_CLIENT_BODY, ClientRequest
 from detent_audit.server.node import ServingNode, SignedReceipt, StorageFailed
 from detent_audit.server.protocol import InvalidRequest, Limits, ParsedRequest, parse_request, unique_keys
 from detent_audit.server.responses import (
