@@ -53,7 +53,7 @@ run)
     echo "$SHA256  $gguf_file" | sha256sum -c - | tee "$out/0_sha256.txt"
     # the project and gguf (pure Python; numpy, pyyaml, tqdm and requests are on the device) into $WORK/site
     $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-        --target "$WORK/site" .whl/gguf-*.whl . 2>&1 | tail -3
+        --target "$WORK/site" .whl/*.whl . 2>&1 | tail -3
     export PYTHONPATH="$WORK/site" DETENT_AUDIT_CACHE="$WORK/detent-cache" PYTHONUNBUFFERED=1
     model=$WORK/smollm2-135m-instruct-bf16
     rm -rf "$model"
