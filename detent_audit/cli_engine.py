@@ -159,7 +159,7 @@ def tune(
         raise BadInput(f"{out} exists", remedy="choose another --out or remove the old tuple first")
     levels = parse_concurrencies(concurrency)
     llm = _engine(model, "detent", dtype, threads, tuple_file, device=device, attention_streaming=attention_streaming)
-    requests = read_requests(llm, workload)
+    requests = [r[:3] for r in read_requests(llm, workload)]  # (id, prompt ids, sampling): no binding needed
     committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
                                      budget_fraction=budget, seed=seed, concurrency=levels)
     save_tuple(committed, out)
@@ -192,8 +192,9 @@ def import_gguf_command(
     from rich.console import Console
     from rich.progress import Progress
 
-    from detent_audit.engine.gguf_import import import_gguf
+    from detent_audit.engine.gguf_import import check_import, import_gguf
 
+    check_import(file, out, dtype)  # bad input fails before the progress bar starts
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("dequantizing", total=None)
         result = import_gguf(file, out, dtype,

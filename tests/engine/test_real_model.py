@@ -126,10 +126,16 @@ def test_chat_template_renders_as_transformers(engine: LLM, hf_tokenizer) -> Non
 
 
 def _hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+    """Transformers' greedy decoding with its KV cache and no logits processors (generate's min_new_tokens
+    would mask the EOS token, which the engine's ignore_eos still draws)."""
+    out, past, x = [], None, torch.tensor([ids])
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        for _ in range(n):
+            step = hf_model(x, past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            out.append(int(step.logits[0, -1].argmax()))
+            x = torch.tensor([[out[-1]]])
+    return out
 
 
 def test_greedy_continuations_and_logprobs_equal_transformers(engine: LLM, hf_model) -> None:
@@ -162,3 +168,40 @@ def test_battery_passes_35_of_35_in_detent_mode(dtype: str) -> None:
     llm = LLM(EngineConfig(model=REAL_MODEL, mode="detent", dtype=dtype, max_num_seqs=40))
     results = run_battery(llm)
     assert [r.name for r in results if not r.passed] == [] and len(results) == 35
+
+
+@pytest.mark.parametrize("mode", ["rescore", "replay"])
+def test_serve_then_verify_32_mixed_requests(mode: str, tmp_path: Path, engine: LLM) -> None:
+    """32 requests served offline on the default model (greedy, seeded sampling, unseeded sampling, chat, stop
+    token ids), a receipt each; `verify` without --model finds the model the receipts name and passes all."""
+    from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
+    from detent_audit.server.node import ServingNode
+    from detent_audit.server.offline import serve_offline
+    from detent_audit.verifier.verify import verify
+
+    stop = engine.tokenizer.encode(".", add_special_tokens=False)
+    lines = []
+    for i in range(32):
+        line: dict = {"id": f"q{i}", "max_tokens": 6 + i % 5}
+        if i % 4 == 3:
+            line["messages"] = [{"role": "user", "content": f"What is {i} + {i}?"}]
+        else:
+            line["prompt"] = PROMPTS[i % len(PROMPTS)]
+        if i % 3 == 1:
+            line.update(temperature=0.8, top_p=0.95, seed=1000 + i)
+        elif i % 3 == 2:
+            line.update(temperature=1.0, top_k=40)  # no seed: the node draws one and records it
+        if i % 5 == 0:
+            line["stop_token_ids"] = stop
+        lines.append(line)
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    key = generate_key(tmp_path / "node.key")
+    node = ServingNode(engine, load_private_key(key.private_path), tmp_path / "out")
+    engine.reset()
+    assert serve_offline(engine, node, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 32
+    node.close()
+    results = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    unseeded = [r["seed"] for r, line in zip(results, lines) if "temperature" in line and "seed" not in line]
+    assert len(set(unseeded)) == len(unseeded) and 0 not in unseeded  # a fresh seed each, returned
+    report = verify([tmp_path / "out"], load_trusted_keys(key.public_path), mode=mode)
+    assert report.counts()["OK"] == 33 and report.exit_code == 0, [o.message for o in report.outcomes]

@@ -106,3 +106,9 @@ def serve_live(env: Env) -> Callable[..., Any]:
 def live(env: Env, tmp_path: Path) -> Iterator[Live]:
     with live_server(env, tmp_path / "out") as server:
         yield server
+
+
+@pytest.fixture
+def start_server(env: Env) -> Callable[..., Any]:
+    """`with start_server(out, **engine_overrides) as live:` a live server of its own (e.g. another context)."""
+    return lambda out, **overrides: live_server(env, out, **overrides)
