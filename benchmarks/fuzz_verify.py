@@ -23,13 +23,18 @@ import time
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from detent_audit.errors import DetentError
-from detent_audit.manifests.dsse import RECEIPT_PAYLOAD_TYPE, RUN_MANIFEST_PAYLOAD_TYPE, Envelope, sign_envelope
+from detent_audit.manifests.dsse import (
+    RECEIPT_PAYLOAD_TYPE,
+    RUN_MANIFEST_PAYLOAD_TYPE,
+    Envelope,
+    sign_envelope,
+)
 from detent_audit.manifests.keys import keyid
 from detent_audit.manifests.receipt import (
     CLIENT_APIS,

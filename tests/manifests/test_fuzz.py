@@ -8,10 +8,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from fuzz_verify import bomb, read, run_capped  # noqa: E402
-
 import random  # noqa: E402
 import time  # noqa: E402
+
+from fuzz_verify import bomb, read, run_capped  # noqa: E402
 
 from detent_audit.errors import DetentError  # noqa: E402
 
@@ -68,7 +68,6 @@ def test_3_a_64_mib_envelope_of_nested_empty_arrays_is_refused_in_little_memory_
 
 
 def test_4_a_1001_byte_nest_is_a_named_error_in_inspect_and_verify(tmp_path) -> None:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from typer.testing import CliRunner
 
     from detent_audit.cli import app
