@@ -89,15 +89,6 @@ class RunManifest:
 
     def __post_init__(self) -> None:
         enc.check_str(self.run_id, "run_id", MAX_REQUEST_ID_LEN, error=InvalidManifest)
-        if self.kind not in KINDS:
-            raise InvalidManifest(f"kind: expected one of {', '.join(KINDS)}, got {enc.describe(self.kind)}")
-        for name in ("seq_first", "seq_last"):
-            enc.check_uint(getattr(self, name), name, error=InvalidManifest)
-        span = self.seq_last - self.seq_first + 1
-        if span < 1 or (self.kind != "recovery" and len(self.receipt_digests) != span) \
-                or len(self.receipt_digests) > span:
-            raise InvalidManifest(f"seq_first {self.seq_first}, seq_last {self.seq_last}: a {self.kind} manifest "
-                                  f"of {len(self.receipt_digests)} receipts cannot cover that range")
         digests = self.receipt_digests
         if not isinstance(digests, (list, tuple)) or len(digests) > MAX_RUN_RECEIPTS:
             raise InvalidManifest(f"receipt_digests: expected at most {MAX_RUN_RECEIPTS} digests, "
@@ -107,6 +98,15 @@ class RunManifest:
             if i and digests[i - 1] >= digest:
                 raise InvalidManifest(f"receipt_digests[{i}]: digests must be sorted ascending and unique")
         object.__setattr__(self, "receipt_digests", tuple(digests))
+        if self.kind not in KINDS:
+            raise InvalidManifest(f"kind: expected one of {', '.join(KINDS)}, got {enc.describe(self.kind)}")
+        for name in ("seq_first", "seq_last"):
+            enc.check_uint(getattr(self, name), name, error=InvalidManifest)
+        span = self.seq_last - self.seq_first + 1
+        if span < 1 or (self.kind != "recovery" and len(self.receipt_digests) != span) \
+                or len(self.receipt_digests) > span:
+            raise InvalidManifest(f"seq_first {self.seq_first}, seq_last {self.seq_last}: a {self.kind} manifest "
+                                  f"of {len(self.receipt_digests)} receipts cannot cover that range")
         for name in ("node_keyid", "deployment_hash", "tuple_hash"):
             enc.check_digest(getattr(self, name), name, error=InvalidManifest)
         for name in ("prompt_tokens", "output_tokens", "time_unix_ns"):

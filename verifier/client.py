@@ -107,6 +107,10 @@ def check_response(request: Any, response: Any, receipt: Receipt, envelope: Enve
     if view["fingerprint"] != receipt.deployment_hash:
         problems.append(f"response.system_fingerprint {str(view['fingerprint'])[:16]}... is not the receipt's "
                         f"deployment {receipt.deployment_hash[:16]}...")
+    chunks = response if isinstance(response, list) else [response]
+    seed = next((c["seed"] for c in reversed(chunks) if isinstance(c, dict) and "seed" in c), None)
+    if seed is not None and seed != receipt.request.seed:  # the seed the node drew, as it told the client
+        problems.append(f"response.seed {seed!r} is not the receipt's seed")
     if view["text"] != receipt.output.text:
         problems.append("the text received is not the text the receipt holds")
     if view["finish_reason"] != receipt.output.finish_reason:

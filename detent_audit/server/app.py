@@ -178,10 +178,11 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
                 # body must not stall other requests or /health
                 body = await run_in_threadpool(_parse_body, raw)
                 del raw
+                req = await run_in_threadpool(parse_request, body, chat, limits, engine.tokenizer)
+                client = await run_in_threadpool(_bind, body, chat)
+                del body  # what stays is the prompt's ids (bounded by the context) and the canonical body
             finally:
-                budget.give(held[0])
-            req = await run_in_threadpool(parse_request, body, chat, limits, engine.tokenizer)
-            client = await run_in_threadpool(_bind, body, chat)
+                budget.give(held[0])  # held while the body and its parsed objects are alive
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if node.storage_error is not None:  # its receipt could not be written: refuse before computing
                 raise StorageFailed(node.storage_error)

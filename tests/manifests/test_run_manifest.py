@@ -189,6 +189,8 @@ BAD_MANIFESTS = {
     "digest_as_bytes": (lambda w: w["receipt_digests"].__setitem__(0, b"\x00" * 32), "longer than the limit"),
     "kind_unknown": (lambda w: w.__setitem__("kind", "partial"), "kind"),
     "range_too_wide": (lambda w: w.__setitem__("seq_last", 7), "cannot cover that range"),
+    # found by the fuzz: the range was checked before the digests were known to be a list
+    "digests_not_a_list": (lambda w: w.__setitem__("receipt_digests", True), "receipt_digests: expected"),
     "digest_as_int": (lambda w: w["receipt_digests"].__setitem__(0, 7), r"receipt_digests\[0\]"),
 }
 
