@@ -62,8 +62,11 @@ class VllmConfig:
     kv_cache_gib: int = 1
     tuple: dict | None = None
     cache_dir: str | None = None
+    gemm: str = "onednn"               # detent: onednn (measured row-invariant) | chunked (the tuple's GEMM)
 
     def __post_init__(self) -> None:
+        if self.gemm not in plugin.GEMMS:
+            raise BadInput(f"gemm must be one of {', '.join(plugin.GEMMS)}, got {self.gemm!r}")
         if self.mode not in ("detent", "stock", "det"):
             raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
         if self.dtype != "float32":
@@ -152,6 +155,7 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if cfg.mode == "det" else "0"
         os.environ[plugin.ENV_MODE] = cfg.mode
+        os.environ[plugin.ENV_GEMM] = cfg.gemm
         if self.selection is not None:
             os.environ[plugin.ENV_DEPLOYMENT] = json.dumps(self.deployment.to_canonical(), sort_keys=True)
             os.environ[plugin.ENV_TUPLE] = json.dumps(self.selection.tuple, sort_keys=True)
@@ -170,7 +174,7 @@ class VllmEngine:
             enable_prefix_caching=cfg.prefix_caching, block_size=cfg.block_size, max_model_len=self._max_len,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_chunked_prefill=True, logprobs_mode="raw_logprobs", max_logprobs=20,
-            disable_cascade_attn=True, skip_tokenizer_init=False)
+            skip_tokenizer_init=False)  # cascade attention: removed from vLLM by 0.32 (a fact, off)
         if cfg.mode == "detent":
             from detent_audit.integrations.vllm.sampler import DetentSampler
 
@@ -209,7 +213,7 @@ class VllmEngine:
         import vllm
 
         cfg = self.config
-        plugin_facts = ({"name": "detent-audit", "version": __version__,
+        plugin_facts = ({"name": "detent-audit", "version": __version__, "gemm": cfg.gemm,
                          "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
                         if cfg.mode == "detent" else None)
         return {

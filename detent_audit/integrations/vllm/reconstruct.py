@@ -46,7 +46,9 @@ def reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], 
                         dtype=_get(facts, "runtime", "dtype"), block_size=sched["block_size"],
                         max_model_len=dep["max_model_len"], max_num_seqs=sched["max_num_seqs"],
                         max_num_batched_tokens=sched["max_num_batched_tokens"],
-                        prefix_caching=sched["prefix_caching"], tuple=families if mode == "detent" else None)
+                        prefix_caching=sched["prefix_caching"], tuple=families if mode == "detent" else None,
+                        gemm=(_get(facts, "engine", "plugin").get("gemm") or "onednn") if mode == "detent"
+                        else "onednn")
     engine = VllmEngine(config)
     fields = differing_fields(dict(facts), engine.facts())
     if fields:
