@@ -14,7 +14,7 @@ from detent_audit.cli import _MODEL_HELP, app, handles_errors
 ENGINES = ("embedded", "vllm")
 
 
-def _engine(model: Path | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
+def _engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
             cache_dir: Path | None = None, *, engine: str = "embedded", **extra: Any):
     """The engine a command runs on: the embedded one (default) or vLLM (`--engine vllm`, the [vllm] extra)."""
     from detent_audit.engine.llm import LLM, EngineConfig
@@ -32,14 +32,13 @@ def _engine(model: Path | None, mode: str, dtype: str, threads: int, tuple_file:
 
         if extra.get("device", "cpu") != "cpu" or extra.get("attention_streaming"):
             raise BadInput("--engine vllm runs vLLM's CPU build here", remedy="drop --device/--attention-streaming")
-        if model is None:
-            raise BadInput("--engine vllm needs a checkpoint folder", remedy="pass --model PATH")
         if not vllm_available():
             raise BadInput("vLLM is not installed", remedy="pip install 'detent-audit[vllm]'")
         from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
 
-        return VllmEngine(VllmConfig(model=str(model), mode=mode, dtype=dtype, num_threads=threads, tuple=committed,
-                                     cache_dir=str(cache_dir) if cache_dir else None))
+        limits = {"max_model_len": extra["max_model_len"]} if extra.get("max_model_len") else {}
+        return VllmEngine(VllmConfig(model=str(model) if model else "", mode=mode, dtype=dtype, num_threads=threads,
+                                     tuple=committed, cache_dir=str(cache_dir) if cache_dir else None, **limits))
     config = EngineConfig(model=str(model) if model else None, mode=mode, dtype=dtype, num_threads=threads,
                           tuple=committed, cache_dir=str(cache_dir) if cache_dir else None, **extra)
     return LLM(config)
@@ -48,7 +47,7 @@ def _engine(model: Path | None, mode: str, dtype: str, threads: int, tuple_file:
 @app.command()
 @handles_errors
 def info(
-    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     threads: int = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact)."),
@@ -72,7 +71,7 @@ def info(
 @app.command()
 @handles_errors
 def battery(
-    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     threads: int = typer.Option(1, "--threads", help="CPU threads."),
@@ -115,7 +114,7 @@ def battery(
 @handles_errors
 def generate(
     prompt: list[str] = typer.Argument(..., help="Prompts (submitted together)."),
-    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype"),
     threads: int = typer.Option(1, "--threads"),
@@ -124,22 +123,26 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed (default: fresh when sampling, and printed)."),
+    max_model_len: int = typer.Option(None, "--max-model-len", help="Context length (default: the model's own)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Generate completions offline."""
-    from detent_audit.engine.sampling_params import SamplingParams
+    from detent_audit.engine.sampling_params import SamplingParams, seed_for
 
-    llm = _engine(model, mode, dtype, threads, device=device)
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+    llm = _engine(model, mode, dtype, threads, device=device, max_model_len=max_model_len)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                            seed=seed_for(temperature, seed))
     outs = llm.generate(prompt, params)
     if as_json:
         typer.echo(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
-                                "logprobs": o.logprobs, "finish_reason": o.finish_reason}
+                                "logprobs": o.logprobs, "finish_reason": o.finish_reason, "seed": params.seed}
                                for p, o in zip(prompt, outs)], indent=2))
         return
     for p, o in zip(prompt, outs):
         typer.echo(f"{p!r} -> {o.text!r} ({len(o.token_ids)} tokens, {o.finish_reason})")
+    if not params.is_greedy:
+        typer.echo(f"seed {params.seed}")
 
 
 @app.command()
@@ -147,7 +150,7 @@ def generate(
 def tune(
     workload: Path = typer.Option(..., "--workload", help="Profiling workload: requests as jsonl (serve's format)."),
     out: Path = typer.Option(..., "--out", help="Tuple file to write (msgpack; never overwritten)."),
-    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     dtype: str = typer.Option("float32", "--dtype"),
     threads: int = typer.Option(1, "--threads"),
     tuple_file: Path = typer.Option(None, "--tuple", help="Start from this tuple (default: the preferred one)."),
@@ -195,3 +198,29 @@ def tune(
                       f"{r.default_cost / r.tuned_cost:.2f}x", json.dumps(r.chosen))
     Console(file=sys.stdout, width=150).print(table)
     typer.echo(f"OK: tuple written to {out}")
+
+
+@app.command("import-gguf")
+@handles_errors
+def import_gguf_command(
+    file: Path = typer.Argument(..., help="A llama.cpp GGUF file (Llama architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1)."),
+    out: Path = typer.Option(..., "--out", help="Folder to write the Hugging Face checkpoint into (new or empty)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16: the safetensors' dtype."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Import a GGUF file as a Hugging Face checkpoint folder (config, safetensors, tokenizer, chat template)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from detent_audit.engine.gguf_import import import_gguf
+
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("dequantizing", total=None)
+        result = import_gguf(file, out, dtype,
+                             progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if as_json:
+        typer.echo(json.dumps({"out": str(result.path), "sha256": result.sha256, "tensors": result.num_tensors,
+                               "quantizations": list(result.quantizations), "dtype": dtype}, indent=2))
+        return
+    typer.echo(f"OK: {file} (sha256 {result.sha256}) -> {result.path}: {result.num_tensors} tensors "
+               f"({', '.join(result.quantizations)} -> {dtype})")

