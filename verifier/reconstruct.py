@@ -101,9 +101,7 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
     except UnknownEngine as exc:
         raise NotComparable(["engine.name"], exc.message) from None
     if name != EMBEDDED:
-        from detent_audit.integrations.vllm.reconstruct import reconstruct_vllm
-
-        return reconstruct_vllm(facts, tuple_values, model, threads, tuple_override, kv_tokens=kv_tokens)
+        return _reconstruct_vllm(facts, tuple_values, model, threads, tuple_override, kv_tokens=kv_tokens)
     config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override, kv_tokens=kv_tokens)
     if config.mode == "stock":
         raise NotComparable(["tuple.mode.name"], "stock mode is not batch-invariant: its bits depend on the batch "
@@ -147,3 +145,47 @@ def served_from(facts: Mapping[str, Any], local: Mapping[str, Any]) -> str:
         return f"the receipt was served from model {name} ({source}) {here}: pass --model {name}"
     return (f"the receipt was served from the checkpoint {name!r} ({source}) {here}: pass --model with a copy of "
             "that checkpoint folder")
+
+
+def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
+                     threads: int | None = None, tuple_override: Mapping[str, Any] | None = None, *,
+                     kv_tokens: int = 0) -> Any:
+    """(3)-(4) for a vLLM receipt: the vLLM engine its facts describe (settings from the facts, the checkpoint
+    local), compared field by field; a different vLLM version or thread count is refused before an engine is
+    built (a build takes most of a minute), stock receipts are not comparable (vLLM's kernels read the batch)."""
+    mode = _get(tuple_values, "mode", "name")
+    if mode == "stock":
+        raise NotComparable(["tuple.mode.name"], "stock vLLM is not batch-invariant: its bits depend on the batch "
+                                                 "the request was served in, which no verifier can rebuild")
+    if tuple_override is not None and mode != "detent":
+        raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
+    if model is None:
+        model = _get(facts, "checkpoint").get("name")  # a named model (the wheel's) is found by its name
+    if not model:
+        raise BadInput("a vLLM receipt is re-executed on a local checkpoint", remedy="pass --model PATH")
+    import vllm
+
+    served = _get(facts, "engine", "version")
+    if served != vllm.__version__:
+        raise NotComparable(["engine.version"], f"the receipt was served by vLLM {served}; this verifier has "
+                                                f"vLLM {vllm.__version__}")
+    served_threads = _get(facts, "runtime", "num_threads")
+    if threads is not None and threads != served_threads:
+        raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
+                                                     f"--threads {threads} changes the bits")
+    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+
+    dep, sched = _get(facts, "deployment", "engine"), _get(facts, "scheduler")
+    families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
+    config = VllmConfig(model=str(model), mode=mode, num_threads=served_threads,
+                        dtype=_get(facts, "runtime", "dtype"), block_size=sched["block_size"],
+                        max_model_len=dep["max_model_len"], max_num_seqs=sched["max_num_seqs"],
+                        max_num_batched_tokens=sched["max_num_batched_tokens"],
+                        prefix_caching=sched["prefix_caching"], tuple=families if mode == "detent" else None,
+                        gemm=(_get(facts, "engine", "plugin").get("gemm") or "onednn") if mode == "detent"
+                        else "onednn")
+    engine = VllmEngine(config)
+    fields = [f for f in differing_fields(dict(facts), engine.facts()) if f not in DESCRIPTIVE_FIELDS]
+    if fields:
+        raise NotComparable(fields)
+    return engine
