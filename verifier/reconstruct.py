@@ -170,12 +170,21 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
         raise NotComparable(["engine.version"], f"the receipt was served by vLLM {served}; this verifier has "
                                                 f"vLLM {vllm.__version__}")
     served_threads = _get(facts, "runtime", "num_threads")
+    if isinstance(served_threads, bool) or not isinstance(served_threads, int) or not 1 <= served_threads <= 4096:
+        raise BadInput(f"the receipt's runtime.num_threads is {served_threads!r}, not a thread count")
     if threads is not None and threads != served_threads:
         raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
                                                      f"--threads {threads} changes the bits")
     from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
 
     dep, sched = _get(facts, "deployment", "engine"), _get(facts, "scheduler")
+    # signed facts size the engine built before they are compared: bounded, so no receipt sizes our memory
+    for what, value, top in (("scheduler.max_num_batched_tokens", sched.get("max_num_batched_tokens"), 1 << 16),
+                             ("scheduler.max_num_seqs", sched.get("max_num_seqs"), 1024),
+                             ("scheduler.block_size", sched.get("block_size"), 1024),
+                             ("deployment.engine.max_model_len", dep.get("max_model_len"), 1 << 20)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise BadInput(f"the receipt's {what} is {value!r}, not in 1..{top}")
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
     config = VllmConfig(model=str(model), mode=mode, num_threads=served_threads,
                         dtype=_get(facts, "runtime", "dtype"), block_size=sched["block_size"],
