@@ -212,8 +212,9 @@ def import_gguf_command(
     from rich.console import Console
     from rich.progress import Progress
 
-    from detent_audit.engine.gguf_import import import_gguf
+    from detent_audit.engine.gguf_import import check_import, import_gguf
 
+    check_import(file, out, dtype)  # bad input fails before the progress bar starts
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("dequantizing", total=None)
         result = import_gguf(file, out, dtype,

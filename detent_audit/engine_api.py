@@ -37,6 +37,7 @@ EMBEDDED = "detent-audit"  # facts["engine"]["name"] of the embedded engine
 class Rescored(NamedTuple):
     logprobs: list[float]   # fp32 values, one per output token
     tokens: list[int]       # the token the request's sampling draws at each output position
+    tops: list[list[tuple[int, float]]] = []  # with the sampling's logprobs=n: the top-n at each position
 
 
 class TokenizerLike(Protocol):

@@ -2,12 +2,13 @@
 bit-relevant fact differs.
 
 The engine settings come from the receipt's facts (dtype, thread count, page size, limits, mode) and its tuple;
-only the checkpoint is local: `--model`, else the named model the receipt names (`named_models.NAMES` only: a
-receipt never chooses a path), else the default model. The local engine's facts are then compared with the receipt's,
-field by field: any difference (weights, kernel sources, torch version, CPU capability, ...) makes the
-receipt not comparable here, and every differing field is named; where the checkpoint differs, the verdict
-says which `--model` the receipt was served from. The checkpoint's name and source are descriptive (the same
-weights may sit in any folder): they are not compared, the hashes are.
+the checkpoint is always the verifier's own (`--model`, or the embedded default model): never one a receipt
+names, so no receipt sizes the verifier. Before anything is built, the facts known without building (engine
+sources, checkpoint file hashes, runtime) are compared; after, the local engine's facts are compared with the
+receipt's, field by field: any difference (weights, kernel sources, torch version, CPU capability, ...) makes
+the receipt not comparable here, and every differing field is named; where the checkpoint differs, the
+verdict says which `--model` the receipt was served from. The checkpoint's name and source are descriptive
+(the same weights may sit in any folder): they are not compared, the hashes are.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from detent_audit.engine.facts import static_facts
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.named_models import NAMES
 from detent_audit.engine_api import EMBEDDED, Engine, UnknownEngine, engine_for_facts
@@ -60,16 +62,14 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
     if tuple_override is not None and mode != "detent":
         raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
-    checkpoint = _get(facts, "checkpoint")
-    generated = checkpoint.get("generated")  # weights drawn on the device: no checkpoint needed
-    named = checkpoint.get("name") if checkpoint.get("name") in NAMES else None
+    _get(facts, "checkpoint")
     return EngineConfig(
-        model=str(model) if model else generated or named, mode=mode, dtype=runtime["dtype"],
+        model=str(model) if model else None, mode=mode, dtype=runtime["dtype"],
         device="cpu" if device == "cpu" else "cuda",
         num_threads=threads or served_threads,
         block_size=sched["block_size"], max_model_len=dep["max_model_len"], max_num_seqs=dep["max_num_seqs"],
         max_num_batched_tokens=sched["max_num_batched_tokens"],
-        max_prefill_chunk=sched["max_prefill_chunk"] or None, prefix_caching=sched["prefix_caching"],
+        prefix_caching=sched["prefix_caching"],
         tuple=families if mode == "detent" else None, cache_dir=cache_dir,
         kv_pool_tokens=kv_tokens,
         attention_streaming=dep.get("attention_backend") == "detent-streaming")
@@ -112,6 +112,14 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
         if not torch.cuda.is_available():
             raise NotComparable(["runtime.device"], f"the receipt was served on {facts['runtime']['device']!r}; "
                                                     "this machine has no CUDA device")
+    # (3a): what is known before building (the checkpoint is the verifier's: its files are hashed, not loaded)
+    expected = {k: dict(facts[k]) if isinstance(facts.get(k), Mapping) else facts.get(k)
+                for k in ("engine", "checkpoint", "runtime")}
+    if isinstance(expected["checkpoint"], dict):
+        expected["checkpoint"].pop("eos_token_ids", None)
+    fields = differing_fields(expected, static_facts(config))
+    if fields:
+        raise NotComparable(fields)
     try:
         llm = LLM(config)  # (4): select_kernels refuses a tuple that is not legal for the solved pins
     except BadInput as exc:
@@ -175,7 +183,16 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
     if threads is not None and threads != served_threads:
         raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
                                                      f"--threads {threads} changes the bits")
+    from detent_audit.engine.facts import checkpoint_hashes
     from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+
+    # (3a): the checkpoint's files are hashed, not loaded, before vLLM is built
+    local_model = VllmConfig(model=str(model)).resolved_model
+    expected = {k: v for k, v in dict(_get(facts, "checkpoint")).items() if k in ("config", "tokenizer", "weights")}
+    fields = [f"checkpoint.{f}" for f in differing_fields(expected, checkpoint_hashes(local_model.path))]
+    if fields:
+        raise NotComparable(fields, f"deployment differs in {len(fields)} field(s): {', '.join(fields)}; "
+                                    + served_from(facts, {"checkpoint": {"name": local_model.name}}))
 
     dep, sched = _get(facts, "deployment", "engine"), _get(facts, "scheduler")
     # signed facts size the engine built before they are compared: bounded, so no receipt sizes our memory

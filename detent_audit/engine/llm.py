@@ -118,10 +118,8 @@ class LLM:
             batch_invariant=config.mode != "stock")
         self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir,
                                                    device=config.device)
-        # a verifier sizes the pool for its longest receipt: never past what this model's own context holds;
-        # an explicit max_model_len gets a pool that holds one request that long
-        pool_tokens = min(max(config.kv_pool_tokens, config.max_model_len or 0), max_len)
-        num_kv_blocks = max(config.num_kv_blocks, -(-pool_tokens // config.block_size) + 2)
+        # a verifier sizes the pool for its longest receipt: never past what this model's own context holds
+        num_kv_blocks = max(config.num_kv_blocks, -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2)
         usable_blocks = num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=usable_blocks, block_size=config.block_size, max_model_len=max_len,
@@ -145,14 +143,12 @@ class LLM:
 
     @staticmethod
     def _max_model_len(config: EngineConfig, positions: int) -> int:
-        """The context: `config.max_model_len` if given (at most the model's positions), else the model's
-        positions bounded by what the configured KV pool holds."""
+        """The context: `config.max_model_len` if given, else the model's positions bounded by what the
+        configured KV pool holds; never past the model's positions (the facts then record the cap, so a
+        receipt that claims more is not comparable, and `serve` refuses such an option before)."""
         if config.max_model_len is None:
-            return max(2, min(positions, (config.num_kv_blocks - 2) * config.block_size))
-        if config.max_model_len > positions:
-            raise BadInput(f"max_model_len {config.max_model_len} exceeds the model's {positions} positions",
-                           remedy=f"pass --max-model-len {positions} or less")
-        return config.max_model_len
+            return max(2, min(positions, config.num_kv_blocks * config.block_size))
+        return min(config.max_model_len, positions)
 
     def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
         """Forget every request and the prefix cache (the KV memory is kept: stale slots are never read).
@@ -214,7 +210,7 @@ class LLM:
         self.scheduler.add(seq)
         if score_from is not None:
             self._score_from[seq.seq_id] = ScoreSpec(score_from, score_params or params, tuple(score_targets))
-            self._scores[seq.seq_id] = Rescored([], [])
+            self._scores[seq.seq_id] = Rescored([], [], [])
         self._tops[seq.seq_id] = []
         return seq
 
@@ -239,6 +235,7 @@ class LLM:
             if sid in self._scores:
                 self._scores[sid].logprobs.extend(r.scored)
                 self._scores[sid].tokens.extend(r.scored_samples)
+                self._scores[sid].tops.extend(r.scored_tops)
             if r.top is not None:
                 self._tops[sid].append(r.top)
         return self.scheduler.update(out, tokens, logprobs)

@@ -54,6 +54,7 @@ class SeqResult:
     top: list[tuple[int, float]] | None = None   # top-n (token, logprob), most likely first
     scored: list[float] = field(default_factory=list)  # teacher-forced logprobs of known next tokens
     scored_samples: list[int] = field(default_factory=list)  # what sampling would have drawn at those rows
+    scored_tops: list[list[tuple[int, float]]] = field(default_factory=list)  # top-n at those rows (score_params)
 
 
 class ModelRunner:
@@ -142,6 +143,13 @@ class ModelRunner:
             for j, lp, tok in zip(score_idx, scored.tolist(), draws.tolist()):
                 results[owners[j][0]].scored.append(lp)
                 results[owners[j][0]].scored_samples.append(tok)
+            n_top = max((s.params.logprobs or 0) for s in specs)
+            if n_top:  # the alternatives a response returned at each position, recomputed from the same logits
+                top = sampling_ops.top_logprobs(sub, n_top)
+                for row, (j, spec) in enumerate(zip(score_idx, specs)):
+                    n = spec.params.logprobs or 0
+                    results[owners[j][0]].scored_tops.append(
+                        list(zip(top.ids[row, :n].tolist(), top.logprobs[row, :n].tolist())))
         if sample_idx:
             self._sample(entries, owners, sample_idx, logits, results)
         return results

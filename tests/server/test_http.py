@@ -382,14 +382,15 @@ def test_a_tampered_receipt_fails_at_the_changed_position(env: Env, serve_live: 
         body = {"model": MODEL_NAME, "prompt": [3, 1, 4, 1, 5, 9, 2, 6], "max_tokens": 8, "temperature": 0.0,
                 "ignore_eos": True}
         rid = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).json()["receipt_id"]
+        decode = live.llm.tokenizer.decode
     receipt = _receipt(env, tmp_path / "out", rid)
     key, pos, out = load_private_key(env.key.private_path), 3, receipt.output
     bits = bytearray(out.logprobs_f32le)
     bits[4 * pos] ^= 1  # the lowest mantissa bit of logprob `pos`
     tokens = list(out.token_ids)
     tokens[pos] = (tokens[pos] + 1) % 256
-    cases = {"intact": out, "logprob-bit": OutputRecord(out.token_ids, bytes(bits), out.finish_reason),
-             "token": OutputRecord(tuple(tokens), out.logprobs_f32le, out.finish_reason)}
+    cases = {"intact": out, "logprob-bit": OutputRecord(out.token_ids, bytes(bits), out.finish_reason, out.text),
+             "token": OutputRecord(tuple(tokens), out.logprobs_f32le, out.finish_reason, decode(tokens))}
     for name, output in cases.items():
         folder = tmp_path / name
         folder.mkdir()
