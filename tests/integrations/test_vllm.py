@@ -169,7 +169,8 @@ def _forged(served: dict, tmp_path: Path, name: str, *, change_output=None, chan
         facts = json.loads(json.dumps(r.deployment_facts, default=dict))
         change_facts(facts)
         r = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts))
-    path = tmp_path / f"{name}.receipt"
+    (tmp_path / name).mkdir()
+    path = tmp_path / name / "r5.receipt"  # a receipt's file is named by its request
     path.write_bytes(sign_receipt(r, load_private_key(served["key"].private_path)))
     return path
 

@@ -354,20 +354,26 @@ class VllmEngine:
         params = list(params) if params is not None else [SamplingParams(temperature=0.0)] * len(pairs)
         greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         seqs = []
-        for prompt, output in pairs:
+        for (prompt, output), p in zip(pairs, params):
             if not output:
                 raise BadInput("rescore needs at least one output token")
-            seqs.append(self.add_request(list(prompt) + list(output), greedy, prompt_logprobs=1))
+            seqs.append(self.add_request(list(prompt) + list(output), greedy,
+                                         prompt_logprobs=max(1, p.logprobs or 0)))
         sampled = [i for i, p in enumerate(params) if p.temperature > 0]
         replays = {i: self.add_request(list(pairs[i][0]), params[i]) for i in sampled}
         self.run(seqs + list(replays.values()))
         out = []
         for i, (seq, (prompt, output)) in enumerate(zip(seqs, pairs)):
-            lps, tops = [], []
+            lps, firsts, tops = [], [], []
+            n = params[i].logprobs or 0
             for pos in range(len(prompt), len(prompt) + len(output)):
                 entry = seq.prompt_logprobs[pos]
                 lps.append(float(entry[output[pos - len(prompt)]].logprob))
-                tops.append(next(t for t, lp in entry.items() if lp.rank == 1))
-            tokens = replays[i].token_ids if i in replays else tops
-            out.append(Rescored(lps, list(tokens)))
+                firsts.append(next(t for t, lp in entry.items() if lp.rank == 1))
+                if n:
+                    ranked = sorted((lp.rank, t, float(lp.logprob)) for t, lp in entry.items()
+                                    if lp.rank is not None and lp.rank <= n)
+                    tops.append([(t, v) for _, t, v in ranked])
+            tokens = replays[i].token_ids if i in replays else firsts
+            out.append(Rescored(lps, list(tokens), tops))
         return out
