@@ -154,6 +154,9 @@ class VllmEngine:
         self._environment()
         self.llm = self._build()
         self.engine = self.llm.llm_engine
+        # vLLM's CPU worker (in this process) sets torch's threads from its own rule ("reducing torch threads
+        # from 2 to 1 for serving"): the count the facts record is the one that runs
+        torch.set_num_threads(config.num_threads)
         self._ids = itertools.count()
         self._live: dict[str, VllmRequest] = {}
 
@@ -263,6 +266,8 @@ class VllmEngine:
         return seq
 
     def step(self) -> list[VllmRequest]:
+        if torch.get_num_threads() != self.config.num_threads:  # a caller's thread (the HTTP server's) differs
+            torch.set_num_threads(self.config.num_threads)
         finished = []
         for out in self.engine.step():
             seq = self._live.get(out.request_id)
