@@ -161,8 +161,11 @@ def _forged(served: dict, tmp_path: Path, name: str, *, change_output=None, chan
     src = served["out"] / "receipts" / "r5.receipt"
     r = verify_envelope(src.read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
     if change_output is not None:
+        from detent_audit.engine.tokenizer import Tokenizer
+
         tokens, lps = change_output(list(r.output.token_ids), list(r.output.logprobs))
-        r = dataclasses.replace(r, output=OutputRecord.from_floats(tokens, lps, r.output.finish_reason))
+        text = Tokenizer.from_pretrained(served["ckpt"]).decode(tokens)  # a forger keeps the text consistent
+        r = dataclasses.replace(r, output=OutputRecord.from_floats(tokens, lps, r.output.finish_reason, text))
     if change_facts is not None:
         from detent_audit.engine.facts import facts_hash
 
