@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.facts import collect_facts, static_facts
+from detent_audit.engine.facts import static_facts
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.named_models import NAMES
+from detent_audit.engine_api import EMBEDDED, Engine, UnknownEngine, engine_for_facts
 from detent_audit.errors import BadInput, DetentError
 
 
@@ -92,8 +93,15 @@ def differing_fields(expected: Any, got: Any, prefix: str = "") -> list[str]:
 
 def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                 cache_dir: str | None = None, threads: int | None = None,
-                tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0) -> LLM:
-    """(3) deployment and (4) tuple: the local engine for these facts; raises NotComparable."""
+                tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0) -> Engine:
+    """(3) deployment and (4) tuple: the local engine for these facts, of the engine they name (the embedded
+    one or vLLM); raises NotComparable, also for an engine this installation does not have."""
+    try:
+        name = engine_for_facts(facts)
+    except UnknownEngine as exc:
+        raise NotComparable(["engine.name"], exc.message) from None
+    if name != EMBEDDED:
+        return _reconstruct_vllm(facts, tuple_values, model, threads, tuple_override, kv_tokens=kv_tokens)
     config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override, kv_tokens=kv_tokens)
     if config.mode == "stock":
         raise NotComparable(["tuple.mode.name"], "stock mode is not batch-invariant: its bits depend on the batch "
@@ -117,7 +125,7 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
             whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
             raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
         raise
-    local = collect_facts(llm)
+    local = llm.facts()
     check_comparable(dict(facts), local)
     return llm
 
@@ -149,3 +157,65 @@ def served_from(facts: Mapping[str, Any], local: Mapping[str, Any]) -> str:
         return f"the receipt was served from model {name} ({source}) {here}: pass --model {name}"
     return (f"the receipt was served from the checkpoint {name!r} ({source}) {here}: pass --model with a copy of "
             "that checkpoint folder")
+
+
+def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
+                     threads: int | None = None, tuple_override: Mapping[str, Any] | None = None, *,
+                     kv_tokens: int = 0) -> Any:
+    """(3)-(4) for a vLLM receipt: the vLLM engine its facts describe (settings from the facts, the checkpoint
+    local), compared field by field; a different vLLM version or thread count is refused before an engine is
+    built (a build takes most of a minute), stock receipts are not comparable (vLLM's kernels read the batch)."""
+    mode = _get(tuple_values, "mode", "name")
+    if mode == "stock":
+        raise NotComparable(["tuple.mode.name"], "stock vLLM is not batch-invariant: its bits depend on the batch "
+                                                 "the request was served in, which no verifier can rebuild")
+    if tuple_override is not None and mode != "detent":
+        raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
+    if model is None:
+        model = _get(facts, "checkpoint").get("name")  # a named model (the wheel's) is found by its name
+    if not model:
+        raise BadInput("a vLLM receipt is re-executed on a local checkpoint", remedy="pass --model PATH")
+    import vllm
+
+    served = _get(facts, "engine", "version")
+    if served != vllm.__version__:
+        raise NotComparable(["engine.version"], f"the receipt was served by vLLM {served}; this verifier has "
+                                                f"vLLM {vllm.__version__}")
+    served_threads = _get(facts, "runtime", "num_threads")
+    if isinstance(served_threads, bool) or not isinstance(served_threads, int) or not 1 <= served_threads <= 4096:
+        raise BadInput(f"the receipt's runtime.num_threads is {served_threads!r}, not a thread count")
+    if threads is not None and threads != served_threads:
+        raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
+                                                     f"--threads {threads} changes the bits")
+    from detent_audit.engine.facts import checkpoint_hashes
+    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+
+    # (3a): the checkpoint's files are hashed, not loaded, before vLLM is built
+    local_model = VllmConfig(model=str(model)).resolved_model
+    expected = {k: v for k, v in dict(_get(facts, "checkpoint")).items() if k in ("config", "tokenizer", "weights")}
+    fields = [f"checkpoint.{f}" for f in differing_fields(expected, checkpoint_hashes(local_model.path))]
+    if fields:
+        raise NotComparable(fields, f"deployment differs in {len(fields)} field(s): {', '.join(fields)}; "
+                                    + served_from(facts, {"checkpoint": {"name": local_model.name}}))
+
+    dep, sched = _get(facts, "deployment", "engine"), _get(facts, "scheduler")
+    # signed facts size the engine built before they are compared: bounded, so no receipt sizes our memory
+    for what, value, top in (("scheduler.max_num_batched_tokens", sched.get("max_num_batched_tokens"), 1 << 16),
+                             ("scheduler.max_num_seqs", sched.get("max_num_seqs"), 1024),
+                             ("scheduler.block_size", sched.get("block_size"), 1024),
+                             ("deployment.engine.max_model_len", dep.get("max_model_len"), 1 << 20)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise BadInput(f"the receipt's {what} is {value!r}, not in 1..{top}")
+    families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
+    config = VllmConfig(model=str(model), mode=mode, num_threads=served_threads,
+                        dtype=_get(facts, "runtime", "dtype"), block_size=sched["block_size"],
+                        max_model_len=dep["max_model_len"], max_num_seqs=sched["max_num_seqs"],
+                        max_num_batched_tokens=sched["max_num_batched_tokens"],
+                        prefix_caching=sched["prefix_caching"], tuple=families if mode == "detent" else None,
+                        gemm=(_get(facts, "engine", "plugin").get("gemm") or "onednn") if mode == "detent"
+                        else "onednn")
+    engine = VllmEngine(config)
+    fields = [f for f in differing_fields(dict(facts), engine.facts()) if f not in DESCRIPTIVE_FIELDS]
+    if fields:
+        raise NotComparable(fields)
+    return engine

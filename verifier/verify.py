@@ -503,7 +503,7 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
     from detent_audit.server.protocol import Limits, parse_request
 
     client, rid = r.request.client, r.request.request_id
-    max_len, vocab = llm.scheduler.config.max_model_len, llm.model.config.vocab_size
+    max_len, vocab = llm.max_model_len, llm.vocab_size
     try:
         body = client.body()
         if client.api == OFFLINE_API:
@@ -569,7 +569,7 @@ def _tops_problem(r: Receipt, tops: list[list[tuple[int, float]]]) -> str | None
 def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
     # what the output's own shape already refutes is not re-executed: out-of-vocabulary ids, a wrong finish,
     # a request that is not the client's
-    max_len, vocab = llm.scheduler.config.max_model_len, llm.model.config.vocab_size
+    max_len, vocab = llm.max_model_len, llm.vocab_size
     max_chars = getattr(llm, "_verify_max_prompt_chars", None)
     if max_chars is None:
         words = llm.tokenizer.tokenizer.get_vocab(with_added_tokens=True)

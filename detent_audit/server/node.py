@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.atomic import write_atomically
-from detent_audit.engine.facts import collect_facts, facts_hash
-from detent_audit.engine.llm import LLM, RequestOutput
+from detent_audit.engine.facts import facts_hash
+from detent_audit.engine.llm import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tuples import tuple_hash
+from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.manifests.dsse import Envelope, read_envelope_bytes
 from detent_audit.manifests.keys import keyid as keyid_of
@@ -64,9 +65,9 @@ class StorageFailed(DetentError):
     remedy = "free space on (or repair) the --manifest-out file system; the server answers 507 until then"
 
 
-def tuple_values(llm: LLM) -> dict[str, dict[str, Any]]:
+def tuple_values(llm: Engine) -> dict[str, dict[str, Any]]:
     """What a receipt commits to as the tuple: the per-family pins and knobs, and the mode (as `mode.name`)."""
-    return {"mode": {"name": llm.config.mode}, **llm.selection.tuple}
+    return llm.tuple_values()
 
 
 def scoring_record(output: RequestOutput, params: SamplingParams) -> ScoringRecord | None:
@@ -102,7 +103,7 @@ class SignedReceipt:
 class ServingNode:
     """Owns the signing key and the output folder. Thread-safe: the HTTP server signs from its threads."""
 
-    def __init__(self, llm: LLM, private_key: Any, manifest_out: str | Path, rotate: int | None = None) -> None:
+    def __init__(self, llm: Engine, private_key: Any, manifest_out: str | Path, rotate: int | None = None) -> None:
         self.llm, self.key, self.rotate = llm, private_key, rotate
         self.out = Path(manifest_out)
         try:
@@ -119,7 +120,7 @@ class ServingNode:
             raise BadInput(f"--manifest-out {self.out} is in use by another server (it holds {LOCK_NAME})",
                            remedy="give each server its own --manifest-out folder") from None
         self.keyid = keyid_of(private_key.public_key())
-        self.facts = collect_facts(llm)
+        self.facts = llm.facts()
         self.facts_hash = facts_hash(self.facts)
         self.tuple = tuple_values(llm)
         self.tuple_hash = tuple_hash(self.tuple)

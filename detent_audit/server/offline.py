@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.llm import LLM
 from detent_audit.engine.sampling_params import SamplingParams, seed_for
+from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import ClientRequest
 from detent_audit.server.node import RECEIPT_ID, ServingNode
@@ -31,7 +31,7 @@ _PROMPT = ("prompt", "prompt_token_ids", "messages")
 API = "detent/v1/offline-jsonl"
 
 
-def read_requests(llm: LLM, path: Path) -> list[tuple[str, list[int], SamplingParams, ClientRequest]]:
+def read_requests(llm: Engine, path: Path) -> list[tuple[str, list[int], SamplingParams, ClientRequest]]:
     """Parse and validate every line first: (id, prompt token ids, sampling parameters, the line as the
     client binding). The checks are the HTTP server's (token ids in the vocabulary, the messages' schema, room
     for max_tokens in the context); an id must name a file (`RECEIPT_ID`), since the receipt is stored under
@@ -41,7 +41,7 @@ def read_requests(llm: LLM, path: Path) -> list[tuple[str, list[int], SamplingPa
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise BadInput(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    max_len = llm.scheduler.config.max_model_len
+    max_len = llm.max_model_len
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -50,7 +50,7 @@ def read_requests(llm: LLM, path: Path) -> list[tuple[str, list[int], SamplingPa
             obj = json.loads(line, object_pairs_hook=unique_keys)
         except (ValueError, RecursionError) as exc:
             raise BadInput(f"{where}: not JSON ({exc})") from None
-        rid, ids, params = parse_line(obj, f"req-{n}", llm.tokenizer, max_len, llm.model.config.vocab_size,
+        rid, ids, params = parse_line(obj, f"req-{n}", llm.tokenizer, max_len, llm.vocab_size,
                                       where)
         try:
             client = ClientRequest.of(API, obj)
@@ -108,7 +108,7 @@ def parse_line(obj: Any, default_id: str, tokenizer: Any, max_len: int, vocab_si
     return str(rid), list(ids), params
 
 
-def serve_offline(llm: LLM, node: ServingNode, input_path: str | Path, output_path: str | Path,
+def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output_path: str | Path,
                   progress: Callable[[int, int], None] | None = None, max_in_flight: int | None = None) -> int:
     """Serve every request of `input_path`, sign each, append results in input order.
 
