@@ -23,13 +23,18 @@ import time
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from detent_audit.errors import DetentError
-from detent_audit.manifests.dsse import RECEIPT_PAYLOAD_TYPE, RUN_MANIFEST_PAYLOAD_TYPE, Envelope, sign_envelope
+from detent_audit.manifests.dsse import (
+    RECEIPT_PAYLOAD_TYPE,
+    RUN_MANIFEST_PAYLOAD_TYPE,
+    Envelope,
+    sign_envelope,
+)
 from detent_audit.manifests.keys import keyid
 from detent_audit.manifests.receipt import (
     CLIENT_APIS,
@@ -110,9 +115,10 @@ def _nested(depth: int, opener: bytes = b"\x91", leaf: bytes = b"\xc0") -> bytes
     return opener * depth + leaf
 
 
-def bomb(rng: random.Random) -> tuple[str, bytes]:
-    """A decoder bomb, as an envelope (before the signature) or as a signed payload (after it)."""
-    size = rng.choice([1 << 10, 1 << 16, 1 << 20, 20 << 20, 60 << 20])
+def bomb(rng: random.Random, max_size: int = 60 << 20) -> tuple[str, bytes]:
+    """A decoder bomb, as an envelope (before the signature) or as a signed payload (after it), of up to
+    `max_size` bytes."""
+    size = rng.choice([s for s in (1 << 10, 1 << 16, 1 << 20, 20 << 20, 60 << 20) if s <= max_size])
     kind = rng.randrange(10)
     if kind == 0:
         name, body = "nested-arrays", _nested(min(size, 1 << 20))

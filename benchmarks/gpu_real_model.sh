@@ -3,7 +3,7 @@
 # run carries, so it travels in two parts over two runs back to back (a warm machine keeps ignored files
 # between runs):
 #   here:      bash benchmarks/gpu_real_model.sh prepare   # .gguf-parts/part-1, part-2 and the gguf wheel in .whl/
-#   device 1:  bash benchmarks/gpu_real_model.sh store     # carry .gguf-parts/part-1: kept in .gguf-store/
+#   device 1:  bash benchmarks/gpu_real_model.sh store     # carry .gguf-parts/part-1: kept in $WORK/gguf-store/
 #   device 2:  bash benchmarks/gpu_real_model.sh run       # carry .gguf-parts/part-2 and .whl: join, check the
 #                                                           # SHA-256, import to bf16, gpu_engine.py (battery per
 #                                                           # mode, decode step against the HBM floor)
@@ -38,22 +38,22 @@ prepare)
     ;;
 store)
     test -s .gguf-parts/part-1 || { echo "FAIL: .gguf-parts/part-1 was not carried"; exit 2; }
-    mkdir -p .gguf-store
-    mv .gguf-parts/part-1 .gguf-store/part-1
-    ls -l .gguf-store
+    mkdir -p "$WORK/gguf-store"  # outside the repository: a warm machine keeps /tmp, not moved ignored files
+    mv .gguf-parts/part-1 "$WORK/gguf-store/part-1"
+    ls -l "$WORK/gguf-store"
     ;;
 run)
     out=${OUT:-out/gpu-real-model}
     mkdir -p "$out"
-    test -s .gguf-store/part-1 || { echo "FAIL: .gguf-store/part-1 is gone (run 'store' again, then this at once)"; exit 2; }
+    test -s "$WORK/gguf-store/part-1" || { echo "FAIL: .gguf-store/part-1 is gone (run 'store' again, then this at once)"; exit 2; }
     test -s .gguf-parts/part-2 || { echo "FAIL: .gguf-parts/part-2 was not carried"; exit 2; }
     gguf_file=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
-    cat .gguf-store/part-1 .gguf-parts/part-2 > "$gguf_file"
+    cat "$WORK/gguf-store/part-1" .gguf-parts/part-2 > "$gguf_file"
     test "$(stat -c %s "$gguf_file")" = "$SIZE"
     echo "$SHA256  $gguf_file" | sha256sum -c - | tee "$out/0_sha256.txt"
     # the project and gguf (pure Python; numpy, pyyaml, tqdm and requests are on the device) into $WORK/site
     $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-        --target "$WORK/site" .whl/gguf-*.whl . 2>&1 | tail -3
+        --target "$WORK/site" .whl/*.whl . 2>&1 | tail -3
     export PYTHONPATH="$WORK/site" DETENT_AUDIT_CACHE="$WORK/detent-cache" PYTHONUNBUFFERED=1
     model=$WORK/smollm2-135m-instruct-bf16
     rm -rf "$model"

@@ -1,5 +1,5 @@
-"""SIGKILL under load, repeatedly: `detent-audit serve` on one folder is killed at a random moment while clients
-send requests (plain and streamed), and restarted; after the last kill a clean start and SIGTERM. Then:
+"""SIGKILL under load, repeatedly: `detent-audit serve` on one folder is killed at a random moment (0-3 s after
+its first answer) while clients send requests (plain and streamed), and restarted; after the last kill a clean start and SIGTERM. Then:
 every answered request has its receipt, every receipt is in a run manifest (the restarts sealed what each
 kill left into recovery manifests), and `verify` of the folder passes and reports full coverage.
 
@@ -99,7 +99,10 @@ def run(kills: int, model: Path, work: Path, seed: int = 0, clients: int = 6, ro
                    for _ in range(clients)]
         for t in threads:
             t.start()
-        time.sleep(rng.uniform(0.5, 4.0))
+        deadline = time.monotonic() + 120  # under load: the kill lands after the first answer, at a random moment
+        while not mine and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 3.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         stop.set()

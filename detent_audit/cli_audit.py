@@ -47,10 +47,9 @@ def inspect(
 ) -> None:
     """Show a receipt or run manifest (decoded, NOT verified: use `verify` for that)."""
     from detent_audit.manifests.dsse import RUN_MANIFEST_PAYLOAD_TYPE, Envelope, read_envelope_bytes
+    from detent_audit.manifests.errors import InvalidReceipt
     from detent_audit.manifests.receipt import Receipt
     from detent_audit.manifests.run_manifest import RunManifest
-
-    from detent_audit.manifests.errors import InvalidReceipt
 
     env = Envelope.from_bytes(read_envelope_bytes(path))
     try:
@@ -170,6 +169,64 @@ def _verify_cli(paths: list[Path], key: Path | None, trusted_keys: Path | None, 
     raise typer.Exit(report.exit_code)
 
 
+@app.command("verify-eval")
+@handles_errors
+def verify_eval(
+    run: Path = typer.Argument(..., help="lm-eval's --output_path folder (or its results_*.json); the run "
+                                         "was made with --log_samples."),
+    receipts: list[Path] = typer.Option(..., "--receipts", help="The run's receipts folder (or files)."),
+    key: Path = typer.Option(None, "--key", help="Trusted public key file."),
+    trusted_keys: Path = typer.Option(None, "--trusted-keys", help="Folder of trusted public keys (*.pub)."),
+    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    include_path: list[Path] = typer.Option(None, "--include-path", help="Folder of the run's task YAML (as "
+                                                                          "lm-eval's --include_path)."),
+    cache_dir: Path = typer.Option(None, "--cache-dir", help="JIT cache directory."),
+    workers: str = typer.Option("auto", "--workers", help="Processes that re-execute (as verify --workers)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Audit an lm-eval run: match every request it logged to its receipt, verify them, recompute each
+    sample's metric from the verified outputs with lm-eval's own task code; print the reported score, the
+    recomputed one and the coverage, and name every sample that differs and why. Exit 0 when every sample is
+    covered and every score equal, 1 otherwise, 2 bad input."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from detent_audit.errors import BadInput
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.verifier.eval_audit import verify_eval as run_verify_eval
+
+    if (key is None) == (trusted_keys is None):
+        raise BadInput("give exactly one of --key FILE or --trusted-keys DIR")
+    if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
+        raise BadInput(f"--workers must be a whole number >= 1 or auto, got {workers!r}")
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise BadInput("verify-eval recomputes scores with lm-eval's own task code, and lm-eval is not installed",
+                       remedy="pip install 'lm-eval[api]'") from None
+    trusted = load_trusted_keys(key or trusted_keys)
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("verifying receipts", total=None)
+        report = run_verify_eval(run, receipts, trusted, model=str(model) if model else None,
+                                 include_path=[str(p) for p in include_path or []],
+                                 workers=workers if workers == "auto" else int(workers),
+                                 cache_dir=str(cache_dir) if cache_dir else None,
+                                 progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+        raise typer.Exit(report.exit_code)
+    for s in report.scores:
+        tag = "OK" if s.equal else "FAIL"
+        typer.echo(f"{tag}: {s.task} {s.metric}: reported {s.reported}, recomputed from verified receipts "
+                   f"{s.recomputed}, coverage {s.covered}/{s.total}")
+    for d in report.docs:
+        if not d.covered:
+            typer.echo(f"FAIL: {d.task} doc {d.doc_id}: {'; '.join(d.reasons)}")
+    covered = sum(d.covered for d in report.docs)
+    c = report.receipt_counts
+    typer.echo(f"{covered}/{len(report.docs)} samples covered; receipts: {c['OK']} ok, {c['FAIL']} failed, "
+               f"{c['BAD'] + c['not_opened']} bad, {report.receipts_unmatched} matching no logged request")
+    raise typer.Exit(report.exit_code)
 @app.command("verify-response")
 @handles_errors
 def verify_response(

@@ -159,7 +159,7 @@ def tune(
         raise BadInput(f"{out} exists", remedy="choose another --out or remove the old tuple first")
     levels = parse_concurrencies(concurrency)
     llm = _engine(model, "detent", dtype, threads, tuple_file, device=device, attention_streaming=attention_streaming)
-    requests = [(rid, ids, params) for rid, ids, params, _client in read_requests(llm, workload)]
+    requests = [r[:3] for r in read_requests(llm, workload)]  # (id, prompt ids, sampling): no binding needed
     committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
                                      budget_fraction=budget, seed=seed, concurrency=levels)
     save_tuple(committed, out)

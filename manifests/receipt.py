@@ -9,11 +9,13 @@ canonical msgpack (encoding.py), one map, schema version 2 (`version`):
                                              form is checked here, the verifier recomputes them (design.md 7)
     request:      {client: map, id: str, prompt_token_ids_u32le: bin(4m), sampling: map, seed: u64}
     client:       {api: str, body_json: bin, body_sha256: hex}
-    sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, stop_token_ids: [u32],
+    sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, [stop: [str]], stop_token_ids: [u32],
                    temperature_f64_bits: u64, top_k: uint, top_p_f64_bits: u64}
     output:       {digest: hex, finish_reason: "length"|"stop", logprobs_f32le: bin(4n), text: str,
                    token_ids_u32le: bin(4n), top_logprobs_f32le: bin(4nk), top_token_ids_u32le: bin(4nk)}
     run:          {id: str, seq: u64}        the node's run and this receipt's place in it (0, 1, ...)
+    [scoring]:    {logprobs_f32le: bin(4(m-1)), top_ids: [u32]*(m-1)k, top_logprobs_f32le: bin(4(m-1)k),
+                   top_n: uint k}  (an echo request's prompt logprobs: m prompt tokens, the first unscored)
     node_keyid:   hex (SHA-256 of the signer's raw public key; must be the envelope's signer)
     time_unix_ns: u64 (nanoseconds since the Unix epoch, UTC)
     version:      2
@@ -31,6 +33,12 @@ What the receipt binds, and why:
   each output position (k = the request's `logprobs`, or 0): token ids as u32le, logprobs as f32le, k per
   position, position-major. A verifier recomputes both; a client compares them with what it received.
 - `run` ties the receipt to the run manifests that must cover it (run_manifest.py).
+- `sampling.stop` (present only when the request had stop strings): the output ends at the first token whose
+  detokenized text contains one (vLLM's rule, detent_audit.engine.stop_strings), which a verifier recomputes
+  with the deployment's tokenizer; `output.text` is cut before it.
+- `scoring` (present only for an echo request): every prompt position's logprob bits and the top-k
+  alternatives it returned (ids and fp32 bits, most likely first; k = the request's `logprobs`). max_tokens
+  may be 0 only in a receipt that has it (the prompt scored, nothing drawn).
 
 Floats travel as IEEE-754 bits: temperature and top_p as the uint64 bits of their binary64 value (the exact
 Python float the request carried: no rounding; -0.0 and NaN payloads kept); logprobs as little-endian
@@ -83,6 +91,8 @@ _LIMITS = enc.Limits(max_bytes=MAX_PAYLOAD_BYTES, max_str_len=MAX_TEXT_BYTES, ma
 _SAMPLING_FIELDS = ("ignore_eos", "logprobs", "max_tokens", "stop_token_ids", "temperature_f64_bits", "top_k",
                     "top_p_f64_bits")
 _FIELDS = ("deployment", "node_keyid", "output", "request", "run", "time_unix_ns", "tuple", "version")
+_SCORING_FIELDS = ("logprobs_f32le", "top_ids", "top_logprobs_f32le", "top_n")
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,7 @@ class SamplingRecord:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):  # an int is taken as the float it equals
@@ -109,34 +120,44 @@ class SamplingRecord:
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidReceipt(f"request.sampling.top_p: expected a float in (0, 1], got {self.top_p!r}")
         enc.check_uint(self.top_k, "request.sampling.top_k", enc.UINT32_MAX)
-        enc.check_uint(self.max_tokens, "request.sampling.max_tokens", MAX_TOKENS, 1)
+        enc.check_uint(self.max_tokens, "request.sampling.max_tokens", MAX_TOKENS)  # 0: scoring only (echo)
         stop = enc.check_token_ids(self.stop_token_ids, "request.sampling.stop_token_ids", MAX_STOP_TOKENS)
         object.__setattr__(self, "stop_token_ids", stop)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidReceipt(f"request.sampling.ignore_eos: expected a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             enc.check_uint(self.logprobs, "request.sampling.logprobs", MAX_LOGPROBS)
+        if not isinstance(self.stop, (tuple, list)) or len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidReceipt(f"request.sampling.stop: expected at most {MAX_STOP_STRINGS} strings, "
+                                 f"got {enc.describe(self.stop)}")
+        object.__setattr__(self, "stop", tuple(enc.check_str(s, "request.sampling.stop", MAX_STOP_CHARS)
+                                               for s in self.stop))
 
     @classmethod
-    def from_params(cls, params: Any) -> SamplingRecord:
-        """From the engine's `SamplingParams` (read by attribute, so this module never imports the engine)."""
-        return cls(params.temperature, params.top_k, params.top_p, params.max_tokens,
-                   tuple(params.stop_token_ids), params.ignore_eos, params.logprobs)
+    def from_params(cls, params: Any, max_tokens: int | None = None) -> SamplingRecord:
+        """From the engine's `SamplingParams` (read by attribute, so this module never imports the engine);
+        `max_tokens` where the request's differs from the engine's (0 for an echo request that draws nothing)."""
+        return cls(params.temperature, params.top_k, params.top_p,
+                   params.max_tokens if max_tokens is None else max_tokens,
+                   tuple(params.stop_token_ids), params.ignore_eos, params.logprobs, tuple(getattr(params, "stop", ())))
 
     def _to_wire(self) -> dict[str, Any]:
-        return {"ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "max_tokens": self.max_tokens,
+        wire = {"ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "max_tokens": self.max_tokens,
                 "stop_token_ids": list(self.stop_token_ids), "top_k": self.top_k,
                 "temperature_f64_bits": enc.f64_to_bits(self.temperature),
                 "top_p_f64_bits": enc.f64_to_bits(self.top_p)}
+        return {**wire, "stop": list(self.stop)} if self.stop else wire
 
     @classmethod
     def _from_wire(cls, wire: Any) -> SamplingRecord:
-        w = enc.fields(wire, _SAMPLING_FIELDS, "request.sampling")
+        w = enc.fields(wire, _SAMPLING_FIELDS, "request.sampling", optional=("stop",))
+        if w["stop"] is not None and not w["stop"]:
+            raise InvalidReceipt("request.sampling.stop: present but empty (an absent key means no stop strings)")
         bits = {name: enc.check_uint(w[f"{name}_f64_bits"], f"request.sampling.{name}_f64_bits")
                 for name in ("temperature", "top_p")}
         temperature, top_p = enc.f64_from_bits(bits["temperature"]), enc.f64_from_bits(bits["top_p"])
         return cls(temperature, w["top_k"], top_p, w["max_tokens"], w["stop_token_ids"], w["ignore_eos"],
-                   w["logprobs"])
+                   w["logprobs"], tuple(w["stop"] or ()))
 
 
 def canonical_json(body: Any) -> bytes:
@@ -371,6 +392,64 @@ class OutputRecord:
 
 
 @dataclass(frozen=True)
+class ScoringRecord:
+    """An echo request's prompt logprobs: for each prompt token after the first, its fp32 logprob and the
+    top-n alternatives the response returned (ids, fp32 logprobs; most likely first)."""
+
+    logprobs_f32le: bytes             # 4 bytes per scored prompt position
+    top_n: int = 0
+    top_ids: tuple[int, ...] = ()     # top_n per position
+    top_logprobs_f32le: bytes = b""   # 4 bytes per entry of top_ids
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.logprobs_f32le, bytes) or len(self.logprobs_f32le) % 4:
+            raise InvalidReceipt(f"scoring.logprobs_f32le: expected 4 bytes per prompt position, "
+                                 f"got {enc.describe(self.logprobs_f32le)}")
+        enc.check_uint(self.top_n, "scoring.top_n", MAX_LOGPROBS)
+        ids = enc.check_token_ids(self.top_ids, "scoring.top_ids", MAX_TOKENS * 8)
+        object.__setattr__(self, "top_ids", ids)
+        if len(ids) != self.num_positions * self.top_n:
+            raise InvalidReceipt(f"scoring.top_ids: expected {self.top_n} per position ({self.num_positions * self.top_n}), "
+                                 f"got {len(ids)}")
+        if not isinstance(self.top_logprobs_f32le, bytes) or len(self.top_logprobs_f32le) != 4 * len(ids):
+            raise InvalidReceipt(f"scoring.top_logprobs_f32le: expected {4 * len(ids)} bytes (4 per top id), "
+                                 f"got {enc.describe(self.top_logprobs_f32le)}")
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.logprobs_f32le) // 4
+
+    @classmethod
+    def from_floats(cls, logprobs: Sequence[float], tops: Sequence[Sequence[tuple[int, float]]], top_n: int
+                    ) -> ScoringRecord:
+        """From Python floats (rounded to fp32) and, per position, the top-n (id, logprob) pairs."""
+        if any(len(t) != top_n for t in tops) or (top_n and len(tops) != len(logprobs)):
+            raise InvalidReceipt(f"scoring: expected {top_n} alternatives at each of {len(logprobs)} positions")
+        pairs = [pair for t in tops for pair in t]
+        return cls(enc.f32le_pack(logprobs), top_n, tuple(i for i, _ in pairs), enc.f32le_pack([v for _, v in pairs]))
+
+    @property
+    def logprobs(self) -> tuple[float, ...]:
+        return enc.f32le_unpack(self.logprobs_f32le)
+
+    @property
+    def tops(self) -> list[list[tuple[int, float]]]:
+        """Per position, its top-n (id, fp32 logprob) pairs."""
+        values, k = enc.f32le_unpack(self.top_logprobs_f32le), self.top_n
+        pairs = list(zip(self.top_ids, values))
+        return [pairs[i * k:(i + 1) * k] for i in range(self.num_positions)] if k else []
+
+    def _to_wire(self) -> dict[str, Any]:
+        return {"logprobs_f32le": self.logprobs_f32le, "top_ids": list(self.top_ids),
+                "top_logprobs_f32le": self.top_logprobs_f32le, "top_n": self.top_n}
+
+    @classmethod
+    def _from_wire(cls, wire: Any) -> ScoringRecord:
+        w = enc.fields(wire, _SCORING_FIELDS, "scoring")
+        return cls(w["logprobs_f32le"], w["top_n"], w["top_ids"], w["top_logprobs_f32le"])
+
+
+@dataclass(frozen=True)
 class Receipt:
     """One signed response; `deployment_facts` and `tuple_values` are kept frozen (read-only maps, tuples)."""
 
@@ -383,6 +462,7 @@ class Receipt:
     run: RunRecord
     node_keyid: str
     time_unix_ns: int
+    scoring: ScoringRecord | None = None  # an echo request's prompt logprobs
 
     def __post_init__(self) -> None:
         for name, where in (("deployment_facts", "deployment.facts"), ("tuple_values", "tuple.values")):
@@ -401,16 +481,31 @@ class Receipt:
                                  f"request.sampling.max_tokens ({self.request.sampling.max_tokens})")
         enc.check_digest(self.node_keyid, "node_keyid")
         enc.check_uint(self.time_unix_ns, "time_unix_ns")
+        if self.scoring is not None:
+            if not isinstance(self.scoring, ScoringRecord):
+                raise InvalidReceipt(f"scoring: expected a ScoringRecord, got {enc.describe(self.scoring)}")
+            if self.scoring.num_positions != len(self.request.prompt_token_ids) - 1:
+                raise InvalidReceipt(f"scoring: {self.scoring.num_positions} prompt logprobs for a prompt of "
+                                     f"{len(self.request.prompt_token_ids)} tokens (expected one per token after "
+                                     f"the first)")
+            if self.scoring.top_n != (self.request.sampling.logprobs or 0):
+                raise InvalidReceipt(f"scoring.top_n: {self.scoring.top_n} alternatives per prompt position, but "
+                                     f"the request asked for {self.request.sampling.logprobs or 0}")
+        elif self.request.sampling.max_tokens == 0:
+            raise InvalidReceipt("request.sampling.max_tokens: 0 only in a receipt that scores its prompt (scoring)")
 
     def to_bytes(self) -> bytes:
         """The canonical payload bytes (what the envelope signs)."""
-        return enc.pack({
+        payload = {
             "deployment": {"facts": self.deployment_facts, "hash": self.deployment_hash},
             "node_keyid": self.node_keyid, "output": self.output._to_wire(),
             "request": self.request._to_wire(), "run": self.run._to_wire(), "time_unix_ns": self.time_unix_ns,
             "tuple": {"hash": self.tuple_hash, "values": self.tuple_values},
             "version": SCHEMA_VERSION,
-        })
+        }
+        if self.scoring is not None:
+            payload["scoring"] = self.scoring._to_wire()
+        return enc.pack(payload)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Receipt:
@@ -418,7 +513,7 @@ class Receipt:
 
         This checks no signature: a verifier calls `verify_envelope`, which checks it first.
         """
-        w = enc.fields(enc.unpack(data, _LIMITS, what="receipt payload"), _FIELDS, "receipt")
+        w = enc.fields(enc.unpack(data, _LIMITS, what="receipt payload"), _FIELDS, "receipt", optional=("scoring",))
         if enc.check_uint(w["version"], "receipt.version") != SCHEMA_VERSION:
             raise InvalidReceipt(f"receipt: schema version {w['version']} is not supported (this release "
                                  f"reads version {SCHEMA_VERSION})", remedy="use the release the node ran")
@@ -426,7 +521,8 @@ class Receipt:
         tuple_ = enc.fields(w["tuple"], ("hash", "values"), "tuple")
         receipt = cls(deployment["facts"], deployment["hash"], tuple_["values"], tuple_["hash"],
                       RequestRecord._from_wire(w["request"]), OutputRecord._from_wire(w["output"]),
-                      RunRecord._from_wire(w["run"]), w["node_keyid"], w["time_unix_ns"])
+                      RunRecord._from_wire(w["run"]), w["node_keyid"], w["time_unix_ns"],
+                      None if w["scoring"] is None else ScoringRecord._from_wire(w["scoring"]))
         if receipt.to_bytes() != bytes(data):
             raise InvalidReceipt("receipt payload: not canonical msgpack (re-encoding it gives other bytes: "
                                  "key order, integer or length widths, or duplicate keys differ)")
@@ -456,13 +552,19 @@ class Receipt:
                                      "top_p": enc.f64_view(s.top_p), "top_k": s.top_k,
                                      "max_tokens": s.max_tokens,
                                      "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
-                                     "logprobs": s.logprobs}},
+                                     "logprobs": s.logprobs, "stop": list(s.stop)}},
             "output": {"token_ids": list(out.token_ids), "finish_reason": out.finish_reason,
                        "digest_sha256": out.digest, "text": out.text,
                        "top_logprobs": [[[i, enc.json_float(v)] for i, v in top] for top in out.top_logprobs],
                        "logprobs": {"f32le_hex": out.logprobs_f32le.hex(),
                                     "values": [enc.json_float(v) for v in out.logprobs]}},
         }
+        if self.scoring is not None:
+            sc = self.scoring
+            view["scoring"] = {"prompt_logprobs": {"f32le_hex": sc.logprobs_f32le.hex(),
+                                                   "values": [enc.json_float(v) for v in sc.logprobs]},
+                               "top_n": sc.top_n,
+                               "top_logprobs": [[[i, enc.json_float(v)] for i, v in t] for t in sc.tops]}
         return json.dumps(view, indent=indent, default=lambda b: {"bin_hex": b.hex()})  # bytes in facts
 
 

@@ -109,9 +109,7 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
                 for k in ("engine", "checkpoint", "runtime")}
     if isinstance(expected["checkpoint"], dict):
         expected["checkpoint"].pop("eos_token_ids", None)
-    fields = differing_fields(expected, static_facts(config))
-    if fields:
-        raise NotComparable(fields)
+    check_comparable(expected, static_facts(config))
     try:
         llm = LLM(config)  # (4): select_kernels refuses a tuple that is not legal for the solved pins
     except BadInput as exc:
@@ -120,13 +118,19 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
             raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
         raise
     local = collect_facts(llm)
-    fields = [f for f in differing_fields(dict(facts), local) if f not in DESCRIPTIVE_FIELDS]
+    check_comparable(dict(facts), local)
+    return llm
+
+
+def check_comparable(facts: Mapping[str, Any], local: Mapping[str, Any]) -> None:
+    """`NotComparable` naming every differing field but the descriptive ones; where the checkpoint differs,
+    the message says which `--model` the receipt was served from."""
+    fields = [f for f in differing_fields(facts, local) if f not in DESCRIPTIVE_FIELDS]
     if fields:
         message = f"deployment differs in {len(fields)} field(s): {', '.join(fields)}"
         if any(f.startswith("checkpoint.") for f in fields):
             message += "; " + served_from(facts, local)
         raise NotComparable(fields, message)
-    return llm
 
 
 DESCRIPTIVE_FIELDS = ("checkpoint.name", "checkpoint.source")

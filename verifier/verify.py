@@ -23,10 +23,13 @@ more than the available memory holds engines.
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import os
 import random
+import struct
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -34,21 +37,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import json
-import struct
-import time
-
 from detent_audit.engine.facts import facts_hash
 from detent_audit.engine.llm import EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.stop_strings import check_stop, output_text
 from detent_audit.engine.tuples import tuple_hash
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.errors import InvalidReceipt, ManifestMismatch
-from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.receipt import Receipt, verify_envelope
 from detent_audit.manifests.run_manifest import RunManifest, check_run, verify_run_manifest
-from detent_audit.verifier.compare import Divergence, first_divergence
+from detent_audit.verifier.compare import Divergence, first_divergence, prompt_divergence
 from detent_audit.verifier.reconstruct import NotComparable, reconstruct
 
 RECEIPT_SUFFIX, MANIFEST_SUFFIX = ".receipt", ".manifest"
@@ -204,27 +204,42 @@ def _receipt_problem(p: Path, r: Receipt, deployments: dict[str, dict | None] | 
 
 def _params(r: Receipt) -> SamplingParams:
     s = r.request.sampling
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=s.max_tokens,
+    # max_tokens 0 (an echo receipt that drew nothing): the engine's request draws one token, never compared
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=max(1, s.max_tokens),
                           seed=r.request.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                          logprobs=s.logprobs)
+                          logprobs=s.logprobs, stop=tuple(s.stop))
 
 
-def _finish_problem(r: Receipt, eos: set[int], max_model_len: int) -> str | None:
+def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Callable | None = None) -> str | None:
     """The stated finish must be the one generation reaches (the scheduler's rule): no stop token before the
-    end; 'stop' exactly when the last token is a stop token (a stop wins over a length limit); else 'length',
-    at max_tokens or where prompt and output fill the context."""
+    end, and no earlier token whose text completed a stop string (recomputed with the deployment's tokenizer,
+    `decode`); 'stop' exactly when the last token is a stop token or completes a stop string (a stop wins over
+    a length limit); else 'length', at max_tokens or where prompt and output fill the context."""
     s, tokens, reason = r.request.sampling, list(r.output.token_ids), r.output.finish_reason
     stops = set(s.stop_token_ids) | (set() if s.ignore_eos else eos)
     for i, t in enumerate(tokens[:-1]):
         if t in stops:
             return f"output token {i} ({t}) is a stop token, yet generation went on"
     if not tokens:
+        if s.max_tokens == 0 and r.scoring is not None and reason == "length":
+            return None  # echo only: the prompt scored, nothing drawn
         return "an empty output: the engine draws at least one token for every request it admits"
-    ends_on_stop = tokens[-1] in stops
+    if r.scoring is None and s.max_tokens == 0:
+        return "max_tokens 0 in a receipt that scores no prompt"
+    stopped_by_text = False
+    if s.stop:
+        if decode is None:
+            return "the receipt has stop strings, and no tokenizer was given to check them"
+        stopped_by_text, problem = check_stop(decode, tokens, s.stop)
+        if problem is not None:
+            return problem
+    ends_on_stop = tokens[-1] in stops or stopped_by_text
     if ends_on_stop and reason != "stop":
-        return f"the output ends on stop token {tokens[-1]}, so it finished with 'stop', not {reason!r}"
+        what = f"stop token {tokens[-1]}" if tokens[-1] in stops else "a token whose text completes a stop string"
+        return f"the output ends on {what}, so it finished with 'stop', not {reason!r}"
     if reason == "stop" and not ends_on_stop:
-        return "finish 'stop' without a stop token at the end"
+        return ("finish 'stop' without a stop token at the end" + (", and the output text contains none of the "
+                "stop strings (the node cut it early)" if s.stop else ""))
     total = len(r.request.prompt_token_ids) + len(tokens)
     if reason == "length" and len(tokens) != s.max_tokens and total < max_model_len:
         return (f"finish 'length' after {len(tokens)} of max_tokens={s.max_tokens} tokens, with {total} of the "
@@ -495,13 +510,19 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
             if "id" in body and str(body["id"]) != rid:
                 return f"the client's request has id {body['id']!r}, the receipt answers {rid!r}"
             _, ids, params = parse_line(body, rid, llm.tokenizer, max_len, vocab, "the client's request")
+            asked_max, echo = params.max_tokens, False
         else:
             chat = client.api.endswith("/chat/completions")
             if not rid.startswith("chatcmpl-" if chat else "cmpl-"):
                 return f"request id {rid!r} is not one the server gives a {client.api} response"
             name = body.get("model") if isinstance(body.get("model"), str) else ""
             parsed = parse_request(body, chat, Limits(name, max_len, vocab, max_prompt_chars), llm.tokenizer)
-            ids, params = parsed.prompt_ids, parsed.params
+            ids, params, asked_max, echo = parsed.prompt_ids, parsed.params, parsed.max_tokens, parsed.echo
+            if parsed.batched:  # a batch: the receipt of prompt i is named <response id>-<i>
+                index = rid.rsplit("-", 1)[-1]
+                if not (index.isdigit() and str(int(index)) == index and int(index) < len(parsed.prompts)):
+                    return f"request id {rid!r} names no prompt of the client's batch of {len(parsed.prompts)}"
+                ids = parsed.prompts[int(index)]
     except DetentError as exc:
         return (f"no front end of this deployment (context {max_len}) admits the client's request as bound: "
                 f"{exc.message}")
@@ -511,10 +532,11 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
     s = r.request.sampling
     ran = {"temperature": enc.f64_to_bits(s.temperature), "top_p": enc.f64_to_bits(s.top_p), "top_k": s.top_k,
            "max_tokens": s.max_tokens, "stop_token_ids": tuple(s.stop_token_ids), "ignore_eos": s.ignore_eos,
-           "logprobs": s.logprobs, "seed": r.request.seed}
+           "logprobs": s.logprobs, "seed": r.request.seed, "stop": tuple(s.stop), "echo": r.scoring is not None}
     asked = {"temperature": enc.f64_to_bits(params.temperature), "top_p": enc.f64_to_bits(params.top_p),
-             "top_k": params.top_k, "max_tokens": params.max_tokens, "stop_token_ids": tuple(params.stop_token_ids),
-             "ignore_eos": params.ignore_eos, "logprobs": params.logprobs, "seed": params.seed}
+             "top_k": params.top_k, "max_tokens": asked_max, "stop_token_ids": tuple(params.stop_token_ids),
+             "ignore_eos": params.ignore_eos, "logprobs": params.logprobs, "seed": params.seed,
+             "stop": tuple(params.stop), "echo": echo}
     if body.get("seed") is None:  # a seed the client left to the node is the node's draw (returned as `seed`)
         del ran["seed"], asked["seed"]
     differ = [k for k in ran if ran[k] != asked[k]]
@@ -524,7 +546,7 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
     k = r.output.top_k
     if r.output.token_ids and k != (s.logprobs or 0):
         return f"the response returned {k} alternatives per token, the request asked for {s.logprobs or 0}"
-    text = llm.tokenizer.decode(list(r.output.token_ids))
+    text, _ = output_text(llm.tokenizer.decode, list(r.output.token_ids), s.stop)  # cut at a stop string
     if text != r.output.text:
         return "the text returned is not the text of the output tokens"
     return None
@@ -552,24 +574,47 @@ def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[
     if max_chars is None:
         words = llm.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
         max_chars = llm._verify_max_prompt_chars = max_len * max(map(len, words), default=1)
-    problems = {p: _tuple_problem(r) or _vocabulary_problem(r, vocab) or _finish_problem(r, eos, max_len)
+    decode = llm.tokenizer.decode
+    problems = {p: _tuple_problem(r) or _vocabulary_problem(r, vocab) or _finish_problem(r, eos, max_len, decode)
                 or _binding_problem(r, llm, max_chars)
                 for p, r in batch}
     usable = [(p, r) for p, r in batch if problems[p] is None]
-    # (5): re-execute, all of the batch together
+    # (5): re-execute, all of the batch together. An echo receipt's prompt is scored by the same teacher-forced
+    # prefill (from its second token on, with its top-n), its output with it (rescore) or after it (replay)
+    scored = {p: _score_prompt(r, mode) for p, r in usable}
+    prompt_scores: dict[Path, Any] = {}
     if mode == "rescore":
-        got = llm.rescore_batch([(r.request.prompt_token_ids, r.output.token_ids) for _, r in usable],
-                                [_params(r) for _, r in usable])
-        results = {p: (res.tokens, res.logprobs, None, res.tops) for (p, _), res in zip(usable, got)}
+        jobs = [(p, r) for p, r in usable if scored[p] or r.output.token_ids]
+        got = llm.rescore_batch([_rescore_pair(r, scored[p]) for p, r in jobs], [_params(r) for _, r in jobs])
+        results = {p: (list(r.output.token_ids), [], None, []) for p, r in usable}
+        for (p, r), res in zip(jobs, got):
+            skip = len(r.request.prompt_token_ids) - 1 if scored[p] else 0  # the prompt's scores come first
+            results[p] = (res.tokens[skip:], res.logprobs[skip:], None, res.tops[skip:])
+            if scored[p]:
+                prompt_scores[p] = (res.logprobs[:skip], res.tops[:skip])
     else:
-        outs = llm.generate([list(r.request.prompt_token_ids) for _, r in usable], [_params(r) for _, r in usable])
-        results = {p: (o.token_ids, o.logprobs, o.finish_reason, o.top_logprobs) for (p, _), o in zip(usable, outs)}
+        drawn = [(p, r) for p, r in usable if r.output.token_ids]
+        outs = llm.generate([list(r.request.prompt_token_ids) for _, r in drawn], [_params(r) for _, r in drawn])
+        results = {p: ([], [], None, []) for p, _ in usable}
+        results.update({p: (o.token_ids, o.logprobs, o.finish_reason, o.top_logprobs)
+                        for (p, _), o in zip(drawn, outs)})
+        jobs = [(p, r) for p, r in usable if scored[p]]
+        got = llm.rescore_batch([_rescore_pair(r, True, with_output=False) for _, r in jobs],
+                                [_params(r) for _, r in jobs])
+        prompt_scores = {p: (res.logprobs, res.tops) for (p, _), res in zip(jobs, got)}
     out = []
     for p, r in batch:
         rid = r.request.request_id
         if problems[p] is not None:
             out.append(Outcome(str(p), "receipt", "FAIL", problems[p], rid))
             continue
+        if p in prompt_scores:
+            lps, tops = prompt_scores[p]
+            problem = prompt_divergence(list(r.request.prompt_token_ids), list(r.scoring.logprobs), lps,
+                                        r.scoring.tops, tops if r.scoring.top_n else [])
+            if problem is not None:
+                out.append(Outcome(str(p), "receipt", "FAIL", problem, rid))
+                continue
         tokens, lps, finish, tops = results[p]
         # (6): compare token ids and logprob bits, the alternatives returned (and, replayed, the finish reason)
         div = first_divergence(list(r.output.token_ids), list(r.output.logprobs), list(tokens), list(lps))
@@ -582,9 +627,22 @@ def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[
             out.append(Outcome(str(p), "receipt", "FAIL", f"finish reason {r.output.finish_reason!r}, replay "
                                                            f"finished with {finish!r}", rid))
         else:
+            scored_note = f", {r.scoring.num_positions} prompt positions" if r.scoring is not None else ""
             out.append(Outcome(str(p), "receipt", "OK", f"request {rid}: the client's request, {len(tokens)} tokens, "
-                                                       f"text and bits equal ({mode})", rid))
+                                                       f"text and bits equal{scored_note} ({mode})", rid))
     return out
+
+
+def _score_prompt(r: Receipt, mode: str) -> bool:
+    """Whether `r`'s prompt scores are re-executed: an echo receipt with at least one scored position."""
+    return r.scoring is not None and r.scoring.num_positions > 0
+
+
+def _rescore_pair(r: Receipt, score_prompt: bool, with_output: bool = True) -> tuple[list[int], list[int]]:
+    """The (prefix, targets) of `r`'s teacher-forced prefill: after the first prompt token, the rest of the
+    prompt and the output (echo), or after the prompt, the output."""
+    prompt, output = list(r.request.prompt_token_ids), list(r.output.token_ids) if with_output else []
+    return (prompt[:1], prompt[1:] + output) if score_prompt else (prompt, output)
 
 
 def _check_manifest(path: Path, trusted: dict, opened: dict[Path, Receipt]

@@ -23,7 +23,9 @@ from detent_audit.kernels import sampling as sampling_ops
 class ScoreSpec:
     """A rescoring sequence: score `targets`, the tokens at positions `first`, `first + 1`, ...; they were
     drawn with `params`. The sequence holds the prompt and every target but the last (the last one's logits
-    are those of the position before it), so a response that filled the context is rescored within it."""
+    are those of the position before it), so a response that filled the context is rescored within it; or,
+    for a served prompt's logprobs (echo), the prompt, every token of it from `first` on a target, and samples
+    after it."""
 
     first: int
     params: SamplingParams
@@ -120,7 +122,7 @@ class ModelRunner:
             sid = e.seq.seq_id
             if sid in score_from:
                 spec = score_from[sid]
-                for p in range(max(e.start_pos, spec.first - 1), e.end_pos):
+                for p in range(max(e.start_pos, spec.first - 1), min(e.end_pos, spec.first - 1 + len(spec.targets))):
                     rows.append(cu[i] + p - e.start_pos)
                     teacher.append(spec.targets[p + 1 - spec.first])
                     owners.append((sid, "score"))

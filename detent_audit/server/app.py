@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -37,7 +38,9 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from detent_audit.engine.stop_strings import find_stop
 from detent_audit.errors import BadInput
+from detent_audit.manifests.receipt import MAX_CLIENT_BODY, ClientRequest
 from detent_audit.server.async_engine import (
     AsyncEngine,
     EngineClosed,
@@ -46,7 +49,6 @@ from detent_audit.server.async_engine import (
     QueueFull,
     RequestHandle,
 )
-from detent_audit.manifests.receipt import MAX_CLIENT_BODY, ClientRequest
 from detent_audit.server.node import ServingNode, SignedReceipt, StorageFailed
 from detent_audit.server.protocol import InvalidRequest, Limits, ParsedRequest, parse_request, unique_keys
 from detent_audit.server.responses import (
@@ -183,38 +185,86 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if node.storage_error is not None:  # its receipt could not be written: refuse before computing
                 raise StorageFailed(node.storage_error)
-            handle = engine.submit(req.prompt_ids, req.params, rid)
+            # a batch: one engine request (and one receipt) per prompt, named <id>-<index>
+            rids = [f"{rid}-{i}" for i in range(len(req.prompts))] if req.batched else [rid]
+            handles: list[RequestHandle] = []
+            try:
+                for prompt_ids, one_rid in zip(req.prompts, rids):
+                    handles.append(engine.submit(prompt_ids, req.params, one_rid, score_prompt=req.echo))
+            except EngineUnavailable:
+                for handle in handles:
+                    handle.cancel()
+                raise
         except (BadInput, EngineUnavailable, StorageFailed) as exc:
             return _error(exc)
         try:
             if req.stream:
+                handle = handles[0]
                 await handle.admitted()  # a request the scheduler refuses still gets a 400, not a broken stream
                 return StreamingResponse(stream(req, handle, rid, client), media_type="text/event-stream",
                                          headers={RECEIPT_HEADER: rid, "Cache-Control": "no-cache"})
-            out = await _result_unless_gone(request, handle)
+            outs = [await _result_unless_gone(request, handle) for handle in handles]
         except (BadInput, EngineUnavailable, EngineFailed) as exc:
+            for handle in handles:  # the response fails whole: no prompt of it is answered, none signed
+                handle.cancel()
             return _error(exc)
         except BaseException:
-            handle.cancel()
+            for handle in handles:
+                handle.cancel()
             raise
-        try:
-            signed = await run_in_threadpool(node.sign, out, req.params, rid, client)  # (4): durable first
-        except StorageFailed as exc:
-            return _error(exc)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason}
-        if chat:
+        choices, signed_all, prompt_tokens, completion_tokens = [], [], 0, 0
+        for index, (out, one_rid) in enumerate(zip(outs, rids)):
+            if req.max_tokens == 0:  # echo only: the token the engine drew is neither returned nor signed
+                out = dataclasses.replace(out, token_ids=[], logprobs=[], top_logprobs=[], text="",
+                                          finish_reason="length")
+            try:  # (4): durable before answering
+                signed = await run_in_threadpool(node.sign, out, req.params, one_rid, client, max_tokens=req.max_tokens)
+            except StorageFailed as exc:
+                return _error(exc)
+            signed_all.append(signed)
+            prompt_tokens, completion_tokens = prompt_tokens + len(out.prompt_token_ids), completion_tokens + len(out.token_ids)
+            choices.append(choice_body(req, out, index, signed))
+        body = {**head(rid, chat, chunk=False, created=int(time.time())), "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens), "seed": req.params.seed}
+        if req.batched:  # each choice carries its own receipt id and proof
+            body["receipt_ids"] = [s.receipt_id for s in signed_all]
+            return _json(body, headers={RECEIPT_HEADER: ",".join(s.receipt_id for s in signed_all)})
+        body.update(receipt_id=signed_all[0].receipt_id, receipt=signed_all[0].client_proof)
+        return _json(body, headers=receipt_headers(signed_all[0]))
+
+    def choice_body(req: ParsedRequest, out: Any, index: int, signed: Any) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason,
+                                  "stop_reason": _stop_reason(out, req, engine.tokenizer.decode)}
+        if req.chat:
             choice["message"] = {"role": "assistant", "content": out.text}
             choice["logprobs"] = (chat_logprobs(fmt, out.token_ids, out.logprobs, _tops(out, req), req.tokens_as_ids)
                                   if req.logprobs else None)
-        else:
+        elif not req.echo:
             choice["text"] = out.text
             choice["logprobs"] = (completion_logprobs(fmt, out.token_ids, out.logprobs, _tops(out, req),
                                                       TextStream(engine.tokenizer).offsets(out.token_ids),
                                                       req.tokens_as_ids) if req.logprobs else None)
-        return _json({**head(rid, chat, chunk=False, created=int(time.time())), "choices": [choice],
-                      "usage": usage(len(out.prompt_token_ids), len(out.token_ids)),
-                      "receipt_id": signed.receipt_id, "seed": req.params.seed, "receipt": signed.client_proof},
-                     headers=receipt_headers(signed))
+        else:  # echo: the prompt first, its first token without a logprob (nothing precedes it), as vLLM does
+            text = req.prompt_texts[index]
+            prompt_text = engine.tokenizer.decode(out.prompt_token_ids) if text is None else text
+            choice["text"] = prompt_text + out.text
+            if req.logprobs:
+                ids = [*out.prompt_token_ids, *out.token_ids]
+                prompt_tops = out.prompt_top_logprobs if req.params.logprobs else [[] for _ in out.prompt_logprobs]
+                block = completion_logprobs(fmt, ids[1:], [*out.prompt_logprobs, *out.logprobs],
+                                            [*prompt_tops, *_tops(out, req)], [], req.tokens_as_ids)
+                first = fmt.text(ids[0], req.tokens_as_ids)
+                offsets = TextStream(engine.tokenizer).offsets(out.prompt_token_ids)
+                offsets += [len(prompt_text) + o for o in TextStream(engine.tokenizer).offsets(out.token_ids)]
+                choice["logprobs"] = {"tokens": [first, *block["tokens"]],
+                                      "token_logprobs": [None, *block["token_logprobs"]],
+                                      "top_logprobs": [None, *block["top_logprobs"]], "text_offset": offsets}
+            else:
+                choice["logprobs"] = None
+        choice["receipt_id"] = signed.receipt_id
+        if req.batched:
+            choice["receipt"] = signed.client_proof
+        return choice
 
     def head(rid: str, chat: bool, chunk: bool, created: int) -> dict[str, Any]:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
@@ -223,7 +273,7 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
 
     async def stream(req: ParsedRequest, handle: RequestHandle, rid: str, client: ClientRequest
                      ) -> AsyncIterator[str]:
-        text, created = TextStream(engine.tokenizer), int(time.time())
+        text, created = TextStream(engine.tokenizer, req.params.stop), int(time.time())
 
         def chunk(piece: str, logprobs: Any, finish: str | None, **extra: Any) -> str:
             choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
@@ -321,6 +371,17 @@ async def _result_unless_gone(request: Request, handle: RequestHandle) -> Any:
     finally:
         if not result.done():
             result.cancel()
+
+
+def _stop_reason(out: Any, req: ParsedRequest, decode: Any) -> str | int | None:
+    """What stopped the output, as vLLM reports it: the stop string its text contained, a stop token id, or
+    None (EOS or length)."""
+    if out.finish_reason != "stop" or not out.token_ids:
+        return None
+    if out.token_ids[-1] in req.params.stop_token_ids:
+        return out.token_ids[-1]
+    hit = find_stop(decode(out.token_ids), req.params.stop) if req.params.stop else None
+    return None if hit is None else hit.stop
 
 
 def _tops(out: Any, req: ParsedRequest) -> list[list[tuple[int, float]]]:

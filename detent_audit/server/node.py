@@ -46,6 +46,7 @@ from detent_audit.manifests.receipt import (
     RequestRecord,
     RunRecord,
     SamplingRecord,
+    ScoringRecord,
     sign_receipt,
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest, verify_run_manifest
@@ -68,6 +69,12 @@ def tuple_values(llm: LLM) -> dict[str, dict[str, Any]]:
     return {"mode": {"name": llm.config.mode}, **llm.selection.tuple}
 
 
+def scoring_record(output: RequestOutput, params: SamplingParams) -> ScoringRecord | None:
+    """The scoring record of an echo request's output (its prompt logprobs and their top-n); else None."""
+    if output.prompt_logprobs is None:
+        return None
+    top_n = params.logprobs or 0
+    return ScoringRecord.from_floats(output.prompt_logprobs, output.prompt_top_logprobs if top_n else [], top_n)
 def published_deployment(facts: dict[str, Any]) -> bytes:
     """The file `serve --publish-deployment` writes: the facts and their hash, as canonical JSON."""
     doc = {"format": "detent-audit published deployment v1", "facts": facts, "hash": facts_hash(facts)}
@@ -126,9 +133,11 @@ class ServingNode:
     # ---- signing
 
     def sign(self, output: RequestOutput, params: SamplingParams, request_id: str | None = None,
-             client: ClientRequest | None = None) -> SignedReceipt:
+             client: ClientRequest | None = None, *, max_tokens: int | None = None) -> SignedReceipt:
         """Sign and durably write the receipt of one finished request; returns where it is. `client`: the
-        request as its client sent it (api and body). Raises `StorageFailed` when it cannot be written."""
+        request as its client sent it (api and body). Raises `StorageFailed` when it cannot be written. An
+        output with prompt logprobs (echo) gets a scoring record; `max_tokens`: the request's, where it asked
+        for 0 (the engine drew a token the response does not return, and `output` holds none)."""
         receipt_id = request_id or uuid.uuid4().hex
         if not RECEIPT_ID.fullmatch(receipt_id):
             raise BadInput(f"request id {receipt_id!r} cannot name a receipt file",
@@ -136,9 +145,10 @@ class ServingNode:
         if client is None:
             raise BadInput("a receipt binds the client's request: pass client=ClientRequest.of(api, body)")
         request = RequestRecord(receipt_id, client, tuple(output.prompt_token_ids),
-                                SamplingRecord.from_params(params), params.seed)
+                                SamplingRecord.from_params(params, max_tokens), params.seed)
         out = OutputRecord.from_floats(output.token_ids, output.logprobs, output.finish_reason or "length",
                                        output.text, output.top_logprobs if params.logprobs else ())
+        scoring = scoring_record(output, params)
         path = self.receipt_path(receipt_id)
         with self._lock:
             if self._lock_fd is None:
@@ -148,7 +158,7 @@ class ServingNode:
             receipt = Receipt(deployment_facts=self.facts, deployment_hash=self.facts_hash,
                               tuple_values=self.tuple, tuple_hash=self.tuple_hash, request=request, output=out,
                               run=RunRecord(self.run_id, self._seq), node_keyid=self.keyid,
-                              time_unix_ns=time.time_ns())
+                              time_unix_ns=time.time_ns(), scoring=scoring)
             envelope = sign_receipt(receipt, self.key)
             self._write(path, envelope, "receipt")
             self._seq += 1

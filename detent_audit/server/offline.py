@@ -1,7 +1,8 @@
 """`detent-audit serve --input prompts.jsonl`: serve a file of requests, sign a receipt for each.
 
 Input lines: `{"id"?, "prompt": str | "prompt_token_ids": [int] | "messages": [{role, content}], "max_tokens"?,
-"temperature"?, "top_p"?, "top_k"?, "seed"?, "logprobs"?, "stop_token_ids"?, "ignore_eos"?}`. Output lines (one
+"temperature"?, "top_p"?, "top_k"?, "seed"?, "logprobs"?, "stop_token_ids"?, "stop"? (strings, as the HTTP
+server takes them), "ignore_eos"?}`. Output lines (one
 per request, in input order, written after its receipt is on disk): `{"id", "text", "token_ids", "logprobs",
 "top_logprobs" (with "logprobs": n), "finish_reason", "seed", "receipt_id", "receipt"}` (a sampled line without
 a seed gets a fresh one, recorded in its receipt). A bad line, or an id that has
@@ -23,7 +24,7 @@ from detent_audit.manifests.receipt import ClientRequest
 from detent_audit.server.node import RECEIPT_ID, ServingNode
 from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
 
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids", "ignore_eos")
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids", "ignore_eos", "stop")
 _PROMPT = ("prompt", "prompt_token_ids", "messages")
 
 
@@ -92,6 +93,8 @@ def parse_line(obj: Any, default_id: str, tokenizer: Any, max_len: int, vocab_si
         kwargs: dict[str, Any] = {k: obj[k] for k in _SAMPLING if k in obj}
         if "stop_token_ids" in kwargs:
             kwargs["stop_token_ids"] = tuple(check_token_ids(kwargs["stop_token_ids"], "stop_token_ids", limits))
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = [kwargs["stop"]]
         kwargs = {"temperature": 0.0, **kwargs}
         kwargs["seed"] = seed_for(kwargs["temperature"], kwargs.get("seed"))
         params = SamplingParams(**kwargs)

@@ -17,7 +17,12 @@ from detent_audit.engine.facts import collect_facts, facts_hash
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
-from detent_audit.manifests.receipt import ClientRequest, OutputRecord, RunRecord, sign_receipt, verify_envelope
+from detent_audit.manifests.receipt import (
+    OutputRecord,
+    RunRecord,
+    sign_receipt,
+    verify_envelope,
+)
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline

@@ -15,7 +15,13 @@ from detent_audit.cli import app
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.tuples import save_tuple
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
-from detent_audit.manifests.receipt import ClientRequest, OutputRecord, RunRecord, sign_receipt, verify_envelope
+from detent_audit.manifests.receipt import (
+    ClientRequest,
+    OutputRecord,
+    RunRecord,
+    sign_receipt,
+    verify_envelope,
+)
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline
 
@@ -546,7 +552,6 @@ def test_a_sample_is_unpredictable_unless_its_seed_is_given_and_a_run_answers_ea
                                                                                               tmp_path) -> None:
     """--sample draws its seed at random and reports it; --seed repeats that sample. A run manifest whose
     receipts answer one request id twice (a node keeping the draw it liked) FAILs."""
-    import shutil
 
     seeds, picks = set(), {}
     for _ in range(3):
