@@ -10,7 +10,7 @@ DEPLOYMENT ?= manifests/deployments/llama-3.1-70b-instruct-tp4-h100-sglang.toml
 DEMO := out/demo
 CLI := $(VENV)/bin/detent-audit
 
-.PHONY: demo demo-vllm solve test test-triton lint bench clean
+.PHONY: demo demo-vllm solve test test-slow test-triton lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -49,8 +49,13 @@ demo-vllm: $(VENV)/.installed
 solve: $(VENV)/.installed
 	$(CLI) solve --deployment $(DEPLOYMENT)
 
+# CI's tier: everything but the tests marked slow (the real model's battery, lm-eval end to end, SIGKILL
+# under load); `make test-slow` runs those
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -p no:cacheprovider tests
+	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -p no:cacheprovider -m slow tests
 
 # the Triton kernels checked without a GPU (not in CI: it installs Triton): every kernel compiled for sm90
 # ahead of time, and the attention and MoE logic run in Triton's interpreter (each tier in its own process)

@@ -21,8 +21,6 @@ from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.named_models import REAL_MODEL, resolve_model, wheel_gguf
 from detent_audit.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
-
 # fp32 logprobs of the engine and of transformers on the same tokens differ by the order of their sums only
 LOGPROB_ATOL = 2e-3
 LOGIT_TIE = 1e-2
@@ -163,6 +161,7 @@ def test_greedy_continuations_and_logprobs_equal_transformers(engine: LLM, hf_mo
     assert len(parted) <= 2, parted  # near ties are rare: most continuations are equal to the last token
 
 
+@pytest.mark.slow  # 35 cells of the 135M model per dtype: `make test-slow`
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_battery_passes_35_of_35_in_detent_mode(dtype: str) -> None:
     llm = LLM(EngineConfig(model=REAL_MODEL, mode="detent", dtype=dtype, max_num_seqs=40))
