@@ -56,7 +56,8 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Print the running engine's deployment facts and their hash."""
-    from detent_audit.engine.facts import collect_facts, facts_hash
+    from detent_audit.engine.facts import collect_facts
+    from detent_audit.manifests.encoding import facts_hash
 
     llm = _engine(model, mode, dtype, threads, tuple_file, device=device)
     facts = collect_facts(llm)
