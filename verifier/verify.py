@@ -37,14 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.facts import facts_hash
+from detent_audit.engine.finish import FinishCause, finish_cause
 from detent_audit.engine.llm import EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.stop_strings import check_stop, output_text
-from detent_audit.engine.tuples import tuple_hash
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import encoding as enc
+from detent_audit.manifests.deployment import DTYPE_BYTES, decoder_parameters
 from detent_audit.manifests.dsse import read_envelope_bytes
+from detent_audit.manifests.encoding import facts_hash, tuple_hash
 from detent_audit.manifests.errors import InvalidReceipt, ManifestMismatch
 from detent_audit.manifests.receipt import Receipt, verify_envelope
 from detent_audit.manifests.run_manifest import RunManifest, check_run, verify_run_manifest
@@ -56,6 +58,8 @@ BATCH = 64  # requests re-executed together
 EARLIEST_UNIX_NS = 1_577_836_800 * 10**9  # 2020-01-01T00:00:00Z: no receipt is older than this release line
 CLOCK_SKEW_NS = 600 * 10**9  # a receipt may be dated this far after the verifier's clock
 MAX_DEPLOYMENT_FILE = 16 << 20
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+               "num_experts", "moe_intermediate_size")
 _ENGINE_OVERHEAD = 512 << 20  # bytes a worker's engine needs besides its weights (torch, KV pool, activations)
 
 
@@ -168,11 +172,11 @@ def load_deployments(specs: Iterable[str]) -> dict[str, dict | None]:
     out: dict[str, dict | None] = {}
     for spec in specs:
         spec = str(spec)
-        if len(spec) == 64 and enc.HEX_DIGITS.issuperset(spec):
+        if len(spec) == 64 and dec.HEX_DIGITS.issuperset(spec):
             out.setdefault(spec, None)
             continue
         try:
-            doc = json.loads(enc.read_bounded(spec, MAX_DEPLOYMENT_FILE, what="published deployment"))
+            doc = json.loads(dec.read_bounded(spec, MAX_DEPLOYMENT_FILE, what="published deployment"))
         except InvalidReceipt as exc:
             raise BadInput(exc.message, remedy="pass a deployment hash (64 hex digits) or the file that "
                                                "`detent-audit serve --publish-deployment FILE` wrote") from None
@@ -211,15 +215,16 @@ def _params(r: Receipt) -> SamplingParams:
 
 
 def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Callable | None = None) -> str | None:
-    """The stated finish must be the one generation reaches (the scheduler's rule): no stop token before the
+    """The stated finish must be the one generation reaches (the scheduler's rule, engine/finish.py): no stop token before the
     end, and no earlier token whose text completed a stop string (recomputed with the deployment's tokenizer,
     `decode`); 'stop' exactly when the last token is a stop token or completes a stop string (a stop wins over
     a length limit); else 'length', at max_tokens or where prompt and output fill the context."""
     s, tokens, reason = r.request.sampling, list(r.output.token_ids), r.output.finish_reason
-    stops = set(s.stop_token_ids) | (set() if s.ignore_eos else eos)
+    prompt = len(r.request.prompt_token_ids)
     for i, t in enumerate(tokens[:-1]):
-        if t in stops:
-            return f"output token {i} ({t}) is a stop token, yet generation went on"
+        early = finish_cause(t, i + 1, prompt + i + 1, s, eos, max_model_len)
+        if early is not None:
+            return f"output token {i} ({t}) finishes generation ({early.value}), yet generation went on"
     if not tokens:
         if s.max_tokens == 0 and r.scoring is not None and reason == "length":
             return None  # echo only: the prompt scored, nothing drawn
@@ -233,15 +238,15 @@ def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Calla
         stopped_by_text, problem = check_stop(decode, tokens, s.stop)
         if problem is not None:
             return problem
-    ends_on_stop = tokens[-1] in stops or stopped_by_text
-    if ends_on_stop and reason != "stop":
-        what = f"stop token {tokens[-1]}" if tokens[-1] in stops else "a token whose text completes a stop string"
+    total = prompt + len(tokens)
+    cause = finish_cause(tokens[-1], len(tokens), total, s, eos, max_model_len, stop_string=stopped_by_text)
+    if cause is not None and cause.reason == "stop" and reason != "stop":
+        what = f"{cause.value} ({tokens[-1]})" if cause is not FinishCause.STOP_STRING else cause.value
         return f"the output ends on {what}, so it finished with 'stop', not {reason!r}"
-    if reason == "stop" and not ends_on_stop:
+    if reason == "stop" and (cause is None or cause.reason != "stop"):
         return ("finish 'stop' without a stop token at the end" + (", and the output text contains none of the "
                 "stop strings (the node cut it early)" if s.stop else ""))
-    total = len(r.request.prompt_token_ids) + len(tokens)
-    if reason == "length" and len(tokens) != s.max_tokens and total < max_model_len:
+    if reason == "length" and cause is None:
         return (f"finish 'length' after {len(tokens)} of max_tokens={s.max_tokens} tokens, with {total} of the "
                 f"context's {max_model_len} used")
     return None
@@ -393,12 +398,9 @@ def _engine_bytes(facts: Any) -> int:
     page size and the dtype) and the overhead."""
     try:
         m = facts["deployment"]["model"]
-        h, layers, hd = m["hidden_size"], m["num_layers"], m["head_dim"]
-        attention = h * hd * (2 * m["num_heads"] + 2 * m["num_kv_heads"])
-        mlp = (3 * h * m["moe_intermediate_size"] * m["num_experts"] + h * m["num_experts"] if m["num_experts"]
-               else 3 * h * m["intermediate_size"])
-        params = layers * (attention + mlp) + 2 * m["vocab_size"] * h
-        width = 2 if facts["runtime"]["dtype"] in ("bfloat16", "float16") else 4
+        layers, hd = m["num_layers"], m["head_dim"]
+        params = decoder_parameters(**{k: m[k] for k in _SHAPE_KEYS})
+        width = DTYPE_BYTES.get(facts["runtime"]["dtype"], 4)
         kv_pool = EngineConfig.num_kv_blocks * facts["scheduler"]["block_size"] * layers * 2 * m["num_kv_heads"] * hd
     except (KeyError, TypeError):
         return _ENGINE_OVERHEAD
