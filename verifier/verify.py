@@ -41,6 +41,7 @@ from detent_audit.engine.finish import FinishCause, finish_cause
 from detent_audit.engine.llm import EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.stop_strings import check_stop, output_text
+from detent_audit.enums import ExitCode, Verdict
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import encoding as enc
@@ -69,7 +70,7 @@ class Outcome:
 
     path: str
     kind: str                      # receipt | manifest
-    status: str                    # OK | FAIL | BAD | NOT_COMPARABLE
+    status: str                    # a Verdict: OK | FAIL | BAD | NOT_COMPARABLE
     message: str = ""
     request_id: str | None = None
     divergence: Divergence | None = None
@@ -107,12 +108,11 @@ class Report:
     coverage: Coverage = field(default_factory=Coverage)
 
     @property
-    def exit_code(self) -> int:
-        statuses = {o.status for o in self.outcomes}
-        return 1 if "FAIL" in statuses else 2 if "BAD" in statuses else 3 if "NOT_COMPARABLE" in statuses else 0
+    def exit_code(self) -> ExitCode:
+        return ExitCode.of({o.status for o in self.outcomes})
 
     def counts(self) -> dict[str, int]:
-        return {s: sum(o.status == s for o in self.outcomes) for s in ("OK", "FAIL", "BAD", "NOT_COMPARABLE")}
+        return {v.value: sum(o.status == v for o in self.outcomes) for v in Verdict}
 
 
 def collect(paths: Iterable[str | Path], in_folders: set[Path] | None = None
