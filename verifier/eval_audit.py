@@ -382,7 +382,9 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     import time
 
     from detent_audit.engine.tokenizer import Tokenizer
-    from detent_audit.verifier.verify import _open_receipt, collect, verify
+    from detent_audit.verifier.plan import collect
+    from detent_audit.verifier.receipt_file import open_receipt
+    from detent_audit.verifier.verify import verify
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -395,12 +397,13 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
         raise BadInput(f"{results_path}: its samples files name no task of its results")
     samples = {t: read_samples(sample_paths[t]) for t in tasks}
     # (3), first half: every receipt opened (signature, schema, hashes)
-    receipt_paths, _, bad = collect(receipts)
+    files = collect(receipts)
+    receipt_paths, bad = files.receipts, files.bad
     opened: dict[Path, Any] = {}
     failed_open: dict[Path, str] = {o.path: o.message for o in bad}
     for p in receipt_paths:
         try:
-            opened[p] = _open_receipt(p, trusted)
+            opened[p] = open_receipt(p, trusted)
         except DetentError as exc:
             failed_open[p] = exc.message
     if not opened:
