@@ -27,6 +27,7 @@ from typing import NamedTuple
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.errors import BadSignature, InvalidReceipt, UntrustedKey
 from detent_audit.manifests.keys import keyid as keyid_of
@@ -37,7 +38,7 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 MAX_ENVELOPE_BYTES = MAX_PAYLOAD_BYTES + 1024  # the payload plus its type, one signature and the headers
 MAX_PAYLOAD_TYPE_LEN = 256
 SIGNATURE_LEN = 64
-_LIMITS = enc.Limits(max_bytes=MAX_ENVELOPE_BYTES, max_str_len=MAX_PAYLOAD_TYPE_LEN,
+_LIMITS = dec.Limits(max_bytes=MAX_ENVELOPE_BYTES, max_str_len=MAX_PAYLOAD_TYPE_LEN,
                      max_bin_len=MAX_PAYLOAD_BYTES, max_array_len=16, max_map_len=16, max_objects=64)
 _ENVELOPE_FIELDS = ("payload", "payloadType", "signatures")
 _SIGNATURE_FIELDS = ("keyid", "sig")
@@ -63,10 +64,10 @@ class Envelope:
     signature: bytes
 
     def __post_init__(self) -> None:
-        enc.check_str(self.payload_type, "envelope.payloadType", MAX_PAYLOAD_TYPE_LEN)
+        dec.check_str(self.payload_type, "envelope.payloadType", MAX_PAYLOAD_TYPE_LEN)
         if not isinstance(self.payload, bytes) or len(self.payload) > MAX_PAYLOAD_BYTES:
             raise InvalidReceipt(f"envelope.payload: expected at most {MAX_PAYLOAD_BYTES} bytes")
-        enc.check_digest(self.keyid, "envelope.signatures[0].keyid")
+        dec.check_digest(self.keyid, "envelope.signatures[0].keyid")
         if not isinstance(self.signature, bytes) or len(self.signature) != SIGNATURE_LEN:
             raise InvalidReceipt(f"envelope.signatures[0].sig: expected {SIGNATURE_LEN} signature bytes")
 
@@ -81,12 +82,12 @@ class Envelope:
 
         Does not check the signature: call `verify`.
         """
-        wire = enc.unpack(data, _LIMITS, what="envelope", error=error)
-        wire = enc.fields(wire, _ENVELOPE_FIELDS, "envelope", error=error)
+        wire = dec.unpack(data, _LIMITS, what="envelope", error=error)
+        wire = dec.fields(wire, _ENVELOPE_FIELDS, "envelope", error=error)
         signatures = wire["signatures"]
         if not isinstance(signatures, list) or len(signatures) != 1:
             raise error("envelope.signatures: expected exactly one signature")
-        signature = enc.fields(signatures[0], _SIGNATURE_FIELDS, "envelope.signatures[0]", error=error)
+        signature = dec.fields(signatures[0], _SIGNATURE_FIELDS, "envelope.signatures[0]", error=error)
         try:
             envelope = cls(wire["payloadType"], wire["payload"], signature["keyid"], signature["sig"])
         except InvalidReceipt as exc:
@@ -161,4 +162,4 @@ def sign_envelope(payload_type: str, payload: bytes, private_key: Ed25519Private
 
 def read_envelope_bytes(path: str | Path, *, error: type[InvalidReceipt] = InvalidReceipt) -> bytes:
     """An envelope file's bytes, refused before reading when larger than `MAX_ENVELOPE_BYTES`."""
-    return enc.read_bounded(path, MAX_ENVELOPE_BYTES, what="signed envelope", error=error)
+    return dec.read_bounded(path, MAX_ENVELOPE_BYTES, what="signed envelope", error=error)

@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import dsse
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.errors import BadSignature, InvalidManifest, ManifestMismatch
@@ -48,7 +49,7 @@ from detent_audit.manifests.receipt import MAX_REQUEST_ID_LEN, Receipt
 SCHEMA_VERSION = 2
 KINDS = ("rotation", "final", "recovery")
 MAX_RUN_RECEIPTS = 1 << 19  # 67 bytes each keeps a manifest under MAX_PAYLOAD_BYTES; split larger runs
-_LIMITS = enc.Limits(max_bytes=dsse.MAX_PAYLOAD_BYTES, max_str_len=1024, max_bin_len=0,
+_LIMITS = dec.Limits(max_bytes=dsse.MAX_PAYLOAD_BYTES, max_str_len=1024, max_bin_len=0,
                      max_array_len=MAX_RUN_RECEIPTS, max_map_len=16, max_objects=MAX_RUN_RECEIPTS + 64)
 _FIELDS = ("deployment_hash", "kind", "merkle_root", "node_keyid", "output_tokens", "prompt_tokens",
            "receipt_count", "receipt_digests", "run_id", "seq_first", "seq_last", "time_unix_ns", "tuple_hash",
@@ -88,29 +89,29 @@ class RunManifest:
     seq_last: int = 0
 
     def __post_init__(self) -> None:
-        enc.check_str(self.run_id, "run_id", MAX_REQUEST_ID_LEN, error=InvalidManifest)
+        dec.check_str(self.run_id, "run_id", MAX_REQUEST_ID_LEN, error=InvalidManifest)
         digests = self.receipt_digests
         if not isinstance(digests, (list, tuple)) or len(digests) > MAX_RUN_RECEIPTS:
             raise InvalidManifest(f"receipt_digests: expected at most {MAX_RUN_RECEIPTS} digests, "
-                                  f"got {enc.describe(digests)}")
+                                  f"got {dec.describe(digests)}")
         for i, digest in enumerate(digests):
-            enc.check_digest(digest, f"receipt_digests[{i}]", error=InvalidManifest)
+            dec.check_digest(digest, f"receipt_digests[{i}]", error=InvalidManifest)
             if i and digests[i - 1] >= digest:
                 raise InvalidManifest(f"receipt_digests[{i}]: digests must be sorted ascending and unique")
         object.__setattr__(self, "receipt_digests", tuple(digests))
         if self.kind not in KINDS:
-            raise InvalidManifest(f"kind: expected one of {', '.join(KINDS)}, got {enc.describe(self.kind)}")
+            raise InvalidManifest(f"kind: expected one of {', '.join(KINDS)}, got {dec.describe(self.kind)}")
         for name in ("seq_first", "seq_last"):
-            enc.check_uint(getattr(self, name), name, error=InvalidManifest)
+            dec.check_uint(getattr(self, name), name, error=InvalidManifest)
         span = self.seq_last - self.seq_first + 1
         if span < 1 or (self.kind != "recovery" and len(self.receipt_digests) != span) \
                 or len(self.receipt_digests) > span:
             raise InvalidManifest(f"seq_first {self.seq_first}, seq_last {self.seq_last}: a {self.kind} manifest "
                                   f"of {len(self.receipt_digests)} receipts cannot cover that range")
         for name in ("node_keyid", "deployment_hash", "tuple_hash"):
-            enc.check_digest(getattr(self, name), name, error=InvalidManifest)
+            dec.check_digest(getattr(self, name), name, error=InvalidManifest)
         for name in ("prompt_tokens", "output_tokens", "time_unix_ns"):
-            enc.check_uint(getattr(self, name), name, error=InvalidManifest)
+            dec.check_uint(getattr(self, name), name, error=InvalidManifest)
 
     @classmethod
     def for_receipts(cls, receipts: Iterable[Receipt], *, run_id: str, node_keyid: str, deployment_hash: str,
@@ -157,9 +158,9 @@ class RunManifest:
     @classmethod
     def from_bytes(cls, data: bytes) -> RunManifest:
         """Decode payload bytes; every problem (size, schema, root, non-canonical) is `InvalidManifest`."""
-        w = enc.fields(enc.unpack(data, _LIMITS, what="run manifest payload", error=InvalidManifest), _FIELDS,
+        w = dec.fields(dec.unpack(data, _LIMITS, what="run manifest payload", error=InvalidManifest), _FIELDS,
                        "run manifest", error=InvalidManifest)
-        if enc.check_uint(w["version"], "version", error=InvalidManifest) != SCHEMA_VERSION:
+        if dec.check_uint(w["version"], "version", error=InvalidManifest) != SCHEMA_VERSION:
             raise InvalidManifest(f"run manifest: schema version {w['version']} is not supported (this "
                                   f"detent-audit reads version {SCHEMA_VERSION})",
                                   remedy="use the detent-audit release the node ran")

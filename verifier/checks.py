@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from detent_audit.engine.facts import facts_hash
+from detent_audit.engine.finish import FinishCause, finish_cause
 from detent_audit.engine.stop_strings import check_stop, output_text
 from detent_audit.errors import DetentError
 from detent_audit.manifests import encoding as enc
+from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.receipt import Receipt
 from detent_audit.verifier.steps import DeploymentError, OutputError, RequestError, VerificationError
 
@@ -31,15 +32,16 @@ def refutation(r: Receipt, llm: Any, eos: set[int], max_prompt_chars: int) -> Ve
 
 
 def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Callable | None = None) -> str | None:
-    """The stated finish must be the one generation reaches (the scheduler's rule): no stop token before the
+    """The stated finish must be the one generation reaches (the scheduler's rule, engine/finish.py): no stop token before the
     end, and no earlier token whose text completed a stop string (recomputed with the deployment's tokenizer,
     `decode`); 'stop' exactly when the last token is a stop token or completes a stop string (a stop wins over
     a length limit); else 'length', at max_tokens or where prompt and output fill the context."""
     s, tokens, reason = r.request.sampling, list(r.output.token_ids), r.output.finish_reason
-    stops = set(s.stop_token_ids) | (set() if s.ignore_eos else eos)
+    prompt = len(r.request.prompt_token_ids)
     for i, t in enumerate(tokens[:-1]):
-        if t in stops:
-            return f"output token {i} ({t}) is a stop token, yet generation went on"
+        early = finish_cause(t, i + 1, prompt + i + 1, s, eos, max_model_len)
+        if early is not None:
+            return f"output token {i} ({t}) finishes generation ({early.value}), yet generation went on"
     if not tokens:
         if s.max_tokens == 0 and r.scoring is not None and reason == "length":
             return None  # echo only: the prompt scored, nothing drawn
@@ -53,15 +55,15 @@ def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Calla
         stopped_by_text, problem = check_stop(decode, tokens, s.stop)
         if problem is not None:
             return problem
-    ends_on_stop = tokens[-1] in stops or stopped_by_text
-    if ends_on_stop and reason != "stop":
-        what = f"stop token {tokens[-1]}" if tokens[-1] in stops else "a token whose text completes a stop string"
+    total = prompt + len(tokens)
+    cause = finish_cause(tokens[-1], len(tokens), total, s, eos, max_model_len, stop_string=stopped_by_text)
+    if cause is not None and cause.reason == "stop" and reason != "stop":
+        what = f"{cause.value} ({tokens[-1]})" if cause is not FinishCause.STOP_STRING else cause.value
         return f"the output ends on {what}, so it finished with 'stop', not {reason!r}"
-    if reason == "stop" and not ends_on_stop:
+    if reason == "stop" and (cause is None or cause.reason != "stop"):
         return ("finish 'stop' without a stop token at the end" + (", and the output text contains none of the "
                 "stop strings (the node cut it early)" if s.stop else ""))
-    total = len(r.request.prompt_token_ids) + len(tokens)
-    if reason == "length" and len(tokens) != s.max_tokens and total < max_model_len:
+    if reason == "length" and cause is None:
         return (f"finish 'length' after {len(tokens)} of max_tokens={s.max_tokens} tokens, with {total} of the "
                 f"context's {max_model_len} used")
     return None

@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from detent_audit.engine.llm import EngineConfig
+from detent_audit.manifests.deployment import DTYPE_BYTES, decoder_parameters
 from detent_audit.verifier.report import Outcome
 
 RECEIPT_SUFFIX, MANIFEST_SUFFIX = ".receipt", ".manifest"
 BATCH = 64  # requests re-executed together
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+               "num_experts", "moe_intermediate_size")
 _ENGINE_OVERHEAD = 512 << 20  # bytes a worker's engine needs besides its weights (torch, KV pool, activations)
 
 
@@ -124,12 +127,9 @@ def engine_bytes(facts: Any) -> int:
     page size and the dtype) and the overhead."""
     try:
         m = facts["deployment"]["model"]
-        h, layers, hd = m["hidden_size"], m["num_layers"], m["head_dim"]
-        attention = h * hd * (2 * m["num_heads"] + 2 * m["num_kv_heads"])
-        mlp = (3 * h * m["moe_intermediate_size"] * m["num_experts"] + h * m["num_experts"] if m["num_experts"]
-               else 3 * h * m["intermediate_size"])
-        params = layers * (attention + mlp) + 2 * m["vocab_size"] * h
-        width = 2 if facts["runtime"]["dtype"] in ("bfloat16", "float16") else 4
+        layers, hd = m["num_layers"], m["head_dim"]
+        params = decoder_parameters(**{k: m[k] for k in _SHAPE_KEYS})
+        width = DTYPE_BYTES.get(facts["runtime"]["dtype"], 4)
         kv_pool = EngineConfig.num_kv_blocks * facts["scheduler"]["block_size"] * layers * 2 * m["num_kv_heads"] * hd
     except (KeyError, TypeError):
         return _ENGINE_OVERHEAD

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from detent_audit.engine.facts import facts_hash
-from detent_audit.engine.tuples import tuple_hash
 from detent_audit.manifests.dsse import RECEIPT_PAYLOAD_TYPE, Envelope, read_envelope_bytes
+from detent_audit.manifests.encoding import facts_hash, tuple_hash
 from detent_audit.manifests.receipt import Receipt, open_payload
 from detent_audit.verifier.plan import RECEIPT_SUFFIX
 from detent_audit.verifier.steps import ClaimError, PayloadError, Step, at

@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 
-from detent_audit.engine.facts import facts_hash
 from detent_audit.errors import BadInput, DetentError
-from detent_audit.manifests import encoding as enc
+from detent_audit.manifests import decoding as dec
+from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.errors import InvalidReceipt
 from detent_audit.manifests.receipt import Receipt
 from detent_audit.manifests.run_manifest import RunManifest
@@ -124,11 +124,11 @@ def load_deployments(specs: Iterable[str]) -> dict[str, dict | None]:
     out: dict[str, dict | None] = {}
     for spec in specs:
         spec = str(spec)
-        if len(spec) == 64 and enc.HEX_DIGITS.issuperset(spec):
+        if len(spec) == 64 and dec.HEX_DIGITS.issuperset(spec):
             out.setdefault(spec, None)
             continue
         try:
-            doc = json.loads(enc.read_bounded(spec, MAX_DEPLOYMENT_FILE, what="published deployment"))
+            doc = json.loads(dec.read_bounded(spec, MAX_DEPLOYMENT_FILE, what="published deployment"))
         except InvalidReceipt as exc:
             raise BadInput(exc.message, remedy="pass a deployment hash (64 hex digits) or the file that "
                                                "`detent-audit serve --publish-deployment FILE` wrote") from None

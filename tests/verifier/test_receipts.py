@@ -13,9 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
-from detent_audit.engine.facts import collect_facts, facts_hash
+from detent_audit.engine.facts import collect_facts
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import (
     OutputRecord,

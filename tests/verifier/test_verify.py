@@ -300,7 +300,7 @@ def test_a_response_that_filled_the_context_verifies_and_an_impossible_one_fails
 def test_a_tuple_illegal_for_the_solved_pins_is_not_comparable(served, tmp_path) -> None:
     """Step (4): a receipt whose signed tuple is not legal for the solved pins, and a --tuple that is not, are
     exit 3 with "tuple" named, and the message says whose tuple it was."""
-    from detent_audit.engine.tuples import tuple_hash
+    from detent_audit.manifests.encoding import tuple_hash
 
     r = _receipt(served, "r1")
     values = _tuple_with_chunk(r, 512)
@@ -325,7 +325,7 @@ def test_facts_this_machine_cannot_rebuild_are_reported_per_receipt(served, tmp_
 
     import torch
 
-    from detent_audit.engine.facts import facts_hash
+    from detent_audit.manifests.encoding import facts_hash
 
     folder = tmp_path / "mixed"
     shutil.copytree(served["out"] / "receipts", folder)
@@ -520,7 +520,7 @@ def test_a_checkpoint_with_another_eos_set_is_not_comparable(served, tmp_path) -
 def test_an_empty_output_and_a_tuple_its_facts_do_not_record_fail(served, tmp_path) -> None:
     """The engine draws at least one token for every request it admits, so an empty output FAILs (even where
     the prompt fills the context); the tuple a receipt signs must be its facts' mode and per-family tuple."""
-    from detent_audit.engine.tuples import tuple_hash
+    from detent_audit.manifests.encoding import tuple_hash
 
     folder = tmp_path / "forged"
     folder.mkdir()
@@ -617,7 +617,7 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
     import shutil
 
     import detent_audit.verifier.reexecute as reexecute_module
-    from detent_audit.engine.facts import facts_hash
+    from detent_audit.manifests.encoding import facts_hash
     from detent_audit.verifier.verify import verify
 
     folder = tmp_path / "mixed"
@@ -658,7 +658,7 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
 def test_each_refutation_names_the_step_that_made_it(served, tmp_path) -> None:
     """One forged file per step (a folder each, so each is alone in its run): the JSON outcome names the step
     of docs/design.md section 7 that refuted it, and the honest receipt passes every step."""
-    from detent_audit.engine.tuples import tuple_hash
+    from detent_audit.manifests.encoding import tuple_hash
     from detent_audit.manifests.dsse import Envelope
 
     src = served["out"] / "receipts"
