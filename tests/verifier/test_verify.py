@@ -29,12 +29,8 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def served(make_checkpoint, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("served")
-    ckpt = make_checkpoint("tiny-llama")
-    key = generate_key(root / "node.key")
-    llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(root / "jit")))
-    node = ServingNode(llm, load_private_key(key.private_path), root / "out", rotate=4)
+def served(new_node) -> dict:
+    root, ckpt, key, llm, node = new_node("served", rotate=4)
     lines = [{"id": f"r{i}", "prompt_token_ids": list(range(3 + i, 12 + 2 * i)), "max_tokens": 6,
               "temperature": [0.0, 0.9, 0.7][i % 3], "top_p": [1.0, 1.0, 0.9][i % 3], "seed": 100 + i,
               "ignore_eos": True} for i in range(10)]
@@ -658,8 +654,8 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
 def test_each_refutation_names_the_step_that_made_it(served, tmp_path) -> None:
     """One forged file per step (a folder each, so each is alone in its run): the JSON outcome names the step
     of docs/design.md section 7 that refuted it, and the honest receipt passes every step."""
-    from detent_audit.manifests.encoding import tuple_hash
     from detent_audit.manifests.dsse import Envelope
+    from detent_audit.manifests.encoding import tuple_hash
 
     src = served["out"] / "receipts"
     folder = tmp_path / "forged"
