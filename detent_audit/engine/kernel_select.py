@@ -134,14 +134,14 @@ def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir:
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     streaming = deployment.engine.attention_backend == "detent-streaming"
     if mode == "stock":
-        return Selection(GpuKernelSet("stock", None, num_sms=sms), {}, {})  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("stock", stock_attention_selector(deployment, sms)), {}, {})  # type: ignore[arg-type]
     if mode == "det":
         det = AttentionParams(kv_tile=64, split_stride=0)
-        return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), sms, streaming),  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), streaming),  # type: ignore[arg-type]
                          {}, {})
     # detent's MoE tile follows M as stock's does (kernels.gpu.moe_tile): the tile does not change the bits
     cpu = select_kernels("detent", deployment, committed, cache_dir)
-    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, None, sms, streaming),  # type: ignore[arg-type]
+    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, None, streaming),  # type: ignore[arg-type]
                      cpu.tuple, cpu.results)
 
 
