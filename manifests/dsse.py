@@ -115,6 +115,17 @@ class Envelope:
                                f"({len(self.payload)} bytes of {self.payload_type!r})") from None
         return self.keyid
 
+    def open(self, trusted_keys: Mapping[str, Ed25519PublicKey], payload_type: str, *,
+             error: type[InvalidReceipt] = InvalidReceipt) -> OpenedEnvelope:
+        """Step (2): the signature over PAE(payloadType, payload) by a trusted key, before the payload is
+        parsed; then the payload type, once it is known to be signed. Raises `UntrustedKey`, `BadSignature`,
+        `error` (another payload type)."""
+        signer = self.verify(trusted_keys)
+        if self.payload_type != payload_type:
+            raise error(f"envelope.payloadType: expected {payload_type!r}, got {self.payload_type!r}",
+                        remedy="this file is another kind of signed document: verify it with its own command")
+        return OpenedEnvelope(self.payload, signer)
+
 
 class OpenedEnvelope(NamedTuple):
     """The payload of an envelope whose signature verified under the trusted key `keyid`."""
@@ -125,19 +136,15 @@ class OpenedEnvelope(NamedTuple):
 
 def open_envelope(data: bytes, trusted_keys: Mapping[str, Ed25519PublicKey], payload_type: str, *,
                   error: type[InvalidReceipt] = InvalidReceipt) -> OpenedEnvelope:
-    """Steps (0)-(2) of verifying a signed file; the caller decodes the payload only after this returns.
+    """Steps (1)-(2) of verifying a signed file (docs/design.md section 7); the caller decodes the payload only
+    after this returns.
 
     Raises `error` (malformed envelope, other payload type), `UntrustedKey`, `BadSignature`.
     """
-    # (0): bounded, canonical decode of the envelope only
+    # (1): bounded, canonical decode of the envelope only
     envelope = Envelope.from_bytes(data, error=error)
-    # (1): the signature over PAE(payloadType, payload) by a trusted key, before the payload is parsed
-    signer = envelope.verify(trusted_keys)
-    # (2): the payload type, once it is known to be signed
-    if envelope.payload_type != payload_type:
-        raise error(f"envelope.payloadType: expected {payload_type!r}, got {envelope.payload_type!r}",
-                    remedy="this file is another kind of signed document: verify it with its own command")
-    return OpenedEnvelope(envelope.payload, signer)
+    # (2): the signature, then the payload type
+    return envelope.open(trusted_keys, payload_type, error=error)
 
 
 def sign_envelope(payload_type: str, payload: bytes, private_key: Ed25519PrivateKey, *,

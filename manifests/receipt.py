@@ -6,7 +6,7 @@ canonical msgpack (encoding.py), one map, schema version 2 (`version`):
 
     deployment:   {facts: map, hash: hex}    the deployment's canonical facts and their hash, as its producer
     tuple:        {hash: hex, values: map}   (Deployment.facts_hash, the tuner) computes them; only their
-                                             form is checked here, the verifier recomputes them (design.md 7)
+                                             form is checked here, the verifier recomputes them (step 3)
     request:      {client: map, id: str, prompt_token_ids_u32le: bin(4m), sampling: map, seed: u64}
     client:       {api: str, body_json: bin, body_sha256: hex}
     sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, [stop: [str]], stop_token_ids: [u32],
@@ -51,6 +51,17 @@ output.digest = SHA-256(b"detent-audit/output/v2\\0" || u64le(n) || token_ids_u3
 A receipt's own digest (what run manifests list, what a response carries) is SHA-256 of its payload bytes
 (`Receipt.digest`).
 
+A verifier checks a receipt in ten steps, numbered the same in `detent_audit.verifier.steps` and in
+docs/design.md section 7 (steps 1-3 are `verify_envelope` here):
+(1) read: a bounded read, the envelope decoded; (2) signature: by a trusted key, before the payload is
+parsed, then the payload type; (3) payload: schema, canonical re-encoding, `node_keyid` the signer's, the
+deployment and tuple hashes recomputed; (4) claims: the file is named after `request.id`, `time_unix_ns` is
+plausible, the deployment published; (5) run manifests and (6) coverage: `run` places the receipt in them;
+(7) deployment: the engine rebuilt from `deployment.facts` and `tuple`; (8) output: ids in the vocabulary,
+`finish_reason` by the scheduler's rule, `sampling.stop` recomputed; (9) request: `request.client` parsed
+again gives `prompt_token_ids`, `sampling` and `seed`, `output.text` is the tokens' text; (10) bits:
+`output` (and `scoring`) recomputed, the fp32 bits compared.
+
 Adding a field: a later field is optional in `from_bytes` (`dec.fields(..., optional=...)`) and omitted from
 `to_bytes` at its default, so receipts that do not use it keep their bytes; a verifier that does not know a
 field refuses the receipt (unknown fields are errors), never ignores it. A change of meaning bumps the
@@ -71,7 +82,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import encoding as enc
-from detent_audit.manifests.dsse import MAX_PAYLOAD_BYTES, RECEIPT_PAYLOAD_TYPE, open_envelope, sign_envelope
+from detent_audit.manifests.dsse import (
+    MAX_PAYLOAD_BYTES,
+    RECEIPT_PAYLOAD_TYPE,
+    OpenedEnvelope,
+    open_envelope,
+    sign_envelope,
+)
 from detent_audit.manifests.errors import BadSignature, InvalidReceipt
 
 SCHEMA_VERSION = 2
@@ -581,15 +598,17 @@ def sign_receipt(receipt: Receipt, key: Ed25519PrivateKey) -> bytes:
 
 
 def verify_envelope(data: bytes, trusted_keys: Mapping[str, Ed25519PublicKey]) -> VerifiedReceipt:
-    """Verify a receipt file's bytes and decode it: the signature first, the payload after.
+    """Verify a receipt file's bytes and decode it: steps (1)-(3), the signature first, the payload after.
 
     Raises `InvalidReceipt` (malformed), `UntrustedKey` (signer not trusted), `BadSignature`.
     """
-    # (0)-(2): bounded envelope decode, signature by a trusted key, payload type (dsse.open_envelope)
-    payload, signer = open_envelope(data, trusted_keys, RECEIPT_PAYLOAD_TYPE)
-    # (3): the payload: bounded decode, schema, canonical re-encoding
-    receipt = Receipt.from_bytes(payload)
-    # (4): the payload names its signer
-    if receipt.node_keyid != signer:
-        raise BadSignature(f"the receipt names node key {receipt.node_keyid}, but key {signer} signed it")
-    return VerifiedReceipt(receipt, signer)
+    # (1)-(2): bounded envelope decode, signature by a trusted key, payload type (dsse.open_envelope)
+    return open_payload(open_envelope(data, trusted_keys, RECEIPT_PAYLOAD_TYPE))
+
+
+def open_payload(opened: OpenedEnvelope) -> VerifiedReceipt:
+    """Step (3): the signed payload decoded (bounded, schema, canonical re-encoding); it names its signer."""
+    receipt = Receipt.from_bytes(opened.payload)
+    if receipt.node_keyid != opened.keyid:
+        raise BadSignature(f"the receipt names node key {receipt.node_keyid}, but key {opened.keyid} signed it")
+    return VerifiedReceipt(receipt, opened.keyid)

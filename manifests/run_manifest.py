@@ -212,12 +212,11 @@ def verify_run_manifest(data: bytes, trusted_keys: Mapping[str, Ed25519PublicKey
     Raises `InvalidManifest` (malformed), `UntrustedKey`, `BadSignature`. The receipts are checked
     separately, with `check_run`.
     """
-    # (0)-(2): bounded envelope decode, signature by a trusted key, payload type (dsse.open_envelope)
+    # (1)-(2): bounded envelope decode, signature by a trusted key, payload type (dsse.open_envelope)
     payload, signer = dsse.open_envelope(data, trusted_keys, dsse.RUN_MANIFEST_PAYLOAD_TYPE,
                                          error=InvalidManifest)
-    # (3): the payload: bounded decode, schema, root, canonical re-encoding
+    # (3): the payload: bounded decode, schema, root, canonical re-encoding; it names its signer
     manifest = RunManifest.from_bytes(payload)
-    # (4): the payload names its signer
     if manifest.node_keyid != signer:
         raise BadSignature(f"the run manifest names node key {manifest.node_keyid}, but {signer} signed it")
     return VerifiedManifest(manifest, signer)
@@ -230,7 +229,7 @@ def check_run(manifest: RunManifest, receipts: Iterable[Receipt]) -> None:
     difference the error lists the `missing` and `extra` digests.
     """
     receipts = list(receipts)
-    # (1): every receipt is of this run, node, deployment and tuple, within the manifest's range
+    # step (5), first: every receipt is of this run, node, deployment and tuple, within the manifest's range
     for r in receipts:
         for name in ("node_keyid", "deployment_hash", "tuple_hash"):
             if getattr(r, name) != getattr(manifest, name):
@@ -240,7 +239,7 @@ def check_run(manifest: RunManifest, receipts: Iterable[Receipt]) -> None:
             raise ManifestMismatch(f"receipt {r.digest} (request {r.request.request_id!r}) is receipt "
                                    f"{r.run.seq} of run {r.run.run_id!r}, outside this manifest's "
                                    f"{manifest.seq_first}-{manifest.seq_last} of run {manifest.run_id!r}")
-    # (2): the root of the receipts present
+    # then the root of the receipts present
     present = sorted(r.digest for r in receipts)
     if len(set(present)) != len(present):
         raise ManifestMismatch("the same receipt was given twice", remedy="pass each receipt file once")
@@ -252,7 +251,7 @@ def check_run(manifest: RunManifest, receipts: Iterable[Receipt]) -> None:
                                f"manifest's {manifest.receipt_count} have {manifest.merkle_root}: "
                                f"{len(missing)} missing, {len(extra)} not in the manifest",
                                missing=missing, extra=extra)
-    # (3): the counts
+    # then the counts
     prompt = sum(len(r.request.prompt_token_ids) for r in receipts)
     output = sum(len(r.output.token_ids) for r in receipts)
     if (prompt, output) != (manifest.prompt_tokens, manifest.output_tokens):

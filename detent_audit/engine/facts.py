@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,26 +64,32 @@ def _hash_cache_file() -> Path:
     return cache_root("weight-hashes.json")
 
 
-def checkpoint_hashes(path: Path) -> dict[str, str]:
-    """config, tokenizer and weights hashes of a checkpoint folder (weights: a hash over the per-file ones)."""
-    cache_file = _hash_cache_file()
+@contextmanager
+def hash_cache(cache_file: Path) -> Iterator[dict]:
+    """The `file_hash` cache kept in `cache_file` (empty when missing or unreadable), written back atomically
+    when the block added to it; one that cannot be written is left: the cache only saves time."""
     try:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cache = {}
     before = dict(cache)
-    weights = sorted(path.glob("*.safetensors"))
-    per_file = [f"{f.name}:{file_hash(f, cache)}" for f in weights]
-    out = {"config": file_hash(path / "config.json"),
-           "tokenizer": file_hash(path / "tokenizer.json") if (path / "tokenizer.json").exists() else "",
-           "weights": hashlib.sha256("\n".join(per_file).encode()).hexdigest()}
+    yield cache
     if cache != before:
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(cache_file, json.dumps(cache).encode())
         except OSError:
-            pass  # the cache only saves time
-    return out
+            pass
+
+
+def checkpoint_hashes(path: Path) -> dict[str, str]:
+    """config, tokenizer and weights hashes of a checkpoint folder (weights: a hash over the per-file ones)."""
+    with hash_cache(_hash_cache_file()) as cache:
+        weights = sorted(path.glob("*.safetensors"))
+        per_file = [f"{f.name}:{file_hash(f, cache)}" for f in weights]
+    return {"config": file_hash(path / "config.json"),
+            "tokenizer": file_hash(path / "tokenizer.json") if (path / "tokenizer.json").exists() else "",
+            "weights": hashlib.sha256("\n".join(per_file).encode()).hexdigest()}
 
 
 def _device(device: str) -> str:
