@@ -17,7 +17,7 @@ from detent_audit.manifests.receipt import Receipt, verify_envelope
 from detent_audit.manifests.run_manifest import check_run, verify_run_manifest
 from detent_audit.verifier.receipt_file import open_receipt
 from detent_audit.verifier.runs import check_manifest
-from detent_audit.verifier.steps import Step, VerificationError
+from detent_audit.verifier.steps import ERRORS, Step, VerificationError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "compat"
 GOLDEN_RECEIPTS = sorted(FIXTURES.glob("golden-*.receipt"))
@@ -96,7 +96,7 @@ def test_each_tampered_receipt_fails_with_its_named_error(name: str, trusted: di
     step, error, message = BAD_RECEIPTS[name]
     with pytest.raises(VerificationError) as caught:
         open_receipt(FIXTURES / f"{name}.receipt", trusted)
-    assert caught.value.step is step and message in caught.value.message, (caught.value.step, caught.value.message)
+    assert type(caught.value) is ERRORS[step] and message in caught.value.message, (caught.value.step, caught.value.message)
     cause = caught.value.__cause__
     assert type(cause) is error and cause.exit_code == caught.value.exit_code, repr(cause)
 
