@@ -20,23 +20,24 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from detent_audit.manifests.deployment import load_deployment, shipped_deployments
 from detent_audit.selection.cache import JitCache
-from detent_audit.selection.compiler import solve
+from detent_audit.selection.compiler import SolvedPin, solve
 from detent_audit.selection.programs import families_for
 
 FA3_DEPLOYMENT = "llama-3.1-70b-instruct-tp4-h100-sglang"
 PREVIOUS = Path(__file__).parent / "results" / "solver" / "selir-1-pins.json"
 
 
-def _changes(before: dict | None, program: str, pins: list[dict]) -> str:
+def _changes(before: dict | None, program: str, pins: Sequence[SolvedPin]) -> str:
     if before is None:
         return "new"
-    now = {p["name"]: len(p["legal_values"]) for p in pins}
+    now = {p.name: len(p.legal_values) for p in pins}
     parts = [] if before["program"] == program else [f"program {before['program']} -> {program}"]
     parts += [f"-{n}({c})" for n, c in before["pins"].items() if n not in now]
     parts += [f"+{n}({c})" for n, c in now.items() if n not in before["pins"]]
@@ -61,11 +62,10 @@ def table(lines: list[str]) -> bool:
             nc = solve(spec.program, facts, family=spec.name, ablation="no-cut")
             if len(full.pins) > min(len(cf.pins), len(nc.pins)) or full.default is None:
                 ok = False
-            if any(len(p["candidates"]) < 2 for p in full.pins):
+            if any(len(p.candidates) < 2 for p in full.pins):
                 ok = False
-            pins = ", ".join(f"{p['name']} ({len(p['candidates'])} / {len(p['legal_values'])})"
-                             for p in full.pins) or "none"
-            consts = ", ".join(f"{c['name']} = {c['value']!r}" for c in full.constants) or "-"
+            pins = ", ".join(f"{p.name} ({len(p.candidates)} / {len(p.legal_values)})" for p in full.pins) or "none"
+            consts = ", ".join(f"{c.name} = {c.value!r}" for c in full.constants) or "-"
             key = f"{name} {spec.name}"
             seen.add(key)
             lines.append(f"| {name} | {spec.name} | {spec.key} | {len(full.pins)}: {pins} | {consts} | "
@@ -94,8 +94,8 @@ def timings(lines: list[str], repeats: int) -> bool:
             selector = again.selector()
             hit.append(time.perf_counter() - t0)
             assert again.cache == "hit"
-            pin = again.pins[-1]["name"]
-            other = [v for v in again.pins[-1]["legal_values"] if v != selector.pins[pin]][0]
+            pin = again.pins[-1].name
+            other = [v for v in again.pins[-1].legal_values if v != selector.pins[pin]][0]
             t0 = time.perf_counter()
             again.repin(selector, **{pin: other})
             repin.append(time.perf_counter() - t0)

@@ -24,13 +24,15 @@ from detent_audit.selection import cut as cut_pass
 from detent_audit.selection.cache import JitCache, cache_key
 from detent_audit.selection.errors import IllegalAssignment, SelIRError
 from detent_audit.selection.frontend import Source, check_grammar, source_of_function
-from detent_audit.selection.graph import build_graph
+from detent_audit.selection.graph import DependenceGraph, build_graph
+from detent_audit.selection.intervals import Interval
 from detent_audit.selection.ir import Node, Op, toposort
 from detent_audit.selection.partial_eval import partial_evaluate
-from detent_audit.selection.pe_values import check_program
+from detent_audit.selection.pe_values import IRProgram, check_program
 from detent_audit.selection.selector import CompiledSelector, SelectorTemplate, make_template
 from detent_audit.selection.simplify import domain_checks, input_domains, simplify
-from detent_audit.selection.vra import MAX_ASSIGNMENTS, SAMPLED_POINTS, VRA_SEED, analyse
+from detent_audit.selection.vra import (MAX_ASSIGNMENTS, SAMPLED_POINTS, VRA_SEED, Assignment, KnobInfo,
+                                       LegalGroup, Value, VraResult, analyse)
 
 COMPILER_VERSION = "selir-2"
 ABLATIONS = ("constant-folding-only", "no-cut")
@@ -41,40 +43,104 @@ def debug_enabled() -> bool:
     return os.environ.get("DETENT_AUDIT_DEBUG") == "1"
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class SolvedPin:
+    """A pin as reported: where it is, the values it takes (candidates) and those some legal row uses."""
+
+    name: str
+    line: int
+    candidates: tuple[Value, ...]
+    legal_values: tuple[Value, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "line": self.line, "candidates": list(self.candidates),
+                "legal_values": list(self.legal_values)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SolvedPin:
+        return cls(d["name"], d["line"], tuple(d["candidates"]), tuple(d["legal_values"]))
+
+
+@dataclass(frozen=True, slots=True)
+class FoldedConstant:
+    """A value the cut chose that has one candidate: substituted as a constant, not pinned."""
+
+    name: str
+    line: int
+    value: Value
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "line": self.line, "value": self.value}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FoldedConstant:
+        return cls(d["name"], d["line"], d["value"])
+
+
+@dataclass(frozen=True, slots=True)
 class SolveResult:
-    """What `detent-audit solve` reports for one program, plus what a selector needs (all JSON-able)."""
+    """What `detent-audit solve` reports for one program, plus what a selector needs. `to_json()` is the
+    JSON the JIT cache stores and `from_json()` reads back; `report()` is what `solve --json` prints."""
 
     family: str
     program: str
     filename: str
     ablation: str | None
     num_values: int
-    selection_points: list[str]
-    batch_dependent_points: list[str]
-    pins: list[dict]          # {name, line, candidates, legal_values}
-    knobs: list[dict]         # {name, choices, default, legal_values}
+    selection_points: tuple[str, ...]
+    batch_dependent_points: tuple[str, ...]
+    pins: tuple[SolvedPin, ...]
+    knobs: tuple[KnobInfo, ...]
     candidate_count: int
     legal_count: int
-    legal_groups: list[dict]  # {axes, rows}: independent groups; legal = legal in every group
-    default: dict | None      # axis -> value
+    legal_groups: tuple[LegalGroup, ...]  # independent groups; legal = legal in every group
+    default: Assignment | None
     points_tried: int
     exhaustive: bool
-    template: dict
-    constants: list[dict] = field(default_factory=list)  # {name, line, value}: one-candidate values, folded
+    template: dict[str, Any]              # SelectorTemplate.to_json()
+    constants: tuple[FoldedConstant, ...] = ()
     solve_seconds: float = 0.0
     cache: str = "miss"
-    result_cls: Any = field(default=None, repr=False, compare=False)
+    result_cls: type | None = field(default=None, repr=False, compare=False)
 
     @property
     def axes(self) -> list[str]:
-        return [p["name"] for p in self.pins] + [k["name"] for k in self.knobs]
+        return [p.name for p in self.pins] + [k.name for k in self.knobs]
 
-    def to_json(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "result_cls"}
-        return d
+    def to_json(self) -> dict[str, Any]:
+        return {"family": self.family, "program": self.program, "filename": self.filename,
+                "ablation": self.ablation, "num_values": self.num_values,
+                "selection_points": list(self.selection_points),
+                "batch_dependent_points": list(self.batch_dependent_points),
+                "pins": [p.as_dict() for p in self.pins], "knobs": [k.as_dict() for k in self.knobs],
+                "candidate_count": self.candidate_count, "legal_count": self.legal_count,
+                "legal_groups": [g.as_dict() for g in self.legal_groups],
+                "default": None if self.default is None else dict(self.default),
+                "points_tried": self.points_tried, "exhaustive": self.exhaustive, "template": self.template,
+                "constants": [c.as_dict() for c in self.constants], "solve_seconds": self.solve_seconds,
+                "cache": self.cache}
 
-    def report(self) -> dict:
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SolveResult:
+        """The inverse of `to_json` (what the JIT cache holds); `result_cls` is not part of it."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"result_cls"}
+        if set(d) != fields:
+            raise SelIRError(f"a cached solve has fields {sorted(set(d) ^ fields)} out of place",
+                             remedy="remove the JIT cache directory; it is rebuilt on the next solve")
+        return cls(
+            family=d["family"], program=d["program"], filename=d["filename"], ablation=d["ablation"],
+            num_values=d["num_values"], selection_points=tuple(d["selection_points"]),
+            batch_dependent_points=tuple(d["batch_dependent_points"]),
+            pins=tuple(SolvedPin.from_dict(p) for p in d["pins"]),
+            knobs=tuple(KnobInfo.from_dict(k) for k in d["knobs"]),
+            candidate_count=d["candidate_count"], legal_count=d["legal_count"],
+            legal_groups=tuple(LegalGroup.from_dict(g) for g in d["legal_groups"]),
+            default=None if d["default"] is None else dict(d["default"]), points_tried=d["points_tried"],
+            exhaustive=d["exhaustive"], template=d["template"],
+            constants=tuple(FoldedConstant.from_dict(c) for c in d["constants"]),
+            solve_seconds=d["solve_seconds"], cache=d["cache"])
+
+    def report(self) -> dict[str, Any]:
         """The user-facing summary (no template, no assignment list)."""
         d = self.to_json()
         d.pop("template")
@@ -84,19 +150,16 @@ class SolveResult:
     def is_legal(self, assignment: Mapping[str, Any]) -> bool:
         if set(assignment) != set(self.axes):
             return False
-        for g in self.legal_groups:
-            row = [assignment[a] for a in g["axes"]]
-            if not any(row == list(r) and all(type(x) is type(y) for x, y in zip(row, r)) for r in g["rows"]):
-                return False
-        return True
+        return all(g.admits(assignment) for g in self.legal_groups)
 
-    def legal_assignments(self) -> Iterator[dict]:
+    def legal_assignments(self) -> Iterator[Assignment]:
         """Every legal assignment (the product of the groups' rows), in a fixed order."""
-        for combo in itertools.product(*(g["rows"] for g in self.legal_groups)):
-            out: dict = {}
+        axes = self.axes
+        for combo in itertools.product(*(g.rows for g in self.legal_groups)):
+            out: Assignment = {}
             for g, row in zip(self.legal_groups, combo):
-                out.update(zip(g["axes"], row))
-            yield {a: out[a] for a in self.axes}
+                out.update(zip(g.axes, row))
+            yield {a: out[a] for a in axes}
 
     def selector(self, assignment: Mapping[str, Any] | None = None) -> CompiledSelector:
         """The compiled selector for `assignment` (default: the solve's default assignment)."""
@@ -108,15 +171,14 @@ class SolveResult:
         elif not self.is_legal(assignment):
             raise IllegalAssignment(f"{self.program}: {dict(assignment)} is not a legal assignment of "
                                     f"{self.axes}", remedy="run `detent-audit solve` for the legal values")
-        pin_names = [p["name"] for p in self.pins]
-        pins = {n: assignment[n] for n in pin_names}
-        knobs = {k["name"]: assignment[k["name"]] for k in self.knobs}
+        pins = {p.name: assignment[p.name] for p in self.pins}
+        knobs = {k.name: assignment[k.name] for k in self.knobs}
         return CompiledSelector(SelectorTemplate.from_json(self.template), self.result_cls, pins, knobs,
                                 self.family)
 
     def repin(self, selector: CompiledSelector, **values: Any) -> CompiledSelector:
         """Swap pin/knob constants of `selector` (checked legal) without solving again."""
-        pin_names = {p["name"] for p in self.pins}
+        pin_names = {p.name for p in self.pins}
         pins = {k: v for k, v in values.items() if k in pin_names}
         knobs = {k: v for k, v in values.items() if k not in pin_names}
         return selector.repin(pins, knobs, legal=lambda p, k: self.is_legal({**p, **k}))
@@ -150,10 +212,8 @@ def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablat
     if cache is not None:
         body = cache.get(key)
         if body is not None:
-            result = SolveResult(**body)
-            result.cache, result.result_cls = "hit", _result_cls(src, name)
-            result.solve_seconds = time.perf_counter() - t0
-            return result
+            return dataclasses.replace(SolveResult.from_json(body), cache="hit", result_cls=_result_cls(src, name),
+                                       solve_seconds=time.perf_counter() - t0)
         status = cache.last_status
     else:
         status = "off"
@@ -162,36 +222,34 @@ def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablat
     prog, dg, tainted, vra, template = c.prog, c.graph, c.taint, c.vra, c.template
     result = SolveResult(
         family=family, program=name, filename=src.filename, ablation=ablation, num_values=dg.num_values,
-        selection_points=list(prog.outputs), batch_dependent_points=list(tainted.leaking_points),
-        pins=[{"name": p.name, "line": p.line, "candidates": list(p.candidates),
-               "legal_values": list(p.legal_values)} for p in vra.pins],
-        knobs=[{"name": k.name, "choices": list(k.choices), "default": k.default,
-                "legal_values": list(k.legal_values)} for k in vra.knobs],
-        candidate_count=vra.candidate_count, legal_count=vra.legal_count,
-        legal_groups=[{"axes": list(g.axes), "rows": [list(r) for r in g.rows]} for g in vra.groups],
-        default=vra.default,
-        points_tried=vra.points_tried, exhaustive=vra.exhaustive, template=template.to_json(),
-        constants=c.folded)
-    result.solve_seconds = time.perf_counter() - t0
+        selection_points=tuple(prog.outputs), batch_dependent_points=tainted.leaking_points,
+        pins=tuple(SolvedPin(p.name, p.line, p.candidates, p.legal_values) for p in vra.pins),
+        knobs=vra.knobs, candidate_count=vra.candidate_count, legal_count=vra.legal_count,
+        legal_groups=vra.groups, default=vra.default, points_tried=vra.points_tried,
+        exhaustive=vra.exhaustive, template=template.to_json(), constants=tuple(c.folded),
+        solve_seconds=time.perf_counter() - t0)
     if cache is not None:
         cache.put(key, result.to_json())
-    result.cache, result.result_cls = status, prog.result_cls
-    return result
+    return dataclasses.replace(result, cache=status, result_cls=prog.result_cls)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Compilation:
     """Every artifact of the passes, for tests and debugging."""
 
-    prog: Any
-    domains: dict
-    graph: Any
-    taint: Any
-    pins: list
+    prog: IRProgram
+    domains: dict[str, Interval]
+    graph: DependenceGraph
+    taint: cut_pass.Taint
+    cut: cut_pass.Cut
     pin_names: list[str]
-    vra: Any
+    vra: VraResult
     template: SelectorTemplate
-    folded: list[dict] = field(default_factory=list)   # pins with one candidate, substituted as constants
+    folded: list[FoldedConstant] = field(default_factory=list)  # one-candidate pins, substituted as constants
+
+    @property
+    def pins(self) -> tuple[Node, ...]:
+        return self.cut.pins
 
 
 def compile_passes(src: Source, name: str, facts: Any, *, ablation: str | None = None,
@@ -211,7 +269,7 @@ def compile_passes(src: Source, name: str, facts: Any, *, ablation: str | None =
     ranges = ablation != "constant-folding-only"
     prog = simplify(prog, domains, ranges=ranges)
     _checked(debug, prog, "simplify")
-    folded: list[dict] = []
+    folded: list[FoldedConstant] = []
     while True:
         # dependence graph: SSA values, data and control-dependence edges
         dg = build_graph(prog)
@@ -220,8 +278,9 @@ def compile_passes(src: Source, name: str, facts: Any, *, ablation: str | None =
         # taint: values reachable from batch-dependent inputs
         tainted = cut_pass.taint(dg)
         # cut: the fewest pins nearest the selection points (or, ablated, the selection points themselves)
-        pins = (cut_pass.pin_selection_points(dg, tainted) if ablation == "no-cut"
-                else cut_pass.min_cut(dg, tainted, _checked_inputs(prog)))
+        cut = (cut_pass.pin_selection_points(dg, tainted) if ablation == "no-cut"
+               else cut_pass.min_cut(dg, tainted, _checked_inputs(prog)))
+        pins = list(cut.pins)
         pin_names = _unique_names(pins)
         # VRA: candidates and legal assignments
         vra = analyse(prog, pins, domains, pin_names)
@@ -229,20 +288,20 @@ def compile_passes(src: Source, name: str, facts: Any, *, ablation: str | None =
         single = {p.node_id: p for p in vra.pins if len(p.candidates) == 1}
         if not single:
             break
-        folded += [{"name": p.name, "line": p.line, "value": p.candidates[0]} for p in single.values()]
+        folded += [FoldedConstant(p.name, p.line, p.candidates[0]) for p in single.values()]
         prog = simplify(prog, domains, fixed={i: p.candidates[0] for i, p in single.items()}, ranges=ranges)
         _checked(debug, prog, "constant pins")
     # codegen: the selector template with pins and knobs as placeholders
     template = make_template(prog, pins, pin_names)
-    return Compilation(prog, domains, dg, tainted, pins, pin_names, vra, template, folded)
+    return Compilation(prog, domains, dg, tainted, cut, pin_names, vra, template, folded)
 
 
-def _checked(debug: bool, prog: Any, after: str) -> None:
+def _checked(debug: bool, prog: IRProgram, after: str) -> None:
     if debug:
         check_program(prog, after)
 
 
-def _checked_inputs(prog: Any) -> frozenset[int]:
+def _checked_inputs(prog: IRProgram) -> frozenset[int]:
     """Inputs a require/assume (other than a domain bound) depends on: the check must see them as they are."""
     domain = set(domain_checks(prog))
     roots = [c.cond for i, c in enumerate(prog.checks) if i not in domain and isinstance(c.cond, Node)]
@@ -284,7 +343,7 @@ def _check_call_graph(src: Source, root: str) -> None:
     visit(root)
 
 
-def _unique_names(pins: list) -> list[str]:
+def _unique_names(pins: list[Node]) -> list[str]:
     labels = [p.label for p in pins]
     names = []
     for p, label in zip(pins, labels):

@@ -23,7 +23,7 @@ from detent_audit.selection.ir import Node, Op
 CUT_WEIGHTS_VERSION = "fewest-then-nearest-v1"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Taint:
     tainted: frozenset[int]             # node ids reachable from batch-dependent inputs
     sources: tuple[int, ...]            # batch-dependent input node ids
@@ -43,14 +43,31 @@ def taint(dg: DependenceGraph) -> Taint:
     return Taint(frozenset(tainted), tuple(sources), points)
 
 
-def min_cut(dg: DependenceGraph, t: Taint, checked_inputs: frozenset[int] = frozenset()) -> list[Node]:
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """The pins (program order) and each pin's weight: its vertex capacity in the flow network (BIG plus its
+    distance to the nearest batch-dependent selection point; for the `no-cut` ablation, 0: not weighed)."""
+
+    pins: tuple[Node, ...]
+    weights: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.pins) != len(self.weights):
+            raise SelIRError(f"a cut of {len(self.pins)} pins has {len(self.weights)} weights")
+
+    @property
+    def total_weight(self) -> int:
+        return sum(self.weights)
+
+
+def min_cut(dg: DependenceGraph, t: Taint, checked_inputs: frozenset[int] = frozenset()) -> Cut:
     """Pass: the pins, a minimum weighted vertex cut between batch inputs and leaking selection points.
 
     `checked_inputs`: Runtime inputs a require/assume reads. A check is about the real batch, so such an
     input is pinned only when nothing else cuts its paths: its capacity exceeds any cut of other values.
     """
     if not t.leaking_points:
-        return []
+        return Cut((), ())
     g = dg.graph
     sinks = sorted({dg.selection_points[p].id for p in t.leaking_points})
     sub = g.subgraph(t.tainted)
@@ -58,14 +75,14 @@ def min_cut(dg: DependenceGraph, t: Taint, checked_inputs: frozenset[int] = froz
     big = (len(t.tainted) + 1) * (max(dist.values(), default=0) + 1)
     last_resort = big * (len(t.tainted) + 1)
     flow = nx.DiGraph()
+    capacity: dict[int, int] = {}
     for v in sub.nodes:
         node = dg.node(v)
         if node.op is Op.INPUT and node.arg[1] == "Unpinnable":
             flow.add_edge(("in", v), ("out", v))  # no capacity attribute: infinite
-        elif v in checked_inputs:
-            flow.add_edge(("in", v), ("out", v), capacity=last_resort + dist.get(v, big))
-        else:
-            flow.add_edge(("in", v), ("out", v), capacity=big + dist.get(v, big))
+            continue
+        capacity[v] = (last_resort if v in checked_inputs else big) + dist.get(v, big)
+        flow.add_edge(("in", v), ("out", v), capacity=capacity[v])
     for u, v in sub.edges:
         flow.add_edge(("out", u), ("in", v))
     for s in t.sources:
@@ -76,17 +93,19 @@ def min_cut(dg: DependenceGraph, t: Taint, checked_inputs: frozenset[int] = froz
         _, (reach, _) = nx.minimum_cut(flow, "S", "T")
     except nx.NetworkXUnbounded:
         raise _unpinnable_leak(dg, t) from None
-    pins = [dg.node(v) for v in sub.nodes if ("in", v) in reach and ("out", v) not in reach]
-    return sorted(pins, key=lambda n: n.id)
+    pins = sorted((dg.node(v) for v in sub.nodes if ("in", v) in reach and ("out", v) not in reach),
+                  key=lambda n: n.id)
+    return Cut(tuple(pins), tuple(capacity[p.id] for p in pins))
 
 
-def pin_selection_points(dg: DependenceGraph, t: Taint) -> list[Node]:
+def pin_selection_points(dg: DependenceGraph, t: Taint) -> Cut:
     """Ablation `no-cut`: pin every batch-dependent selection point itself."""
     pins = {dg.selection_points[p].id: dg.selection_points[p] for p in t.leaking_points}
     for node in pins.values():
         if node.op is Op.INPUT and node.arg[1] == "Unpinnable":
             raise _unpinnable_leak(dg, t)
-    return sorted(pins.values(), key=lambda n: n.id)
+    ordered = tuple(sorted(pins.values(), key=lambda n: n.id))
+    return Cut(ordered, (0,) * len(ordered))
 
 
 def _distance_to(g: nx.DiGraph, sinks: list[int]) -> dict[int, int]:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from detent_audit.selection.codegen import builtins_namespace, compile_function, emit
 from detent_audit.selection.errors import SelIRError
@@ -29,40 +29,67 @@ SAMPLED_POINTS = 512
 MAX_ASSIGNMENTS = 1_000_000
 VRA_SEED = 20261129
 
+Value: TypeAlias = Hashable               # a pin or knob value: int, bool, str (JSON scalars)
+Assignment: TypeAlias = dict[str, Value]  # axis (pin or knob name) -> value
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class PinInfo:
+    """A pin: the values it takes over the runtime domain (candidates) and those some legal row uses."""
+
     name: str
     line: int
     node_id: int
-    candidates: tuple
-    legal_values: tuple
+    candidates: tuple[Value, ...]
+    legal_values: tuple[Value, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class KnobInfo:
+    """A knob: its declared choices and default, and the choices some legal row uses."""
+
     name: str
-    choices: tuple
-    default: Any
-    legal_values: tuple
+    choices: tuple[Value, ...]
+    default: Value
+    legal_values: tuple[Value, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "choices": list(self.choices), "default": self.default,
+                "legal_values": list(self.legal_values)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KnobInfo:
+        return cls(d["name"], tuple(d["choices"]), d["default"], tuple(d["legal_values"]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LegalGroup:
     """Axes (pins and knobs) that some check reads together, and their legal rows. Groups are independent:
     an assignment is legal when its projection on every group is one of that group's rows."""
 
     axes: tuple[str, ...]
-    rows: tuple[tuple, ...]
+    rows: tuple[tuple[Value, ...], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"axes": list(self.axes), "rows": [list(r) for r in self.rows]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LegalGroup:
+        return cls(tuple(d["axes"]), tuple(tuple(r) for r in d["rows"]))
+
+    def admits(self, assignment: Mapping[str, Value]) -> bool:
+        """The projection of `assignment` on these axes is a row (values of the same types: True is not 1)."""
+        row = tuple(assignment[a] for a in self.axes)
+        return any(row == r and all(type(x) is type(y) for x, y in zip(row, r)) for r in self.rows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class VraResult:
     pins: tuple[PinInfo, ...]
     knobs: tuple[KnobInfo, ...]
     candidate_count: int
     groups: tuple[LegalGroup, ...]
-    default: dict | None          # axis -> value (None when nothing is legal)
+    default: Assignment | None    # None when nothing is legal
     points_tried: int
     exhaustive: bool
 
@@ -261,11 +288,11 @@ def _legal_groups(prog: IRProgram, axes: list[str], candidates: list[tuple], tab
     return tuple(groups)
 
 
-def _default(groups: tuple[LegalGroup, ...], want: dict, knob_names: set[str]) -> dict | None:
+def _default(groups: tuple[LegalGroup, ...], want: Assignment, knob_names: set[str]) -> Assignment | None:
     """Per group: the values a lone smallest request gets from the unpinned program with default knobs, if
     legal; else the legal row with the most knobs at their defaults, then the most pins at those values
     (the first such row)."""
-    out: dict = {}
+    out: Assignment = {}
     for g in groups:
         if not g.rows:
             return None

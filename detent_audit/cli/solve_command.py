@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from detent_audit.cli.options import CACHE_DIR, JSON
+
+if TYPE_CHECKING:
+    from detent_audit.selection.compiler import SolveResult
 
 
 def solve(
@@ -29,7 +34,7 @@ def solve(
     _print_table(deployment, results)
 
 
-def _print_table(deployment: Path, results: list) -> None:
+def _print_table(deployment: Path, results: list[SolveResult]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -39,15 +44,15 @@ def _print_table(deployment: Path, results: list) -> None:
                 "legal values per pin", "constants (one candidate)", "candidates", "legal", "solve", "cache"):
         table.add_column(col, overflow="fold")
     for r in results:
-        pins = "\n".join(f"{p['name']}@{p['line']}: {len(p['candidates'])}" for p in r.pins) or "-"
-        legal_vals = "\n".join(_short(p["legal_values"]) for p in r.pins) or "-"
-        constants = "\n".join(f"{c['name']}@{c['line']} = {c['value']!r}" for c in r.constants) or "-"
+        pins = "\n".join(f"{p.name}@{p.line}: {len(p.candidates)}" for p in r.pins) or "-"
+        legal_vals = "\n".join(_short(p.legal_values) for p in r.pins) or "-"
+        constants = "\n".join(f"{c.name}@{c.line} = {c.value!r}" for c in r.constants) or "-"
         table.add_row(r.family, r.program, str(r.num_values), str(len(r.selection_points)),
                       ", ".join(r.batch_dependent_points) or "-", pins, legal_vals, constants,
                       str(r.candidate_count), str(r.legal_count), f"{r.solve_seconds * 1000:.1f} ms", r.cache)
     console.print(table)
 
 
-def _short(values: list, limit: int = 12) -> str:
+def _short(values: Sequence[object], limit: int = 12) -> str:
     shown = ", ".join(map(str, values[:limit]))
     return f"{{{shown}{', ...' if len(values) > limit else ''}}} ({len(values)})"

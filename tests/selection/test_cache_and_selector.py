@@ -98,15 +98,15 @@ def test_selector_checks_each_new_input_and_raises_on_violation(tmp_path) -> Non
     assert "assume: batch within the scheduler's limit" in text
     assert "num_seqs=33" in text and "max_len=10" in text
     for pin in result.pins:
-        assert f"{pin['name']}=" in text
+        assert f"{pin.name}=" in text
 
 
 def test_require_violation_names_condition_inputs_and_pins(tmp_path) -> None:
     result = _solve(tmp_path, limit=64)
     assert result.legal_count, "some split counts are legal"
-    pin = result.pins[0]["name"]
-    illegal = max(result.pins[0]["candidates"])
-    assert illegal not in result.pins[0]["legal_values"]
+    pin = result.pins[0].name
+    illegal = max(result.pins[0].candidates)
+    assert illegal not in result.pins[0].legal_values
     bad = result.selector().repin({pin: illegal})  # no legality callback: the selector itself must refuse
     with pytest.raises(SelectionViolation, match="require: the combine kernel's limit") as info:
         bad(32, 2048)
@@ -125,8 +125,8 @@ def test_pinned_selector_is_constant_and_never_recompiles(tmp_path) -> None:
 def test_repin_is_legal_checked_and_fast(tmp_path) -> None:
     result = _solve(tmp_path)
     sel = result.selector()
-    pin = result.pins[0]["name"]
-    other = [v for v in result.pins[0]["legal_values"] if v != sel.pins[pin]][0]
+    pin = result.pins[0].name
+    other = [v for v in result.pins[0].legal_values if v != sel.pins[pin]][0]
     t0 = time.perf_counter()
     swapped = result.repin(sel, **{pin: other})
     assert time.perf_counter() - t0 < 0.05

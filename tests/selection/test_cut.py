@@ -51,7 +51,7 @@ def is_cut(dg: DependenceGraph, removed: set[int]) -> bool:
 def test_cut_matches_brute_force_minimum(seed: int) -> None:
     dg = random_graph(seed)
     t = taint(dg)
-    pins = min_cut(dg, t)
+    pins = min_cut(dg, t).pins
     assert is_cut(dg, {p.id for p in pins})
     candidates = sorted(t.tainted)
     best = None
@@ -70,7 +70,8 @@ def test_cut_matches_brute_force_minimum(seed: int) -> None:
 def test_among_minimum_cuts_pins_are_nearest_the_selection_points(seed: int) -> None:
     dg = random_graph(seed)
     t = taint(dg)
-    pins = min_cut(dg, t)
+    cut = min_cut(dg, t)
+    pins = cut.pins
     sub = dg.graph.subgraph(t.tainted).reverse()
     sinks = [dg.selection_points[p].id for p in t.leaking_points]
 
@@ -78,6 +79,12 @@ def test_among_minimum_cuts_pins_are_nearest_the_selection_points(seed: int) -> 
         return min((nx.shortest_path_length(sub, s, v) for s in sinks if nx.has_path(sub, s, v)), default=99)
 
     ours = sum(dist(p.id) for p in pins)
+    # each pin's weight is one constant (BIG) plus its distance: the weights differ exactly as distances do
+    assert len(cut.weights) == len(pins) and cut.total_weight == sum(cut.weights)
+    if pins:
+        big = cut.weights[0] - dist(pins[0].id)
+        assert big > len(pins) * max(map(dist, (p.id for p in pins))) and all(
+            w == big + dist(p.id) for p, w in zip(pins, cut.weights)), (seed, cut.weights)
     for combo in itertools.combinations(sorted(t.tainted), len(pins)):
         if is_cut(dg, set(combo)):
             assert ours <= sum(dist(v) for v in combo), (seed, pins, combo)
@@ -85,9 +92,8 @@ def test_among_minimum_cuts_pins_are_nearest_the_selection_points(seed: int) -> 
 
 def test_cut_is_deterministic() -> None:
     for seed in range(20):
-        a = [p.id for p in min_cut(random_graph(seed), taint(random_graph(seed)))]
-        b = [p.id for p in min_cut(random_graph(seed), taint(random_graph(seed)))]
-        assert a == b
+        a, b = (min_cut(random_graph(seed), taint(random_graph(seed))) for _ in range(2))
+        assert [p.id for p in a.pins] == [p.id for p in b.pins] and a.weights == b.weights
 
 
 def test_unpinnable_input_is_never_a_pin() -> None:
@@ -95,7 +101,7 @@ def test_unpinnable_input_is_never_a_pin() -> None:
         dg = random_graph(seed, unpinnable=True)
         t = taint(dg)
         try:
-            pins = min_cut(dg, t)
+            pins = min_cut(dg, t).pins
         except SelIRError as exc:
             assert "Unpinnable input `in0`" in str(exc)
             continue
@@ -107,6 +113,7 @@ def test_no_cut_ablation_pins_every_leaking_point() -> None:
     for seed in range(20):
         dg = random_graph(seed)
         t = taint(dg)
-        pins = pin_selection_points(dg, t)
-        assert {p.id for p in pins} == {dg.selection_points[p].id for p in t.leaking_points}
-        assert len(min_cut(dg, t)) <= len(pins)
+        cut = pin_selection_points(dg, t)
+        assert {p.id for p in cut.pins} == {dg.selection_points[p].id for p in t.leaking_points}
+        assert cut.weights == (0,) * len(cut.pins)  # the ablation does not weigh
+        assert len(min_cut(dg, t).pins) <= len(cut.pins)

@@ -46,5 +46,5 @@ def test_default_selector_is_constant_over_the_runtime_domain(shipped_solve, nam
 @pytest.mark.parametrize("name, family", SHIPPED_PAIRS)
 def test_no_shipped_pin_has_one_candidate(shipped_solve, name: str, family: str) -> None:
     result, _ = shipped_solve(name, family)
-    assert all(len(p["candidates"]) > 1 for p in result.pins), result.pins
-    assert {p["name"] for p in result.pins}.isdisjoint(c["name"] for c in result.constants)
+    assert all(len(p.candidates) > 1 for p in result.pins), result.pins
+    assert {p.name for p in result.pins}.isdisjoint(c.name for c in result.constants)

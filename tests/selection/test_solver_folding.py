@@ -49,14 +49,14 @@ def _solve(text: str, **facts):
 def test_and_false_folds_the_causal_drop(head_dim: int) -> None:
     # head dim 96/128 with paged KV: the second operand is False, so causal never drops
     r = _solve(CAUSAL_DROP, head_dim=head_dim, paged_kv=True, page_size=16)
-    assert r.batch_dependent_points == [] and r.pins == []
+    assert r.batch_dependent_points == () and r.pins == ()
     assert r.selector()(1) == r.selector()(4096) == r.result_cls(is_causal=True, block_n=128)
 
 
 def test_causal_drop_stays_live_where_it_can_happen() -> None:
     r = _solve(CAUSAL_DROP, head_dim=64, paged_kv=True, page_size=16)
-    assert r.batch_dependent_points == ["is_causal", "block_n"]
-    assert len(r.pins) == 1 and len(r.pins[0]["candidates"]) == 2
+    assert r.batch_dependent_points == ("is_causal", "block_n")
+    assert len(r.pins) == 1 and len(r.pins[0].candidates) == 2
 
 
 def test_or_true_folds() -> None:
@@ -66,7 +66,7 @@ def prog(d: Facts, n: Runtime[int]) -> Choice:
     wide = n > 1 or d.paged_kv
     return Choice(is_causal=wide, block_n=128 if wide else 64)
 '''
-    assert _solve(text, head_dim=64, paged_kv=True, page_size=1).pins == []
+    assert _solve(text, head_dim=64, paged_kv=True, page_size=1).pins == ()
     assert len(_solve(text, head_dim=64, paged_kv=False, page_size=1).pins) == 1
 
 
@@ -81,7 +81,7 @@ def prog(d: Facts, n: Runtime[int], m: Runtime[int]) -> Choice:
     return Choice(is_causal=c, block_n=128 if c else 64)
 '''
         r = _solve(text, head_dim=64, paged_kv=True, page_size=1)
-        assert r.pins == [] and r.batch_dependent_points == [], cond
+        assert r.pins == () and r.batch_dependent_points == (), cond
         assert r.selector()(7, 3).is_causal is want
 
 
@@ -105,7 +105,7 @@ def prog(d: Facts, max_seqlen_q: Runtime[int]) -> Choice:
     return Choice(is_causal=tma, block_n=128 if tma else 192)
 '''
     r = _solve(text, head_dim=64, paged_kv=True, page_size=16)
-    assert r.pins == [] and r.selector()(1).block_n == 192
+    assert r.pins == () and r.selector()(1).block_n == 192
 
 
 PARITY = HEADER + '''
@@ -119,8 +119,8 @@ def prog(d: Facts, n: Runtime[int]) -> Choice:
 def test_a_pin_with_one_candidate_is_a_constant_not_a_pin() -> None:
     # n*n and n have the same parity: no interval proves it, the value analysis sees one value
     r = _solve(PARITY, head_dim=64, paged_kv=True, page_size=1)
-    assert r.pins == [] and r.legal_count == 1
-    assert [(c["name"], c["value"]) for c in r.constants] == [("same", True)]
+    assert r.pins == () and r.legal_count == 1
+    assert [(c.name, c.value) for c in r.constants] == [("same", True)]
     sel = r.selector()
     assert {sel(n) for n in range(1, 51)} == {r.result_cls(is_causal=True, block_n=128)}
 

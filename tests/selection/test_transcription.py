@@ -55,7 +55,7 @@ SGLANG_PATHS = {"custom/1shot_push", "custom/1shot_pull", "custom/2shot_pull_mc"
 def test_sglang_all_reduce_is_one_value_and_only_upstream_pairs() -> None:
     spec, r = solved("llama-3.1-70b-instruct-tp4-h100-sglang", "all_reduce")
     facts = spec.facts(dep("llama-3.1-70b-instruct-tp4-h100-sglang"))
-    assert [p["name"] for p in r.pins] == ["path"]
+    assert [p.name for p in r.pins] == ["path"]
     legal = {a["path"] for a in r.legal_assignments()}
     assert legal <= SGLANG_PATHS | {facts.nccl_path} and legal
     # the unpinned program produces only upstream pairs too, at every size, in and out of CUDA graphs
@@ -134,15 +134,15 @@ def test_vllm_cascade_switch_follows_the_batch() -> None:
 
 def test_cascade_is_a_pin_legal_only_off_and_absent_when_disabled() -> None:
     _, on = solved("llama-3.1-8b-instruct-tp1-h100-vllm", "attention")
-    pin = next(p for p in on.pins if p["name"] == "cascade")
-    assert pin["candidates"] == [False, True] and pin["legal_values"] == [False]
+    pin = next(p for p in on.pins if p.name == "cascade")
+    assert pin.candidates == (False, True) and pin.legal_values == (False,)
     assert "cascade" in on.batch_dependent_points and on.default["cascade"] is False
     sel = on.selector()
     assert {sel(64, 64, 1, 5000, 64, 5000, 4096).cascade, sel(600, 8, 100, 1000, 64, 1000, 300).cascade} == {False}
     d = dep("llama-3.1-8b-instruct-tp1-h100-vllm")
     off = dataclasses.replace(d, engine=dataclasses.replace(d.engine, disable_cascade_attn=True))
     _, r = solved("", "attention", off)
-    assert "cascade" not in r.batch_dependent_points and all(p["name"] != "cascade" for p in r.pins)
+    assert "cascade" not in r.batch_dependent_points and all(p.name != "cascade" for p in r.pins)
 
 
 # ---- fused MoE ----
@@ -213,7 +213,7 @@ def test_flashinfer_kv_chunk_by_binary_search_over_the_batch() -> None:
 
 def test_flashinfer_default_tuple_is_constant() -> None:
     _, r = solved("llama-3.1-8b-instruct-tp1-b200-vllm", "attention")
-    assert {p["name"] for p in r.pins} >= {"kv_chunk_size", "cta_tile_q"}
+    assert {p.name for p in r.pins} >= {"kv_chunk_size", "cta_tile_q"}
     sel = r.selector()
     assert len({sel(t, s, q, k, n, 16) for t, s, q, k, n in ((1, 1, 1, 1, 1), (8192, 3, 8000, 8192, 2000),
                                                               (200, 200, 1, 500, 200))}) == 1
