@@ -173,6 +173,9 @@ class SolveResult:
                                     f"{self.axes}", remedy="run `detent-audit solve` for the legal values")
         pins = {p.name: assignment[p.name] for p in self.pins}
         knobs = {k.name: assignment[k.name] for k in self.knobs}
+        if self.result_cls is None:
+            raise SelIRError(f"{self.program}: this result has no @record class (made by from_json, not solve)",
+                             remedy="get the result from solve(), which attaches the program's record class")
         return CompiledSelector(SelectorTemplate.from_json(self.template), self.result_cls, pins, knobs,
                                 self.family)
 
@@ -205,7 +208,7 @@ def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablat
     t0 = time.perf_counter()
     src, name = program if isinstance(program, tuple) else (source_of_function(program), program.__name__)
     fn_obj = src.namespace.get(name)
-    family = family or getattr(fn_obj, "__selir_family__", name)
+    family = family or str(getattr(fn_obj, "__selir_family__", name))
     key = cache_key({"compiler": COMPILER_VERSION, "source": src.text, "program": name,
                      "facts": _facts_json(facts), "ablation": ablation, "cut": cut_pass.CUT_WEIGHTS_VERSION,
                      "vra": [SAMPLED_POINTS, MAX_ASSIGNMENTS, VRA_SEED], "family": family})

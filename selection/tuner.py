@@ -46,6 +46,7 @@ The search is deterministic for a given seed on one machine (the surface is a nu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -270,8 +271,7 @@ def tune(grids: Mapping[str, FamilyGrid], workloads: Mapping[str, Workload],
     if missing:
         raise BadInput(f"workloads name families without a grid: {missing}",
                        remedy="solve those families first")
-    return {family: search(grids[family], workloads[family],
-                           lambda a, call, family=family: oracle(family, a, call), **options)
+    return {family: search(grids[family], workloads[family], functools.partial(oracle, family), **options)
             for family in sorted(workloads)}
 
 
@@ -418,7 +418,8 @@ class _Surface:
         lhs = np.vstack([self.x[measured] * w[:, None], self.prior])
         rhs = np.concatenate([y * w, np.zeros(len(self.prior))])
         predicted = self.x @ np.linalg.lstsq(lhs, rhs, rcond=None)[0]
-        predicted = np.nan_to_num(predicted, nan=np.finfo(float).max, posinf=np.finfo(float).max)
+        largest = float(np.finfo(float).max)
+        predicted = np.nan_to_num(predicted, nan=largest, posinf=largest)
         predicted[measured] = np.inf
         return predicted
 
