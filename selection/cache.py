@@ -54,6 +54,11 @@ class JitCache:
         self.last_status = "hit"
         return body
 
+    def discard(self, key: str) -> None:
+        """A body that loaded but does not read as a result: removed, and the last get counts as corrupt."""
+        self.path(key).unlink(missing_ok=True)
+        self.last_status = "corrupt"
+
     def put(self, key: str, body: dict) -> None:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -124,9 +124,16 @@ class SolveResult:
     def from_json(cls, d: Mapping[str, Any]) -> SolveResult:
         """The inverse of `to_json` (what the JIT cache holds); `result_cls` is not part of it."""
         fields = {f.name for f in dataclasses.fields(cls)} - {"result_cls"}
+        remedy = "remove the JIT cache directory; it is rebuilt on the next solve"
         if set(d) != fields:
-            raise SelIRError(f"a cached solve has fields {sorted(set(d) ^ fields)} out of place",
-                             remedy="remove the JIT cache directory; it is rebuilt on the next solve")
+            raise SelIRError(f"a cached solve has fields {sorted(set(d) ^ fields)} out of place", remedy=remedy)
+        try:
+            return cls._from_fields(d)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SelIRError(f"a cached solve does not read as a result: {exc!r}", remedy=remedy) from None
+
+    @classmethod
+    def _from_fields(cls, d: Mapping[str, Any]) -> SolveResult:
         return cls(
             family=d["family"], program=d["program"], filename=d["filename"], ablation=d["ablation"],
             num_values=d["num_values"], selection_points=tuple(d["selection_points"]),
@@ -215,8 +222,13 @@ def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablat
     if cache is not None:
         body = cache.get(key)
         if body is not None:
-            return dataclasses.replace(SolveResult.from_json(body), cache="hit", result_cls=_result_cls(src, name),
-                                       solve_seconds=time.perf_counter() - t0)
+            try:
+                cached = SolveResult.from_json(body)
+            except SelIRError:
+                cache.discard(key)  # a bad entry is never trusted: solve again
+            else:
+                return dataclasses.replace(cached, cache="hit", result_cls=_result_cls(src, name),
+                                           solve_seconds=time.perf_counter() - t0)
         status = cache.last_status
     else:
         status = "off"

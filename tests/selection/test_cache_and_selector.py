@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import astuple
 
 import pytest
 
+from detent_audit.manifests.encoding import canonical_json, sha256_hex
 from detent_audit.selection.cache import JitCache
-from detent_audit.selection.compiler import solve
-from detent_audit.selection.errors import IllegalAssignment, SelectionViolation
+from detent_audit.selection.compiler import FoldedConstant, SolvedPin, SolveResult, solve
+from detent_audit.selection.errors import IllegalAssignment, SelectionViolation, SelIRError
+from detent_audit.selection.vra import KnobInfo, LegalGroup
 from detent_audit.selection.frontend import source_from_text
 
 PROGRAM = '''from __future__ import annotations
@@ -52,6 +55,43 @@ def test_hit_after_miss_and_same_answer(tmp_path) -> None:
     assert astuple(second.selector()(3, 100)) == astuple(first.selector()(3, 100))
 
 
+def test_cached_result_is_the_same_typed_value(tmp_path) -> None:
+    first = _solve(tmp_path)
+    second = _solve(tmp_path)
+    # the hit is read back from JSON: the same tuples and records, not lists and dicts
+    assert second == dataclasses.replace(first, cache="hit", solve_seconds=second.solve_seconds)
+    assert all(type(p) is SolvedPin for p in second.pins) and all(type(k) is KnobInfo for k in second.knobs)
+    assert all(type(g) is LegalGroup and all(type(r) is tuple for r in g.rows) for g in second.legal_groups)
+    assert all(type(c) is FoldedConstant for c in second.constants)
+    again = SolveResult.from_json(json.loads(json.dumps(first.to_json())))
+    assert again == first and json.dumps(again.report(), sort_keys=True) == json.dumps(first.report(), sort_keys=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.pins = ()  # type: ignore[misc]
+    with pytest.raises(SelIRError, match="no @record class"):
+        again.selector()  # from_json alone has no record class to build
+
+
+@pytest.mark.parametrize("change", ["extra", "missing"])
+def test_from_json_refuses_a_body_of_other_fields(tmp_path, change) -> None:
+    body = _solve(tmp_path).to_json()
+    if change == "extra":
+        body["legal"] = []
+    else:
+        body.pop("constants")
+    with pytest.raises(SelIRError, match="out of place") as info:
+        SolveResult.from_json(body)
+    assert "JIT cache" in (info.value.remedy or "")
+
+
+def test_legal_assignment_values_must_keep_their_type(tmp_path) -> None:
+    result = _solve(tmp_path)
+    good = next(result.legal_assignments())
+    assert result.is_legal(good)
+    pin = result.pins[0].name
+    assert not result.is_legal({**good, pin: float(good[pin])})  # 2.0 == 2, but not the pinned int
+    assert not result.is_legal({**good, "extra": 1}) and not result.is_legal({pin: good[pin]})
+
+
 def test_miss_on_program_change(tmp_path) -> None:
     _solve(tmp_path)
     changed = _solve(tmp_path, PROGRAM.replace("cdiv(d.num_sms, num_seqs)", "cdiv(d.num_sms, num_seqs) + 0"))
@@ -64,7 +104,7 @@ def test_miss_on_facts_change(tmp_path) -> None:
     assert _solve(tmp_path, num_sms=16).cache == "hit"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "wrong_key", "empty"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "wrong_key", "empty", "reshaped", "mistyped"])
 def test_corrupt_entry_is_detected_and_solved_again(tmp_path, damage: str) -> None:
     good = _solve(tmp_path)
     (entry,) = list(tmp_path.rglob("*.json"))
@@ -80,11 +120,19 @@ def test_corrupt_entry_is_detected_and_solved_again(tmp_path, damage: str) -> No
         d = json.loads(raw)
         d["key"] = "0" * 64
         entry.write_text(json.dumps(d))
+    elif damage in ("reshaped", "mistyped"):  # a well-formed, correctly hashed entry that is not a result
+        d = json.loads(raw)
+        if damage == "reshaped":
+            d["body"]["legal"] = d["body"].pop("legal_groups")
+        else:
+            d["body"]["pins"] = 5
+        d["sha256"] = sha256_hex(canonical_json(d["body"]))
+        entry.write_bytes(canonical_json(d))
     else:
         entry.write_bytes(b"")
     again = _solve(tmp_path)
     assert again.cache == "corrupt"
-    assert again.legal_groups == good.legal_groups and again.pins == good.pins
+    assert again == dataclasses.replace(good, cache="corrupt", solve_seconds=again.solve_seconds)
     assert _solve(tmp_path).cache == "hit"
 
 
