@@ -58,6 +58,17 @@ def _chunked_matmul(x: torch.Tensor, weight: torch.Tensor, chunk_rows: int) -> t
     return out[:m]
 
 
+def _row_by_row(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [M, K], weight: [N, K] -> [M, N]; each row its own one-row product (MKL's gemv for fp32)."""
+    if x.shape[0] == 1:
+        return F.linear(x.contiguous(), weight)
+    if x.dtype == torch.float32:
+        m, k = x.shape
+        w_t = weight.t().unsqueeze(0).expand(m, k, weight.shape[0])
+        return torch.bmm(x.contiguous().view(m, 1, k), w_t).view(m, -1)
+    return torch.cat([F.linear(row, weight) for row in x.contiguous().split(1)])
+
+
 @torch.no_grad()
 def linear(
     x: torch.Tensor,
@@ -77,7 +88,13 @@ def linear(
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*lead, weight.shape[0])
-    out = _chunked_matmul(x2, weight, params.chunk_rows)
+    if params.form == "pad":  # one product, never fewer than chunk_rows rows
+        m = x2.shape[0]
+        out = F.linear(_pad_rows(x2, max(m, params.chunk_rows)), weight)[:m]
+    elif params.form == "row":
+        out = _row_by_row(x2, weight)
+    else:
+        out = _chunked_matmul(x2, weight, params.chunk_rows)
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])

@@ -120,8 +120,10 @@ class LLM:
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
             attention_backend="detent-streaming" if config.attention_streaming else "detent",
             batch_invariant=config.mode != "stock")
-        self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir,
-                                                   device=config.device)
+        self.selection: Selection = select_kernels(
+            config.mode, self.deployment, config.tuple, config.cache_dir, device=config.device,
+            gemm_shapes=self.model.gemm_shapes() if config.device == "cpu" else None)
+        self.deployment = self.selection.deployment or self.deployment  # with the GEMM probe's facts
         # a verifier sizes the pool for its longest receipt: never past what this model's own context holds
         num_kv_blocks = max(config.num_kv_blocks, -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2)
         usable_blocks = num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)

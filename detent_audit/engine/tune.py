@@ -124,7 +124,7 @@ def _effective(family: str, a: dict, device: str = "cpu") -> Hashable | None:
     does not list them (a split stride off the grid is legal for SelIR but not a tuning candidate)."""
     try:
         if family in ("embedded.gemm", "embedded.moe"):
-            params = GemmParams(chunk_rows=a["chunk_rows"])
+            params = GemmParams(a["chunk_rows"], a.get("embedded.gemm.form", "chunk"))
             return GPU_SAME_KERNEL if device != "cpu" else params
         if family == "embedded.attention":
             tile = a["embedded.attention.kv_tile"]
@@ -172,7 +172,7 @@ def _row(family: str, eff: Any) -> dict:
     if eff == GPU_SAME_KERNEL:
         return {"tile": eff}
     if isinstance(eff, GemmParams):
-        return {"chunk_rows": eff.chunk_rows}
+        return {"chunk_rows": eff.chunk_rows, "form": eff.form}
     return {"kv_tile": eff.kv_tile, "split_stride": eff.split_stride}
 
 
@@ -217,7 +217,7 @@ class Oracle:
             m, n, k, dtype = call
             x = torch.randn(m, k, generator=g).to(getattr(torch, dtype.split(".")[-1]))
             w = torch.randn(n, k, generator=g).to(x.dtype)
-            p = GemmParams(chunk_rows=a["chunk_rows"])
+            p = GemmParams(a["chunk_rows"], a["form"])
             return lambda: gemm_ops.linear(x, w, params=p)
         if family == "embedded.moe":
             m, e, h, i, top_k, renorm, dtype = call
@@ -365,6 +365,23 @@ def launch_classes(grid: FamilyGrid, workload: Workload, graphs: GraphShape | No
     return FamilyGrid(grid.family, grid.axes, legal, grid.default, unsplit)
 
 
+def _gemm_with_every_proven_form(llm: LLM) -> SolveResult:
+    """The embedded.gemm family solved for the engine's deployment with every GEMM form the probe proves on
+    this CPU, thread count and model (kernels/gemm_probe.py): the tuner's candidates. The committed form is
+    probed again when an engine starts with the tuple."""
+    from detent_audit.kernels import gemm_probe
+    from detent_audit.selection.compiler import solve
+    from detent_audit.selection.programs import families_for
+
+    shapes, dtype = llm.model.gemm_shapes(), getattr(torch, llm.config.dtype)
+    dep = llm.deployment
+    engine = dataclasses.replace(dep.engine, gemm_pad_rows=gemm_probe.least_pad_rows(shapes, dtype),
+                                 gemm_row_form=gemm_probe.row_form_holds(shapes, dtype))
+    dep = dataclasses.replace(dep, engine=engine)
+    spec = next(s for s in families_for(dep) if s.name == "embedded.gemm")
+    return solve(spec.program, spec.facts(dep), family=spec.name)
+
+
 @dataclass(frozen=True)
 class FamilyReport:
     family: str
@@ -391,9 +408,12 @@ def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_frac
     shape = graph_shape(llm)
     oracle = Oracle(seed, device, getattr(llm.selection.kernels, "streaming", False), shape, cold_kv)
     committed = dict(llm.selection.tuple)
+    results = dict(llm.selection.results)
+    if device == "cpu" and "embedded.gemm" in calls:
+        results["embedded.gemm"] = _gemm_with_every_proven_form(llm)
     reports = []
     for family, counter in sorted(calls.items()):
-        grid, reps = family_grid(llm.selection.results[family], committed[family], device)
+        grid, reps = family_grid(results[family], committed[family], device)
         workload = heaviest(family, counter)
         searched, fraction = grid, budget_fraction
         if device != "cpu" and family == "embedded.attention":
