@@ -155,7 +155,10 @@ def family_grid(result: SolveResult, current: dict, device: str = "cpu") -> tupl
     reps: dict[Hashable, dict] = {}
     for a in result.legal_assignments():
         eff = _effective(result.family, a, device)
-        if eff is not None and eff not in reps:
+        # prefer the assignment whose knob says what its pin does (a pad tuple's knob is what the engine's
+        # probe then proves: pin and knob must agree for the tuple to stay legal there)
+        if eff is not None and (eff not in reps or (_knob_matches_pin(result.family, a)
+                                                    and not _knob_matches_pin(result.family, reps[eff]))):
             reps[eff] = a
     cur = _effective(result.family, current, device)
     if cur is None or cur not in reps:
@@ -166,6 +169,10 @@ def family_grid(result: SolveResult, current: dict, device: str = "cpu") -> tupl
     grid = FamilyGrid(result.family, axes, tuple(Assignment(r) for r in rows), Assignment(_row(result.family, cur)))
     by_row = {Assignment(_row(result.family, e)): reps[e] for e in reps}
     return grid, by_row
+
+
+def _knob_matches_pin(family: str, a: dict) -> bool:
+    return a.get(f"{family}.chunk_rows") == a.get("chunk_rows")
 
 
 def _row(family: str, eff: Any) -> dict:
