@@ -92,6 +92,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1, help="rounds run first and dropped")
+    ap.add_argument("--check-prompts", type=int, default=8, help="prompts served alone against their batch-8 row")
+    ap.add_argument("--tune-prompts-c1", type=int, default=8, help="prompts of the concurrency-1 profile")
     ap.add_argument("--tuple-c1", default=None, help="the tuple for concurrency 1 (default: tune it here)")
     ap.add_argument("--tuple-c8", default=None, help="the tuple for concurrency 8 (default: tune it here)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
@@ -107,13 +110,14 @@ def main() -> int:
             tuples[c] = load_tuple(path)
         else:  # tune on these requests served at concurrency c (a fresh engine: its own prefix cache)
             tuner = LLM(EngineConfig(**base))
-            requests = [(f"q{i}", p, params) for i, p in enumerate(prompts)]
+            chosen = prompts[:args.tune_prompts_c1] if c == 1 else prompts
+            requests = [(f"q{i}", p, params) for i, p in enumerate(chosen)]
             tuples[c], _ = tune_engine(tuner, requests, concurrency=[c])
             del tuner
         engines[f"detent-c{c}"] = LLM(EngineConfig(tuple=tuples[c], **base))
     times: dict[tuple[int, str], list[float]] = defaultdict(list)
     outputs: dict[tuple[int, str], list] = {}
-    for _ in range(args.runs + 1):  # the first round warms up and is dropped
+    for _ in range(args.warmup + args.runs):  # the warm-up rounds are dropped
         for batch in (1, 8):
             for name in VARIANTS:
                 llm = engines[name]
@@ -123,18 +127,19 @@ def main() -> int:
                 times[batch, name].append(time.perf_counter() - t0)
     invariant = {}
     for name in VARIANTS[1:]:
-        alone = [engines[name].generate([p], params)[0] for p in prompts]
+        alone = [engines[name].generate([p], params)[0] for p in prompts[:args.check_prompts]]
         invariant[name] = all(a.token_ids == b.token_ids and torch.equal(torch.tensor(a.logprobs),
                                                                           torch.tensor(b.logprobs))
                               for a, b in zip(alone, outputs[8, name]))
-    tps = {k: k[0] * args.output_tokens / statistics.median(v[1:]) for k, v in times.items()}
+    tps = {k: k[0] * args.output_tokens / statistics.median(v[args.warmup:]) for k, v in times.items()}
     splits = {f"{b}/{m}": split_times(engines[m], prompts[:b], params) for b in (1, 8) for m in VARIANTS}
     bound = {rows: decode_step_gemms(engines["stock"], rows) for rows in (1, 8)}
     forms = {name: gemm_form(engines[name].selection.tuple) for name in VARIANTS[1:]}
     print(f"device: {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} thread(s), torch {torch.__version__}; {REAL_MODEL} fp32; chat prompts of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.output_tokens} output tokens "
-          f"(prefill included); median of {args.runs}, variants interleaved\n")
+          f"(prefill included); median of {args.runs} after {args.warmup} warm-up, variants interleaved; tuples: "
+          + ", ".join(f"{n} {forms[n]}" for n in forms) + "\n")
     print("| batch | stock tok/s | " + " | ".join(f"{n} ({forms[n]}) tok/s | / stock" for n in VARIANTS[1:])
           + " |\n|---|---|" + "---|---|" * 3)
     for b in (1, 8):

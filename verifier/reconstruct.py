@@ -118,13 +118,17 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
     if isinstance(expected["checkpoint"], dict):
         expected["checkpoint"].pop("eos_token_ids", None)
     check_comparable(expected, static_facts(config))
+    from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
+
+    whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
     try:
         llm = LLM(config)  # (4): select_kernels refuses a tuple that is not legal for the solved pins
     except BadInput as exc:
         if "is not legal" in exc.message or "does not run" in exc.message:
-            whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
             raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
         raise
+    except GemmFormNotInvariant as exc:  # its GEMM form is not proven on this machine: these bits cannot be had
+        raise NotComparable(["tuple"], f"{whose} cannot run here: {exc.message}") from None
     local = llm.facts()
     check_comparable(dict(facts), local)
     return llm

@@ -119,7 +119,7 @@ def gemm_params_of(assignment: Mapping[str, Any]) -> GemmParams:
         raise BadInput(f"the tuple's embedded.gemm assignment {dict(assignment)} names no {exc}",
                        remedy="run `detent-audit solve` for the legal values") from None
     except BadParams as exc:
-        raise BadInput(f"the tuple's embedded.gemm assignment {dict(assignment)}: {exc.message}",
+        raise BadInput(f"the tuple's embedded.gemm assignment {dict(assignment)} is not legal: {exc.message}",
                        remedy=exc.remedy) from None
 
 
