@@ -14,6 +14,7 @@ Usage: python benchmarks/real_model_cpu.py [--runs 5] [--output-tokens 32] [--js
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -27,7 +28,8 @@ from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.named_models import REAL_MODEL
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tune import tune_engine
-from detent_audit.engine.tuples import load_tuple, tuple_hash
+from detent_audit.engine.tuples import load_tuple
+from detent_audit.manifests.encoding import tuple_hash
 from detent_audit.kernels import GemmParams, KernelSet, gemm
 
 QUESTIONS = ["What is 2 + 2?", "Name a colour.", "What is the capital of Peru?", "Tell me a joke.",
@@ -99,7 +101,7 @@ def main() -> int:
     ap.add_argument("--tuple-c8", default=None, help="the tuple for concurrency 8 (default: tune it here)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
     args = ap.parse_args()
-    base = dict(model=REAL_MODEL, num_threads=args.threads)
+    base = dict(model=REAL_MODEL, num_threads=args.threads, num_kv_blocks=128)  # 8 x 70 tokens need 40 blocks; five engines in one process
     engines = {"stock": LLM(EngineConfig(mode="stock", **base)), "detent": LLM(EngineConfig(**base))}
     tok = engines["stock"].tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -114,6 +116,7 @@ def main() -> int:
             requests = [(f"q{i}", p, params) for i, p in enumerate(chosen)]
             tuples[c], _ = tune_engine(tuner, requests, concurrency=[c])
             del tuner
+            gc.collect()
         engines[f"detent-c{c}"] = LLM(EngineConfig(tuple=tuples[c], **base))
     times: dict[tuple[int, str], list[float]] = defaultdict(list)
     outputs: dict[tuple[int, str], list] = {}
