@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from detent_audit import __version__
+from detent_audit import __version__, engine_api
 from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.facts import checkpoint_hashes, source_hash
 from detent_audit.engine.kernel_select import engine_deployment, select_kernels
@@ -304,7 +304,10 @@ class VllmEngine:
         return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
 
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
-                    *, prompt_logprobs: int | None = None) -> VllmRequest:
+                    *, prompt_logprobs: int | None = None, score_prompt: bool = False) -> VllmRequest:
+        if score_prompt:
+            raise BadInput("echo (the prompt's logprobs with the answer) is not served on the vLLM engine",
+                           remedy="drop echo, or serve with the embedded engine")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise BadInput("the prompt is empty", remedy="pass at least one prompt token")
@@ -387,23 +390,11 @@ class VllmEngine:
             raise RuntimeError("vLLM did not reset its prefix cache")
 
     def run(self, seqs: list[VllmRequest]) -> None:
-        pending = {s.seq_id for s in seqs}
-        while pending:
-            if not self.has_unfinished():
-                raise RuntimeError("vLLM stopped with requests unfinished")
-            for seq in self.step():
-                pending.discard(seq.seq_id)
+        engine_api.run_to_completion(self, seqs)
 
     def generate(self, prompts: Iterable[str | SequenceOf[int]],
                  params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams(temperature=0.0)] * len(prompts)
-        if len(params) != len(prompts):
-            raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        self.run(seqs)
-        return [self.output_of(s) for s in seqs]
+        return engine_api.generate(self, prompts, params, default=SamplingParams(temperature=0.0))
 
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
                       params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
