@@ -204,6 +204,9 @@ class VllmEngine:
                           if config.mode == "detent" else None)
         self.attention = _attention_form(config.attention) if config.mode == "detent" else None
         self._environment()
+        # before the build too: vLLM's oneDNN GEMM primitives are made at load time for the thread count then
+        # (made at one count and run at another, their bits differ from an engine made at the run's count)
+        _set_threads(config.num_threads)
         self.llm = self._build()
         self.engine = self.llm.llm_engine
         # vLLM's CPU worker (in this process) leaves torch at its import-time count (the machine's cores) when
