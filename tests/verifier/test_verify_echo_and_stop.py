@@ -15,10 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
-from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.stop_strings import find_stop
-from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
+from detent_audit.manifests.keys import load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import (
     ClientRequest,
     OutputRecord,
@@ -27,7 +26,6 @@ from detent_audit.manifests.receipt import (
     sign_receipt,
     verify_envelope,
 )
-from detent_audit.server.node import ServingNode
 
 runner = CliRunner()
 API = "openai/v1/completions"
@@ -45,12 +43,8 @@ def _body(prompt: list[int], params: SamplingParams, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(make_checkpoint, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("echo-stop")
-    ckpt = make_checkpoint("tiny-llama")
-    key = generate_key(root / "node.key")
-    llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(root / "jit")))
-    node = ServingNode(llm, load_private_key(key.private_path), root / "out")
+def setup(new_node) -> dict:
+    root, ckpt, key, llm, node = new_node("echo-stop")
     return {"root": root, "ckpt": ckpt, "key": key, "llm": llm, "node": node, "jit": root / "jit"}
 
 
@@ -157,9 +151,9 @@ def test_a_node_that_cuts_early_or_goes_past_a_stop_string_fails(setup, receipts
     assert code == 1 and "contains none of the stop strings" in report["outcomes"][0]["message"]
     # the same tokens under a stop string that an earlier token already completed
     text = setup["llm"].tokenizer.decode(r.output.token_ids[:1])
-    past = dataclasses.replace(r, request=dataclasses.replace(
-        r.request, sampling=dataclasses.replace(r.request.sampling, stop=(text[:1],))))
-    if text[:1] and "\ufffd" not in text[:1]:
+    if text[:1] and "\ufffd" not in text[:1]:  # a first token with no text of its own completes no stop string
+        past = dataclasses.replace(r, request=dataclasses.replace(
+            r.request, sampling=dataclasses.replace(r.request.sampling, stop=(text[:1],))))
         code, report = _verify(setup, _resign(setup, past, tmp_path / "past.receipt"))
         assert code == 1 and "already contains the stop string" in report["outcomes"][0]["message"]
     # a stop claimed as a length limit
