@@ -31,7 +31,12 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+<<<<<<< HEAD
 from detent_audit.errors import BadInput, DetentError
+=======
+from detent_audit.enums import ExitCode
+from detent_audit.errors import DetentError
+>>>>>>> main
 
 EMBEDDED = "detent-audit"  # facts["engine"]["name"] of the embedded engine
 
@@ -136,7 +141,7 @@ def generate(engine: Engine, prompts: Iterable[str | SequenceOf[int]], params: A
 class UnknownEngine(DetentError):
     """A receipt names an engine this installation cannot rebuild (exit 3: not comparable here)."""
 
-    exit_code = 3
+    exit_code = ExitCode.NOT_COMPARABLE
 
 
 def engine_name(facts: Mapping[str, Any]) -> str:
