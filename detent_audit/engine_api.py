@@ -31,12 +31,8 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-<<<<<<< HEAD
-from detent_audit.errors import BadInput, DetentError
-=======
 from detent_audit.enums import ExitCode
-from detent_audit.errors import DetentError
->>>>>>> main
+from detent_audit.errors import BadInput, DetentError
 
 EMBEDDED = "detent-audit"  # facts["engine"]["name"] of the embedded engine
 
