@@ -111,7 +111,19 @@ class Engine(Protocol):
                       params: SequenceOf[Any] | None = None) -> list[Rescored]: ...
 
 
-def run_to_completion(engine: Engine, handles: SequenceOf[RequestHandleLike]) -> None:
+class Stepping(Protocol):
+    """The part of `Engine` that running requests to completion needs."""
+
+    def add_request(self, prompt: Any, params: Any, request_id: str | None = None) -> Any: ...
+
+    def step(self) -> list[Any]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def output_of(self, seq: Any) -> Any: ...
+
+
+def run_to_completion(engine: Stepping, handles: SequenceOf[RequestHandleLike]) -> None:
     """Step `engine` until every request in `handles` has finished (others may finish alongside)."""
     pending = {h.seq_id for h in handles}
     while pending:
@@ -121,7 +133,7 @@ def run_to_completion(engine: Engine, handles: SequenceOf[RequestHandleLike]) ->
             pending.discard(handle.seq_id)
 
 
-def generate(engine: Engine, prompts: Iterable[str | SequenceOf[int]], params: Any, *, default: Any) -> list[Any]:
+def generate(engine: Stepping, prompts: Iterable[str | SequenceOf[int]], params: Any, *, default: Any) -> list[Any]:
     """Every prompt run to completion, submitted together in order; `engine.output_of` each, in the same order.
     `params`: one sampling-parameter object for all, a sequence of one per prompt, or None (`default`)."""
     prompts = list(prompts)

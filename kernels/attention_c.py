@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.kernels.attention_metadata import AttentionMetadata
 from detent_audit.kernels.params import AttentionParams
@@ -186,7 +187,7 @@ BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-
 class Unavailable(DetentError):
     """The C attention cannot be built or loaded here."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 def _arch_flags() -> tuple[str, ...]:
