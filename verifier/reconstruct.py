@@ -194,7 +194,7 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
         raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
                                                      f"--threads {threads} changes the bits")
     from detent_audit.engine.facts import checkpoint_hashes
-    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine, attention_of_facts
 
     # (7), first: the checkpoint's files are hashed, not loaded, before vLLM is built
     local_model = VllmConfig(model=str(model)).resolved_model
@@ -219,7 +219,9 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
                         max_num_batched_tokens=sched["max_num_batched_tokens"],
                         prefix_caching=sched["prefix_caching"], tuple=families if mode == "detent" else None,
                         gemm=(_get(facts, "engine", "plugin").get("gemm") or "onednn") if mode == "detent"
-                        else "onednn")
+                        else "onednn",
+                        attention=attention_of_facts(_get(facts, "engine", "plugin").get("attention"))
+                        if mode == "detent" else "auto")
     engine = VllmEngine(config)
     fields = [f for f in differing_fields(dict(facts), engine.facts()) if f not in DESCRIPTIVE_FIELDS]
     if fields:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from detent_audit import engine_api
 from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.engine.generated import generate_model, is_generated
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
@@ -263,25 +264,13 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     def run(self, seqs: list[Sequence]) -> None:
-        pending = {s.seq_id for s in seqs}
-        while pending:
-            if not self.has_unfinished():
-                raise RuntimeError("the scheduler stopped with requests unfinished")
-            for seq in self.step():
-                pending.discard(seq.seq_id)
+        engine_api.run_to_completion(self, seqs)
 
     # ---- offline API
     def generate(self, prompts: Iterable[str | SequenceOf[int]],
                  params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, submitted together in order; outputs in the same order."""
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams(temperature=0.0)] * len(prompts)
-        if len(params) != len(prompts):
-            raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        self.run(seqs)
-        return [self.output_of(s) for s in seqs]
+        return engine_api.generate(self, prompts, params, default=SamplingParams(temperature=0.0))
 
     def rescore(self, prompt_ids: SequenceOf[int], output_ids: SequenceOf[int]) -> list[float]:
         """Teacher-forced logprobs of `output_ids` after `prompt_ids`, in one prefill (fp32 values)."""
