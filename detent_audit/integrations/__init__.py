@@ -1,0 +1,1 @@
+"""Serving engines behind the engine boundary, each with its plugin."""
