@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.facts import collect_facts
 from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.engine_api import EMBEDDED, Engine, UnknownEngine, engine_for_facts
 from detent_audit.errors import BadInput, DetentError
 
 
@@ -87,8 +87,17 @@ def differing_fields(expected: Any, got: Any, prefix: str = "") -> list[str]:
 
 def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                 cache_dir: str | None = None, threads: int | None = None,
-                tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0) -> LLM:
-    """(3) deployment and (4) tuple: the local engine for these facts; raises NotComparable."""
+                tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0) -> Engine:
+    """(3) deployment and (4) tuple: the local engine for these facts, of the engine they name (the embedded
+    one or vLLM); raises NotComparable, also for an engine this installation does not have."""
+    try:
+        name = engine_for_facts(facts)
+    except UnknownEngine as exc:
+        raise NotComparable(["engine.name"], exc.message) from None
+    if name != EMBEDDED:
+        from detent_audit.integrations.vllm.reconstruct import reconstruct_vllm
+
+        return reconstruct_vllm(facts, tuple_values, model, threads, tuple_override, kv_tokens=kv_tokens)
     config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override, kv_tokens=kv_tokens)
     if config.mode == "stock":
         raise NotComparable(["tuple.mode.name"], "stock mode is not batch-invariant: its bits depend on the batch "
@@ -106,7 +115,7 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
             whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
             raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
         raise
-    local = collect_facts(llm)
+    local = llm.facts()
     fields = differing_fields(dict(facts), local)
     if fields:
         raise NotComparable(fields)

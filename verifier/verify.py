@@ -390,7 +390,7 @@ def _worker_batch(batch: list[tuple[str, bytes]], options: _Options) -> list[Out
 
 def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
     # what the output's own shape already refutes is not re-executed: out-of-vocabulary ids, a wrong finish
-    max_len, vocab = llm.scheduler.config.max_model_len, llm.model.config.vocab_size
+    max_len, vocab = llm.max_model_len, llm.vocab_size
     problems = {p: _tuple_problem(r) or _vocabulary_problem(r, vocab) or _finish_problem(r, eos, max_len)
                 for p, r in batch}
     usable = [(p, r) for p, r in batch if problems[p] is None]

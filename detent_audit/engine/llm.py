@@ -13,7 +13,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -26,6 +26,7 @@ from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
 from detent_audit.engine.sequence import Sequence
 from detent_audit.engine.tokenizer import Tokenizer
+from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.errors import BadInput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -74,11 +75,6 @@ class EngineConfig:
         return Path(self.model) if self.model else ensure_default_model()
 
 
-class Rescored(NamedTuple):
-    logprobs: list[float]   # fp32 values, one per output token
-    tokens: list[int]       # the token the request's sampling draws at each output position
-
-
 @dataclass
 class RequestOutput:
     request_id: str
@@ -93,7 +89,10 @@ class RequestOutput:
 
 class LLM:
     """Offline engine. `generate` runs prompts to completion; requests are batched as the scheduler sees fit,
-    and (batch invariance) every request's bits are what it would get alone."""
+    and (batch invariance) every request's bits are what it would get alone. The embedded implementation of
+    `detent_audit.engine_api.Engine`."""
+
+    name = EMBEDDED
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         config = config or EngineConfig(**overrides)
@@ -155,6 +154,33 @@ class LLM:
         self._score_from.clear()
         self._scores.clear()
         self._tops.clear()
+
+    # ---- the engine boundary (detent_audit.engine_api)
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def num_threads(self) -> int:
+        return self.config.num_threads
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    def facts(self) -> dict[str, Any]:
+        """The bit-relevant facts a receipt records (`detent_audit.engine.facts.collect_facts`)."""
+        from detent_audit.engine.facts import collect_facts
+
+        return collect_facts(self)
+
+    def tuple_values(self) -> dict[str, dict[str, Any]]:
+        """What a receipt commits to as the tuple: the per-family pins and knobs, and the mode (`mode.name`)."""
+        return {"mode": {"name": self.config.mode}, **self.selection.tuple}
 
     # ---- requests
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,

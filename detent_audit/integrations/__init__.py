@@ -1,1 +1,1 @@
-"""Serving engines behind the engine boundary, each with its plugin."""
+"""Engines other than the embedded one, behind `detent_audit.engine_api.Engine`."""

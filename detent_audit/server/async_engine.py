@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from detent_audit.engine.llm import LLM, RequestOutput
+from detent_audit.engine.llm import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.sequence import Sequence as EngineSequence
+from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
 
 
@@ -138,16 +139,16 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    """Serves an `LLM` from one background thread (started here). See the module docstring."""
+    """Serves an engine (`detent_audit.engine_api.Engine`) from one background thread (started here). See the module docstring."""
 
-    def __init__(self, llm: LLM, *, max_queued: int = 256) -> None:
+    def __init__(self, llm: Engine, *, max_queued: int = 256) -> None:
         if max_queued < 1:
             raise BadInput(f"max_queued must be >= 1, got {max_queued}")
         self.llm, self.max_queued = llm, max_queued
         # read-only facts the server checks requests against (safe to read from any thread)
         self.tokenizer = llm.tokenizer
-        self.max_model_len = llm.scheduler.config.max_model_len
-        self.vocab_size = llm.model.config.vocab_size
+        self.max_model_len = llm.max_model_len
+        self.vocab_size = llm.vocab_size
         self._cv = threading.Condition()
         self._inbox: deque[RequestHandle] = deque()
         self._outstanding = 0
@@ -213,7 +214,7 @@ class AsyncEngine:
 
     # ---- the engine thread
     def _run(self) -> None:
-        torch.set_num_threads(self.llm.config.num_threads)  # the count the deployment facts record
+        torch.set_num_threads(self.llm.num_threads)  # the count the deployment facts record
         try:
             while True:
                 with self._cv:

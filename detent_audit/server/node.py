@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.atomic import write_atomically
-from detent_audit.engine.facts import collect_facts, facts_hash
-from detent_audit.engine.llm import LLM, RequestOutput
+from detent_audit.engine.facts import facts_hash
+from detent_audit.engine.llm import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tuples import tuple_hash
+from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
 from detent_audit.manifests.keys import keyid as keyid_of
 from detent_audit.manifests.receipt import (
@@ -37,9 +38,9 @@ MANIFEST_SUFFIX = ".manifest"
 RECEIPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a plain file name in receipts/: no separator, no dot first
 
 
-def tuple_values(llm: LLM) -> dict[str, dict[str, Any]]:
+def tuple_values(llm: Engine) -> dict[str, dict[str, Any]]:
     """What a receipt commits to as the tuple: the per-family pins and knobs, and the mode (as `mode.name`)."""
-    return {"mode": {"name": llm.config.mode}, **llm.selection.tuple}
+    return llm.tuple_values()
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class SignedReceipt:
 class ServingNode:
     """Owns the signing key and the output folder. Thread-safe: the HTTP server signs from its threads."""
 
-    def __init__(self, llm: LLM, private_key: Any, manifest_out: str | Path, rotate: int | None = None) -> None:
+    def __init__(self, llm: Engine, private_key: Any, manifest_out: str | Path, rotate: int | None = None) -> None:
         self.llm, self.key, self.rotate = llm, private_key, rotate
         self.out = Path(manifest_out)
         try:
@@ -62,7 +63,7 @@ class ServingNode:
             raise BadInput(f"{self.out}: cannot make the receipts and manifests folders ({exc.strerror})",
                            remedy="give --manifest-out a folder this user can write") from None
         self.keyid = keyid_of(private_key.public_key())
-        self.facts = collect_facts(llm)
+        self.facts = llm.facts()
         self.facts_hash = facts_hash(self.facts)
         self.tuple = tuple_values(llm)
         self.tuple_hash = tuple_hash(self.tuple)

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.llm import LLM
 from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
 from detent_audit.server.node import RECEIPT_ID, ServingNode
 from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
@@ -25,7 +25,7 @@ _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", 
 _PROMPT = ("prompt", "prompt_token_ids", "messages")
 
 
-def read_requests(llm: LLM, path: Path) -> list[tuple[str, list[int], SamplingParams]]:
+def read_requests(llm: Engine, path: Path) -> list[tuple[str, list[int], SamplingParams]]:
     """Parse and validate every line first: (id, prompt token ids, sampling parameters). The checks are the
     HTTP server's (token ids in the vocabulary, the messages' schema, room for max_tokens in the context);
     an id must name a file (`RECEIPT_ID`), since the receipt is stored under it."""
@@ -34,8 +34,8 @@ def read_requests(llm: LLM, path: Path) -> list[tuple[str, list[int], SamplingPa
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise BadInput(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    max_len = llm.scheduler.config.max_model_len
-    limits = Limits("", max_len, llm.model.config.vocab_size)
+    max_len = llm.max_model_len
+    limits = Limits("", max_len, llm.vocab_size)
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -84,7 +84,7 @@ def read_requests(llm: LLM, path: Path) -> list[tuple[str, list[int], SamplingPa
     return out
 
 
-def serve_offline(llm: LLM, node: ServingNode, input_path: str | Path, output_path: str | Path,
+def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output_path: str | Path,
                   progress: Callable[[int, int], None] | None = None, max_in_flight: int | None = None) -> int:
     """Serve every request of `input_path`, sign each, append results in input order.
 
