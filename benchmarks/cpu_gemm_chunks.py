@@ -1,10 +1,10 @@
-"""The CPU GEMM's chunk size: does it change a row's bits, and what does it cost? (evidence for issue 4)
+"""The CPU GEMM's chunk size: does it change a row's bits, and what does it cost? (verify speed's bound)
 
 `kernels/gemm.py` hands the BLAS rows in chunks of exactly `chunk_rows` (a pinned tuple value). For each shape
 (the default model's projections, then a spread of others), fp32, at 1 and 2 threads: are the products of
 every power-of-two chunk from 4 to 256 bitwise equal to chunk 16's on fresh random inputs, and how many
 GFLOP/s does each chunk reach on 4096 rows (median of repeats)? If the bits never differ, the chunk is a
-harmless selection point on this CPU and BLAS, as the GPU GEMM's tile is on the H200 (RESULTS section 4).
+harmless selection point on this CPU and BLAS, as the GPU GEMM's tile is on the H200 (RESULTS.md, "GPU kernels").
 Usage: python benchmarks/cpu_gemm_chunks.py [--repeats 5]
 """
 

@@ -1,4 +1,4 @@
-"""Output tokens per second of the embedded engine on CPU: detent and det over stock (issue 3 acceptance).
+"""Output tokens per second of the embedded engine on CPU: detent and det over stock.
 
 One process, the embedded default model (~20M parameters, Llama-shaped), fp32; a closed batch of requests
 (mixed prompt lengths, greedy, fixed output length) run to completion; modes interleaved, median of N runs.

@@ -1,4 +1,4 @@
-"""GPU paged attention on the device (issue 5): bit invariance across prefill / chunked prefill / decode /
+"""GPU paged attention on the device: bit invariance across prefill / chunked prefill / decode /
 batch composition, accuracy against fp32, and speed against torch SDPA.
 
 A token's output must have the same bits whether its sequence is prefilled whole, in chunks, decoded one

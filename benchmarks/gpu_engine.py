@@ -1,4 +1,4 @@
-"""The embedded engine on the GPU (issue 5): the invariance battery and first speed figures on the device.
+"""The embedded engine on the GPU: the invariance battery and speed figures on the device.
 
 A named shape (Llama-3.2-1B, Llama-3.1-8B, Qwen3-30B-A3B) with weights generated on the GPU from a seed, bf16,
 CUDA graphs for decode (--eager: none). For detent, det and stock: the 35-cell battery; output tokens/s on a

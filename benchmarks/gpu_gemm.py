@@ -1,4 +1,4 @@
-"""GPU GEMM on the device (issue 5, first slice): row-bit invariance and speed of the Triton persistent
+"""GPU GEMM on the device: row-bit invariance and speed of the Triton persistent
 matmul against cuBLAS, bf16, Llama-3.1-8B projection shapes.
 
 1. Invariance: for each shape and config, rows of the product at M in {1..8192} against the same rows computed

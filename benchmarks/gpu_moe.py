@@ -1,4 +1,4 @@
-"""GPU fused MoE on the device (issue 5): row-bit invariance, config sensitivity and speed of the Triton fused
+"""GPU fused MoE on the device: row-bit invariance, config sensitivity and speed of the Triton fused
 MoE (kernels/triton_moe.py) at the Qwen3-30B-A3B layer shape (E=128, k=8, H=2048, I=768, bf16).
 
 1. Invariance: rows 0..7 of the output at every M against the same rows computed alone (M=1): bits equal?

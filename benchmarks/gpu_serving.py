@@ -1,4 +1,4 @@
-"""Serving latency per output token (issue 5): stock, det, detent-default and detent-tuned on three kinds of
+"""Serving latency per output token: stock, det, detent-default and detent-tuned on three kinds of
 workload, each mode's figures as ratios over stock's from the same run.
 
 Workloads (request counts at --scale 1, the default 0.5 halves them; --workloads picks a subset):

@@ -1,4 +1,4 @@
-"""The tuner on the GPU, recorded for replay (issue 5): profile a workload kind on the engine, time every
+"""The tuner on the GPU, recorded for replay: profile a workload kind on the engine, time every
 class of identical attention launches on every recorded call (the exhaustive search), run the budgeted search,
 and write every (assignment, call, seconds) the oracle measured, so the search can be studied offline on real
 H200 costs (`replay_oracle`).

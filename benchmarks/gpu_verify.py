@@ -1,4 +1,4 @@
-"""Rescore against serving on the GPU, per serving concurrency (issue 4's figure, in the GPU's regime).
+"""Rescore against serving on the GPU, per serving concurrency (verify speed in the GPU's regime).
 
 The same N requests (prompts 16-128 tokens, 64 output tokens, seeded sampling, as benchmarks/verify.py) are
 served closed loop at each concurrency asked for, on one engine (detent mode, CUDA graphs), then rescored

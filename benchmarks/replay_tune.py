@@ -1,12 +1,12 @@
-"""The tuner's budgeted search replayed on real GPU costs (issue 5): every (candidate, call) time that
+"""The tuner's budgeted search replayed on real GPU costs: every (candidate, call) time that
 `benchmarks/gpu_tune.py` measured on the device is the oracle (median of its measurements), so the search can
 be run for many seeds on the CPU. Reports, per workload kind, the grid, its classes of identical launches,
 the exhaustive optimum and the budgeted search's true cost (the median costs) over it for each seed.
 `--noise-draws N`: each oracle call also multiplies the median by the median of N draws from the recorded
 spread (every measurement over its own pair's median): what a live search sees when each timing is the
-median of N independent measurements (N = 1: one measurement, as in the runs of section 10).
+median of N independent measurements (N = 1: one measurement, as the first live searches took; RESULTS.md, "Tuner").
 
-Usage: python benchmarks/replay_tune.py [--seeds 40] [--noise-draws N] [FILE]   (default: the H200 run of 2026-11-29)
+Usage: python benchmarks/replay_tune.py [--seeds 40] [--noise-draws N] [FILE]   (default: the split-combine H200 landscape)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from detent_audit.engine.tune_replay import load_recorded
 from detent_audit.selection.tuner import search
 
-DEFAULT = Path(__file__).parent / "results" / "h200-2026-11-29" / "gpu_tune_llama-3.1-8b.json.gz"
+DEFAULT = Path(__file__).parent / "results" / "h200-split-combine" / "gpu_tune_llama-3.1-8b.json.gz"
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Solver benchmark (issue 2 acceptance), CPU, one process.
+"""Solver benchmark, CPU, one process.
 
 1. For every shipped deployment and family: pins and legal counts of the full analysis and the pin counts of
    the two ablations (`constant-folding-only`, `no-cut`); the full analysis must never need more pins.

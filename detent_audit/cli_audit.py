@@ -68,7 +68,8 @@ def verify(
     paths: list[Path] = typer.Argument(..., help="Receipts, folders of receipts, run manifests."),
     key: Path = typer.Option(None, "--key", help="Trusted public key file."),
     trusted_keys: Path = typer.Option(None, "--trusted-keys", help="Folder of trusted public keys (*.pub)."),
-    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP + " Default: the model the receipt names "
+                              "(if it is one of the names above), else the default model."),
     mode: str = typer.Option("rescore", "--mode", help="rescore (one teacher-forced prefill) | replay"),
     sample: float = typer.Option(None, "--sample", help="Verify a seeded sample: this fraction of receipts."),
     seed: int = typer.Option(None, "--seed", help="Seed of --sample, to repeat a sample (default: drawn at "
@@ -138,7 +139,7 @@ def verify(
 @app.command()
 @handles_errors
 def serve(
-    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     tuple_file: Path = typer.Option(None, "--tuple", help="Committed tuple file (default: the preferred legal "
                                                           "tuple of detent mode)."),
     key: Path = typer.Option(..., "--key", help="The node's private signing key (PKCS#8 PEM, mode 0600)."),
@@ -149,6 +150,8 @@ def serve(
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     threads: int = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact)."),
+    max_model_len: int = typer.Option(None, "--max-model-len", help="Context length: prompt plus output tokens "
+                                      "(default: the model's own, within the KV pool; reported by /v1/models)."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, CUDA graphs; a deployment fact)."),
     attention_streaming: bool = typer.Option(False, "--attention-streaming", help="GPU: the attention's streaming "
                                              "fold (small split strides stop costing prefill; a deployment fact)."),
@@ -174,6 +177,8 @@ def serve(
         raise BadInput("--input and --output go together", remedy="give both, or neither to serve over HTTP")
     if max_queued < 1:
         raise BadInput(f"--max-queued must be >= 1, got {max_queued}")
+    if max_model_len is not None and max_model_len < 2:
+        raise BadInput(f"--max-model-len must be >= 2 (one prompt and one output token), got {max_model_len}")
     if output_path is not None and not output_path.parent.is_dir():
         raise BadInput(f"--output {output_path}: the folder {output_path.parent} does not exist")
     if output_path is not None and output_path.is_dir():
@@ -182,7 +187,7 @@ def serve(
         raise BadInput(f"--manifest-out {manifest_out} is a file", remedy="name a folder (it is created if new)")
     private_key = load_private_key(key, _passphrase(passphrase_env))
     llm = _engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
-                  attention_streaming=attention_streaming)
+                  attention_streaming=attention_streaming, max_model_len=max_model_len)
     node = ServingNode(llm, private_key, manifest_out, rotate)
     if input_path is not None:
         from rich.console import Console
@@ -201,7 +206,7 @@ def serve(
         typer.echo(f"OK: {count} requests served, receipts in {manifest_out / 'receipts'}"
                    + (f", run manifest {manifest}" if manifest else ""))
         return
-    _serve_http(llm, node, served_model_name or llm.config.model_path.name, host, port, max_queued)
+    _serve_http(llm, node, served_model_name or llm.config.resolved_model.name, host, port, max_queued)
 
 
 def _serve_http(llm: Any, node: Any, model_name: str, host: str, port: int, max_queued: int) -> None:

@@ -12,7 +12,7 @@ import typer
 from detent_audit.cli import _MODEL_HELP, app, handles_errors
 
 
-def _engine(model: Path | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
+def _engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
             cache_dir: Path | None = None, **extra: Any):
     from detent_audit.engine.llm import LLM, EngineConfig
 
@@ -29,7 +29,7 @@ def _engine(model: Path | None, mode: str, dtype: str, threads: int, tuple_file:
 @app.command()
 @handles_errors
 def info(
-    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     threads: int = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact)."),
@@ -53,7 +53,7 @@ def info(
 @app.command()
 @handles_errors
 def battery(
-    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     threads: int = typer.Option(1, "--threads", help="CPU threads."),
@@ -94,7 +94,7 @@ def battery(
 @handles_errors
 def generate(
     prompt: list[str] = typer.Argument(..., help="Prompts (submitted together)."),
-    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
     dtype: str = typer.Option("float32", "--dtype"),
     threads: int = typer.Option(1, "--threads"),
@@ -103,22 +103,26 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed (default: fresh when sampling, and printed)."),
+    max_model_len: int = typer.Option(None, "--max-model-len", help="Context length (default: the model's own)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Generate completions offline."""
-    from detent_audit.engine.sampling_params import SamplingParams
+    from detent_audit.engine.sampling_params import SamplingParams, seed_for
 
-    llm = _engine(model, mode, dtype, threads, device=device)
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+    llm = _engine(model, mode, dtype, threads, device=device, max_model_len=max_model_len)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                            seed=seed_for(temperature, seed))
     outs = llm.generate(prompt, params)
     if as_json:
         typer.echo(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
-                                "logprobs": o.logprobs, "finish_reason": o.finish_reason}
+                                "logprobs": o.logprobs, "finish_reason": o.finish_reason, "seed": params.seed}
                                for p, o in zip(prompt, outs)], indent=2))
         return
     for p, o in zip(prompt, outs):
         typer.echo(f"{p!r} -> {o.text!r} ({len(o.token_ids)} tokens, {o.finish_reason})")
+    if not params.is_greedy:
+        typer.echo(f"seed {params.seed}")
 
 
 @app.command()
@@ -126,7 +130,7 @@ def generate(
 def tune(
     workload: Path = typer.Option(..., "--workload", help="Profiling workload: requests as jsonl (serve's format)."),
     out: Path = typer.Option(..., "--out", help="Tuple file to write (msgpack; never overwritten)."),
-    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
     dtype: str = typer.Option("float32", "--dtype"),
     threads: int = typer.Option(1, "--threads"),
     tuple_file: Path = typer.Option(None, "--tuple", help="Start from this tuple (default: the preferred one)."),
@@ -174,3 +178,29 @@ def tune(
                       f"{r.default_cost / r.tuned_cost:.2f}x", json.dumps(r.chosen))
     Console(file=sys.stdout, width=150).print(table)
     typer.echo(f"OK: tuple written to {out}")
+
+
+@app.command("import-gguf")
+@handles_errors
+def import_gguf_command(
+    file: Path = typer.Argument(..., help="A llama.cpp GGUF file (Llama architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1)."),
+    out: Path = typer.Option(..., "--out", help="Folder to write the Hugging Face checkpoint into (new or empty)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16: the safetensors' dtype."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Import a GGUF file as a Hugging Face checkpoint folder (config, safetensors, tokenizer, chat template)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from detent_audit.engine.gguf_import import import_gguf
+
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("dequantizing", total=None)
+        result = import_gguf(file, out, dtype,
+                             progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if as_json:
+        typer.echo(json.dumps({"out": str(result.path), "sha256": result.sha256, "tensors": result.num_tensors,
+                               "quantizations": list(result.quantizations), "dtype": dtype}, indent=2))
+        return
+    typer.echo(f"OK: {file} (sha256 {result.sha256}) -> {result.path}: {result.num_tensors} tensors "
+               f"({', '.join(result.quantizations)} -> {dtype})")

@@ -63,7 +63,7 @@ def moe_tile(m: int, e: int, h: int, inter: int, top_k: int):
 def fa3_num_splits(num_kv_heads: int, heads_per_group: int, max_seqlen_q: int,
                    max_seqlen_k: int, block_m: int, block_n: int, num_sms: int, max_splits: int = 128) -> int:
     """FlashAttention-3's split count for a varlen call (hopper/flash_api.cpp get_num_splits and heuristics.h
-    num_splits_heuristic, as reference/selection-heuristics.md transcribes them): read from the batch.
+    num_splits_heuristic, Dao-AILab/flash-attention @ 0251105a): read from the batch.
     What the `stock` mode uses, so its reduction order follows the batch the way FA3's does. Memoised: every
     layer of a step asks with the same arguments (FA3 computes it in C++; here a Python loop of up to 128)."""
     num_n_blocks = -(-max_seqlen_k // block_n)

@@ -19,8 +19,9 @@ from typing import NamedTuple
 import torch
 
 from detent_audit.errors import BadInput
-from detent_audit.kernels import gemm, rowlocal
+from detent_audit.kernels.gemm import linear
 from detent_audit.kernels.params import MoeParams
+from detent_audit.kernels.rowlocal import silu_and_mul
 
 
 class Routing(NamedTuple):
@@ -45,8 +46,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing
 def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, params: MoeParams | None) -> torch.Tensor:
     """x: [n, H], w13: [2I, H] (gate then up), w2: [H, I] -> [n, H]."""
     gemm_params = params.gemm if params is not None else None
-    hidden = gemm.linear(x, w13, params=gemm_params)
-    return gemm.linear(rowlocal.silu_and_mul(hidden), w2, params=gemm_params)
+    hidden = linear(x, w13, params=gemm_params)
+    return linear(silu_and_mul(hidden), w2, params=gemm_params)
 
 
 @torch.no_grad()

@@ -29,8 +29,8 @@ class TritonAttentionConfig:
     split: int = 2048      # KV positions per split (a multiple of block_n); the pinned split stride
     num_warps: int = 4
     num_stages: int = 2
-    # streaming mode (a deployment fact, off unless asked for: --attention-streaming; the H200 serving runs of
-    # RESULTS sections 13-14 use it): splits folded one after another with explicit FMAs, in one program per
+    # streaming mode (a deployment fact, off unless asked for: --attention-streaming; the H200 serving figures
+    # of RESULTS.md use it): splits folded one after another with explicit FMAs, in one program per
     # tile when the launch has programs enough (prefill: no partials in memory), else in
     # parallel programs and a streaming combine; the two give a row the same bits, so the choice per launch
     # is harmless, and small split strides stop costing prefill (the tuner can pick them for decode)
@@ -283,7 +283,8 @@ LOG2E = 1.4426950408889634
 IN_PROGRAM_MIN_PROGRAMS = 264  # streaming: fold in one program per tile once the launch has 2 per SM (H200)
 # streaming's in-program fold as one pass over the KV tiles (`_attn_folded_one_pass`) rather than a loop per split
 # (`_attn_folded`): the same bits; on the H200 prefill 1 x 8192 at stride 256 takes 1.79 ms where the loop per
-# split takes 2.22, and 1.78 against 1.82 at stride 2048 (benchmarks/gpu_attention.py --one-pass, RESULTS 13)
+# split takes 2.22, and 1.78 against 1.82 at stride 2048 (benchmarks/gpu_attention.py --one-pass;
+# RESULTS.md, "GPU kernels")
 FOLD_IN_ONE_PASS = True
 
 

@@ -1,7 +1,7 @@
 """Deployment facts: what the solver knows about a serving deployment before the first request.
 
-A `Deployment` is the static half of every SelIR program's input (DESIGN section 3): the model's shape, the
-GPU, the engine's settings, the parallel layout and the engine's tuned tables. It is loaded from a TOML file
+A `Deployment` is the static half of every SelIR program's input (docs/design.md section 3): the model's shape,
+the GPU, the engine's settings, the parallel layout and the engine's tuned tables. It is loaded from a TOML file
 (`manifests/deployments/*.toml`, one section per record below), validated on construction, and hashed
 canonically so a receipt can name the exact facts its tuple was solved for.
 
@@ -153,6 +153,11 @@ class EngineFacts:
     nccl_symm_mem: bool                    # NCCL symmetric-memory all-reduce enabled
     torch_symm_mem: bool                   # torch symmetric-memory all-reduce enabled
     flashinfer_all_reduce: bool            # FlashInfer all-reduce enabled
+    nccl_algo: str = ""                    # NCCL_ALGO as set for the server ("": NCCL's tuner picks by size)
+    nccl_proto: str = ""                   # NCCL_PROTO ("": NCCL's tuner picks by size)
+    nccl_channels: int = 0                 # NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS (0: not pinned)
+    disable_cascade_attn: bool = False     # vLLM --disable-cascade-attn (cascade attention on by default)
+    fa3_source: str = ""                   # the FlashAttention-3 build: "<owner>/<repo>@<commit>" ("": unknown)
 
     def __post_init__(self) -> None:
         check(self.name in ENGINES, f"name {self.name!r} must be one of {list(ENGINES)}")
@@ -171,6 +176,9 @@ class EngineFacts:
               "fa_max_num_splits_for_cuda_graph must not be negative (0: FlashAttention's heuristic)")
         check(self.custom_all_reduce_algo in ("auto", "1stage", "2stage"),
               f"custom_all_reduce_algo {self.custom_all_reduce_algo!r} must be 'auto', '1stage' or '2stage'")
+        check(self.nccl_channels >= 0, "nccl_channels must not be negative (0: not pinned)")
+        check(self.fa3_source == "" or ("/" in self.fa3_source and "@" in self.fa3_source),
+              f"fa3_source {self.fa3_source!r} must read <owner>/<repo>@<commit>")
         check(not self.uses_vllm_fa_fork or self.name == "vllm",
               "uses_vllm_fa_fork: only the vllm engine ships the vLLM FlashAttention fork")
 
@@ -243,11 +251,13 @@ class TunedTables:
 
     fused_moe: tuple[tuple[int, MoeConfigRow], ...] = ()
     matmul: tuple[MatmulShapeConfig, ...] = ()
+    fused_moe_down: tuple[tuple[int, MoeConfigRow], ...] = ()  # SGLang's `..._down.json` (down projection)
 
     def __post_init__(self) -> None:
-        keys = [k for k, _ in self.fused_moe]
-        check(all(k > 0 for k in keys) and keys == sorted(set(keys)),
-              "fused_moe keys must be distinct positive token counts, ascending")
+        for name in ("fused_moe", "fused_moe_down"):
+            keys = [k for k, _ in getattr(self, name)]
+            check(all(k > 0 for k in keys) and keys == sorted(set(keys)),
+                  f"{name} keys must be distinct positive token counts, ascending")
         shapes = [(s.n, s.k) for s in self.matmul]
         check(len(shapes) == len(set(shapes)), "matmul lists a shape (n, k) twice")
 
@@ -290,6 +300,8 @@ class Deployment:
               section="engine")
         check(not self.tables.fused_moe or m.is_moe, "fused_moe: a fused-MoE table needs an MoE model",
               section="tables")
+        check(not self.tables.fused_moe_down or self.tables.fused_moe, "fused_moe_down: a down-projection table "
+              "completes an up-projection table ([tables.fused_moe])", section="tables")
 
     @property
     def num_heads_per_rank(self) -> int:
@@ -307,6 +319,7 @@ class Deployment:
                             for k, v in dataclasses.asdict(getattr(self, section)).items()}
         out["tables"] = {
             "fused_moe": {str(key): dataclasses.asdict(row) for key, row in self.tables.fused_moe},
+            "fused_moe_down": {str(key): dataclasses.asdict(row) for key, row in self.tables.fused_moe_down},
             "matmul": [{"n": s.n, "k": s.k, "block_k": s.block_k,
                         "buckets": [dataclasses.asdict(b) for b in s.buckets]} for s in self.tables.matmul],
         }
@@ -361,19 +374,25 @@ def _build(data: Any) -> Deployment:
     return Deployment(name=top.name, description=top.description, tables=tables, **sections)
 
 
-def _parse_tables(data: dict) -> TunedTables:
-    unknown = sorted(set(data) - {"fused_moe", "matmul"})
-    check(not unknown, f"has unknown table {unknown[0]!r}" if unknown else "",
-          "the known tables are [tables.fused_moe] and [[tables.matmul]]", section="tables")
-    moe = data.get("fused_moe", {})
-    check(isinstance(moe, dict), "fused_moe must be a table of `token_count = { row }`",
-          "write it as [tables.fused_moe] with one `N = { block_size_m = ..., ... }` line per row",
+def _moe_rows(data: dict, name: str) -> tuple[tuple[int, MoeConfigRow], ...]:
+    moe = data.get(name, {})
+    check(isinstance(moe, dict), f"{name} must be a table of `token_count = {{ row }}`",
+          f"write it as [tables.{name}] with one `N = {{ block_size_m = ..., ... }}` line per row",
           section="tables")
     rows = []
     for key, row in moe.items():
         check(isinstance(key, str) and key.isdigit() and int(key) > 0, f"key {key!r} must be a positive token count",
-              "the keys are the token counts the rows were tuned for", section="tables.fused_moe")
-        rows.append((int(key), _parse(MoeConfigRow, row, f"tables.fused_moe.{key}")))
+              "the keys are the token counts the rows were tuned for", section=f"tables.{name}")
+        rows.append((int(key), _parse(MoeConfigRow, row, f"tables.{name}.{key}")))
+    return tuple(sorted(rows, key=lambda r: r[0]))
+
+
+def _parse_tables(data: dict) -> TunedTables:
+    unknown = sorted(set(data) - {"fused_moe", "fused_moe_down", "matmul"})
+    check(not unknown, f"has unknown table {unknown[0]!r}" if unknown else "",
+          "the known tables are [tables.fused_moe], [tables.fused_moe_down] and [[tables.matmul]]",
+          section="tables")
+    rows, down = _moe_rows(data, "fused_moe"), _moe_rows(data, "fused_moe_down")
     shapes = data.get("matmul", [])
     check(isinstance(shapes, list), "matmul must be an array of tables", "write each shape as [[tables.matmul]]",
           section="tables")
@@ -383,7 +402,7 @@ def _parse_tables(data: dict) -> TunedTables:
         head = _parse(_MatmulShapeFields, shape, where)
         buckets = tuple(_parse(MatmulBucket, b, f"{where}.buckets.{j}") for j, b in enumerate(head.buckets))
         parsed.append(_located(lambda h=head, b=buckets: MatmulShapeConfig(h.n, h.k, h.block_k, b), where))
-    return _located(lambda: TunedTables(tuple(sorted(rows, key=lambda r: r[0])), tuple(parsed)), "tables")
+    return _located(lambda: TunedTables(rows, tuple(parsed), down), "tables")
 
 
 _TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a table", list: "an array"}

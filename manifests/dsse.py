@@ -1,7 +1,7 @@
 """DSSE-style signed envelopes: the exact payload bytes, their type, and one Ed25519 signature over PAE.
 
-Follows DSSE v1.0 (reference/verifiable-inference.md section 3.2), stored as canonical msgpack instead of
-JSON + base64 (the payload travels as raw bin):
+Follows DSSE v1.0 (secure-systems-lab/dsse, protocol.md and envelope.md), stored as canonical msgpack instead
+of JSON + base64 (the payload travels as raw bin):
 
     envelope  = {"payload": bin, "payloadType": str, "signatures": [{"keyid": str, "sig": bin(64)}]}
     signature = Ed25519(PAE(payloadType, payload))

@@ -1,6 +1,6 @@
 """Canonical msgpack: the one encoding of every signed byte string (receipts, run manifests, envelopes).
 
-msgpack has no canonical form of its own (reference/verifiable-inference.md section 3.6), so this module
+msgpack has no canonical form of its own (msgpack/msgpack#215 and #317), so this module
 fixes one, in the manner of Keybase's canonical msgpack:
 
 - values are nil, bool, int in [-2**63, 2**64 - 1], UTF-8 str, bin, arrays and maps with str keys;

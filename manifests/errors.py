@@ -1,6 +1,6 @@
 """Errors of receipts, run manifests and keys: each a `DetentError` with a remedy.
 
-Exit codes follow DESIGN section 7: 2 for a file that is malformed or unusable (bad input), 1 for a
+Exit codes follow docs/design.md section 7: 2 for a file that is malformed or unusable (bad input), 1 for a
 verification failure (the file is well formed but is not what a trusted node signed, or a run does not match
 its manifest).
 

@@ -6,7 +6,7 @@ canonical msgpack (encoding.py), one map, schema version 1 (`version`):
 
     deployment:   {facts: map, hash: hex}    the deployment's canonical facts and their hash, as its producer
     tuple:        {hash: hex, values: map}   (Deployment.facts_hash, the tuner) computes them; only their
-                                             form is checked here, the verifier recomputes them (DESIGN 7)
+                                             form is checked here, the verifier recomputes them (design.md 7)
     request:      {id: str, prompt_token_ids: [u32], sampling: map, seed: u64}
     sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, stop_token_ids: [u32],
                    temperature_f64_bits: u64, top_k: uint, top_p_f64_bits: u64}

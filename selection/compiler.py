@@ -27,13 +27,18 @@ from detent_audit.selection.frontend import Source, check_grammar, source_of_fun
 from detent_audit.selection.graph import build_graph
 from detent_audit.selection.ir import Node, Op, toposort
 from detent_audit.selection.partial_eval import partial_evaluate
+from detent_audit.selection.pe_values import check_program
 from detent_audit.selection.selector import CompiledSelector, SelectorTemplate, make_template
 from detent_audit.selection.simplify import domain_checks, input_domains, simplify
 from detent_audit.selection.vra import MAX_ASSIGNMENTS, SAMPLED_POINTS, VRA_SEED, analyse
 
-COMPILER_VERSION = "selir-1"
+COMPILER_VERSION = "selir-2"
 ABLATIONS = ("constant-folding-only", "no-cut")
-DEBUG = os.environ.get("DETENT_AUDIT_DEBUG") == "1"
+
+
+def debug_enabled() -> bool:
+    """The IR checker runs between passes when DETENT_AUDIT_DEBUG=1 (the tests set it)."""
+    return os.environ.get("DETENT_AUDIT_DEBUG") == "1"
 
 
 @dataclass
@@ -56,6 +61,7 @@ class SolveResult:
     points_tried: int
     exhaustive: bool
     template: dict
+    constants: list[dict] = field(default_factory=list)  # {name, line, value}: one-candidate values, folded
     solve_seconds: float = 0.0
     cache: str = "miss"
     result_cls: Any = field(default=None, repr=False, compare=False)
@@ -130,7 +136,7 @@ def _facts_json(facts: Any) -> Any:
 
 
 def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablation: str | None = None,
-          cache: JitCache | None = None, family: str | None = None, debug: bool = DEBUG) -> SolveResult:
+          cache: JitCache | None = None, family: str | None = None, debug: bool | None = None) -> SolveResult:
     """Solve one program for one facts record; consult and fill `cache` when given."""
     if ablation is not None and ablation not in ABLATIONS:
         raise SelIRError(f"unknown ablation {ablation!r}", remedy=f"choose one of {', '.join(ABLATIONS)}")
@@ -164,7 +170,8 @@ def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablat
         candidate_count=vra.candidate_count, legal_count=vra.legal_count,
         legal_groups=[{"axes": list(g.axes), "rows": [list(r) for r in g.rows]} for g in vra.groups],
         default=vra.default,
-        points_tried=vra.points_tried, exhaustive=vra.exhaustive, template=template.to_json())
+        points_tried=vra.points_tried, exhaustive=vra.exhaustive, template=template.to_json(),
+        constants=c.folded)
     result.solve_seconds = time.perf_counter() - t0
     if cache is not None:
         cache.put(key, result.to_json())
@@ -184,11 +191,13 @@ class Compilation:
     pin_names: list[str]
     vra: Any
     template: SelectorTemplate
+    folded: list[dict] = field(default_factory=list)   # pins with one candidate, substituted as constants
 
 
 def compile_passes(src: Source, name: str, facts: Any, *, ablation: str | None = None,
-                   debug: bool = DEBUG) -> Compilation:
-    """The passes, in order, without the cache."""
+                   debug: bool | None = None) -> Compilation:
+    """The passes, in order, without the cache; with `debug` the IR checker runs after every pass."""
+    debug = debug_enabled() if debug is None else debug
     # parse: the grammar of the program (helpers are checked when inlined)
     if name in src.functions:
         check_grammar(src, src.functions[name])
@@ -196,25 +205,41 @@ def compile_passes(src: Source, name: str, facts: Any, *, ablation: str | None =
     _check_call_graph(src, name)
     # partial evaluation: fold facts, prune branches, unroll loops, look up tables, inline helpers
     prog = partial_evaluate(src, name, facts)
+    _checked(debug, prog, "partial evaluation")
     domains = input_domains(prog)
     # simplify: range-based folding of comparisons, selects, min/max and lookups; dead code
-    if ablation != "constant-folding-only":
-        prog = simplify(prog, domains)
-    # dependence graph: SSA values, data and control-dependence edges
-    dg = build_graph(prog)
-    if debug:
-        dg.check_integrity()
-    # taint: values reachable from batch-dependent inputs
-    tainted = cut_pass.taint(dg)
-    # cut: the fewest pins nearest the selection points (or, ablated, the selection points themselves)
-    pins = (cut_pass.pin_selection_points(dg, tainted) if ablation == "no-cut"
-            else cut_pass.min_cut(dg, tainted, _checked_inputs(prog)))
-    pin_names = _unique_names(pins)
-    # VRA: candidates and legal assignments
-    vra = analyse(prog, pins, domains, pin_names)
+    ranges = ablation != "constant-folding-only"
+    prog = simplify(prog, domains, ranges=ranges)
+    _checked(debug, prog, "simplify")
+    folded: list[dict] = []
+    while True:
+        # dependence graph: SSA values, data and control-dependence edges
+        dg = build_graph(prog)
+        if debug:
+            dg.check_integrity()
+        # taint: values reachable from batch-dependent inputs
+        tainted = cut_pass.taint(dg)
+        # cut: the fewest pins nearest the selection points (or, ablated, the selection points themselves)
+        pins = (cut_pass.pin_selection_points(dg, tainted) if ablation == "no-cut"
+                else cut_pass.min_cut(dg, tainted, _checked_inputs(prog)))
+        pin_names = _unique_names(pins)
+        # VRA: candidates and legal assignments
+        vra = analyse(prog, pins, domains, pin_names)
+        # fold: a pin with one candidate is a constant; substitute it, simplify, cut again
+        single = {p.node_id: p for p in vra.pins if len(p.candidates) == 1}
+        if not single:
+            break
+        folded += [{"name": p.name, "line": p.line, "value": p.candidates[0]} for p in single.values()]
+        prog = simplify(prog, domains, fixed={i: p.candidates[0] for i, p in single.items()}, ranges=ranges)
+        _checked(debug, prog, "constant pins")
     # codegen: the selector template with pins and knobs as placeholders
     template = make_template(prog, pins, pin_names)
-    return Compilation(prog, domains, dg, tainted, pins, pin_names, vra, template)
+    return Compilation(prog, domains, dg, tainted, pins, pin_names, vra, template, folded)
+
+
+def _checked(debug: bool, prog: Any, after: str) -> None:
+    if debug:
+        check_program(prog, after)
 
 
 def _checked_inputs(prog: Any) -> frozenset[int]:

@@ -42,3 +42,12 @@ class SelectionViolation(DetentError):
 
 class IllegalAssignment(BadInput):
     """A tuple gives a pin or knob a value outside its legal set."""
+
+
+class NotTranscribed(DetentError):
+    """A deployment runs a kernel family whose selection no program transcribes: its pins cannot be stated.
+
+    Exit 3 (not comparable): `solve` has no answer rather than a wrong one (0 pins), and nothing serves it.
+    """
+
+    exit_code = 3

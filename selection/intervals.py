@@ -93,6 +93,8 @@ def interval_of(node: Node, env: dict[int, Interval], domains: dict[str, Interva
             return Interval(-a.hi, -a.lo)
         if arg == "+":
             return a
+        if a.lo > 0 or a.hi < 0:
+            return Interval(0, 0)  # `not x` of a value that is never 0
         return BOOL if not a.is_point else Interval(int(not a.lo), int(not a.lo))
     if op is Op.BINARY:
         a, b = src
@@ -107,6 +109,8 @@ def interval_of(node: Node, env: dict[int, Interval], domains: dict[str, Interva
         if arg == "/":
             return _truediv(a, b)
         if arg == "%" and b.lo > 0 and a.lo >= 0:
+            if a.hi < b.lo:
+                return a  # 0 <= a < b: a % b is a
             return Interval(0, min(a.hi, b.hi - 1) if b.hi != INF else a.hi)
         return TOP
     if op is Op.COMPARE:

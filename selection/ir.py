@@ -87,6 +87,18 @@ class Builder:
         return self.make(Op.CONST, value, line=line, col=col)
 
 
+def is_boolean(node: Node) -> bool:
+    """Whether `node` always evaluates to a Python bool (a comparison, `not`, `bool()`, and/or of those)."""
+    if node.op is Op.CONST:
+        return isinstance(node.arg, bool)
+    if node.op is Op.COMPARE or (node.op is Op.UNARY and node.arg == "not") or (
+            node.op is Op.CALL and node.arg == "bool"):
+        return True
+    if node.op in (Op.AND, Op.OR, Op.SELECT):
+        return all(is_boolean(s) for s in node.src[node.op is Op.SELECT:])
+    return False
+
+
 def toposort(roots: Iterable[Node]) -> list[Node]:
     """Every node reachable from `roots`, arguments first (ascending id), with an explicit stack."""
     seen: dict[int, Node] = {}

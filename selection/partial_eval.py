@@ -18,7 +18,7 @@ from typing import Any
 
 from detent_audit.selection.errors import SelIRError
 from detent_audit.selection.frontend import Source, check_grammar, program_inputs
-from detent_audit.selection.ir import Builder, Node, Op
+from detent_audit.selection.ir import Builder, Node, Op, is_boolean
 from detent_audit.selection.pe_expressions import ExpressionEvaluator
 from detent_audit.selection.pe_values import (
     BINOPS,
@@ -89,6 +89,8 @@ class PartialEvaluator(ExpressionEvaluator):
             return b if a else a
         if not isinstance(b, Node) and b:
             return a
+        if b is False and is_boolean(a):
+            return False  # `<boolean> and False` is False whichever the boolean
         return self.b.make(Op.AND, None, (a, self.node(b, at)), line=self._pos(at)[0], col=self._pos(at)[1])
 
     def or_(self, a: Any, b: Any, at: ast.AST | None = None) -> Any:
@@ -96,6 +98,8 @@ class PartialEvaluator(ExpressionEvaluator):
             return a if a else b
         if not isinstance(b, Node) and not b:
             return a
+        if b is True and is_boolean(a):
+            return True  # `<boolean> or True` is True whichever the boolean
         return self.b.make(Op.OR, None, (a, self.node(b, at)), line=self._pos(at)[0], col=self._pos(at)[1])
 
     def merge(self, cond: Any, a: Any, b: Any, at: ast.AST | None = None) -> Any:
@@ -132,8 +136,8 @@ class PartialEvaluator(ExpressionEvaluator):
         return self.and_(g, self.live(frame))
 
     def bind(self, frame: Frame, name: str, value: Any, at: ast.AST) -> None:
-        if isinstance(value, Node) and value.name is None and value.op is not Op.CONST:
-            value.name = name
+        if isinstance(value, Node) and value.name is None and value.op is not Op.CONST and not name.startswith("$"):
+            value.name = name  # ($ret and the control flags are no names: the caller's variable names it)
         live = self.live(frame)
         if live is not True:
             value = self.merge(live, value, frame.env.get(name, UNDEF), at)

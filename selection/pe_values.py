@@ -128,3 +128,33 @@ class Frame:
     branch: list[Any] = field(default_factory=list)
     scopes: list[dict[str, Any]] = field(default_factory=list)
     helper: str | None = None
+
+
+def check_program(prog: IRProgram, after: str) -> None:
+    """The IR checker (debug mode, between passes): every node reachable from a root is well formed.
+
+    Arguments come before their readers (smaller ids), the content hash matches the node's operation,
+    argument and arguments, a SELECT has three arguments, and a check's condition is a node or a static
+    value. Raises AssertionError naming the pass that broke the invariant.
+    """
+    import hashlib
+
+    from detent_audit.selection.ir import Op, _const_key, toposort
+
+    arity = {Op.CONST: 0, Op.INPUT: 0, Op.KNOB: 0, Op.UNARY: 1, Op.BINARY: 2, Op.COMPARE: 2, Op.AND: 2,
+             Op.OR: 2, Op.SELECT: 3}
+    for node in toposort(prog.roots()):
+        if node.op in arity and len(node.src) != arity[node.op]:
+            raise AssertionError(f"after {after}: {node!r} has {len(node.src)} arguments")
+        for s in node.src:
+            if s.id >= node.id:
+                raise AssertionError(f"after {after}: {node!r} reads a later node {s!r}")
+        arg_key = _const_key(node.arg) if node.op is Op.CONST else repr(node.arg)
+        key = hashlib.sha256("|".join([node.op.value, arg_key, *(s.key for s in node.src)]).encode()).hexdigest()
+        if key != node.key:
+            raise AssertionError(f"after {after}: {node!r} does not match its content hash")
+        if node.op is Op.INPUT and node.arg[0] not in {i.name for i in prog.inputs}:
+            raise AssertionError(f"after {after}: {node!r} is not an input of {prog.name}")
+    for c in prog.checks:
+        if not isinstance(c.cond, Node) and c.cond:
+            raise AssertionError(f"after {after}: the check at line {c.line} holds statically and was kept")

@@ -3,20 +3,23 @@
 `input_domains` reads the bounds each top-level `assume` puts on a runtime input. `simplify` computes an
 interval per node over those domains and folds what the intervals decide: comparisons that always hold (or
 never do), SELECTs whose condition is decided, `min`/`max` arguments that can never win, `and`/`or` whose
-first operand's truth is decided, table lookups whose key is decided. Nodes that no root reads disappear
+first operand's truth is decided (or, for booleans, either operand's), table lookups whose key is decided. Nodes that no root reads disappear
 (dead code). The assumes that define the domains are kept verbatim: they are what the selector checks.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from detent_audit.selection.intervals import Interval, interval_of
-from detent_audit.selection.ir import Node, Op, toposort
-from detent_audit.selection.lang import nearest
-from detent_audit.selection.pe_values import Check, IRProgram
+from detent_audit.selection.ir import Node, Op, is_boolean, toposort
+from detent_audit.selection.lang import BUILTINS, nearest
+from detent_audit.selection.pe_values import PY_OPS, Check, IRProgram
 
+_KEEP = object()  # "keep the operation" (None is a value a node may fold to)
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
 
 
@@ -67,8 +70,14 @@ def input_domains(prog: IRProgram) -> dict[str, Interval]:
     return {n: Interval(lo[n], hi[n]) for n in sorted(set(lo) & set(hi))}
 
 
-def simplify(prog: IRProgram, domains: dict[str, Interval]) -> IRProgram:
-    """Pass: range-based folding and dead-code elimination; returns a new IRProgram."""
+def simplify(prog: IRProgram, domains: dict[str, Interval], *, fixed: Mapping[int, Any] | None = None,
+             ranges: bool = True) -> IRProgram:
+    """Pass: range-based folding and dead-code elimination; returns a new IRProgram.
+
+    `fixed`: node id -> a static value that replaces the node (a pin with one candidate is a constant).
+    `ranges=False` (the constant-folding-only ablation): only constants are propagated, no intervals.
+    """
+    fixed = fixed or {}
     keep = set(domain_checks(prog))
     roots = [v for v in prog.outputs.values() if isinstance(v, Node)]
     roots += [c.cond for i, c in enumerate(prog.checks) if i not in keep and isinstance(c.cond, Node)]
@@ -81,8 +90,16 @@ def simplify(prog: IRProgram, domains: dict[str, Interval]) -> IRProgram:
 
     for node in toposort(roots):
         src = [get(s) for s in node.src]
-        value = _fold(node, src, env, domains)
-        if value is None:
+        static = [x.arg if isinstance(x, Node) and x.op is Op.CONST else x for x in src]
+        if node.id in fixed:
+            value = fixed[node.id]
+        elif node.src and not any(isinstance(x, Node) for x in static):
+            value = _evaluate(node, static)
+        else:
+            value = _fold(node, src, env, domains) if ranges else _KEEP
+        if value is None and node.id not in fixed:
+            value = _KEEP
+        if value is _KEEP:
             src_nodes = tuple(s if isinstance(s, Node) else b.const(s, node.line, node.col) for s in src)
             value = node if all(x is y for x, y in zip(src_nodes, node.src)) else b.make(
                 node.op, node.arg, src_nodes, line=node.line, col=node.col, name=node.name)
@@ -97,6 +114,30 @@ def simplify(prog: IRProgram, domains: dict[str, Interval]) -> IRProgram:
         if isinstance(cond, Node) or not cond:
             checks.append(replace(c, cond=cond))
     return replace(prog, outputs=outputs, checks=checks)
+
+
+def _evaluate(node: Node, src: list[Any]) -> Any:
+    """`node`'s operation on static arguments (constant propagation); None when it raises (an arm a SELECT
+    drops may divide by zero: the node is kept and codegen poisons it), else _KEEP."""
+    op, arg = node.op, node.arg
+    try:
+        if op is Op.UNARY:
+            return {"-": operator.neg, "+": operator.pos, "not": operator.not_}[arg](src[0])
+        if op in (Op.BINARY, Op.COMPARE):
+            return PY_OPS[arg](src[0], src[1])
+        if op is Op.AND:
+            return src[0] and src[1]
+        if op is Op.OR:
+            return src[0] or src[1]
+        if op is Op.SELECT:
+            return src[1] if src[0] else src[2]
+        if op is Op.CALL and arg == "getitem":
+            return src[0][src[1]]
+        if op is Op.CALL:
+            return BUILTINS[arg](*src)
+    except (ArithmeticError, LookupError, TypeError, ValueError):
+        return _KEEP
+    return _KEEP
 
 
 def _fold(node: Node, src: list[Any], env: dict[int, Interval], domains: dict[str, Interval]) -> Any:
@@ -126,6 +167,13 @@ def _fold(node: Node, src: list[Any], env: dict[int, Interval], domains: dict[st
             return src[1] if op is Op.AND else src[0]
         if falsy:
             return src[0] if op is Op.AND else src[1]
+        # the first operand undecided: a decided second operand decides a boolean first one
+        if _boolean(src[0]) and _boolean(src[1]):
+            b = iv(src[1])
+            if b.is_point and b.lo == 0:
+                return False if op is Op.AND else src[0]
+            if b.is_point and b.lo == 1:
+                return src[0] if op is Op.AND else True
         return None
     if op is Op.CALL and node.arg in ("min", "max"):
         ivs = [iv(s) for s in src]
@@ -157,6 +205,10 @@ def _fold(node: Node, src: list[Any], env: dict[int, Interval], domains: dict[st
             except (KeyError, IndexError, TypeError):
                 return None
     return None
+
+
+def _boolean(x: Any) -> bool:
+    return isinstance(x, bool) or (isinstance(x, Node) and is_boolean(x))
 
 
 def _inf(x: float) -> bool:

@@ -263,7 +263,8 @@ def _legal_groups(prog: IRProgram, axes: list[str], candidates: list[tuple], tab
 
 def _default(groups: tuple[LegalGroup, ...], want: dict, knob_names: set[str]) -> dict | None:
     """Per group: the values a lone smallest request gets from the unpinned program with default knobs, if
-    legal; else the first legal row with default knobs; else the first legal row."""
+    legal; else the legal row with the most knobs at their defaults, then the most pins at those values
+    (the first such row)."""
     out: dict = {}
     for g in groups:
         if not g.rows:
@@ -273,6 +274,13 @@ def _default(groups: tuple[LegalGroup, ...], want: dict, knob_names: set[str]) -
         if target in g.rows:
             out.update(zip(g.axes, target))
             continue
-        same_knobs = [r for r in g.rows if all(r[i] == target[i] for i in knob_pos)]
-        out.update(zip(g.axes, (same_knobs or g.rows)[0]))
+
+        scores = [_default_score(r, target, knob_pos) for r in g.rows]
+        out.update(zip(g.axes, g.rows[scores.index(max(scores))]))
     return out
+
+
+def _default_score(row: tuple, target: tuple, knob_pos: list[int]) -> tuple[int, int]:
+    """(knobs at their defaults, pins at the lone request's values): the default prefers more of both."""
+    knobs = sum(row[i] == target[i] for i in knob_pos)
+    return knobs, sum(row[i] == target[i] for i in range(len(row)) if i not in knob_pos)

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from detent_audit.engine.checkpoint import write_random_checkpoint
-from detent_audit.engine.config import ModelConfig
+# the SelIR checker runs after every compiler pass in the tests (selection/compiler.py debug_enabled)
+os.environ["DETENT_AUDIT_DEBUG"] = "1"
+
+from detent_audit.engine.checkpoint import write_random_checkpoint  # noqa: E402
+from detent_audit.engine.config import ModelConfig  # noqa: E402
 
 
 @pytest.fixture(scope="session")

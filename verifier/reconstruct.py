@@ -2,9 +2,12 @@
 bit-relevant fact differs.
 
 The engine settings come from the receipt's facts (dtype, thread count, page size, limits, mode) and its tuple;
-only the checkpoint is local (`--model`). The local engine's facts are then compared with the receipt's,
+only the checkpoint is local: `--model`, else the named model the receipt names (`named_models.NAMES` only: a
+receipt never chooses a path), else the default model. The local engine's facts are then compared with the receipt's,
 field by field: any difference (weights, kernel sources, torch version, CPU capability, ...) makes the
-receipt not comparable here, and every differing field is named.
+receipt not comparable here, and every differing field is named; where the checkpoint differs, the verdict
+says which `--model` the receipt was served from. The checkpoint's name and source are descriptive (the same
+weights may sit in any folder): they are not compared, the hashes are.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.engine.named_models import NAMES
 from detent_audit.engine_api import EMBEDDED, Engine, UnknownEngine, engine_for_facts
 from detent_audit.errors import BadInput, DetentError
 
@@ -56,9 +60,11 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
     if tuple_override is not None and mode != "detent":
         raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
-    generated = _get(facts, "checkpoint").get("generated")  # weights drawn on the device: no checkpoint needed
+    checkpoint = _get(facts, "checkpoint")
+    generated = checkpoint.get("generated")  # weights drawn on the device: no checkpoint needed
+    named = checkpoint.get("name") if checkpoint.get("name") in NAMES else None
     return EngineConfig(
-        model=str(model) if model else generated, mode=mode, dtype=runtime["dtype"],
+        model=str(model) if model else generated or named, mode=mode, dtype=runtime["dtype"],
         device="cpu" if device == "cpu" else "cuda",
         num_threads=threads or served_threads,
         block_size=sched["block_size"], max_model_len=dep["max_model_len"], max_num_seqs=dep["max_num_seqs"],
@@ -116,7 +122,28 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
             raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
         raise
     local = llm.facts()
-    fields = differing_fields(dict(facts), local)
+    fields = [f for f in differing_fields(dict(facts), local) if f not in DESCRIPTIVE_FIELDS]
     if fields:
-        raise NotComparable(fields)
+        message = f"deployment differs in {len(fields)} field(s): {', '.join(fields)}"
+        if any(f.startswith("checkpoint.") for f in fields):
+            message += "; " + served_from(facts, local)
+        raise NotComparable(fields, message)
     return llm
+
+
+DESCRIPTIVE_FIELDS = ("checkpoint.name", "checkpoint.source")
+_SHOWN = 200  # characters of a receipt's name or source shown in a verdict
+
+
+def served_from(facts: Mapping[str, Any], local: Mapping[str, Any]) -> str:
+    """Which model the receipt names, and the `--model` to pass for it."""
+    checkpoint = facts.get("checkpoint") if isinstance(facts.get("checkpoint"), Mapping) else {}
+    name, source = checkpoint.get("name"), checkpoint.get("source")
+    here = f"(here: {local['checkpoint']['name']})"
+    if not isinstance(name, str) or not isinstance(source, str):
+        return f"the receipt does not name its model {here}: pass --model with the checkpoint it was served from"
+    name, source = name[:_SHOWN], source[:_SHOWN]
+    if name in NAMES or name.startswith("random:"):
+        return f"the receipt was served from model {name} ({source}) {here}: pass --model {name}"
+    return (f"the receipt was served from the checkpoint {name!r} ({source}) {here}: pass --model with a copy of "
+            "that checkpoint folder")

@@ -1,4 +1,4 @@
-"""`detent-audit verify`: receipts, folders and run manifests, checked step by step (DESIGN section 7).
+"""`detent-audit verify`: receipts, folders and run manifests, checked step by step (docs/design.md 7).
 
 (0) bounded read and decode (regular files only); (1) signature against the trusted keys; (2) schema,
 canonical re-encoding, deployment and tuple hashes; (3) deployment: the local engine rebuilt from the

@@ -1,4 +1,4 @@
-"""Seeded synthetic serving workloads (issue 5): a ShareGPT-like multi-turn replay with prefix reuse, long
+"""Seeded synthetic serving workloads: a ShareGPT-like multi-turn replay with prefix reuse, long
 documents under Poisson arrivals, and a closed loop at a fixed concurrency.
 
 Pure Python (`random.Random` with an explicit seed; no torch, no engine): the same arguments give the same

@@ -1,4 +1,4 @@
-"""The invariance battery (DESIGN section 8): does a request's output depend on its batch?
+"""The invariance battery (docs/design.md section 8): does a request's output depend on its batch?
 
 A target request (greedy, 16 output tokens) is run alone on a fresh engine: the reference. Each cell runs it
 again under other batch conditions and compares the bits of its first 16 output logprobs (fp32) and its

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.loader import checkpoint_names
 from detent_audit.engine.model import CausalLM
-from detent_audit.engine.tokenizer import CHAT_FORMATS, ChatFormat
+from detent_audit.engine.tokenizer import CHAT_FORMATS, ChatFormat, bytes_to_unicode
 from detent_audit.errors import BadInput
 
 DEFAULT_MODEL = "default-20m"
@@ -40,13 +40,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def chat_format_for(config: ModelConfig) -> ChatFormat:
     return CHAT_FORMATS["llama3" if config.architecture == "LlamaForCausalLM" else "chatml"]
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, the alphabet of byte-level BPE."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 def build_tokenizer(fmt: ChatFormat) -> HFTokenizer:

@@ -3,7 +3,7 @@
 A `ModelConfig` that exists is valid: `__post_init__` checks every field, and `from_hf_dict` turns a missing
 key into `BadCheckpoint` and an architecture or feature the engine does not run into `UnsupportedModel`,
 each naming the key. `NAMED_SHAPES` holds the tiny test shapes, the embedded default model and the real
-shapes of `reference/models.md`.
+shapes of the shipped deployments (each model's config.json on the Hugging Face Hub).
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
                           num_key_value_heads=4, intermediate_size=1536, vocab_size=512,
                           max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                           torch_dtype="float32", **_LLAMA3_TOKENS),
-    # real shapes (reference/models.md) for GPU runs and deployment facts
+    # real shapes (each model's config.json) for GPU runs and deployment facts
     "llama-3.2-1b": _shape("LlamaForCausalLM", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                            num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
                            max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,

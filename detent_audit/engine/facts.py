@@ -2,7 +2,8 @@
 
 Collected automatically: engine version and mode, source hashes of the kernels and selection programs, the
 deployment the selection was solved for (model shape, limits, page size, chunking), checkpoint hashes
-(config, weights, tokenizer) and its EOS ids, dtype, device and its properties, torch version, the CPU thread count (fixed
+(config, weights, tokenizer), the model's name and source (what `--model` to pass: descriptive, the hashes are
+its identity) and its EOS ids, dtype, device and its properties, torch version, the CPU thread count (fixed
 at start: it changes BLAS bits) and the committed tuple. Weight hashes are cached by (path, size, mtime).
 """
 
@@ -110,12 +111,14 @@ def _device(device: str) -> str:
 def collect_facts(llm: LLM) -> dict[str, Any]:
     """The engine's bit-relevant facts (plain JSON types, no floats)."""
     cfg = llm.config
+    named = cfg.resolved_model
     return {
         "engine": {"name": "detent-audit", "version": __version__, "mode": cfg.mode,
                    "sources": {k: source_hash(v) for k, v in sorted(_ROOTS.items())}},
         "deployment": llm.deployment.to_canonical(),
         "checkpoint": {**({"generated": cfg.model, "config": file_hash(cfg.model_path / "config.json")}
                           if is_generated(cfg.model) else checkpoint_hashes(cfg.model_path)),
+                       "name": named.name, "source": named.source,
                        # the stop set a finish is checked against: from tokenizer_config.json, generation_config.json
                        # and config.json, files the hashes above do not all cover
                        "eos_token_ids": list(llm.tokenizer.eos_token_ids)},

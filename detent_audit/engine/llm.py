@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from detent_audit.engine.checkpoint import ensure_default_model
-from detent_audit.engine.generated import generate_model, is_generated, model_card
+from detent_audit.engine.generated import generate_model, is_generated
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
 from detent_audit.engine.loader import load_model
+from detent_audit.engine.named_models import ResolvedModel, resolve_model
 from detent_audit.engine.runner import ModelRunner, ScoreSpec
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
@@ -36,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class EngineConfig:
     """Everything that shapes the engine; the bit-relevant parts go into the deployment facts."""
 
-    model: str | None = None            # checkpoint folder; None: the embedded default; "random:<shape>": generated
+    model: str | None = None            # a name (named_models), a checkpoint folder or "random:<shape>"; None: the default
     device: str = "cpu"                 # cpu | cuda
     cuda_graphs: bool = True            # GPU: replay captured decode steps (False: always eager)
     mode: str = "detent"                # detent | stock | det
@@ -45,7 +45,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int = 1024
     kv_pool_tokens: int = 0             # more blocks if needed to hold one request this long (capped at the context)
-    max_model_len: int = 2048
+    max_model_len: int | None = None    # prompt + output tokens; None: the model's positions, within the KV pool
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int | None = None
@@ -65,14 +65,19 @@ class EngineConfig:
             raise BadInput(f"num_threads must be >= 1, got {self.num_threads}")
         if self.attention_streaming and self.device != "cuda":
             raise BadInput("attention_streaming is a mode of the GPU attention kernel", remedy="use device cuda")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise BadInput(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
         if self.tuple is not None and self.mode != "detent":
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
     @cached_property
+    def resolved_model(self) -> ResolvedModel:
+        """The checkpoint `model` names, with the name and source a receipt records."""
+        return resolve_model(self.model)
+
+    @property
     def model_path(self) -> Path:
-        if is_generated(self.model):
-            return model_card(self.model)
-        return Path(self.model) if self.model else ensure_default_model()
+        return self.resolved_model.path
 
 
 @dataclass
@@ -104,7 +109,7 @@ class LLM:
         else:
             self.model = load_model(config.model_path, DTYPES[config.dtype], device=config.device)
         mc = self.model.config
-        max_len = min(config.max_model_len, mc.max_position_embeddings)
+        max_len = self._max_model_len(config, mc.max_position_embeddings)
         self.deployment = engine_deployment(
             mc, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
@@ -113,8 +118,10 @@ class LLM:
             batch_invariant=config.mode != "stock")
         self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir,
                                                    device=config.device)
-        # a verifier sizes the pool for its longest receipt: never past what this model's own context holds
-        num_kv_blocks = max(config.num_kv_blocks, -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2)
+        # a verifier sizes the pool for its longest receipt: never past what this model's own context holds;
+        # an explicit max_model_len gets a pool that holds one request that long
+        pool_tokens = min(max(config.kv_pool_tokens, config.max_model_len or 0), max_len)
+        num_kv_blocks = max(config.num_kv_blocks, -(-pool_tokens // config.block_size) + 2)
         usable_blocks = num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=usable_blocks, block_size=config.block_size, max_model_len=max_len,
@@ -135,6 +142,17 @@ class LLM:
         self._score_from: dict[int, ScoreSpec] = {}
         self._scores: dict[int, Rescored] = {}
         self._tops: dict[int, list[list[tuple[int, float]]]] = {}
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, positions: int) -> int:
+        """The context: `config.max_model_len` if given (at most the model's positions), else the model's
+        positions bounded by what the configured KV pool holds."""
+        if config.max_model_len is None:
+            return max(2, min(positions, (config.num_kv_blocks - 2) * config.block_size))
+        if config.max_model_len > positions:
+            raise BadInput(f"max_model_len {config.max_model_len} exceeds the model's {positions} positions",
+                           remedy=f"pass --max-model-len {positions} or less")
+        return config.max_model_len
 
     def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
         """Forget every request and the prefix cache (the KV memory is kept: stale slots are never read).

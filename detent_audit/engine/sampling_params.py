@@ -2,12 +2,15 @@
 
 A `SamplingParams` that exists is valid: every field is checked in `__post_init__` and a bad value raises
 `BadInput` naming the field, the value and the legal range. The seed is always explicit (default 0, never
-derived from a request id or the global RNG), so a receipt carries everything needed to redraw a token.
+derived from a request id or the global RNG), so a receipt carries everything needed to redraw a token. A
+server gives a sampled request that names no seed a fresh one (`fresh_seed`), returns it and records it: the
+same unseeded request then draws a different sample each time, as a client expects.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -31,6 +34,18 @@ def check_token_id(token_id: object, what: str) -> int:
             remedy="pass token ids produced by the model's tokenizer",
         )
     return token_id
+
+
+def fresh_seed() -> int:
+    """A seed from the OS's entropy, for a sampled request that gave none (never the global RNG)."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def seed_for(temperature: float, seed: int | None) -> int:
+    """The request's seed: its own; else, when it samples, a fresh one; else (greedy: unused) 0."""
+    if seed is not None:
+        return seed
+    return fresh_seed() if _is_number(temperature) and temperature > 0 else 0
 
 
 def _as_float32(value: float) -> float:

@@ -1,5 +1,9 @@
 """`Tokenizer`: a checkpoint's tokenizer.json (through `tokenizers`), its chat template and its EOS ids.
 
+The chat template is read where checkpoints keep it: chat_template.jinja beside tokenizer_config.json (where
+current transformers writes it; it wins, as in transformers), else tokenizer_config.json's `chat_template` (a
+string, or a list of named templates of which "default" is used).
+
 The two chat templates this project ships (`CHAT_FORMATS`) render through plain-Python twins that give the
 same text (the tests compare them with jinja2), so the embedded default model needs no jinja2. Any other
 template renders with jinja2 the way transformers does (sandboxed, `trim_blocks`, `lstrip_blocks`); without
@@ -20,6 +24,15 @@ from detent_audit.engine.errors import BadCheckpoint
 from detent_audit.errors import BadInput
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet of byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
 
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}\n"
@@ -102,6 +115,25 @@ def _read_json(file: Path) -> dict[str, Any]:
         raise BadCheckpoint(f"cannot read {file}: {exc}") from exc
 
 
+def chat_template_of(path: Path, tok_config: dict[str, Any]) -> str | None:
+    """The checkpoint's chat template (see the module docstring); `BadCheckpoint` for one of another type."""
+    jinja = path / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BadCheckpoint(f"cannot read {jinja}: {exc}") from exc
+    value = tok_config.get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise BadCheckpoint(f"tokenizer_config.json's chat_template is neither a string nor a list of named templates "
+                        f"with a 'default' one (got {type(value).__name__})")
+
+
 def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value  # AddedToken dicts or plain strings
 
@@ -120,8 +152,8 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """tokenizer.json, plus tokenizer_config.json (template, bos/eos) and the EOS ids of
-        generation_config.json and config.json (their union)."""
+        """tokenizer.json, plus tokenizer_config.json (bos/eos), the chat template (`chat_template_of`) and the
+        EOS ids of generation_config.json and config.json (their union)."""
         path = Path(path)
         try:
             tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
@@ -133,7 +165,7 @@ class Tokenizer:
         for extra in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
             value = extra.get("eos_token_id")
             eos_ids += value if isinstance(value, list) else [] if value is None else [value]
-        return cls(tokenizer, tok_config.get("chat_template"), bos, eos, eos_ids)
+        return cls(tokenizer, chat_template_of(path, tok_config), bos, eos, eos_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -149,7 +181,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise BadInput("this checkpoint has no chat template",
-                           remedy="send a plain prompt, or add chat_template to tokenizer_config.json")
+                           remedy=f"send a plain prompt, or add {CHAT_TEMPLATE_FILE} (or chat_template in "
+                                  "tokenizer_config.json) to the checkpoint")
         native = _NATIVE.get(self.chat_template)
         if native is not None:
             return native(messages, self.bos_token, add_generation_prompt)

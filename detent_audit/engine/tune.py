@@ -1,4 +1,4 @@
-"""`detent-audit tune`: commit a tuple for a workload (DESIGN section 3, "Tuner").
+"""`detent-audit tune`: commit a tuple for a workload (docs/design.md section 3, "Tuner").
 
 1. Serve the profiling workload with the current tuple and record every kernel call per family: gemm
    (M, N, K), attention (each sequence's context and query length, heads, head dim), moe (M, experts,
@@ -37,7 +37,7 @@ REPEATS = 3
 # GPU: single timings had heavy tails on the H200 (one in a hundred 10% off, the worst 2x: benchmarks/
 # replay_tune.py's data), and one outlier on a heavy call can steer the budgeted search away from the optimum.
 # Replayed on both recorded H200 landscapes, the noise of one median of 5 repeats leaves 92-98 of 100 seeds
-# within 2% of the optimum, that of a median of 3 such medians 100 of 100: so 15 repeats (RESULTS section 12)
+# within 2% of the optimum, that of a median of 3 such medians 100 of 100: so 15 repeats (RESULTS.md, "Tuner")
 GPU_WARMUP, GPU_REPEATS, GPU_LAUNCHES = 3, 15, 10
 MAX_CALLS = 48  # distinct calls timed per family: the heaviest (count x work); the rest rarely change the order
 
@@ -195,7 +195,7 @@ class Oracle:
     graphs: GraphShape | None = None  # GPU: decode steps replayed from CUDA graphs launch as those do
     # GPU attention: the launches of a repeat read K/V copies that together pass the L2 twice over, as the
     # engine's layers each read their own (one K/V read again and again is served from L2). Off until timed
-    # against the warm oracle on the device (benchmarks/gpu_tune.py --cold-kv, RESULTS section 13)
+    # against the warm oracle on the device (benchmarks/gpu_tune.py --cold-kv, RESULTS.md, "Tuner")
     cold_kv: bool = False
     _inputs: dict = field(default_factory=dict, repr=False)  # GPU: each call's synthetic inputs
 

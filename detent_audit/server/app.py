@@ -160,7 +160,8 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
                                                       req.tokens_as_ids) if req.logprobs else None)
         return _json({**head(rid, chat, chunk=False, created=int(time.time())), "choices": [choice],
                       "usage": usage(len(out.prompt_token_ids), len(out.token_ids)),
-                      "receipt_id": signed.receipt_id}, headers={RECEIPT_HEADER: signed.receipt_id})
+                      "receipt_id": signed.receipt_id, "seed": req.params.seed},
+                     headers={RECEIPT_HEADER: signed.receipt_id})
 
     def head(rid: str, chat: bool, chunk: bool, created: int) -> dict[str, Any]:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
@@ -194,7 +195,7 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
                 yield chunk(text.push(delta.token_ids), logprobs, None)
             out = await handle.result()
             signed = await run_in_threadpool(node.sign, out, req.params, rid)  # (4): before the final chunk
-            yield chunk(text.flush(), None, out.finish_reason, receipt_id=signed.receipt_id)
+            yield chunk(text.flush(), None, out.finish_reason, receipt_id=signed.receipt_id, seed=req.params.seed)
             if req.include_usage:
                 yield _sse({**head(rid, req.chat, chunk=True, created=created), "choices": [],
                             "usage": usage(len(out.prompt_token_ids), len(out.token_ids)),

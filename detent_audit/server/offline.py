@@ -3,7 +3,8 @@
 Input lines: `{"id"?, "prompt": str | "prompt_token_ids": [int] | "messages": [{role, content}], "max_tokens"?,
 "temperature"?, "top_p"?, "top_k"?, "seed"?, "logprobs"?, "stop_token_ids"?, "ignore_eos"?}`. Output lines (one
 per request, in input order, written after its receipt is on disk): `{"id", "text", "token_ids", "logprobs",
-"top_logprobs" (with "logprobs": n), "finish_reason", "receipt_id", "receipt"}`. A bad line, or an id that has
+"top_logprobs" (with "logprobs": n), "finish_reason", "seed", "receipt_id", "receipt"}` (a sampled line without
+a seed gets a fresh one, recorded in its receipt). A bad line, or an id that has
 a receipt in the folder already, stops the run before any request is served.
 """
 
@@ -15,8 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+<<<<<<< HEAD
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine_api import Engine
+=======
+from detent_audit.engine.llm import LLM
+from detent_audit.engine.sampling_params import SamplingParams, seed_for
+>>>>>>> main
 from detent_audit.errors import BadInput
 from detent_audit.server.node import RECEIPT_ID, ServingNode
 from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
@@ -69,7 +75,9 @@ def read_requests(llm: Engine, path: Path) -> list[tuple[str, list[int], Samplin
             kwargs: dict[str, Any] = {k: obj[k] for k in _SAMPLING if k in obj}
             if "stop_token_ids" in kwargs:
                 kwargs["stop_token_ids"] = tuple(check_token_ids(kwargs["stop_token_ids"], "stop_token_ids", limits))
-            params = SamplingParams(**{"temperature": 0.0, **kwargs})
+            kwargs = {"temperature": 0.0, **kwargs}
+            kwargs["seed"] = seed_for(kwargs["temperature"], kwargs.get("seed"))
+            params = SamplingParams(**kwargs)
         except (BadInput, TypeError) as exc:
             raise BadInput(f"{where}: {getattr(exc, 'message', exc)}") from None
         if len(ids) + params.max_tokens > max_len:
@@ -118,7 +126,7 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
                 line = {"id": rid, "text": output.text, "token_ids": output.token_ids, "logprobs": output.logprobs}
                 if params.logprobs:  # the top-n alternatives at each position, as [token id, logprob] pairs
                     line["top_logprobs"] = [[list(pair) for pair in top] for top in output.top_logprobs]
-                line.update(finish_reason=output.finish_reason, receipt_id=signed.receipt_id,
+                line.update(finish_reason=output.finish_reason, seed=params.seed, receipt_id=signed.receipt_id,
                             receipt=str(signed.path))
                 out.write(json.dumps(line) + "\n")
                 out.flush()

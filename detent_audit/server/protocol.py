@@ -1,7 +1,7 @@
 """The OpenAI-compatible request schema: JSON bodies checked field by field into a `ParsedRequest`.
 
-Supported (both endpoints): model (must name the served model), max_tokens, temperature, top_p, seed (default
-0, recorded in the receipt), stream, stream_options.include_usage, user (ignored), and the vLLM-style
+Supported (both endpoints): model (must name the served model), max_tokens, temperature, top_p, seed (recorded
+in the receipt and returned as `seed`; a sampled request without one gets a fresh seed, a greedy one 0), stream, stream_options.include_usage, user (ignored), and the vLLM-style
 extensions top_k (0 or -1 = off), stop_token_ids, ignore_eos, return_tokens_as_token_ids. /v1/completions:
 prompt (one string or one list of token ids), logprobs (int, top-n). /v1/chat/completions: messages (role and
 text content, rendered by the checkpoint's chat template), logprobs (bool), top_logprobs (int),
@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from detent_audit.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from detent_audit.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, seed_for
 from detent_audit.errors import BadInput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
@@ -236,10 +236,10 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
     top_p = float(_get(body, "top_p", float, 1.0, 0, 1))
     if top_p == 0:
         raise InvalidRequest("'top_p' must be in (0, 1], got 0", param="top_p")
+    temperature = float(_get(body, "temperature", float, 1.0, 0))
     params = SamplingParams(
-        temperature=float(_get(body, "temperature", float, 1.0, 0)), top_k=max(top_k, 0),
-        top_p=top_p, max_tokens=max_tokens,
-        seed=_get(body, "seed", int, 0, 0, MAX_SEED),
+        temperature=temperature, top_k=max(top_k, 0), top_p=top_p, max_tokens=max_tokens,
+        seed=seed_for(temperature, _get(body, "seed", int, None, 0, MAX_SEED)),
         stop_token_ids=tuple(check_token_ids(body.get("stop_token_ids") or [], "stop_token_ids", limits)),
         ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=(top_n or 0) if want_logprobs else None)
     return ParsedRequest(chat, list(prompt_ids), params, stream,

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from detent_audit.engine.checkpoint import bytes_to_unicode
+from detent_audit.engine.tokenizer import bytes_to_unicode
 
 LOGPROB_FLOOR = -9999.0
 _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE alphabet -> byte

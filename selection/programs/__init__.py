@@ -5,13 +5,15 @@ fixed order, the specs that apply to a deployment: at most one program per famil
 
 | family | program (module) | applies when |
 |---|---|---|
-| attention | `fa3` (fa3), `fa3_vllm` (fa3) | engine attention backend is FA3 (sm90); the vLLM fork when the engine ships it |
+| attention | `fa3`, `fa3_vllm`, `fa3_sglang` (fa3) | FA3 (sm90): the vLLM fork when vLLM ships it, sgl-attn for SGLang, else upstream |
+| attention | `flashinfer_prefill` (flashinfer) | vLLM with the FlashInfer backend (its planner) |
 | moe | `fused_moe` (fused_moe) | the model has experts (vllm, sglang) |
 | all_reduce | `all_reduce_vllm`, `all_reduce_sglang` (all_reduce) | TP > 1, by engine (SGLang: sm90 tables only) |
 | gemm | `gemm` (gemm) | vllm and sglang |
 | embedded.gemm, embedded.attention, embedded.moe | (embedded) | the detent engine (moe: with experts) |
 
-Not transcribed (no spec applies): FlashInfer and Triton attention, FA2, SGLang's all-reduce on other archs.
+Not transcribed: SGLang's FlashInfer, Triton attention, FA2 (`families_for` raises `NotTranscribed`, exit 3),
+SGLang's all-reduce on other archs.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from detent_audit.manifests.deployment import Deployment
-from detent_audit.selection.programs import all_reduce, embedded, fa3, fused_moe, gemm
+from detent_audit.selection.errors import NotTranscribed
+from detent_audit.selection.programs import all_reduce, embedded, fa3, flashinfer, fused_moe, gemm
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,13 @@ def _fa3(dep: Deployment) -> bool:
 
 _SPECS = (
     FamilySpec("attention", "fa3", fa3.fa3, fa3.facts,
-               lambda dep: _fa3(dep) and not dep.engine.uses_vllm_fa_fork),
+               lambda dep: _fa3(dep) and not dep.engine.uses_vllm_fa_fork and dep.engine.name != "sglang"),
+    FamilySpec("attention", "fa3", fa3.fa3_sglang, fa3.facts,
+               lambda dep: _fa3(dep) and dep.engine.name == "sglang"),
     FamilySpec("attention", "fa3", fa3.fa3_vllm, fa3.facts,
                lambda dep: _fa3(dep) and dep.engine.uses_vllm_fa_fork),
+    FamilySpec("attention", "flashinfer", flashinfer.flashinfer_prefill, flashinfer.facts,
+               lambda dep: dep.engine.name == "vllm" and dep.engine.attention_backend == "flashinfer"),
     FamilySpec("moe", "fused_moe", fused_moe.fused_moe, fused_moe.facts,
                lambda dep: _stock(dep) and dep.model.is_moe),
     FamilySpec("all_reduce", "all_reduce", all_reduce.all_reduce_vllm, all_reduce.facts,
@@ -78,11 +85,21 @@ FAMILY_ORDER = ("attention", "moe", "all_reduce", "gemm", "embedded.attention", 
 
 
 def families_for(dep: Deployment) -> list[FamilySpec]:
-    """The programs a deployment runs, in FAMILY_ORDER; at most one per family."""
+    """The programs a deployment runs, in FAMILY_ORDER; at most one per family.
+
+    Raises `NotTranscribed` (exit 3) when a stock engine's attention has no program: its selection would read
+    as 0 pins, which is a claim nobody checked.
+    """
     out = []
     for family in FAMILY_ORDER:
         matching = [spec for spec in _SPECS if spec.name == family and spec.applies(dep)]
         if len(matching) > 1:  # the applies() rules are exclusive by construction; a new one must keep that
             raise ValueError(f"{dep.name}: programs {[s.key for s in matching]} all apply to family {family}")
         out.extend(matching)
+    if _stock(dep) and not any(spec.name == "attention" for spec in out):
+        e = dep.engine
+        raise NotTranscribed(
+            f"{dep.name}: the attention selection of {e.name} {e.version} with backend {e.attention_backend!r} "
+            f"on {dep.gpu.arch} is not transcribed", remedy="transcribed: FA3 on sm90 (vLLM fork, sgl-attn, "
+            "upstream) and vLLM's FlashInfer backend; add a program to detent_audit.selection.programs")
     return out

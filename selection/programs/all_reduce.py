@@ -4,8 +4,8 @@ vLLM: `vllm/distributed/device_communicators/cuda_communicator.py` (`CudaCommuni
 match wins), `all_reduce_utils.py` (`should_nccl_symm_mem_allreduce`, the max-size tables),
 `custom_all_reduce.py` (`should_custom_ar`) and `csrc/custom_all_reduce.cuh` (1-stage vs 2-stage).
 SGLang: `srt/distributed/parallel_state.py` (`GroupCoordinator.all_reduce`) and the JIT CustomAllReduceV2
-(`custom_all_reduce_v2.py` `_pick_config`, `configs/custom_all_reduce_v2.py` SM90 tables)
-(shared/reference/selection-heuristics.md section 3, engine-integration.md section 4). CUDA only: ROCm paths
+(`custom_all_reduce_v2.py` `_pick_config`, `configs/custom_all_reduce_v2.py` SM90 tables), both read at
+those release tags. CUDA only: ROCm paths
 (QuickReduce, AITER) are absent; FlashInfer all-reduce is not transcribed and is required off.
 
 Inputs: `num_tokens` (Runtime) is the token count the dispatch reads; `num_tokens_actual` (Unpinnable) is
@@ -72,12 +72,35 @@ class AllReduceFacts:
     multicast: bool              # SGLang V2: multicast 2shot_pull available
     v2_graph: tuple              # SGLang V2 thresholds in CUDA graphs (see SGLANG_V2_SM90_GRAPH)
     v2_eager: tuple              # ... eagerly
+    nccl_path: str               # NCCL's reduction order when pinned (see nccl_path); "" when NCCL picks by size
 
 
 @record
 class AllReduceChoice:
-    backend: str                 # nccl_symm_mem | custom | torch_symm_mem | nccl
-    algorithm: str               # the reduction order: 1stage, 2stage, multimem, two_shot, 1shot_push, ...
+    # backend/algorithm as ONE value: the pairs upstream produces (custom/1stage, torch_symm_mem/multimem,
+    # nccl/tree.Simple.1ch, ...), never a backend with another backend's algorithm
+    path: str
+
+
+def nccl_path(dep: Deployment) -> str:
+    """NCCL's reduction order when it does not depend on the message size, else "".
+
+    NCCL's tuner picks algorithm, protocol and channel count from the message size (each a different
+    reduction order), so a pinned NCCL path is batch-invariant only with all three fixed: by the deployment's
+    NCCL_ALGO / NCCL_PROTO / NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS facts, or by the engine's deterministic
+    mode: vLLM's override_envs_for_invariance (tree, Simple, 1 channel; model_executor/layers/batch_invariant.py) and
+    SGLang's --enable-deterministic-inference (allreduce:tree, SGLANG_DETERMINISTIC_NCCL_NCHANNELS = 8
+    channels; the protocol is left to NCCL, which moves bytes but does not reorder tree sums: the
+    deterministic-mode tree, taken as upstream's determinism claim).
+    """
+    e = dep.engine
+    if e.batch_invariant and e.name == "vllm":
+        return "nccl/tree.Simple.1ch"
+    if e.batch_invariant and e.name == "sglang":
+        return "nccl/tree.8ch"
+    if e.nccl_algo and e.nccl_proto and e.nccl_channels > 0:
+        return f"nccl/{e.nccl_algo}.{e.nccl_proto}.{e.nccl_channels}ch"
+    return ""
 
 
 def facts(dep: Deployment) -> AllReduceFacts:
@@ -100,7 +123,7 @@ def facts(dep: Deployment) -> AllReduceFacts:
         nccl_symm_mem=e.nccl_symm_mem and not e.batch_invariant, torch_symm_mem=torch_symm,
         symm_mem_max_size=symm_cap,
         symm_mem_multimem=(cc == "9.0" and ws in (4, 6, 8)) or (cc.startswith("10.") and ws in (6, 8)),
-        multicast=dep.gpu.fully_connected and ws >= 4, v2_graph=graph, v2_eager=eager)
+        multicast=dep.gpu.fully_connected and ws >= 4, v2_graph=graph, v2_eager=eager, nccl_path=nccl_path(dep))
 
 
 @program(family="all_reduce")
@@ -130,24 +153,26 @@ def all_reduce_vllm(d: AllReduceFacts, num_tokens: Runtime[int],
     # (8) symm_mem.py should_use_symm_mem: 4-byte multiples up to the table's size
     symm = d.torch_symm_mem and nbytes % 4 == 0 and nbytes <= d.symm_mem_max_size
     if nccl_symm:
-        backend, algorithm = "nccl_symm_mem", "nccl"
+        path = "nccl_symm_mem/nccl"  # NCCL's own choice inside: legal only where NCCL's path is pinned
     elif custom:
-        backend, algorithm = "custom", custom_ar_algorithm(d, nbytes)
+        path = "custom/" + custom_ar_algorithm(d, nbytes)
     elif symm:
-        backend = "torch_symm_mem"
-        algorithm = "multimem" if d.symm_mem_multimem else "two_shot"
+        path = "torch_symm_mem/multimem" if d.symm_mem_multimem else "torch_symm_mem/two_shot"
     else:
-        # (9) pynccl: NCCL chooses algorithm/protocol/channels by size itself unless its env is pinned
-        # (batch-invariant mode: 1 channel, Simple, tree); that choice inside NCCL is not transcribed
-        backend = "nccl"
-        algorithm = "nccl_pinned" if d.batch_invariant else "nccl_tuner"
-    require(backend != "custom" or d.custom_ar and actual_bytes % 16 == 0
+        # (9) pynccl: NCCL chooses algorithm/protocol/channels by size unless they are pinned (nccl_path)
+        path = d.nccl_path if d.nccl_path else "nccl/tuner"
+    is_custom = path == "custom/1stage" or path == "custom/2stage"
+    require(not is_custom or d.custom_ar and actual_bytes % 16 == 0
             and (actual_bytes < ca_max or chunked or d.batch_invariant),
             "custom all-reduce carries 16-byte multiples below its buffer size unless chunked")
-    require(backend != "torch_symm_mem" or d.torch_symm_mem and actual_bytes <= d.symm_mem_max_size,
+    is_symm = path == "torch_symm_mem/multimem" or path == "torch_symm_mem/two_shot"
+    require(not is_symm or d.torch_symm_mem and actual_bytes <= d.symm_mem_max_size,
             "torch symmetric memory carries at most its table's size")
-    require(backend != "nccl_symm_mem" or d.nccl_symm_mem, "NCCL symmetric memory is enabled")
-    return AllReduceChoice(backend=backend, algorithm=algorithm)
+    require(path != "nccl_symm_mem/nccl" or d.nccl_symm_mem and d.nccl_path != "",
+            "NCCL symmetric memory is enabled and NCCL's algorithm, protocol and channels are pinned")
+    require(path != "nccl/tuner", "NCCL picks its algorithm, protocol and channels by message size: pin "
+            "NCCL_ALGO, NCCL_PROTO and the channel count (or run the engine's deterministic mode)")
+    return AllReduceChoice(path=path)
 
 
 @program(family="all_reduce")
@@ -170,21 +195,26 @@ def all_reduce_sglang(d: AllReduceFacts, num_tokens: Runtime[int], in_cuda_graph
     mc_lo = min(cap, d.v2_graph[3]) if in_cuda_graph == 1 else min(cap, d.v2_eager[3])
     mc_hi = min(cap, d.v2_graph[4]) if in_cuda_graph == 1 else min(cap, d.v2_eager[4])
     usable = d.custom_ar and not d.batch_invariant and nbytes % 16 == 0
+    # the backend and its algorithm are ONE decision (a path), as upstream takes them together
     if usable and nbytes <= one_push:
-        backend, algorithm = "custom", "1shot_push"
+        path = "custom/1shot_push"
     elif usable and nbytes <= one_pull:
-        backend, algorithm = "custom", "1shot_pull"
+        path = "custom/1shot_pull"
     elif usable and d.multicast and mc_hi > 0 and mc_lo <= nbytes <= mc_hi:
-        backend, algorithm = "custom", "2shot_pull_mc"
+        path = "custom/2shot_pull_mc"
     elif usable and nbytes <= two_pull:
-        backend, algorithm = "custom", "2shot_pull"
+        path = "custom/2shot_pull"
     else:
-        # deterministic mode: custom all-reduce off, NCCL_ALGO tree and 8 channels pinned (section 6.1)
-        backend = "nccl"
-        algorithm = "nccl_pinned" if d.batch_invariant else "nccl_tuner"
-    require(backend != "custom" or d.custom_ar and actual_bytes % 16 == 0 and actual_bytes <= cap,
+        # deterministic mode: custom all-reduce off, NCCL_ALGO tree and 8 channels pinned (SGLang's
+        # srt/arg_groups/attention_hook.py, handle_deterministic_inference); else NCCL's own tuner
+        path = d.nccl_path if d.nccl_path else "nccl/tuner"
+    is_custom = (path == "custom/1shot_push" or path == "custom/1shot_pull" or path == "custom/2shot_pull_mc"
+                 or path == "custom/2shot_pull")
+    require(not is_custom or d.custom_ar and actual_bytes % 16 == 0 and actual_bytes <= cap,
             "custom all-reduce carries 16-byte multiples up to its workspace")
-    return AllReduceChoice(backend=backend, algorithm=algorithm)
+    require(path != "nccl/tuner", "NCCL picks its algorithm, protocol and channels by message size: pin "
+            "NCCL_ALGO, NCCL_PROTO and the channel count (or run the engine's deterministic mode)")
+    return AllReduceChoice(path=path)
 
 
 def custom_ar_algorithm(d, nbytes):

@@ -1,12 +1,19 @@
-"""FlashAttention-3 (sm90) kernel selection as SelIR: upstream `hopper/` (`fa3`) and the vLLM fork (`fa3_vllm`).
+"""FlashAttention-3 (sm90) kernel selection as SelIR: upstream `hopper/` (`fa3`), the vLLM fork (`fa3_vllm`) and
+SGLang's sgl-attn build (`fa3_sglang`).
 
 Transcribed from Dao-AILab/flash-attention @ 0251105a and vllm-project/flash-attention @ 617264c1
 (`hopper/flash_api.cpp`, `heuristics.h`, `tile_size.h`, `flash_prepare_scheduler.cu`), as the engines call
-them: varlen (`cu_seqlens_q` + `seqused_k`), paged KV, no `leftpad_k`, no in-kernel KV append, sm_margin 0
-(shared/reference/selection-heuristics.md section 1). Every batch-dependent choice is kept: the decode case
+them: varlen (`cu_seqlens_q` + `seqused_k`), paged KV, no `leftpad_k`, no in-kernel KV append, sm_margin 0.
+Every batch-dependent choice is kept: the decode case
 that drops `causal`, the paged-KV TMA switch that moves the tile, the fork's one-MMA-warpgroup decode tiles,
 the static split count with its CUDA-graph override, PackGQA, and the per-sequence split count the prepare
 kernel derives from the whole batch.
+
+SGLang's build (`fa3_sglang`): sgl-kernel's CMakeLists fetches sgl-project/sgl-attn, not Dao-AILab (the
+"# flash-attention" FetchContent block of sgl-project/sglang sgl-kernel/CMakeLists.txt, GIT_TAG f20a5232; the
+deployment records it as `fa3_source`). Transcribed from sgl-attn's branch `sgl-kernel` @ 39da714b
+(hopper/flash_api.cpp, tile_size.h; heuristics.h is upstream's): the older hdim-64 tile rows, the
+page-table-wide seqlen_k SGLang's calls give the heuristic, and no dynamic split above 992 sequences.
 
 Knob `attention.split_stride` (detent's): 0 keeps FA3's count-based splitting; a stride S cuts each
 sequence's KV at multiples of S tokens, so a pinned tuple can still split long sequences while every split
@@ -65,6 +72,8 @@ class Fa3Facts:
     num_splits_arg: int        # num_splits the engine passes outside full CUDA graphs (0: FA3's heuristic)
     graph_num_splits_arg: int  # ... inside full CUDA graphs
     max_cuda_graph_size: int   # 0: no full CUDA graphs
+    cascade_enabled: bool      # vLLM: cascade attention possible (not disabled, not batch-invariant, prefix cache)
+    alibi: bool                # ALiBi slopes (cascade does not support them)
 
 
 @record
@@ -77,6 +86,7 @@ class Fa3Choice:
     num_splits_dynamic: int    # this sequence's real split count
     kv_blocks_per_split: int   # KV blocks per split of this sequence: where its splits begin
     split_stride: int          # the knob (0: FA3's count-based splitting)
+    cascade: bool              # vLLM: the shared prefix in its own non-causal call, merged by LSE
 
 
 def facts(dep: Deployment) -> Fa3Facts:
@@ -97,13 +107,18 @@ def facts(dep: Deployment) -> Fa3Facts:
         * cdiv(e.max_model_len, MIN_TILE),
         num_splits_arg=1 if e.batch_invariant else 0,
         graph_num_splits_arg=1 if e.batch_invariant else e.fa_max_num_splits_for_cuda_graph,
-        max_cuda_graph_size=e.max_cuda_graph_size if e.full_cuda_graph else 0)
+        max_cuda_graph_size=e.max_cuda_graph_size if e.full_cuda_graph else 0,
+        # vLLM gpu_model_runner: cascade_attn_enabled = not model_config.disable_cascade_attn, forced off under
+        # VLLM_BATCH_INVARIANT; the common prefix comes from the prefix cache's shared blocks
+        cascade_enabled=e.name == "vllm" and not e.disable_cascade_attn and not e.batch_invariant
+        and e.prefix_caching,
+        alibi=False)
 
 
 @program(family="attention")
 def fa3(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqlen_q: Runtime[int],
         max_seqlen_k: Runtime[int], total_blocks: Runtime[int], seqlen_k: Request[int]) -> Fa3Choice:
-    """Upstream FA3 (SGLang's sgl-kernel build)."""
+    """Upstream FA3 (Dao-AILab/flash-attention `hopper/`), called with max_seqlen_k."""
     assume_inputs(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, total_blocks, seqlen_k)
     hdim, hdim_v = round_up_headdim(d.head_dim), round_up_headdim(d.head_dim_v)
     is_causal, is_local = attention_flags(d, max_seqlen_q, max_seqlen_k)
@@ -117,8 +132,9 @@ def fa3(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqle
     paged_non_tma = d.paged_kv and not pagedkv_tma
     block_m, block_n = tile_size_fwd_sm90(hdim, hdim_v, is_causal, is_local, d.element_size, paged_non_tma,
                                           d.softcap)
-    num_splits = static_num_splits(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, block_m, block_n,
-                                   is_causal, is_local)
+    in_graph = d.max_cuda_graph_size > 0 and num_tokens <= d.max_cuda_graph_size
+    num_splits = static_num_splits(d, in_graph, d.varlen, num_seqs, max_seqlen_q, max_seqlen_k, block_m,
+                                   block_n, is_causal, is_local)
     stride = knob("attention.split_stride", (0, 256, 512, 1024, 2048, 4096), 0)
     if stride > 0:
         num_splits = cdiv(max_seqlen_k, max(1, stride))  # enough splits for the batch's longest sequence
@@ -126,8 +142,8 @@ def fa3(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqle
     pack_gqa = paged_non_tma or num_splits > 1 or (
         d.num_heads != d.num_kv_heads
         and should_pack_gqa(d.varlen, max_seqlen_q, d.num_heads // d.num_kv_heads, block_m))
-    dynamic, blocks_per_split = per_sequence_splits(d, stride, num_seqs, total_blocks, seqlen_k, block_n,
-                                                    pack_gqa, num_splits)
+    dynamic, blocks_per_split = per_sequence_splits(d, stride, d.varlen, num_seqs, total_blocks, seqlen_k,
+                                                    block_n, pack_gqa, num_splits)
     require(1 <= num_splits <= MAX_SPLITS_COMBINE, "the combine kernel takes 1 to 256 splits")
     require(is_causal or is_local or not d.causal or max_seqlen_q == 1,
             "only a decode-only batch may drop the causal mask")
@@ -135,14 +151,18 @@ def fa3(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqle
             "a sliding window shorter than the context needs the local kernel")
     return Fa3Choice(block_m=block_m, block_n=block_n, is_causal=is_causal, pack_gqa=pack_gqa,
                      num_splits=num_splits, num_splits_dynamic=dynamic, kv_blocks_per_split=blocks_per_split,
-                     split_stride=stride)
+                     split_stride=stride, cascade=False)
 
 
 @program(family="attention")
 def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqlen_q: Runtime[int],
-             max_seqlen_k: Runtime[int], total_blocks: Runtime[int], seqlen_k: Request[int]) -> Fa3Choice:
-    """vLLM's FA3 fork (vllm_flash_attn): the one-MMA-warpgroup decode switch and its own tile table."""
+             max_seqlen_k: Runtime[int], total_blocks: Runtime[int], seqlen_k: Request[int],
+             common_prefix_len: Runtime[int]) -> Fa3Choice:
+    """vLLM's FA3 fork (vllm_flash_attn): the one-MMA-warpgroup decode switch, its own tile table, and the
+    FlashAttention backend's cascade switch. `common_prefix_len`: the tokens every request of the step shares
+    (the runner's _compute_cascade_attn_prefix_len, before use_cascade_attention)."""
     assume_inputs(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, total_blocks, seqlen_k)
+    assume(0 <= common_prefix_len <= d.max_model_len, "a shared prefix fits the context")
     hdim, hdim_v = round_up_headdim(d.head_dim), round_up_headdim(d.head_dim_v)
     is_causal, is_local = attention_flags(d, max_seqlen_q, max_seqlen_k)
     ratio = d.num_heads // d.num_kv_heads
@@ -157,8 +177,9 @@ def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_
     paged_non_tma = d.paged_kv and not pagedkv_tma
     block_m, block_n = tile_size_fwd_sm90_vllm(hdim, hdim_v, is_causal, is_local, d.element_size, paged_non_tma,
                                                d.softcap, one_mma_wg)
-    num_splits = static_num_splits(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, block_m, block_n,
-                                   is_causal, is_local)
+    in_graph = d.max_cuda_graph_size > 0 and num_tokens <= d.max_cuda_graph_size
+    num_splits = static_num_splits(d, in_graph, d.varlen, num_seqs, max_seqlen_q, max_seqlen_k, block_m,
+                                   block_n, is_causal, is_local)
     stride = knob("attention.split_stride", (0, 256, 512, 1024, 2048, 4096), 0)
     if stride > 0:
         num_splits = cdiv(max_seqlen_k, max(1, stride))
@@ -170,8 +191,15 @@ def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_
     # splitting only: with a stride the bound is detent's)
     if d.varlen and num_seqs > PREPARE_VARLEN_MAX_BATCHES_1CTA and stride == 0:
         num_splits = 1
-    dynamic, blocks_per_split = per_sequence_splits(d, stride, num_seqs, total_blocks, seqlen_k, block_n,
-                                                    pack_gqa, num_splits)
+    dynamic, blocks_per_split = per_sequence_splits(d, stride, d.varlen, num_seqs, total_blocks, seqlen_k,
+                                                    block_n, pack_gqa, num_splits)
+    # vLLM v1/attention/backends/flash_attn.py build(): use_cascade = common_prefix_len > 0, where the runner
+    # passes the prefix only if use_cascade_attention says so; the prefix then runs as its own call
+    # (causal=False, the batch as one query block) and merges with the suffix by LSE: a request's sums split
+    # at a boundary the batch chooses. The two calls' own tiles are not modelled: a legal tuple keeps it off.
+    cascade = d.cascade_enabled and use_cascade_attention(d, common_prefix_len, num_seqs, max_seqlen_q)
+    require(not cascade or common_prefix_len >= 256,
+            "cascade attention merges at the step's shared prefix, which only the batch decides")
     require(1 <= num_splits <= MAX_SPLITS_COMBINE, "the combine kernel takes 1 to 256 splits")
     require(is_causal or is_local or not d.causal or max_seqlen_q == 1,
             "only a decode-only batch may drop the causal mask")
@@ -179,7 +207,55 @@ def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_
             "a sliding window shorter than the context needs the local kernel")
     return Fa3Choice(block_m=block_m, block_n=block_n, is_causal=is_causal, pack_gqa=pack_gqa,
                      num_splits=num_splits, num_splits_dynamic=dynamic, kv_blocks_per_split=blocks_per_split,
-                     split_stride=stride)
+                     split_stride=stride, cascade=cascade)
+
+
+@program(family="attention")
+def fa3_sglang(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqlen_q: Runtime[int],
+               max_seqlen_k: Runtime[int], total_blocks: Runtime[int], seqlen_k: Request[int]) -> Fa3Choice:
+    """The FA3 SGLang runs: sgl-kernel's build of sgl-project/sgl-attn (branch sgl-kernel), called through
+    `flash_attn_with_kvcache` with a page table and no max_seqlen_k."""
+    assume_inputs(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, total_blocks, seqlen_k)
+    hdim, hdim_v = round_up_headdim(d.head_dim), round_up_headdim(d.head_dim_v)
+    # SGLang's decode CUDA graphs (flashattention_backend.py init_cuda_graph_state) hold decode-only batches
+    # up to cuda_graph_max_bs; prefill and extend run eagerly
+    in_graph = d.max_cuda_graph_size > 0 and max_seqlen_q == 1 and num_tokens <= d.max_cuda_graph_size
+    # sgl-attn flash_api.cpp:689 (mha_fwd): paged KV without cu_seqlens_k takes seqlen_k =
+    # max_num_pages_per_seq * page_size, the page table's width. SGLang passes no max_seqlen_k: the graphs'
+    # page table is ceil(context_len / page_size) wide (flashattention_backend.py init_cuda_graph_state,
+    # decode_cuda_graph_metadata["page_table"]); eagerly it is req_to_token[:, :max_seq_len_k] in pages
+    kernel_seqlen_k = round_up(d.max_model_len, d.page_size) if in_graph else round_up(max_seqlen_k, d.page_size)
+    is_causal, is_local = attention_flags(d, max_seqlen_q, kernel_seqlen_k)
+    # sgl-attn flash_api.cpp:359-368 get_pagedkv_tma (as upstream): the probe tile assumes TMA
+    probe_m, probe_n = tile_size_fwd_sm90_sgl(hdim, hdim_v, is_causal, is_local, d.element_size, False,
+                                              d.softcap)
+    pagedkv_tma = (d.paged_kv and d.page_size % probe_n == 0
+                   and max_seqlen_q > probe_m // (d.num_heads // d.num_kv_heads))
+    paged_non_tma = d.paged_kv and not pagedkv_tma
+    block_m, block_n = tile_size_fwd_sm90_sgl(hdim, hdim_v, is_causal, is_local, d.element_size, paged_non_tma,
+                                              d.softcap)
+    # sgl-attn flash_api.cpp:896-898: "992 = 32 * 31 is the max supported batch in
+    # prepare_varlen_num_blocks kernel": above it no dynamic split, and get_num_splits counts every sequence
+    dynamic = d.varlen and num_seqs <= PREPARE_VARLEN_MAX_BATCHES_1CTA
+    num_splits = static_num_splits(d, in_graph, dynamic, num_seqs, max_seqlen_q, kernel_seqlen_k, block_m,
+                                   block_n, is_causal, is_local)
+    stride = knob("attention.split_stride", (0, 256, 512, 1024, 2048, 4096), 0)
+    if stride > 0:
+        num_splits = cdiv(max_seqlen_k, max(1, stride))
+    # sgl-attn flash_api.cpp:370-384 get_pack_gqa (as upstream)
+    pack_gqa = paged_non_tma or num_splits > 1 or (
+        d.num_heads != d.num_kv_heads
+        and should_pack_gqa(d.varlen, max_seqlen_q, d.num_heads // d.num_kv_heads, block_m))
+    dynamic_splits, blocks_per_split = per_sequence_splits(d, stride, dynamic, num_seqs, total_blocks, seqlen_k,
+                                                           block_n, pack_gqa, num_splits)
+    require(1 <= num_splits <= MAX_SPLITS_COMBINE, "the combine kernel takes 1 to 256 splits")
+    require(is_causal or is_local or not d.causal or max_seqlen_q == 1,
+            "only a decode-only batch may drop the causal mask")
+    require(is_local or d.window_left < 0 or d.window_left >= kernel_seqlen_k - 1,
+            "a sliding window shorter than the context needs the local kernel")
+    return Fa3Choice(block_m=block_m, block_n=block_n, is_causal=is_causal, pack_gqa=pack_gqa,
+                     num_splits=num_splits, num_splits_dynamic=dynamic_splits,
+                     kv_blocks_per_split=blocks_per_split, split_stride=stride, cascade=False)
 
 
 # ---- helpers (inlined by the compiler) ----
@@ -193,6 +269,19 @@ def assume_inputs(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, total_blo
     assume(1 <= total_blocks <= d.max_total_blocks, "the batch's attention blocks, bounded by its limits")
     assume(1 <= seqlen_k <= d.max_model_len, "the sequence fits the model's context")
     return 0
+
+
+def use_cascade_attention(d, common_prefix_len, num_reqs, max_seqlen_q):
+    # vLLM v1/attention/backends/flash_attn.py use_cascade_attention: "too short common prefix" (< 256),
+    # no ALiBi / sliding / local attention, "too few queries" (< 8 requests), no DCP; then cascade unless
+    # FlashDecoding is used (GQA decode: all query lens 1), where a wave model of 128 x 128 tiles decides
+    ratio = d.num_heads // d.num_kv_heads
+    eligible = (common_prefix_len >= 256 and not d.alibi and d.window_left < 0 and num_reqs >= 8)
+    flash_decoding = ratio > 1 and not d.alibi and d.window_left < 0 and max_seqlen_q == 1
+    prefix_tiles = cdiv(common_prefix_len, 128)
+    cascade_time = cdiv(d.num_heads * cdiv(num_reqs, 128), d.num_sms) * prefix_tiles
+    flash_decoding_time = cdiv(num_reqs * d.num_kv_heads * cdiv(ratio, 128) * prefix_tiles, d.num_sms)
+    return eligible and (not flash_decoding or cascade_time < flash_decoding_time)
 
 
 def round_up_headdim(head_size):
@@ -255,6 +344,22 @@ def tile_size_fwd_sm90(hdim, hdim_v, is_causal, is_local, element_size, paged_no
     return tile
 
 
+def tile_size_fwd_sm90_sgl(hdim, hdim_v, is_causal, is_local, element_size, paged_non_tma, softcap):
+    # sgl-project/sgl-attn (branch sgl-kernel) hopper/tile_size.h tile_size_fwd_sm90: upstream's table but
+    # for two hdim-64 rows. Dao-AILab hopper/tile_size.h:24 `use_blockN_128 = is_causal || is_local ||
+    # paged_kv_non_TMA` is sgl-attn tile_size.h:24 `is_causal || is_local` (no paged-non-TMA term: a decode
+    # batch, which drops causal, gets kBlockN 192, a mixed one 128); Dao tile_size.h:21 (128, 96) for
+    # hdim 64 / dv 256 is sgl-attn tile_size.h:21 (128, 112)
+    if element_size == 2 and hdim <= 64 and hdim_v != 512:
+        if hdim_v == 256:
+            tile = (128, 112)
+        else:
+            tile = (192, 128 if is_causal or is_local else 192)
+    else:
+        tile = tile_size_fwd_sm90(hdim, hdim_v, is_causal, is_local, element_size, paged_non_tma, softcap)
+    return tile
+
+
 def tile_size_fwd_sm90_vllm(hdim, hdim_v, is_causal, is_local, element_size, paged_non_tma, softcap,
                             one_mma_wg):
     # vLLM fork tile_size.h: 16-bit decode tiles with one MMA warpgroup, its own hdim 64/128/192 rows, FP8
@@ -294,11 +399,11 @@ def tile_size_fwd_sm90_vllm(hdim, hdim_v, is_causal, is_local, element_size, pag
     return tile
 
 
-def static_num_splits(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, block_m, block_n, is_causal,
+def static_num_splits(d, in_graph, dynamic, num_seqs, max_seqlen_q, max_seqlen_k, block_m, block_n, is_causal,
                       is_local):
     # the engine's num_splits argument (vLLM flash_attn.py build(): a step that fits a full CUDA graph gets
-    # the graph bound), then flash_api.cpp mha_fwd: num_splits <= 0 -> get_num_splits(params)
-    in_graph = d.max_cuda_graph_size > 0 and num_tokens <= d.max_cuda_graph_size
+    # the graph bound), then flash_api.cpp mha_fwd: num_splits <= 0 -> get_num_splits(params). max_seqlen_k
+    # is params.seqlen_k as the kernel sees it; `dynamic`: the prepare kernel splits per sequence
     arg = d.graph_num_splits_arg if in_graph else d.num_splits_arg
     # get_num_splits: PackGQA assumed; varlen pretends batch = 1 (the dynamic split refines it per sequence)
     seqlen_q_packgqa = max_seqlen_q * (d.num_heads // d.num_kv_heads)
@@ -306,7 +411,7 @@ def static_num_splits(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, block
     num_n_blocks = cdiv(seqlen_k_loaded, block_n)
     num_m_blocks = cdiv(seqlen_q_packgqa, block_m)
     size_one_kv_head = max_seqlen_k * (d.head_dim + d.head_dim_v) * d.element_size
-    total_mblocks = (1 if d.varlen else num_seqs) * d.num_kv_heads * num_m_blocks
+    total_mblocks = (1 if dynamic else num_seqs) * d.num_kv_heads * num_m_blocks
     heuristic = num_splits_heuristic(total_mblocks, d.num_sms, num_n_blocks, num_m_blocks, size_one_kv_head,
                                      is_causal or is_local, MAX_SPLITS_HEURISTIC)
     return heuristic if arg <= 0 else arg
@@ -352,7 +457,7 @@ def should_pack_gqa(varlen_q, seqlen_q, qhead_per_khead, block_m):
     return varlen_q or nopack < 0.9 * pack
 
 
-def per_sequence_splits(d, stride, num_seqs, total_blocks, seqlen_k, block_n, pack_gqa, num_splits):
+def per_sequence_splits(d, stride, dynamic, num_seqs, total_blocks, seqlen_k, block_n, pack_gqa, num_splits):
     # -> (this sequence's split count, KV blocks per split)
     n_blocks = cdiv(seqlen_k, block_n)
     if stride > 0:
@@ -371,7 +476,7 @@ def per_sequence_splits(d, stride, num_seqs, total_blocks, seqlen_k, block_n, pa
         num_head = d.num_kv_heads if pack_gqa else d.num_heads
         blocks_per_sm = max(1, cdiv(total_blocks * 11 * num_head, 10 * d.num_sms))
         splits = clamp(cdiv(n_blocks, blocks_per_sm), 1, num_splits)
-        if not d.varlen:
+        if not dynamic:
             splits = num_splits       # no prepare kernel: every sequence takes the static count
         elif num_seqs > PREPARE_VARLEN_MAX_BATCHES_1CTA or num_splits == 1:
             splits = 1                # more than one CTA, or no Split kernel: no dynamic split

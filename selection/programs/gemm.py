@@ -7,7 +7,8 @@ shape; an untuned shape uses the default config (bf16 {128, 128, 64, warps 8, st
 serves the model's linears in batch-invariant mode when its shapes are tuned (breakable CUDA graphs) or on
 the SM80 family, and SGLang's deterministic mode routes aten::mm through the same persistent kernel with its
 fixed config. Otherwise the linear is torch.mm on cuBLAS, which picks its kernel (split-K included) from
-the M it is called with, inside the library (shared/reference/selection-heuristics.md sections 4.1, 5).
+the M it is called with, inside the library (why batch_invariant.py above sets a cuBLAS workspace that rules
+split-K out; Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025).
 
 Selection points: the backend; `cublas_m`, the rows cuBLAS is called with (0 on Triton); the M bucket; and
 the Triton tile (BLOCK_M, BLOCK_N, BLOCK_K) of each projection (warps and stages follow the bucket).

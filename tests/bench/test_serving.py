@@ -54,7 +54,7 @@ def test_detent_outputs_are_bit_identical_at_concurrency_1_and_4(engines) -> Non
     alone, batched = run_workload(llm, w.as_closed_loop(1)), run_workload(llm, w.as_closed_loop(4))
     assert (alone.max_in_flight, batched.max_in_flight) == (1, 4)
     assert alone.digest == batched.digest and same_outputs(alone, batched)
-    # the digest sees the bits: stock's fp32 rows depend on the batch (benchmarks/RESULTS.md, section 2)
+    # the digest sees the bits: stock's fp32 rows depend on the batch (benchmarks/RESULTS.md, "CPU battery")
     stock = engines["stock"]
     assert run_workload(stock, w.as_closed_loop(1)).digest != run_workload(stock, w.as_closed_loop(4)).digest
 

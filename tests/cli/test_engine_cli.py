@@ -20,7 +20,8 @@ def test_info_prints_facts_and_a_stable_hash(make_checkpoint) -> None:
     doc = json.loads(first.stdout)
     facts = doc["facts"]
     assert facts["runtime"]["num_threads"] == 1 and facts["engine"]["mode"] == "detent"
-    assert set(facts["checkpoint"]) == {"config", "tokenizer", "weights", "eos_token_ids"}
+    assert set(facts["checkpoint"]) == {"config", "tokenizer", "weights", "eos_token_ids", "name", "source"}
+    assert facts["checkpoint"]["name"] == os.path.basename(path) and facts["checkpoint"]["source"] == path
     assert "embedded.gemm" in facts["tuple"]
     again = json.loads(runner.invoke(app, ["info", "--model", path, "--json"]).stdout)
     assert again["facts_hash"] == doc["facts_hash"]

@@ -56,3 +56,24 @@ def test_malformed_deployment_names_the_field(tmp_path) -> None:
     out = runner.invoke(app, ["solve", "--deployment", str(bad)])
     assert out.exit_code == 2
     assert "num_kv_heads" in out.stderr
+
+
+def test_untranscribed_attention_is_exit_3_not_zero_pins(tmp_path) -> None:
+    # vLLM with Triton attention: no program transcribes it, so there is no answer (never "0 pins")
+    base = shipped_deployments()["llama-3.1-8b-instruct-tp1-h100-vllm"].read_text()
+    bad = tmp_path / "triton.toml"
+    bad.write_text(base.replace('attention_backend                = "fa3"', 'attention_backend                = "triton"')
+                   .replace("uses_vllm_fa_fork                = true", "uses_vllm_fa_fork                = false"))
+    out = runner.invoke(app, ["solve", "--deployment", str(bad), "--cache-dir", str(tmp_path)])
+    assert out.exit_code == 3, out.output
+    assert "backend 'triton'" in out.stderr and "not transcribed" in out.stderr
+
+
+def test_table_lists_candidate_counts_and_folded_constants(tmp_path) -> None:
+    b200 = str(shipped_deployments()["llama-3.1-8b-instruct-tp1-b200-vllm"])
+    out = runner.invoke(app, ["solve", "--deployment", b200, "--family", "attention", "--json",
+                              "--cache-dir", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    (r,) = json.loads(out.stdout)["families"]
+    assert r["program"] == "flashinfer_prefill" and r["pins"], r
+    assert all(len(p["candidates"]) > 1 for p in r["pins"]) and "constants" in r

@@ -1,6 +1,6 @@
 """The GPU KernelSet's stock selection, which runs on the host (no GPU needed): FlashAttention-3's split count
-as reference/selection-heuristics.md transcribes it, read from the batch, so stock's reduction order follows
-the batch (what the battery shows on the device)."""
+as Dao-AILab/flash-attention's hopper/heuristics.h computes it, read from the batch, so stock's reduction
+order follows the batch (what the battery shows on the device)."""
 
 from __future__ import annotations
 

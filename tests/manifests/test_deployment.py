@@ -79,7 +79,7 @@ def _leaves(value, path=()):
 def _alternatives(path, value):
     enums = {"arch": ["sm90"], "compute_capability": ["9.0"], "dtype": ["float16", "bfloat16"],
              "attention_backend": ["fa2", "triton", "flashinfer"], "custom_all_reduce_algo": ["1stage", "2stage"],
-             "name": ["sglang", "vllm", "changed"]}
+             "name": ["sglang", "vllm", "changed"], "fa3_source": ["owner/repo@0123abcd"]}
     if isinstance(value, bool):
         return [not value]
     if isinstance(value, int):

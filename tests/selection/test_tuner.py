@@ -209,7 +209,7 @@ def test_budgeted_lands_within_one_percent_measuring_at_most_15_percent():
 
 
 def _valley(seed: int):
-    """The shape of the H200's docs landscape (benchmarks/results/h200-2026-11-29-s4): a split stride on a
+    """The shape of the H200's docs landscape (benchmarks/results/h200-one-pass-fold): a split stride on a
     256 step (58 levels) by four KV tiles, each tile's cost a V along the stride axis whose floor lies at
     its own random stride (an interaction the additive surface cannot express), KV 64 the cheapest tile."""
     rng = random.Random(seed)
@@ -242,10 +242,10 @@ def test_budgeted_finds_a_valley_the_surface_cannot_place():
 
 
 def _edge_regime(seed: int):
-    """The shape of the H200's closed-loop landscape with the one-pass fold (results/h200-2026-11-29-s5, call
-    2): the largest stride of each KV tile launches no split at all, a regime of its own that is cheaper than
-    any trend of its neighbours predicts; away from it KV 128 is the cheapest tile, and at it KV 64 is, by
-    5-15%."""
+    """The shape of the H200's closed-loop landscape with the one-pass fold (results/h200-anchored-tuner,
+    the closed kind): the largest stride of each KV tile launches no split at all, a regime of its own that is
+    cheaper than any trend of its neighbours predicts; away from it KV 128 is the cheapest tile, and at it KV
+    64 is, by 5-15%."""
     rng = random.Random(seed)
     strides = tuple(range(768, 8448 + 1, 256))
     axes = {"kv_tile": (16, 32, 64, 128), "split_stride": strides}
