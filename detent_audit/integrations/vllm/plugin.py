@@ -1,0 +1,109 @@
+"""The vLLM plugin (entry point `vllm.general_plugins: detent`): batch-invariant kernels inside vLLM's CPU build.
+
+vLLM calls `register()` once in every process it starts (the front end, the engine core, each worker) before
+the model is built. It installs, without a monkeypatch of any kernel:
+- the CPU attention backend (`AttentionBackendEnum.CPU_ATTN`, through vLLM's own `register_backend`) replaced by
+  `attention.DetentCPUAttentionBackend`, whose impl runs the project's paged attention (KV tiles and splits on
+  absolute positions: prefill, chunked prefill, decode and prefix hits reduce in the same order);
+- the unquantized CPU GEMM dispatch (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`, which
+  sets `layer.cpu_linear` at load time) wrapped, per `ENV_GEMM`: `onednn` (the default) keeps vLLM's fp32
+  oneDNN GEMM (`torch.ops._C.onednn_mm`), which tests/integrations/test_vllm_gemm.py measures row-invariant
+  (a row's bits do not depend on M or on the other rows, 1 and 2 threads); `chunked` runs every linear layer
+  and the LM head through the tuple's fixed-row-chunk GEMM (`kernels.gemm`, chosen by the compiled
+  `embedded.gemm` selector), invariant by construction and several times slower at decode (M padded).
+Seeded sampling is the `sampler.DetentSampler` logits processor, which `VllmEngine` passes to vLLM.
+
+What the kernels are is decided per engine, not per process: the engine that vLLM builds reads `ENV_MODE`,
+`ENV_DEPLOYMENT` and `ENV_TUPLE` (set by `VllmEngine` before it builds vLLM) when its layers are made. With
+`ENV_MODE` unset or `stock`, every hook falls through to vLLM's own kernel, so installing the plugin changes
+nothing for anyone who did not ask for it.
+
+CPU only. The CUDA selection points (FlashAttention splits, fused-MoE config, all-reduce, cascade) are pinned
+by `cuda.py`, checked on CPU by calling vLLM's functions; no CUDA run is claimed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import torch
+
+ENV_MODE = "DETENT_VLLM_MODE"              # detent | stock (unset: stock)
+ENV_DEPLOYMENT = "DETENT_VLLM_DEPLOYMENT"  # the canonical deployment the selectors are solved for (JSON)
+ENV_TUPLE = "DETENT_VLLM_TUPLE"            # the committed tuple: family -> axis -> value (JSON)
+ENV_CACHE_DIR = "DETENT_VLLM_CACHE_DIR"    # the JIT cache of the compiled selectors
+ENV_GEMM = "DETENT_VLLM_GEMM"              # onednn (default) | chunked
+GEMMS = ("onednn", "chunked")
+
+_installed = False
+
+
+def active() -> bool:
+    """True when the engine being built asked for the detent kernels."""
+    return os.environ.get(ENV_MODE) == "detent"
+
+
+@functools.lru_cache(maxsize=8)
+def _kernel_set_for(deployment_json: str, tuple_json: str, cache_dir: str | None) -> Any:
+    from detent_audit.engine.kernel_select import select_kernels
+    from detent_audit.manifests.deployment import Deployment
+
+    deployment = Deployment.from_canonical(json.loads(deployment_json), source=ENV_DEPLOYMENT)
+    return select_kernels("detent", deployment, json.loads(tuple_json), cache_dir).kernels
+
+
+def kernel_set() -> Any:
+    """The KernelSet of the engine being built (compiled selectors with the committed tuple as constants)."""
+    deployment, committed = os.environ.get(ENV_DEPLOYMENT), os.environ.get(ENV_TUPLE)
+    if not deployment or committed is None:
+        raise RuntimeError(f"{ENV_MODE}=detent without {ENV_DEPLOYMENT} and {ENV_TUPLE}: start vLLM through "
+                           "detent_audit.integrations.vllm.engine.VllmEngine")
+    return _kernel_set_for(deployment, committed, os.environ.get(ENV_CACHE_DIR) or None)
+
+
+def gemm_choice() -> str:
+    choice = os.environ.get(ENV_GEMM) or "onednn"
+    if choice not in GEMMS:
+        raise RuntimeError(f"{ENV_GEMM}={choice!r}: use one of {', '.join(GEMMS)}")
+    return choice
+
+
+def _detent_gemm_dispatch(original: Any) -> Any:
+    @functools.wraps(original)
+    def dispatch(layer: Any, remove_weight: bool) -> None:
+        weight = getattr(layer, "weight", None)
+        if not active() or weight is None or weight.is_meta or weight.ndim != 2:
+            return original(layer, remove_weight)
+        if gemm_choice() == "onednn":
+            if weight.dtype != torch.float32:
+                raise RuntimeError("the detent plugin's oneDNN GEMM is measured invariant in float32 only")
+            from vllm import _custom_ops as ops
+
+            handler = ops.create_onednn_mm(weight.t(), 32)  # what vLLM's dispatch builds for fp32 on x86
+            layer.cpu_linear = lambda x, weight, bias: ops.onednn_mm(handler, x, bias)
+            layer.detent_gemm = "onednn"
+            return None
+        kernels = kernel_set()
+        # the weight stays on the layer (vLLM passes it back in); row i of the output depends on row i only
+        layer.cpu_linear = lambda x, weight, bias: kernels.linear(x, weight, bias)
+        layer.detent_gemm = "chunked"
+    dispatch.detent_original = original  # type: ignore[attr-defined]
+    return dispatch
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point; re-entrant (vLLM may call it more than once per process)."""
+    global _installed
+    if _installed:
+        return
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN,
+                     "detent_audit.integrations.vllm.attention.DetentCPUAttentionBackend")
+    if not hasattr(layer_utils.dispatch_cpu_unquantized_gemm, "detent_original"):
+        layer_utils.dispatch_cpu_unquantized_gemm = _detent_gemm_dispatch(layer_utils.dispatch_cpu_unquantized_gemm)
+    _installed = True

