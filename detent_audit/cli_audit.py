@@ -189,11 +189,7 @@ def serve(
         raise BadInput(f"--manifest-out {manifest_out} is a file", remedy="name a folder (it is created if new)")
     private_key = load_private_key(key, _passphrase(passphrase_env))
     llm = _engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
-<<<<<<< HEAD
-                  attention_streaming=attention_streaming, max_model_len=max_model_len)
-=======
-                  attention_streaming=attention_streaming, engine=engine)
->>>>>>> wt-vllm
+                  attention_streaming=attention_streaming, max_model_len=max_model_len, engine=engine)
     node = ServingNode(llm, private_key, manifest_out, rotate)
     if input_path is not None:
         from rich.console import Console
@@ -212,12 +208,8 @@ def serve(
         typer.echo(f"OK: {count} requests served, receipts in {manifest_out / 'receipts'}"
                    + (f", run manifest {manifest}" if manifest else ""))
         return
-<<<<<<< HEAD
-    _serve_http(llm, node, served_model_name or llm.config.resolved_model.name, host, port, max_queued)
-=======
-    default_name = llm.model_name if engine == "vllm" else llm.config.model_path.name
+    default_name = llm.model_name if engine != "embedded" else llm.config.resolved_model.name
     _serve_http(llm, node, served_model_name or default_name, host, port, max_queued)
->>>>>>> wt-vllm
 
 
 def _serve_http(llm: Any, node: Any, model_name: str, host: str, port: int, max_queued: int) -> None:

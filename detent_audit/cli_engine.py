@@ -14,14 +14,10 @@ from detent_audit.cli import _MODEL_HELP, app, handles_errors
 ENGINES = ("embedded", "vllm")
 
 
-<<<<<<< HEAD
 def _engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
-            cache_dir: Path | None = None, **extra: Any):
-=======
-def _engine(model: Path | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
             cache_dir: Path | None = None, *, engine: str = "embedded", **extra: Any):
-    """The engine a command runs on: the embedded one (default) or vLLM (`--engine vllm`, the [vllm] extra)."""
->>>>>>> wt-vllm
+    """The engine a command runs on: the embedded one (default), vLLM (`--engine vllm`, the [vllm] extra) or
+    SGLang (`--engine sglang`, the [sglang] extra)."""
     from detent_audit.engine.llm import LLM, EngineConfig
     from detent_audit.errors import BadInput
 

@@ -16,13 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-<<<<<<< HEAD
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine_api import Engine
-=======
-from detent_audit.engine.llm import LLM
 from detent_audit.engine.sampling_params import SamplingParams, seed_for
->>>>>>> main
+from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
 from detent_audit.server.node import RECEIPT_ID, ServingNode
 from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
