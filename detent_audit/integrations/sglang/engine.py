@@ -1,0 +1,407 @@
+"""`SglangEngine`: SGLang's own engine (`sglang.Engine`: tokenizer manager here, scheduler in its process)
+behind `detent_audit.engine_api.Engine`.
+
+SGLang runs its own continuous-batching loop in the scheduler process; this class submits requests to it
+(`async_generate` on one event loop thread) and `step()` waits a short slice for requests to finish, so the
+step-based protocol holds: requests added between steps join a running batch. Modes: `detent` (the plugin's
+kernels through its entry point, the committed tuple, counter-hash sampling, fp32 raw logprobs) and `stock`
+(SGLang as shipped). SGLang's own `--enable-deterministic-inference` refuses the CPU backends.
+
+Settings that change bits are fixed here and named in `facts()`: SGLang's version, the attention and sampling
+backends, dtype, threads, the page size (1), the chunked-prefill size, the radix cache, the input-logprob
+path, the FA3 build (none on a CPU: the torch_native backend runs), the plugin's sources and the tuple.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detent_audit import __version__
+from detent_audit.engine.config import ModelConfig
+from detent_audit.engine.facts import checkpoint_hashes, source_hash
+from detent_audit.engine.llm import RequestOutput
+from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.tokenizer import Tokenizer
+from detent_audit.engine_api import Rescored
+from detent_audit.errors import BadInput, DetentError
+from detent_audit.integrations.sglang.config import DETENT_SGLANG_ENV, ENV, PluginConfig
+
+NAME = "sglang"
+SUPPORTED_VERSION = "0.5.21"   # the release whose wheel pins torch 2.13.0
+STEP_SLICE_S = 0.05            # how long step() waits for a request to finish before it returns
+_SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrations.sglang",
+            "selection_programs": "detent_audit.selection.programs"}
+
+
+class SglangUnavailable(DetentError):
+    """SGLang cannot run here as asked."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class SglangConfig:
+    """What shapes an SGLang engine; every bit-relevant part is in the facts."""
+
+    model: str
+    mode: str = "detent"
+    num_threads: int = 1
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    chunked_prefill_size: int = 8192
+    prefix_caching: bool = True
+    max_total_tokens: int = 32768      # the KV pool (not a bit-relevant fact)
+    tuple: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("detent", "stock"):
+            raise BadInput(f"--engine sglang runs mode detent or stock, got {self.mode!r}",
+                           remedy="SGLang's deterministic mode refuses its CPU backends; use detent")
+        if self.num_threads < 1 or self.chunked_prefill_size < 1:
+            raise BadInput("num_threads and chunked_prefill_size must be >= 1")
+        if self.tuple is not None and self.mode != "detent":
+            raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
+        if not (Path(self.model) / "config.json").is_file():
+            raise BadInput(f"{self.model}: not a checkpoint folder (no config.json)",
+                           remedy="give --model a Hugging Face checkpoint folder or a model name")
+
+
+def sglang_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+class SglangRequest:
+    """A request inside the SGLang engine, as `add_request` returns it."""
+
+    def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.seq_id, self.request_id, self.prompt_token_ids, self.params = seq_id, request_id, prompt_ids, params
+        self.token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self.rid = f"detent-{seq_id}"
+        self.future: concurrent.futures.Future | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return list(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def sglang_params(params: SamplingParams, max_tokens: int | None = None) -> dict[str, Any]:
+    """Our SamplingParams as SGLang's sampling_params dict (greedy: temperature 0)."""
+    out: dict[str, Any] = {"max_new_tokens": max_tokens or params.max_tokens, "ignore_eos": params.ignore_eos,
+                           "stop_token_ids": list(params.stop_token_ids) or None, "skip_special_tokens": False,
+                           "temperature": float(params.temperature)}
+    if params.temperature > 0:
+        out.update(top_p=float(params.top_p), top_k=int(params.top_k) if params.top_k else -1,
+                   sampling_seed=_signed64(params.seed))
+    return out
+
+
+def _signed64(seed: int | None) -> int:
+    seed = int(seed or 0) % (1 << 64)
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+class SglangEngine:
+    """SGLang behind the engine boundary (see `detent_audit.engine_api` for the contract)."""
+
+    name = NAME
+
+    def __init__(self, config: SglangConfig) -> None:
+        version = sglang_version()
+        if version is None:
+            raise SglangUnavailable("SGLang is not installed", remedy="pip install 'detent-audit[sglang]'")
+        self.config = config
+        self.version = version
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.selection = None
+        if config.mode == "detent":
+            from detent_audit.integrations.sglang.selection import cpu_selection
+
+            self.selection = cpu_selection(config.model, config.num_threads, config.tuple)
+        self._ids = itertools.count()
+        self._live: dict[str, SglangRequest] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-client", daemon=True)
+        self._thread.start()
+        self._report_dir = Path(tempfile.mkdtemp(prefix="detent-sglang-"))
+        self.engine = self._build(config.chunked_prefill_size)
+        self._chunk = config.chunked_prefill_size
+
+    # ---- construction
+    def _plugin_config(self) -> PluginConfig:
+        cfg = self.config
+        return PluginConfig(mode=cfg.mode, model_path=str(cfg.model), num_threads=cfg.num_threads,
+                            tuple=self.selection.tuple if self.selection else {}, report_dir=str(self._report_dir))
+
+    def _build(self, chunked_prefill_size: int) -> Any:
+        cfg = self.config
+        os.environ[ENV] = self._plugin_config().to_env()
+        os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
+        for key, value in DETENT_SGLANG_ENV.items():
+            if cfg.mode == "detent":
+                os.environ[key] = value
+            else:
+                os.environ.pop(key, None)
+        for old in self._report_dir.glob("*.json"):
+            old.unlink()
+        import sglang
+
+        engine = sglang.Engine(
+            model_path=str(cfg.model), tokenizer_path=str(cfg.model), device="cpu", dtype="float32",
+            attention_backend="torch_native", sampling_backend="pytorch", grammar_backend="none",
+            disable_cuda_graph=True, page_size=1, chunked_prefill_size=chunked_prefill_size,
+            disable_radix_cache=not cfg.prefix_caching, max_running_requests=cfg.max_num_seqs,
+            max_total_tokens=cfg.max_total_tokens, context_length=self._max_len, random_seed=0,
+            skip_tokenizer_init=True, log_level="error")
+        self._check_plugin(engine)
+        return engine
+
+    def _check_plugin(self, engine: Any) -> None:
+        """Refuse to run unless the plugin loaded in the scheduler and applied every hook (detent mode)."""
+        from detent_audit.integrations.sglang.cpu_kernels import TARGETS
+
+        reports = [json.loads(p.read_text()) for p in sorted(self._report_dir.glob("*.json"))]
+        children = set(engine.get_all_child_pids()) if hasattr(engine, "get_all_child_pids") else set()
+        scheduler = [r for r in reports if r.get("pid") in children] or reports
+        problem = None
+        if not scheduler:
+            problem = "the plugin did not report from SGLang's processes (is the entry point installed?)"
+        elif self.config.mode == "detent":
+            for r in scheduler:
+                missing = sorted(set(TARGETS) - set(r.get("hooks", [])))
+                if r.get("error") or missing or r.get("mode") != "detent":
+                    problem = f"process {r.get('pid')}: error {r.get('error')}, hooks missing {missing}"
+        if problem:
+            engine.shutdown()
+            raise SglangUnavailable(f"detent's SGLang plugin is not active: {problem}",
+                                    remedy="reinstall detent-audit (pip install -e '.[sglang]') so SGLang finds "
+                                           "its sglang.srt.plugins entry point")
+        self.plugin_report = scheduler
+
+    # ---- the engine boundary
+    @property
+    def max_model_len(self) -> int:
+        return self._max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def num_threads(self) -> int:
+        return self.config.num_threads
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.config.model).name
+
+    def facts(self) -> dict[str, Any]:
+        cfg = self.config
+        plugin_facts = ({"name": "detent-audit", "version": __version__, "hooks": sorted(self.plugin_report[0]["hooks"]),
+                         "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
+                        if cfg.mode == "detent" else {})
+        settings = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "device": "cpu",
+                    "fa3_build": "none", "cuda_graph": False,
+                    "enable_fast_input_logprobs": cfg.mode != "detent",
+                    "enable_deterministic_inference": False}
+        return {
+            "engine": {"name": NAME, "version": self.version, "mode": cfg.mode, "plugin": plugin_facts,
+                       "settings": settings},
+            "deployment": (self.selection_deployment() if self.selection else {}),
+            "checkpoint": {**checkpoint_hashes(Path(cfg.model)), "eos_token_ids": list(self.tokenizer.eos_token_ids)},
+            "runtime": {"torch": str(torch.__version__), "device": "cpu",
+                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                        "num_threads": cfg.num_threads, "dtype": "float32"},
+            "scheduler": {"block_size": 1, "chunked_prefill_size": self._chunk, "max_num_seqs": cfg.max_num_seqs,
+                          "max_model_len": self._max_len, "prefix_caching": cfg.prefix_caching},
+            "tuple": dict(self.selection.tuple) if self.selection is not None else {},
+        }
+
+    def selection_deployment(self) -> dict:
+        from detent_audit.integrations.sglang.selection import cpu_deployment
+
+        return cpu_deployment(self.config.model, self.config.num_threads).to_canonical()
+
+    def tuple_values(self) -> dict[str, dict[str, Any]]:
+        return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
+                    ) -> SglangRequest:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise BadInput("the prompt is empty", remedy="pass at least one prompt token")
+        if len(ids) + 1 > self._max_len:
+            raise BadInput(f"the prompt has {len(ids)} tokens, beyond the context of {self._max_len}")
+        if params.temperature > 0 and params.seed is None:
+            raise BadInput("a sampled request needs a seed", remedy="pass seed")
+        seq = SglangRequest(next(self._ids), request_id or "", ids, params)
+        seq.request_id = seq.request_id or str(seq.seq_id)
+        seq.future = self._submit(self.engine.async_generate(
+            input_ids=ids, sampling_params=sglang_params(params), return_logprob=True,
+            top_logprobs_num=params.logprobs or 0, rid=seq.rid))
+        self._live[seq.rid] = seq
+        return seq
+
+    def _finish(self, seq: SglangRequest) -> None:
+        out = seq.future.result()
+        meta = out["meta_info"]
+        seq.token_ids = [int(t) for t in out["output_ids"]]
+        lps = meta.get("output_token_logprobs") or []
+        if len(lps) != len(seq.token_ids):
+            raise RuntimeError(f"SGLang returned {len(lps)} logprobs for {len(seq.token_ids)} tokens")
+        seq.output_logprobs = [float(entry[0]) for entry in lps]
+        if seq.params.logprobs:
+            seq.top = [[(int(t), float(lp)) for lp, t, *_ in row] for row in meta.get("output_top_logprobs") or []]
+        finish = (meta.get("finish_reason") or {}).get("type")
+        seq.finish_reason = "stop" if finish == "stop" else "length"
+        seq.num_cached_tokens = int(meta.get("cached_tokens") or 0)
+
+    def step(self) -> list[SglangRequest]:
+        if not self._live:
+            return []
+        futures = [s.future for s in self._live.values()]
+        concurrent.futures.wait(futures, timeout=STEP_SLICE_S, return_when=concurrent.futures.FIRST_COMPLETED)
+        finished = []
+        for rid, seq in list(self._live.items()):
+            if seq.future.done():
+                del self._live[rid]
+                self._finish(seq)
+                finished.append(seq)
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def output_of(self, seq: SglangRequest) -> RequestOutput:
+        return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids),
+                             self.tokenizer.decode(seq.token_ids), list(seq.output_logprobs), seq.finish_reason,
+                             list(seq.top), seq.num_cached_tokens)
+
+    def top_logprobs_so_far(self, seq: SglangRequest) -> list[list[tuple[int, float]]]:
+        return seq.top
+
+    def abort(self, seq: SglangRequest) -> None:
+        if self._live.pop(seq.rid, None) is not None:
+            self._loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, seq.rid)
+            seq.future.cancel()
+
+    def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
+        """Forget every request and the radix cache. `max_prefill_chunk` sets SGLang's chunked-prefill size,
+        a server setting: changing it restarts SGLang's scheduler."""
+        if self._live and not drop_unfinished:
+            raise RuntimeError("reset() with requests still running")
+        for seq in list(self._live.values()):
+            self.abort(seq)
+        chunk = self.config.chunked_prefill_size if max_prefill_chunk in ("configured", None) else int(max_prefill_chunk)
+        if chunk != self._chunk:
+            self.engine.shutdown()
+            self.engine = self._build(chunk)
+            self._chunk = chunk
+        elif not self._flush():
+            raise RuntimeError("SGLang did not flush its radix cache")
+
+    def _flush(self) -> bool:
+        result = self._submit(self.engine.tokenizer_manager.flush_cache()).result()
+        return bool(getattr(result, "success", True))
+
+    def run(self, seqs: list[SglangRequest]) -> None:
+        for seq in seqs:
+            seq.future.result()
+        while any(s.rid in self._live for s in seqs):
+            self.step()
+
+    def generate(self, prompts: Iterable[str | SequenceOf[int]],
+                 params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams(temperature=0.0)] * len(prompts)
+        if len(params) != len(prompts):
+            raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        self.run(seqs)
+        return [self.output_of(s) for s in seqs]
+
+    def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
+                      params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
+        """Teacher-forced logprobs through SGLang's input logprobs (one prefill of prompt + output per pair, all
+        submitted at once). The token drawn at each position: the argmax for greedy requests (rank 1 of the
+        input top logprobs); for sampled ones the tokens of a seeded replay (batch invariance makes it
+        generation's)."""
+        params = list(params) if params is not None else [SamplingParams(temperature=0.0)] * len(pairs)
+        scored = []
+        for prompt, output in pairs:
+            if not output:
+                raise BadInput("rescore needs at least one output token")
+            ids = [int(t) for t in prompt] + [int(t) for t in output]
+            scored.append(self._submit(self.engine.async_generate(
+                input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True},
+                return_logprob=True, logprob_start_len=len(prompt), top_logprobs_num=1)))
+        replays = {i: self.add_request(list(pairs[i][0]), p) for i, p in enumerate(params) if p.temperature > 0}
+        self.run(list(replays.values()))
+        out = []
+        for i, (future, (prompt, output)) in enumerate(zip(scored, pairs, strict=True)):
+            meta = future.result()["meta_info"]
+            lps = [e for e in meta["input_token_logprobs"] if e is not None]
+            tops = meta.get("input_top_logprobs") or []
+            if len(lps) != len(output):
+                raise RuntimeError(f"SGLang scored {len(lps)} positions, expected {len(output)}")
+            logprobs = [float(e[0]) for e in lps]
+            if i in replays:
+                tokens = replays[i].output_token_ids
+            else:
+                tokens = [int(row[0][1]) if row else -1 for row in tops]
+            out.append(Rescored(logprobs, tokens))
+        return out
+
+    def shutdown(self) -> None:
+        try:
+            self.engine.shutdown()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            shutil.rmtree(self._report_dir, ignore_errors=True)
+
+    def __del__(self) -> None:  # a crashed caller still stops SGLang's processes
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+__all__ = ["SglangConfig", "SglangEngine", "SglangUnavailable", "replace", "sglang_version"]
