@@ -51,7 +51,7 @@ def main() -> None:
         report["modes"][mode] = {"start_s": round(time.perf_counter() - t, 1)}
         if not args.skip_battery:
             t = time.perf_counter()
-            cells = run_battery(engines[mode], progress=lambda name: print(mode, name, file=sys.stderr, flush=True))
+            cells = run_battery(engines[mode], progress=lambda name, m=mode: print(m, name, file=sys.stderr, flush=True))
             report["modes"][mode].update(
                 battery_s=round(time.perf_counter() - t, 1), passed=sum(c.passed for c in cells),
                 cells=[c.to_json() for c in cells], failing=[c.name for c in cells if not c.passed])

@@ -136,7 +136,7 @@ def test_moe_config_stock_varies_plugin_pins(sglang_modules, qwen_hooks, monkeyp
         # the pinned row is one of SGLang's own rows (the solver pins the key, not a made-up config)
         assert up in list(stock.values()) or up == _moe_real_unhooked(original, sglang_modules, monkeypatch)
     finally:
-        setattr(sglang_modules.moe, "try_get_optimal_moe_config", original)
+        sglang_modules.moe.try_get_optimal_moe_config = original
         HookRegistry._hooks.pop(target, None)
         HookRegistry._patched.discard(target)
 

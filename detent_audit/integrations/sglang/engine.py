@@ -335,9 +335,17 @@ class SglangEngine:
         elif not self._flush():
             raise RuntimeError("SGLang did not flush its radix cache")
 
-    def _flush(self) -> bool:
-        result = self._submit(self.engine.tokenizer_manager.flush_cache()).result()
-        return bool(getattr(result, "success", True))
+    def _flush(self, attempts: int = 100) -> bool:
+        """Flush the radix cache; SGLang refuses while its scheduler still holds a finished request, so retry
+        briefly."""
+        import time
+
+        for _ in range(attempts):
+            result = self._submit(self.engine.tokenizer_manager.flush_cache()).result()
+            if bool(getattr(result, "success", True)):
+                return True
+            time.sleep(0.1)
+        return False
 
     def run(self, seqs: list[SglangRequest]) -> None:
         for seq in seqs:
@@ -374,9 +382,9 @@ class SglangEngine:
         replays = {i: self.add_request(list(pairs[i][0]), p) for i, p in enumerate(params) if p.temperature > 0}
         self.run(list(replays.values()))
         out = []
-        for i, (future, (prompt, output)) in enumerate(zip(scored, pairs, strict=True)):
+        for i, (future, (_, output)) in enumerate(zip(scored, pairs, strict=True)):
             meta = future.result()["meta_info"]
-            lps = [e for e in meta["input_token_logprobs"] if e is not None]
+            lps = [e for e in meta["input_token_logprobs"] if e is not None and e[0] is not None]
             tops = meta.get("input_top_logprobs") or []
             if len(lps) != len(output):
                 raise RuntimeError(f"SGLang scored {len(lps)} positions, expected {len(output)}")
