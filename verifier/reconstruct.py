@@ -100,6 +100,10 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
         name = engine_for_facts(facts)
     except UnknownEngine as exc:
         raise NotComparable(["engine.name"], exc.message) from None
+    if name == "sglang":
+        from detent_audit.integrations.sglang.reconstruct import reconstruct_sglang
+
+        return reconstruct_sglang(facts, tuple_values, model, threads, tuple_override)
     if name != EMBEDDED:
         from detent_audit.integrations.vllm.reconstruct import reconstruct_vllm
 
