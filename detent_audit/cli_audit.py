@@ -47,12 +47,16 @@ def inspect(
 ) -> None:
     """Show a receipt or run manifest (decoded, NOT verified: use `verify` for that)."""
     from detent_audit.manifests.dsse import RUN_MANIFEST_PAYLOAD_TYPE, Envelope, read_envelope_bytes
+    from detent_audit.manifests.errors import InvalidReceipt
     from detent_audit.manifests.receipt import Receipt
     from detent_audit.manifests.run_manifest import RunManifest
 
     env = Envelope.from_bytes(read_envelope_bytes(path))
-    body = (RunManifest.from_bytes(env.payload) if env.payload_type == RUN_MANIFEST_PAYLOAD_TYPE
-            else Receipt.from_bytes(env.payload))
+    try:
+        body = (RunManifest.from_bytes(env.payload) if env.payload_type == RUN_MANIFEST_PAYLOAD_TYPE
+                else Receipt.from_bytes(env.payload))
+    except RecursionError:  # (the bounded decoder nests 32 levels at most; kept as a last guard)
+        raise InvalidReceipt(f"{path}: nested too deeply to show") from None
     doc = json.loads(body.to_json())
     doc = {"unverified": True, "payload_type": env.payload_type, "signer_keyid_hint": env.keyid, "payload": doc}
     if as_json:
@@ -82,15 +86,28 @@ def verify(
                                                           "receipt's own deployment and threads: more cores "
                                                           "verify faster, the bits unchanged. auto: as many as "
                                                           "the cores, the receipts and the memory allow."),
+    deployment: list[str] = typer.Option(None, "--deployment", help="A published deployment (the file `serve "
+                                         "--publish-deployment` wrote, or its hash); repeatable. Every receipt's "
+                                         "facts must be one of them; without it, facts are self-asserted."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Verify receipts: signature, deployment, tuple, re-execution, bits. Exit 0 pass, 1 mismatch, 2 bad input,
-    3 not comparable."""
+    """Verify receipts: signature, the client's request, deployment, tuple, re-execution, bits; folders: that
+    run manifests cover every receipt. Exit 0 pass, 1 mismatch, 2 bad input, 3 not comparable."""
+    _verify_cli(paths, key, trusted_keys, model, mode, sample, seed, cache_dir, threads, tuple_file, workers,
+                deployment, as_json)
+
+
+def _verify_cli(paths: list[Path], key: Path | None, trusted_keys: Path | None, model: Path | None, mode: str,
+                sample: float | None, seed: int | None, cache_dir: Path | None, threads: int | None,
+                tuple_file: Path | None, workers: str, deployment: list[str] | None, as_json: bool,
+                response: tuple[Any, Any] | None = None) -> None:
+    """`verify`, and `verify-response` (with `response` = (request, response) documents)."""
     from rich.console import Console
     from rich.progress import Progress
 
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.verifier.verify import load_deployments
     from detent_audit.verifier.verify import verify as run_verify
 
     if (key is None) == (trusted_keys is None):
@@ -107,31 +124,132 @@ def verify(
     if key is not None and key.is_dir():
         raise BadInput(f"--key {key} is a folder; --key takes one public key file",
                        remedy="pass --trusted-keys DIR to trust every *.pub file in a folder")
-    trusted = load_trusted_keys(key or trusted_keys)
+    key_problems: list[str] = []
+    trusted = load_trusted_keys(key or trusted_keys, key_problems)
+    for problem in key_problems:  # a junk file is skipped, never in silence
+        typer.echo(f"warning: trusted keys: {problem}", err=True)
+    deployments = load_deployments(deployment) if deployment else None
     override = None
     if tuple_file is not None:
         from detent_audit.engine.tuples import load_tuple
 
         override = load_tuple(tuple_file)
+    options = dict(model=model, mode=mode, sample=sample, seed=seed, cache_dir=str(cache_dir) if cache_dir else None,
+                   threads=threads, tuple_override=override, workers=workers if workers == "auto" else int(workers),
+                   deployments=deployments)
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("re-executing", total=None)
-        report = run_verify(paths, trusted, model=model, mode=mode, sample=sample, seed=seed,
-                            cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
-                            tuple_override=override, workers=workers if workers == "auto" else int(workers),
-                            progress=lambda done, total: progress.update(task, completed=done, total=total))
+        show = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
+        if response is None:
+            report = run_verify(paths, trusted, progress=show, **options)
+        else:
+            from detent_audit.verifier.client import verify_response
+
+            report = verify_response(response[0], response[1], paths[0], trusted, progress=show, **options)
+    facts_note = (f"facts checked against {len(report.published)} published deployment(s)" if report.published
+                  else "facts are self-asserted by the node (no --deployment given)")
+    cov = report.coverage
     if as_json:
         typer.echo(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
-                               "sample_seed": report.sample_seed,
+                               "sample_seed": report.sample_seed, "published_deployments": report.published,
+                               "facts_self_asserted": not report.published, "coverage": cov.to_json(),
+                               "trusted_key_problems": key_problems,
                                "outcomes": [o.to_json() for o in report.outcomes]}, indent=2))
     else:
         for o in report.outcomes:
             tag = "OK" if o.status == "OK" else "FAIL"
             extra = "" if o.status in ("OK", "FAIL") else f" [{o.status.lower().replace('_', ' ')}]"
-            typer.echo(f"{tag}: {o.path}{extra}: {o.message}")
+            rid = f" [request {o.request_id}]" if o.request_id and o.request_id not in o.message else ""
+            typer.echo(f"{tag}: {o.path}{extra}{rid}: {o.message}")
         c = report.counts()
         typer.echo(f"{c['OK']} ok, {c['FAIL']} failed, {c['BAD']} bad input, {c['NOT_COMPARABLE']} not comparable "
                    f"({mode})" + (f"; a sample drawn with --seed {report.sample_seed}" if sample is not None else ""))
+        typer.echo(f"{facts_note}; coverage: {cov.covered} of {cov.receipts} receipts in {cov.manifests} run "
+                   f"manifest(s)" + (f", {len(cov.uncovered)} in none" if cov.uncovered else ""))
     raise typer.Exit(report.exit_code)
+
+
+@app.command("verify-eval")
+@handles_errors
+def verify_eval(
+    run: Path = typer.Argument(..., help="lm-eval's --output_path folder (or its results_*.json); the run "
+                                         "was made with --log_samples."),
+    receipts: list[Path] = typer.Option(..., "--receipts", help="The run's receipts folder (or files)."),
+    key: Path = typer.Option(None, "--key", help="Trusted public key file."),
+    trusted_keys: Path = typer.Option(None, "--trusted-keys", help="Folder of trusted public keys (*.pub)."),
+    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    include_path: list[Path] = typer.Option(None, "--include-path", help="Folder of the run's task YAML (as "
+                                                                          "lm-eval's --include_path)."),
+    cache_dir: Path = typer.Option(None, "--cache-dir", help="JIT cache directory."),
+    workers: str = typer.Option("auto", "--workers", help="Processes that re-execute (as verify --workers)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Audit an lm-eval run: match every request it logged to its receipt, verify them, recompute each
+    sample's metric from the verified outputs with lm-eval's own task code; print the reported score, the
+    recomputed one and the coverage, and name every sample that differs and why. Exit 0 when every sample is
+    covered and every score equal, 1 otherwise, 2 bad input."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from detent_audit.errors import BadInput
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.verifier.eval_audit import verify_eval as run_verify_eval
+
+    if (key is None) == (trusted_keys is None):
+        raise BadInput("give exactly one of --key FILE or --trusted-keys DIR")
+    if workers != "auto" and not (workers.isdigit() and int(workers) >= 1):
+        raise BadInput(f"--workers must be a whole number >= 1 or auto, got {workers!r}")
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise BadInput("verify-eval recomputes scores with lm-eval's own task code, and lm-eval is not installed",
+                       remedy="pip install 'lm-eval[api]'") from None
+    trusted = load_trusted_keys(key or trusted_keys)
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("verifying receipts", total=None)
+        report = run_verify_eval(run, receipts, trusted, model=str(model) if model else None,
+                                 include_path=[str(p) for p in include_path or []],
+                                 workers=workers if workers == "auto" else int(workers),
+                                 cache_dir=str(cache_dir) if cache_dir else None,
+                                 progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+        raise typer.Exit(report.exit_code)
+    for s in report.scores:
+        tag = "OK" if s.equal else "FAIL"
+        typer.echo(f"{tag}: {s.task} {s.metric}: reported {s.reported}, recomputed from verified receipts "
+                   f"{s.recomputed}, coverage {s.covered}/{s.total}")
+    for d in report.docs:
+        if not d.covered:
+            typer.echo(f"FAIL: {d.task} doc {d.doc_id}: {'; '.join(d.reasons)}")
+    covered = sum(d.covered for d in report.docs)
+    c = report.receipt_counts
+    typer.echo(f"{covered}/{len(report.docs)} samples covered; receipts: {c['OK']} ok, {c['FAIL']} failed, "
+               f"{c['BAD'] + c['not_opened']} bad, {report.receipts_unmatched} matching no logged request")
+    raise typer.Exit(report.exit_code)
+@app.command("verify-response")
+@handles_errors
+def verify_response(
+    request: Path = typer.Option(..., "--request", help="The request body the client sent (JSON)."),
+    response: Path = typer.Option(..., "--response", help="The response it received (JSON, or the stream's "
+                                                           "server-sent events)."),
+    receipt: Path = typer.Option(..., "--receipt", help="The node's receipt of it."),
+    key: Path = typer.Option(None, "--key", help="Trusted public key file."),
+    trusted_keys: Path = typer.Option(None, "--trusted-keys", help="Folder of trusted public keys (*.pub)."),
+    model: Path = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
+    mode: str = typer.Option("rescore", "--mode", help="rescore | replay"),
+    cache_dir: Path = typer.Option(None, "--cache-dir", help="JIT cache directory."),
+    deployment: list[str] = typer.Option(None, "--deployment", help="A published deployment (file or hash); "
+                                                                    "repeatable."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Check a request, the response received and the receipt against each other, then the receipt's bits.
+    Exit 0 pass, 1 mismatch, 2 bad input, 3 not comparable."""
+    from detent_audit.verifier.client import read_json_document
+
+    documents = (read_json_document(request, "request"), read_json_document(response, "response"))
+    _verify_cli([receipt], key, trusted_keys, model, mode, None, None, cache_dir, None, None, "1", deployment,
+                as_json, response=documents)
 
 
 # ---- serving
@@ -162,9 +280,11 @@ def serve(
                                                                             "(default: the model folder's name)."),
     max_queued: int = typer.Option(256, "--max-queued", help="Requests queued or running at most (then 503)."),
     engine: str = typer.Option("embedded", "--engine", help="embedded | vllm | sglang (vLLM's or SGLang's engine with the detent "
-                                                            "plugin; the [vllm] extra)."),
+                                                            "plugin)."),
     input_path: Path = typer.Option(None, "--input", help="Serve this JSONL file of requests offline, then exit."),
     output_path: Path = typer.Option(None, "--output", help="Where --input writes its results (JSONL)."),
+    publish_deployment: Path = typer.Option(None, "--publish-deployment", help="Write the deployment (facts and "
+                                            "hash) to this file, for verifiers' --deployment."),
 ) -> None:
     """Serve with a signed receipt for every response: an OpenAI-compatible HTTP server (default) or a file of
     requests (--input). On SIGTERM/SIGINT the server stops accepting, finishes the responses under way (for up
@@ -190,7 +310,13 @@ def serve(
     private_key = load_private_key(key, _passphrase(passphrase_env))
     llm = _engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
                   attention_streaming=attention_streaming, max_model_len=max_model_len, engine=engine)
+    positions = (llm.model_config if engine != "embedded" else llm.model.config).max_position_embeddings
+    if max_model_len is not None and max_model_len > positions:
+        raise BadInput(f"--max-model-len {max_model_len} exceeds the model's {positions} positions",
+                       remedy=f"pass --max-model-len {positions} or less")
     node = ServingNode(llm, private_key, manifest_out, rotate)
+    if publish_deployment is not None:
+        typer.echo(f"published deployment {node.publish(publish_deployment)} to {publish_deployment}", err=True)
     if input_path is not None:
         from rich.console import Console
         from rich.progress import Progress

@@ -17,7 +17,7 @@ ENGINES = ("embedded", "vllm", "sglang")
 def _engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
             cache_dir: Path | None = None, *, engine: str = "embedded", **extra: Any):
     """The engine a command runs on: the embedded one (default), vLLM (`--engine vllm`, the [vllm] extra) or
-    SGLang (`--engine sglang`, the [sglang] extra)."""
+    SGLang (`--engine sglang`, installed by the Makefile)."""
     from detent_audit.engine.llm import LLM, EngineConfig
     from detent_audit.errors import BadInput
 
@@ -33,24 +33,24 @@ def _engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: 
             raise BadInput("--engine sglang runs SGLang's CPU path here", remedy="drop --device/--attention-streaming")
         if dtype != "float32":
             raise BadInput("--engine sglang runs float32 here", remedy="drop --dtype")
-        from detent_audit.engine.named_models import resolve_model
         from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine
 
-        return SglangEngine(SglangConfig(model=str(resolve_model(model).path), mode=mode, num_threads=threads,
-                                         tuple=committed))
+        limits = {"max_model_len": extra["max_model_len"]} if extra.get("max_model_len") else {}
+        return SglangEngine(SglangConfig(model=str(model) if model else "", mode=mode, num_threads=threads,
+                                         tuple=committed, cache_dir=str(cache_dir) if cache_dir else None,
+                                         **limits))
     if engine == "vllm":
         from detent_audit.integrations.vllm import vllm_available
 
         if extra.get("device", "cpu") != "cpu" or extra.get("attention_streaming"):
             raise BadInput("--engine vllm runs vLLM's CPU build here", remedy="drop --device/--attention-streaming")
-        if model is None:
-            raise BadInput("--engine vllm needs a checkpoint folder", remedy="pass --model PATH")
         if not vllm_available():
             raise BadInput("vLLM is not installed", remedy="pip install 'detent-audit[vllm]'")
         from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
 
-        return VllmEngine(VllmConfig(model=str(model), mode=mode, dtype=dtype, num_threads=threads, tuple=committed,
-                                     cache_dir=str(cache_dir) if cache_dir else None))
+        limits = {"max_model_len": extra["max_model_len"]} if extra.get("max_model_len") else {}
+        return VllmEngine(VllmConfig(model=str(model) if model else "", mode=mode, dtype=dtype, num_threads=threads,
+                                     tuple=committed, cache_dir=str(cache_dir) if cache_dir else None, **limits))
     config = EngineConfig(model=str(model) if model else None, mode=mode, dtype=dtype, num_threads=threads,
                           tuple=committed, cache_dir=str(cache_dir) if cache_dir else None, **extra)
     return LLM(config)
@@ -89,8 +89,8 @@ def battery(
     threads: int = typer.Option(1, "--threads", help="CPU threads."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, generated models)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the target and neighbour prompts."),
-    engine: str = typer.Option("embedded", "--engine", help="embedded | vllm | sglang (vLLM's own engine; det mode is "
-                                                            "its VLLM_BATCH_INVARIANT=1)."),
+    engine: str = typer.Option("embedded", "--engine", help="embedded | vllm | sglang (vLLM's or SGLang's own "
+                                                            "engine; vLLM's det mode is its VLLM_BATCH_INVARIANT=1)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Run the 35-cell invariance battery; exit 1 if any cell fails."""
@@ -191,7 +191,7 @@ def tune(
         raise BadInput(f"{out} exists", remedy="choose another --out or remove the old tuple first")
     levels = parse_concurrencies(concurrency)
     llm = _engine(model, "detent", dtype, threads, tuple_file, device=device, attention_streaming=attention_streaming)
-    requests = read_requests(llm, workload)
+    requests = [r[:3] for r in read_requests(llm, workload)]  # (id, prompt ids, sampling): no binding needed
     committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
                                      budget_fraction=budget, seed=seed, concurrency=levels)
     save_tuple(committed, out)
@@ -224,8 +224,9 @@ def import_gguf_command(
     from rich.console import Console
     from rich.progress import Progress
 
-    from detent_audit.engine.gguf_import import import_gguf
+    from detent_audit.engine.gguf_import import check_import, import_gguf
 
+    check_import(file, out, dtype)  # bad input fails before the progress bar starts
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("dequantizing", total=None)
         result = import_gguf(file, out, dtype,

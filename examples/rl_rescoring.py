@@ -5,7 +5,7 @@ batched them differently, a batch-variant engine gives other bits and the ratio 
 Here 32 rollouts are sampled in one batched engine (seeded temperature and top-p), then rescored by a second
 engine instance in a different batching (teacher-forced, one prefill each, in groups of 5), and compared.
 
-Run: .venv/bin/python examples/rl_rescoring.py   (embedded default model, CPU, ~30 s)
+Run: .venv/bin/python examples/rl_rescoring.py   (the random-20m model, CPU, ~30 s)
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def main() -> None:
     prompts = [[rng.randrange(256) for _ in range(rng.randint(8, 96))] for _ in range(32)]
     params = [SamplingParams(temperature=1.0, top_p=0.95, seed=1000 + i, max_tokens=32, ignore_eos=True)
               for i in range(32)]
-    rollouts = LLM(EngineConfig(mode="detent")).generate(prompts, params)
-    trainer = LLM(EngineConfig(mode="detent"))
+    rollouts = LLM(EngineConfig(model="random-20m", mode="detent")).generate(prompts, params)
+    trainer = LLM(EngineConfig(model="random-20m", mode="detent"))
     mismatched = 0
     for start in range(0, 32, 5):  # another batching than the rollouts had
         group = rollouts[start:start + 5]

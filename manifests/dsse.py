@@ -31,14 +31,14 @@ from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.errors import BadSignature, InvalidReceipt, UntrustedKey
 from detent_audit.manifests.keys import keyid as keyid_of
 
-RECEIPT_PAYLOAD_TYPE = "application/vnd.detent-audit.receipt.v1+msgpack"
-RUN_MANIFEST_PAYLOAD_TYPE = "application/vnd.detent-audit.run-manifest.v1+msgpack"
+RECEIPT_PAYLOAD_TYPE = "application/vnd.detent-audit.receipt.v2+msgpack"
+RUN_MANIFEST_PAYLOAD_TYPE = "application/vnd.detent-audit.run-manifest.v2+msgpack"
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 MAX_ENVELOPE_BYTES = MAX_PAYLOAD_BYTES + 1024  # the payload plus its type, one signature and the headers
 MAX_PAYLOAD_TYPE_LEN = 256
 SIGNATURE_LEN = 64
 _LIMITS = enc.Limits(max_bytes=MAX_ENVELOPE_BYTES, max_str_len=MAX_PAYLOAD_TYPE_LEN,
-                     max_bin_len=MAX_PAYLOAD_BYTES, max_array_len=16, max_map_len=16)
+                     max_bin_len=MAX_PAYLOAD_BYTES, max_array_len=16, max_map_len=16, max_objects=64)
 _ENVELOPE_FIELDS = ("payload", "payloadType", "signatures")
 _SIGNATURE_FIELDS = ("keyid", "sig")
 

@@ -10,7 +10,9 @@ fixes one, in the manner of Keybase's canonical msgpack:
 
 `pack` emits that form. Decoding is bounded and strict: `read_bounded` checks a file's size before reading
 it, `unpack` sets msgpack's per-container limits so no declared length is allocated before it is checked,
-accepts exactly one object and no trailing bytes. Canonicity itself is checked by the callers, which
+accepts exactly one object and no trailing bytes; it is a decoder of its own, iterative, with a depth limit
+and a budget of decoded objects, so no input costs more than its limits (a "bomb" of nested or many empty
+containers is refused early). Canonicity itself is checked by the callers, which
 re-encode the object they built and require the exact input bytes (`Receipt.from_bytes`).
 
 Every failure raises the `error` class the caller names (an `InvalidReceipt` subclass), never anything else.
@@ -29,7 +31,7 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import msgpack
 
@@ -49,6 +51,7 @@ class Limits:
     max_bin_len: int
     max_array_len: int
     max_map_len: int
+    max_objects: int = 1 << 16  # objects decoded in all (every container and scalar counts one)
 
 
 # ---- encode -------------------------------------------------------------------------------------------
@@ -59,9 +62,11 @@ def pack(value: Any, *, error: type[InvalidReceipt] = InvalidReceipt) -> bytes:
     return msgpack.packb(_walk(value, "", 0, error, dict, list), use_bin_type=True)
 
 
-def freeze(value: Any, where: str, *, error: type[InvalidReceipt] = InvalidReceipt) -> Any:
-    """A validated, immutable copy: maps become read-only (keys sorted), arrays become tuples."""
-    return _walk(value, where, 0, error, types.MappingProxyType, tuple)
+def freeze(value: Any, where: str, *, error: type[InvalidReceipt] = InvalidReceipt, allow_bytes: bool = True
+           ) -> Any:
+    """A validated, immutable copy: maps become read-only (keys sorted), arrays become tuples. With
+    `allow_bytes=False` (facts, which are hashed as JSON), a bin value is refused too."""
+    return _walk(value, where, 0, error, types.MappingProxyType, tuple, allow_bytes)
 
 
 def thaw(value: Any) -> Any:
@@ -73,10 +78,13 @@ def thaw(value: Any) -> Any:
     return value
 
 
-def _walk(value: Any, where: str, depth: int, error: type[InvalidReceipt], make_map: Any, make_list: Any
-          ) -> Any:
+def _walk(value: Any, where: str, depth: int, error: type[InvalidReceipt], make_map: Any, make_list: Any,
+          allow_bytes: bool = True) -> Any:
     if depth > MAX_DEPTH:
         raise error(f"{where or 'value'}: nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, bytes) and not allow_bytes:
+        raise error(f"{where or 'value'}: binary data is not a fact (facts are JSON values: their hash is over "
+                    "canonical JSON)")
     if value is None or isinstance(value, (bool, bytes)):
         return value
     if isinstance(value, int):
@@ -96,10 +104,10 @@ def _walk(value: Any, where: str, depth: int, error: type[InvalidReceipt], make_
         out = {}
         for key in sorted(_check_keys(value, where, error)):
             path = f"{where}.{key}" if where else key
-            out[key] = _walk(value[key], path, depth + 1, error, make_map, make_list)
+            out[key] = _walk(value[key], path, depth + 1, error, make_map, make_list, allow_bytes)
         return make_map(out)
     if isinstance(value, (list, tuple)):
-        return make_list(_walk(v, f"{where}[{i}]", depth + 1, error, make_map, make_list)
+        return make_list(_walk(v, f"{where}[{i}]", depth + 1, error, make_map, make_list, allow_bytes)
                          for i, v in enumerate(value))
     raise error(f"{where or 'value'}: {type(value).__name__} cannot be encoded")
 
@@ -150,42 +158,160 @@ def read_bounded(path: str | Path, max_bytes: int, *, what: str,
 def unpack(data: bytes, limits: Limits, *, what: str, error: type[InvalidReceipt] = InvalidReceipt) -> Any:
     """Decode exactly one msgpack object filling all of `data`, within `limits`.
 
-    Returns plain dicts, lists, str, bytes, ints, bools and None (floats are refused by the schema checks of
-    the caller). Raises `error` for a size over the limits, truncation, trailing bytes or any malformation.
+    A decoder of its own (no recursion, no allocation before a check): every container's declared length is
+    checked against `limits` and against the bytes left (each element takes one byte at least) before its
+    elements are read; nesting stops at `MAX_DEPTH`; the objects decoded in all are counted against
+    `limits.max_objects`. So any input is refused in time and memory proportional to the smaller of its size
+    and that budget, never to what it declares. Returns plain dicts, lists, str, bytes, ints, bools and None;
+    floats, ext types, non-str map keys and repeated keys are refused. Raises `error`, never anything else.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise error(f"{what}: expected bytes, got {type(data).__name__}")
+    data = bytes(data)
     if len(data) > limits.max_bytes:
         raise error(f"{what}: {len(data)} bytes is larger than the limit ({limits.max_bytes} bytes)")
-    unpacker = msgpack.Unpacker(
-        raw=False, use_list=True, strict_map_key=True, max_buffer_size=max(len(data), 1),
-        max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len, max_array_len=limits.max_array_len,
-        max_map_len=limits.max_map_len, max_ext_len=0,
-    )
-    try:
-        unpacker.feed(data)
-        value = unpacker.unpack()
-        end = unpacker.tell()
-    except msgpack.OutOfData:
-        raise error(f"{what}: truncated (it declares more than its {len(data)} bytes)") from None
-    except Exception as exc:  # msgpack raises ValueError, TypeError, UnicodeDecodeError, StackError, ...
-        raise error(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    value, end = _Decoder(data, limits, what, error).run()
     if end != len(data):
         raise error(f"{what}: {len(data) - end} trailing bytes after the encoded value")
     return value
 
 
-def fields(value: Any, names: tuple[str, ...], where: str, *, error: type[InvalidReceipt] = InvalidReceipt
-           ) -> dict[str, Any]:
-    """`value` as a dict with exactly the keys `names`; unknown, extra or missing keys raise `error`."""
+class _Decoder:
+    """The iterative decoder behind `unpack`: a stack of open containers, one loop, bounded work."""
+
+    def __init__(self, data: bytes, limits: Limits, what: str, error: type[InvalidReceipt]) -> None:
+        self.data, self.limits, self.what, self.error = data, limits, what, error
+        self.pos, self.objects = 0, 0
+
+    def fail(self, message: str) -> InvalidReceipt:
+        return self.error(f"{self.what}: {message} (at byte {self.pos})")
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise self.error(f"{self.what}: truncated (it declares more than its {len(self.data)} bytes)")
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def uint(self, n: int) -> int:
+        return int.from_bytes(self.take(n), "big")
+
+    def run(self) -> tuple[Any, int]:
+        # each frame: [container (list or dict), remaining elements, pending map key or _NO_KEY]
+        stack: list[list[Any]] = []
+        while True:
+            value = self.item(len(stack))
+            if isinstance(value, _Open):
+                if value.count == 0:
+                    value = value.container
+                else:
+                    stack.append([value.container, value.count, _NO_KEY])
+                    continue
+            while True:  # place the value in its container; close every container it completes
+                if not stack:
+                    return value, self.pos
+                frame = stack[-1]
+                container = frame[0]
+                if isinstance(container, list):
+                    container.append(value)
+                    frame[1] -= 1
+                elif frame[2] is _NO_KEY:
+                    if not isinstance(value, str):
+                        raise self.fail(f"a map key must be a string, got {type(value).__name__}")
+                    if value in container:
+                        raise self.fail(f"the map key {value[:64]!r} appears twice")
+                    frame[2] = value
+                    break
+                else:
+                    container[frame[2]] = value
+                    frame[2] = _NO_KEY
+                    frame[1] -= 1
+                if frame[1]:
+                    break
+                stack.pop()
+                value = container
+
+    def item(self, depth: int) -> Any:
+        self.objects += 1
+        if self.objects > self.limits.max_objects:
+            raise self.fail(f"more than {self.limits.max_objects} objects")
+        b = self.take(1)[0]
+        if b <= 0x7F:
+            return b
+        if b >= 0xE0:
+            return b - 0x100
+        if 0xA0 <= b <= 0xBF:
+            return self.text(b & 0x1F)
+        if 0x90 <= b <= 0x9F:
+            return self.open(depth, b & 0x0F, False)
+        if 0x80 <= b <= 0x8F:
+            return self.open(depth, b & 0x0F, True)
+        if b == 0xC0:
+            return None
+        if b in (0xC2, 0xC3):
+            return b == 0xC3
+        if b in (0xCC, 0xCD, 0xCE, 0xCF):
+            return self.uint(1 << (b - 0xCC))
+        if b in (0xD0, 0xD1, 0xD2, 0xD3):
+            return int.from_bytes(self.take(1 << (b - 0xD0)), "big", signed=True)
+        if b in (0xD9, 0xDA, 0xDB):
+            return self.text(self.uint(1 << (b - 0xD9)))
+        if b in (0xC4, 0xC5, 0xC6):
+            n = self.uint(1 << (b - 0xC4))
+            if n > self.limits.max_bin_len:
+                raise self.fail(f"a binary of {n} bytes is longer than the limit ({self.limits.max_bin_len})")
+            return self.take(n)
+        if b in (0xDC, 0xDD):
+            return self.open(depth, self.uint(2 if b == 0xDC else 4), False)
+        if b in (0xDE, 0xDF):
+            return self.open(depth, self.uint(2 if b == 0xDE else 4), True)
+        if b in (0xCA, 0xCB):
+            raise self.fail("floats are not allowed in signed data")
+        raise self.fail(f"type byte 0x{b:02x} (an ext type or reserved) is not allowed")
+
+    def text(self, n: int) -> str:
+        if n > self.limits.max_str_len:
+            raise self.fail(f"a string of {n} bytes is longer than the limit ({self.limits.max_str_len})")
+        raw = self.take(n)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail("a string is not valid UTF-8") from None
+
+    def open(self, depth: int, count: int, is_map: bool) -> _Open:
+        if depth >= MAX_DEPTH:
+            raise self.fail(f"nested deeper than {MAX_DEPTH} levels")
+        limit = self.limits.max_map_len if is_map else self.limits.max_array_len
+        if count > limit:
+            raise self.fail(f"{'a map' if is_map else 'an array'} of {count} entries is longer than the limit "
+                            f"({limit})")
+        if count * (2 if is_map else 1) > len(self.data) - self.pos:  # every element takes a byte at least
+            raise self.error(f"{self.what}: truncated (it declares more than its {len(self.data)} bytes)")
+        return _Open({} if is_map else [], count)
+
+
+class _Open(NamedTuple):
+    container: Any
+    count: int
+
+
+_NO_KEY = object()
+
+
+def fields(value: Any, names: tuple[str, ...], where: str, *, error: type[InvalidReceipt] = InvalidReceipt,
+           optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`value` as a dict with exactly the keys `names` (and any of `optional`, absent ones as None); unknown,
+    extra or missing keys raise `error`."""
     if not isinstance(value, dict):
         raise error(f"{where}: expected a map, got {describe(value)}")
-    missing, extra = sorted(set(names) - set(value)), sorted(set(value) - set(names), key=repr)
+    allowed = set(names) | set(optional)
+    missing, extra = sorted(set(names) - set(value)), sorted(set(value) - allowed, key=repr)
     if missing or extra:
         parts = ([f"missing {', '.join(missing)}"] if missing else []) + \
                 ([f"unknown {', '.join(map(str, extra))}"] if extra else [])
-        raise error(f"{where}: {'; '.join(parts)} (expected exactly: {', '.join(sorted(names))})")
-    return value
+        raise error(f"{where}: {'; '.join(parts)} (expected exactly: {', '.join(sorted(names))}"
+                    + (f"; optional: {', '.join(sorted(optional))})" if optional else ")"))
+    return {**{k: None for k in optional}, **value}
 
 
 # ---- checks shared by the schemas -------------------------------------------------------------------
@@ -242,6 +368,17 @@ def f64_to_bits(value: float) -> int:
 def f64_from_bits(bits: int) -> float:
     """The float whose binary64 bits are `bits` (an int in [0, 2**64 - 1])."""
     return struct.unpack("<d", struct.pack("<Q", bits))[0]
+
+
+def u32le_pack(values: Any) -> bytes:
+    """Unsigned 32-bit ints as consecutive little-endian words (token ids)."""
+    values = list(values)
+    return struct.pack(f"<{len(values)}I", *values)
+
+
+def u32le_unpack(data: bytes) -> tuple[int, ...]:
+    """The ints of little-endian u32 words (len(data) must be a multiple of 4)."""
+    return struct.unpack(f"<{len(data) // 4}I", data)
 
 
 def f32le_pack(values: Any) -> bytes:

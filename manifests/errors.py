@@ -24,14 +24,14 @@ class InvalidReceipt(BadInput):
     """A receipt file (envelope or payload) is malformed: every decode problem ends here, never elsewhere."""
 
     exit_code = 2
-    remedy = ("the file is not a well-formed detent-audit receipt v1: it may be truncated, made by another "
+    remedy = ("the file is not a well-formed detent-audit receipt v2: it may be truncated, made by another "
               "version, or modified; obtain the original file from the serving node")
 
 
 class InvalidManifest(InvalidReceipt):
     """A run-manifest file (envelope or payload) is malformed."""
 
-    remedy = ("the file is not a well-formed detent-audit run manifest v1: it may be truncated, produced by "
+    remedy = ("the file is not a well-formed detent-audit run manifest v2: it may be truncated, produced by "
               "another version, or modified; obtain the original file from the serving node")
 
 

@@ -153,6 +153,10 @@ def load_public_key(path: str | Path) -> Ed25519PublicKey:
                            remedy=(f"pass {path}{PUBLIC_SUFFIX}" if path.suffix != PUBLIC_SUFFIX else
                                    "pass the public key keygen wrote beside it (FILE.pub)")
                            + ", and keep the private key on the serving node")
+    blocks = data.count(b"-----BEGIN ")
+    if blocks > 1:  # the PEM loader would read the first and drop the others in silence
+        raise KeyFileError(f"{path} holds {blocks} PEM blocks; a .pub file holds one public key",
+                           remedy="put each node's public key in a file of its own")
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, UnsupportedAlgorithm):
@@ -163,22 +167,39 @@ def load_public_key(path: str | Path) -> Ed25519PublicKey:
     return key
 
 
-def load_trusted_keys(path: str | Path) -> dict[str, Ed25519PublicKey]:
+def load_trusted_keys(path: str | Path, problems: list[str] | None = None) -> dict[str, Ed25519PublicKey]:
     """The trusted public keys as {keyid: key}: one `.pub` file, or every `*.pub` file in a directory.
 
     A directory is read non-recursively and in sorted order; other files in it (a private key, notes) are
-    ignored. Raises `KeyFileError` for a missing path, a directory without `*.pub` files, or a bad key.
+    ignored. A `*.pub` entry that is not a regular file, or not a usable key, is skipped and described in
+    `problems` when a list is given (so one junk file does not end a run, and nothing is skipped in silence);
+    without the list it raises. Raises `KeyFileError` for a missing path, a directory without a usable key,
+    or a bad key file named directly.
     """
     path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.name.endswith(PUBLIC_SUFFIX) and p.is_file())
-        if not files:
-            raise KeyFileError(f"{path}: no *{PUBLIC_SUFFIX} public key files in this directory",
-                               remedy="put the serving nodes' .pub files there, or pass one .pub file")
-    else:
-        files = [path]
-    keys = (load_public_key(f) for f in files)
-    return {keyid(key): key for key in keys}
+    if not path.is_dir():
+        key = load_public_key(path)
+        return {keyid(key): key}
+    keys: dict[str, Ed25519PublicKey] = {}
+    found: list[str] = []
+    for entry in sorted(p for p in path.iterdir() if p.name.endswith(PUBLIC_SUFFIX)):
+        try:
+            if not entry.is_file():
+                raise KeyFileError(f"{entry}: not a regular file, skipped")
+            key = load_public_key(entry)
+        except KeyFileError as exc:
+            if problems is None:
+                raise
+            found.append(exc.message)
+            continue
+        keys[keyid(key)] = key
+    if problems is not None:
+        problems += found
+    if not keys:
+        raise KeyFileError(f"{path}: no usable *{PUBLIC_SUFFIX} public key files in this directory"
+                           + (f" ({'; '.join(found[:3])})" if found else ""),
+                           remedy="put the serving nodes' .pub files there, or pass one .pub file")
+    return keys
 
 
 def _read_key_file(path: Path) -> bytes:

@@ -1,26 +1,60 @@
-"""Receipt v1: what a serving node signs for every response, and how a verifier reads it back.
+"""Receipt v2: what a serving node signs for every response, and how a verifier reads it back.
 
 A `Receipt` that exists is well formed: every constructor validates types, ranges and sizes and raises
 `InvalidReceipt`; `Receipt.from_bytes` turns every decode problem into `InvalidReceipt` too. The payload is
-canonical msgpack (encoding.py), one map, schema version 1 (`version`):
+canonical msgpack (encoding.py), one map, schema version 2 (`version`):
 
     deployment:   {facts: map, hash: hex}    the deployment's canonical facts and their hash, as its producer
     tuple:        {hash: hex, values: map}   (Deployment.facts_hash, the tuner) computes them; only their
                                              form is checked here, the verifier recomputes them (design.md 7)
-    request:      {id: str, prompt_token_ids: [u32], sampling: map, seed: u64}
-    sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, stop_token_ids: [u32],
+    request:      {client: map, id: str, prompt_token_ids_u32le: bin(4m), sampling: map, seed: u64}
+    client:       {api: str, body_json: bin, body_sha256: hex}
+    sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, [stop: [str]], stop_token_ids: [u32],
                    temperature_f64_bits: u64, top_k: uint, top_p_f64_bits: u64}
-    output:       {digest: hex, finish_reason: "length"|"stop", logprobs_f32le: bin(4n), token_ids: [u32]*n}
+    output:       {digest: hex, finish_reason: "length"|"stop", logprobs_f32le: bin(4n), text: str,
+                   token_ids_u32le: bin(4n), top_logprobs_f32le: bin(4nk), top_token_ids_u32le: bin(4nk)}
+    run:          {id: str, seq: u64}        the node's run and this receipt's place in it (0, 1, ...)
+    [scoring]:    {logprobs_f32le: bin(4(m-1)), top_ids: [u32]*(m-1)k, top_logprobs_f32le: bin(4(m-1)k),
+                   top_n: uint k}  (an echo request's prompt logprobs: m prompt tokens, the first unscored)
     node_keyid:   hex (SHA-256 of the signer's raw public key; must be the envelope's signer)
     time_unix_ns: u64 (nanoseconds since the Unix epoch, UTC)
-    version:      1
+    version:      2
+
+What the receipt binds, and why:
+- `request.client` is the request **as the client sent it**: `api` names its schema and endpoint
+  (`openai/v1/completions`, `openai/v1/chat/completions`, `detent/v1/offline-jsonl`), `body_json` is the
+  body's canonical JSON (`canonical_json`: keys sorted, no whitespace, UTF-8, no NaN; what a client computes
+  over the body it sent) and `body_sha256` its SHA-256. A verifier parses the body again with the node's own
+  parser for that `api` and requires the prompt ids and sampling below to be what it gives: a node cannot
+  answer another prompt, other sampling, a lower `max_tokens` or extra stop ids under the client's id.
+- `request.prompt_token_ids_u32le` and `sampling`/`seed` are the request as the engine ran it (token ids,
+  never text: a verifier re-runs ids, not a template).
+- `output.text` is the text returned to the client and `output.top_*` the top-k alternatives returned at
+  each output position (k = the request's `logprobs`, or 0): token ids as u32le, logprobs as f32le, k per
+  position, position-major. A verifier recomputes both; a client compares them with what it received.
+- `run` ties the receipt to the run manifests that must cover it (run_manifest.py).
+- `sampling.stop` (present only when the request had stop strings): the output ends at the first token whose
+  detokenized text contains one (vLLM's rule, detent_audit.engine.stop_strings), which a verifier recomputes
+  with the deployment's tokenizer; `output.text` is cut before it.
+- `scoring` (present only for an echo request): every prompt position's logprob bits and the top-k
+  alternatives it returned (ids and fp32 bits, most likely first; k = the request's `logprobs`). max_tokens
+  may be 0 only in a receipt that has it (the prompt scored, nothing drawn).
 
 Floats travel as IEEE-754 bits: temperature and top_p as the uint64 bits of their binary64 value (the exact
 Python float the request carried: no rounding; -0.0 and NaN payloads kept); logprobs as little-endian
-binary32, 4 bytes per output token, exactly as the engine's fp32 tensor held them. Hashes are lowercase hex.
+binary32, 4 bytes each, exactly as the engine's fp32 tensor held them. Token ids travel as little-endian u32
+(one bin, not an array of ints: a payload decodes into few objects, so the decoder's object budget can be
+small). Hashes are lowercase hex.
 
-output.digest = SHA-256(b"detent-audit/output/v1\\0" || u64le(n) || u32le(token_ids[0..n)) || logprobs_f32le)
-A receipt's own digest (what run manifests list) is SHA-256 of its payload bytes (`Receipt.digest`).
+output.digest = SHA-256(b"detent-audit/output/v2\\0" || u64le(n) || token_ids_u32le || logprobs_f32le
+                        || u64le(k) || top_token_ids_u32le || top_logprobs_f32le || u64le(len) || text_utf8)
+A receipt's own digest (what run manifests list, what a response carries) is SHA-256 of its payload bytes
+(`Receipt.digest`).
+
+Adding a field: a later field is optional in `from_bytes` (`enc.fields(..., optional=...)`) and omitted from
+`to_bytes` at its default, so receipts that do not use it keep their bytes; a verifier that does not know a
+field refuses the receipt (unknown fields are errors), never ignores it. A change of meaning bumps the
+version and the payload type.
 """
 
 from __future__ import annotations
@@ -39,18 +73,26 @@ from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.dsse import MAX_PAYLOAD_BYTES, RECEIPT_PAYLOAD_TYPE, open_envelope, sign_envelope
 from detent_audit.manifests.errors import BadSignature, InvalidReceipt
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_TOKENS = 1 << 22  # prompt or output tokens per request
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_TOKENS = 1024
 MAX_LOGPROBS = 1024  # top-n alternatives a request may ask for (the engine allows fewer)
+MAX_CLIENT_BODY = 16 << 20  # bytes of a client request's canonical JSON a receipt carries
+MAX_TEXT_BYTES = 16 << 20
+MAX_API_LEN = 64
+MAX_RUN_ID_LEN = 128
 FINISH_REASONS = ("length", "stop")
-OUTPUT_DIGEST_TAG = b"detent-audit/output/v1\x00"
-_LIMITS = enc.Limits(max_bytes=MAX_PAYLOAD_BYTES, max_str_len=64 * 1024, max_bin_len=4 * MAX_TOKENS,
-                     max_array_len=MAX_TOKENS, max_map_len=4096)
+OUTPUT_DIGEST_TAG = b"detent-audit/output/v2\x00"
+CLIENT_APIS = ("openai/v1/completions", "openai/v1/chat/completions", "detent/v1/offline-jsonl")
+MAX_JSON_CONTAINERS = 1 << 20  # arrays and objects in a client body (bounds the memory of parsing it)
+_LIMITS = enc.Limits(max_bytes=MAX_PAYLOAD_BYTES, max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_CLIENT_BODY,
+                     max_array_len=4096, max_map_len=4096, max_objects=1 << 16)
 _SAMPLING_FIELDS = ("ignore_eos", "logprobs", "max_tokens", "stop_token_ids", "temperature_f64_bits", "top_k",
                     "top_p_f64_bits")
-_FIELDS = ("deployment", "node_keyid", "output", "request", "time_unix_ns", "tuple", "version")
+_FIELDS = ("deployment", "node_keyid", "output", "request", "run", "time_unix_ns", "tuple", "version")
+_SCORING_FIELDS = ("logprobs_f32le", "top_ids", "top_logprobs_f32le", "top_n")
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
 @dataclass(frozen=True)
@@ -64,6 +106,7 @@ class SamplingRecord:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):  # an int is taken as the float it equals
@@ -77,47 +120,141 @@ class SamplingRecord:
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidReceipt(f"request.sampling.top_p: expected a float in (0, 1], got {self.top_p!r}")
         enc.check_uint(self.top_k, "request.sampling.top_k", enc.UINT32_MAX)
-        enc.check_uint(self.max_tokens, "request.sampling.max_tokens", MAX_TOKENS, 1)
+        enc.check_uint(self.max_tokens, "request.sampling.max_tokens", MAX_TOKENS)  # 0: scoring only (echo)
         stop = enc.check_token_ids(self.stop_token_ids, "request.sampling.stop_token_ids", MAX_STOP_TOKENS)
         object.__setattr__(self, "stop_token_ids", stop)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidReceipt(f"request.sampling.ignore_eos: expected a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             enc.check_uint(self.logprobs, "request.sampling.logprobs", MAX_LOGPROBS)
+        if not isinstance(self.stop, (tuple, list)) or len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidReceipt(f"request.sampling.stop: expected at most {MAX_STOP_STRINGS} strings, "
+                                 f"got {enc.describe(self.stop)}")
+        object.__setattr__(self, "stop", tuple(enc.check_str(s, "request.sampling.stop", MAX_STOP_CHARS)
+                                               for s in self.stop))
 
     @classmethod
-    def from_params(cls, params: Any) -> SamplingRecord:
-        """From the engine's `SamplingParams` (read by attribute, so this module never imports the engine)."""
-        return cls(params.temperature, params.top_k, params.top_p, params.max_tokens,
-                   tuple(params.stop_token_ids), params.ignore_eos, params.logprobs)
+    def from_params(cls, params: Any, max_tokens: int | None = None) -> SamplingRecord:
+        """From the engine's `SamplingParams` (read by attribute, so this module never imports the engine);
+        `max_tokens` where the request's differs from the engine's (0 for an echo request that draws nothing)."""
+        return cls(params.temperature, params.top_k, params.top_p,
+                   params.max_tokens if max_tokens is None else max_tokens,
+                   tuple(params.stop_token_ids), params.ignore_eos, params.logprobs, tuple(getattr(params, "stop", ())))
 
     def _to_wire(self) -> dict[str, Any]:
-        return {"ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "max_tokens": self.max_tokens,
+        wire = {"ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "max_tokens": self.max_tokens,
                 "stop_token_ids": list(self.stop_token_ids), "top_k": self.top_k,
                 "temperature_f64_bits": enc.f64_to_bits(self.temperature),
                 "top_p_f64_bits": enc.f64_to_bits(self.top_p)}
+        return {**wire, "stop": list(self.stop)} if self.stop else wire
 
     @classmethod
     def _from_wire(cls, wire: Any) -> SamplingRecord:
-        w = enc.fields(wire, _SAMPLING_FIELDS, "request.sampling")
+        w = enc.fields(wire, _SAMPLING_FIELDS, "request.sampling", optional=("stop",))
+        if w["stop"] is not None and not w["stop"]:
+            raise InvalidReceipt("request.sampling.stop: present but empty (an absent key means no stop strings)")
         bits = {name: enc.check_uint(w[f"{name}_f64_bits"], f"request.sampling.{name}_f64_bits")
                 for name in ("temperature", "top_p")}
         temperature, top_p = enc.f64_from_bits(bits["temperature"]), enc.f64_from_bits(bits["top_p"])
         return cls(temperature, w["top_k"], top_p, w["max_tokens"], w["stop_token_ids"], w["ignore_eos"],
-                   w["logprobs"])
+                   w["logprobs"], tuple(w["stop"] or ()))
+
+
+def canonical_json(body: Any) -> bytes:
+    """A JSON value's canonical bytes: keys sorted, no whitespace, UTF-8 (not ASCII-escaped), NaN and
+    infinities refused; floats as Python writes them (the shortest text that reads back the same double).
+    A client computes `body_sha256` over this form of the body it sent."""
+    try:
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as exc:
+        raise InvalidReceipt(f"request.client.body_json: not a JSON value with a canonical form ({exc})") from None
+
+
+def parse_canonical_json(data: bytes, where: str = "request.client.body_json") -> Any:
+    """The JSON object of canonical bytes, in bounded memory: at most `MAX_JSON_CONTAINERS` arrays and objects
+    (counted as bracket bytes before parsing), no repeated key, and the bytes must be its canonical form."""
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_CONTAINERS:
+        raise InvalidReceipt(f"{where}: more than {MAX_JSON_CONTAINERS} arrays and objects")
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            raise ValueError("a key appears twice in one object")
+        return out
+
+    try:
+        value = json.loads(data.decode("utf-8"), object_pairs_hook=unique)
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        raise InvalidReceipt(f"{where}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if not isinstance(value, dict):
+        raise InvalidReceipt(f"{where}: expected a JSON object")
+    if canonical_json(value) != data:
+        raise InvalidReceipt(f"{where}: not canonical JSON (re-encoded, it differs)")
+    return value
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    """The request as the client sent it: its API and its body's canonical JSON (`canonical_json`)."""
+
+    api: str
+    body_json: bytes
+
+    def __post_init__(self) -> None:
+        if self.api not in CLIENT_APIS:
+            raise InvalidReceipt(f"request.client.api: expected one of {', '.join(CLIENT_APIS)}, got "
+                                 f"{enc.describe(self.api)}")
+        if not isinstance(self.body_json, bytes) or not 2 <= len(self.body_json) <= MAX_CLIENT_BODY:
+            raise InvalidReceipt(f"request.client.body_json: expected 2 to {MAX_CLIENT_BODY} bytes of JSON, got "
+                                 f"{enc.describe(self.body_json)}")
+
+    @classmethod
+    def of(cls, api: str, body: Any) -> ClientRequest:
+        """From a parsed JSON body (a client's, or the node's as it parsed the request)."""
+        return cls(api, canonical_json(body))
+
+    @cached_property
+    def body_sha256(self) -> str:
+        return enc.sha256_hex(self.body_json)
+
+    def body(self) -> dict[str, Any]:
+        """The body as a JSON object (parsed in bounded memory; refused unless canonical)."""
+        return parse_canonical_json(self.body_json)
+
+    def _to_wire(self) -> dict[str, Any]:
+        return {"api": self.api, "body_json": self.body_json, "body_sha256": self.body_sha256}
+
+    @classmethod
+    def _from_wire(cls, wire: Any) -> ClientRequest:
+        w = enc.fields(wire, ("api", "body_json", "body_sha256"), "request.client")
+        client = cls(w["api"], w["body_json"])
+        if enc.check_digest(w["body_sha256"], "request.client.body_sha256") != client.body_sha256:
+            raise InvalidReceipt("request.client.body_sha256: not the SHA-256 of body_json")
+        return client
+
+
+def _ids_from_wire(value: Any, where: str, max_len: int, min_len: int = 0) -> tuple[int, ...]:
+    if not isinstance(value, bytes) or len(value) % 4 or not min_len <= len(value) // 4 <= max_len:
+        raise InvalidReceipt(f"{where}: expected {min_len} to {max_len} token ids as u32le bytes, got "
+                             f"{enc.describe(value)}")
+    return enc.u32le_unpack(value)
 
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """The request as the engine ran it: token ids, never text (a verifier re-runs ids, not a template)."""
+    """The request: as the client sent it (`client`), and as the engine ran it (token ids and sampling)."""
 
     request_id: str
+    client: ClientRequest
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingRecord
     seed: int  # unsigned 64-bit sampling seed, recorded also when greedy
 
     def __post_init__(self) -> None:
         enc.check_str(self.request_id, "request.id", MAX_REQUEST_ID_LEN)
+        if not isinstance(self.client, ClientRequest):
+            raise InvalidReceipt(f"request.client: expected a ClientRequest, got {enc.describe(self.client)}")
         prompt = enc.check_token_ids(self.prompt_token_ids, "request.prompt_token_ids", MAX_TOKENS, min_len=1)
         object.__setattr__(self, "prompt_token_ids", prompt)
         if not isinstance(self.sampling, SamplingRecord):
@@ -126,22 +263,49 @@ class RequestRecord:
         enc.check_uint(self.seed, "request.seed")
 
     def _to_wire(self) -> dict[str, Any]:
-        return {"id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
+        return {"client": self.client._to_wire(), "id": self.request_id,
+                "prompt_token_ids_u32le": enc.u32le_pack(self.prompt_token_ids),
                 "sampling": self.sampling._to_wire(), "seed": self.seed}
 
     @classmethod
     def _from_wire(cls, wire: Any) -> RequestRecord:
-        w = enc.fields(wire, ("id", "prompt_token_ids", "sampling", "seed"), "request")
-        return cls(w["id"], w["prompt_token_ids"], SamplingRecord._from_wire(w["sampling"]), w["seed"])
+        w = enc.fields(wire, ("client", "id", "prompt_token_ids_u32le", "sampling", "seed"), "request")
+        return cls(w["id"], ClientRequest._from_wire(w["client"]),
+                   _ids_from_wire(w["prompt_token_ids_u32le"], "request.prompt_token_ids_u32le", MAX_TOKENS, 1),
+                   SamplingRecord._from_wire(w["sampling"]), w["seed"])
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """Which run of the node signed the receipt, and its sequence number in that run (0, 1, ...)."""
+
+    run_id: str
+    seq: int
+
+    def __post_init__(self) -> None:
+        enc.check_str(self.run_id, "run.id", MAX_RUN_ID_LEN)
+        enc.check_uint(self.seq, "run.seq")
+
+    def _to_wire(self) -> dict[str, Any]:
+        return {"id": self.run_id, "seq": self.seq}
+
+    @classmethod
+    def _from_wire(cls, wire: Any) -> RunRecord:
+        w = enc.fields(wire, ("id", "seq"), "run")
+        return cls(w["id"], w["seq"])
 
 
 @dataclass(frozen=True)
 class OutputRecord:
-    """The response: output token ids, each token's fp32 logprob as little-endian bytes, why it stopped."""
+    """The response: output token ids, each token's fp32 logprob as little-endian bytes, why it stopped, the
+    text returned, and the top-k alternatives returned at each position (k per position, position-major)."""
 
     token_ids: tuple[int, ...]
     logprobs_f32le: bytes  # 4 bytes per output token
     finish_reason: str
+    text: str = ""
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs_f32le: bytes = b""
 
     def __post_init__(self) -> None:
         tokens = enc.check_token_ids(self.token_ids, "output.token_ids", MAX_TOKENS)
@@ -152,37 +316,137 @@ class OutputRecord:
         if self.finish_reason not in FINISH_REASONS:
             raise InvalidReceipt(f"output.finish_reason: expected one of {', '.join(FINISH_REASONS)}, "
                                  f"got {self.finish_reason!r}")
+        if not isinstance(self.text, str) or len(self.text) > MAX_TEXT_BYTES:
+            raise InvalidReceipt(f"output.text: expected a string, got {enc.describe(self.text)}")
+        enc.check_str(self.text, "output.text", MAX_TEXT_BYTES, min_len=0)
+        top = enc.check_token_ids(self.top_token_ids, "output.top_token_ids", MAX_LOGPROBS * MAX_TOKENS)
+        object.__setattr__(self, "top_token_ids", top)
+        n = len(self.token_ids)
+        if (n == 0 and top) or (n and len(top) % n) or len(top) > n * MAX_LOGPROBS:
+            raise InvalidReceipt(f"output.top_token_ids: {len(top)} ids are not k per output token for the "
+                                 f"{n} tokens (k <= {MAX_LOGPROBS})")
+        if not isinstance(self.top_logprobs_f32le, bytes) or len(self.top_logprobs_f32le) != 4 * len(top):
+            raise InvalidReceipt(f"output.top_logprobs_f32le: expected {4 * len(top)} bytes (4 per top "
+                                 f"token id), got {enc.describe(self.top_logprobs_f32le)}")
 
     @classmethod
-    def from_floats(cls, token_ids: Sequence[int], logprobs: Sequence[float], finish_reason: str
-                    ) -> OutputRecord:
-        """From Python floats, each rounded to fp32 (from a tensor: `t.numpy().astype("<f4").tobytes()`)."""
-        return cls(tuple(token_ids), enc.f32le_pack(logprobs), finish_reason)
+    def from_floats(cls, token_ids: Sequence[int], logprobs: Sequence[float], finish_reason: str, text: str = "",
+                    top_logprobs: Sequence[Sequence[tuple[int, float]]] = ()) -> OutputRecord:
+        """From Python floats, each rounded to fp32 (from a tensor: `t.numpy().astype("<f4").tobytes()`);
+        `top_logprobs`: per output token, its (token id, logprob) alternatives, the same count at each."""
+        tops = [list(t) for t in top_logprobs] if any(top_logprobs) else []
+        if tops and (len(tops) != len(token_ids) or len({len(t) for t in tops}) != 1):
+            raise InvalidReceipt("output.top_logprobs: expected the same number of alternatives at every output "
+                                 "token")
+        return cls(tuple(token_ids), enc.f32le_pack(logprobs), finish_reason, text,
+                   tuple(i for t in tops for i, _ in t), enc.f32le_pack(v for t in tops for _, v in t))
 
     @property
     def logprobs(self) -> tuple[float, ...]:
         """The logprobs as floats (exact: every binary32 value is a binary64 value)."""
         return enc.f32le_unpack(self.logprobs_f32le)
 
+    @property
+    def top_k(self) -> int:
+        """Alternatives per output position."""
+        return len(self.top_token_ids) // len(self.token_ids) if self.token_ids else 0
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]]:
+        """Per output token, its (token id, logprob) alternatives ([] per token when none were returned)."""
+        k, values = self.top_k, enc.f32le_unpack(self.top_logprobs_f32le)
+        if not k:
+            return [[] for _ in self.token_ids]
+        return [list(zip(self.top_token_ids[i * k:(i + 1) * k], values[i * k:(i + 1) * k]))
+                for i in range(len(self.token_ids))]
+
     @cached_property
     def digest(self) -> str:
-        """SHA-256 over a tag, the token count, the token ids (u32le), the logprobs (module docstring)."""
-        n = len(self.token_ids)
-        ids = struct.pack(f"<Q{n}I", n, *self.token_ids)
-        return enc.sha256_hex(OUTPUT_DIGEST_TAG + ids + self.logprobs_f32le)
+        """SHA-256 over a tag, the tokens, logprobs, alternatives and text (module docstring)."""
+        text = self.text.encode("utf-8")
+        parts = [OUTPUT_DIGEST_TAG, struct.pack("<Q", len(self.token_ids)), enc.u32le_pack(self.token_ids),
+                 self.logprobs_f32le, struct.pack("<Q", self.top_k), enc.u32le_pack(self.top_token_ids),
+                 self.top_logprobs_f32le, struct.pack("<Q", len(text)), text]
+        return enc.sha256_hex(b"".join(parts))
 
     def _to_wire(self) -> dict[str, Any]:
         return {"digest": self.digest, "finish_reason": self.finish_reason,
-                "logprobs_f32le": self.logprobs_f32le, "token_ids": list(self.token_ids)}
+                "logprobs_f32le": self.logprobs_f32le, "text": self.text,
+                "token_ids_u32le": enc.u32le_pack(self.token_ids),
+                "top_logprobs_f32le": self.top_logprobs_f32le,
+                "top_token_ids_u32le": enc.u32le_pack(self.top_token_ids)}
 
     @classmethod
     def _from_wire(cls, wire: Any) -> OutputRecord:
-        w = enc.fields(wire, ("digest", "finish_reason", "logprobs_f32le", "token_ids"), "output")
-        output = cls(w["token_ids"], w["logprobs_f32le"], w["finish_reason"])
+        w = enc.fields(wire, ("digest", "finish_reason", "logprobs_f32le", "text", "token_ids_u32le",
+                              "top_logprobs_f32le", "top_token_ids_u32le"), "output")
+        output = cls(_ids_from_wire(w["token_ids_u32le"], "output.token_ids_u32le", MAX_TOKENS),
+                     w["logprobs_f32le"], w["finish_reason"], w["text"],
+                     _ids_from_wire(w["top_token_ids_u32le"], "output.top_token_ids_u32le",
+                                    MAX_LOGPROBS * MAX_TOKENS),
+                     w["top_logprobs_f32le"])
         if enc.check_digest(w["digest"], "output.digest") != output.digest:
             raise InvalidReceipt(f"output.digest: {w['digest']} is not the digest of the output "
                                  f"({output.digest})")
         return output
+
+
+@dataclass(frozen=True)
+class ScoringRecord:
+    """An echo request's prompt logprobs: for each prompt token after the first, its fp32 logprob and the
+    top-n alternatives the response returned (ids, fp32 logprobs; most likely first)."""
+
+    logprobs_f32le: bytes             # 4 bytes per scored prompt position
+    top_n: int = 0
+    top_ids: tuple[int, ...] = ()     # top_n per position
+    top_logprobs_f32le: bytes = b""   # 4 bytes per entry of top_ids
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.logprobs_f32le, bytes) or len(self.logprobs_f32le) % 4:
+            raise InvalidReceipt(f"scoring.logprobs_f32le: expected 4 bytes per prompt position, "
+                                 f"got {enc.describe(self.logprobs_f32le)}")
+        enc.check_uint(self.top_n, "scoring.top_n", MAX_LOGPROBS)
+        ids = enc.check_token_ids(self.top_ids, "scoring.top_ids", MAX_TOKENS * 8)
+        object.__setattr__(self, "top_ids", ids)
+        if len(ids) != self.num_positions * self.top_n:
+            raise InvalidReceipt(f"scoring.top_ids: expected {self.top_n} per position ({self.num_positions * self.top_n}), "
+                                 f"got {len(ids)}")
+        if not isinstance(self.top_logprobs_f32le, bytes) or len(self.top_logprobs_f32le) != 4 * len(ids):
+            raise InvalidReceipt(f"scoring.top_logprobs_f32le: expected {4 * len(ids)} bytes (4 per top id), "
+                                 f"got {enc.describe(self.top_logprobs_f32le)}")
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.logprobs_f32le) // 4
+
+    @classmethod
+    def from_floats(cls, logprobs: Sequence[float], tops: Sequence[Sequence[tuple[int, float]]], top_n: int
+                    ) -> ScoringRecord:
+        """From Python floats (rounded to fp32) and, per position, the top-n (id, logprob) pairs."""
+        if any(len(t) != top_n for t in tops) or (top_n and len(tops) != len(logprobs)):
+            raise InvalidReceipt(f"scoring: expected {top_n} alternatives at each of {len(logprobs)} positions")
+        pairs = [pair for t in tops for pair in t]
+        return cls(enc.f32le_pack(logprobs), top_n, tuple(i for i, _ in pairs), enc.f32le_pack([v for _, v in pairs]))
+
+    @property
+    def logprobs(self) -> tuple[float, ...]:
+        return enc.f32le_unpack(self.logprobs_f32le)
+
+    @property
+    def tops(self) -> list[list[tuple[int, float]]]:
+        """Per position, its top-n (id, fp32 logprob) pairs."""
+        values, k = enc.f32le_unpack(self.top_logprobs_f32le), self.top_n
+        pairs = list(zip(self.top_ids, values))
+        return [pairs[i * k:(i + 1) * k] for i in range(self.num_positions)] if k else []
+
+    def _to_wire(self) -> dict[str, Any]:
+        return {"logprobs_f32le": self.logprobs_f32le, "top_ids": list(self.top_ids),
+                "top_logprobs_f32le": self.top_logprobs_f32le, "top_n": self.top_n}
+
+    @classmethod
+    def _from_wire(cls, wire: Any) -> ScoringRecord:
+        w = enc.fields(wire, _SCORING_FIELDS, "scoring")
+        return cls(w["logprobs_f32le"], w["top_n"], w["top_ids"], w["top_logprobs_f32le"])
 
 
 @dataclass(frozen=True)
@@ -195,34 +459,53 @@ class Receipt:
     tuple_hash: str
     request: RequestRecord
     output: OutputRecord
+    run: RunRecord
     node_keyid: str
     time_unix_ns: int
+    scoring: ScoringRecord | None = None  # an echo request's prompt logprobs
 
     def __post_init__(self) -> None:
         for name, where in (("deployment_facts", "deployment.facts"), ("tuple_values", "tuple.values")):
             value = getattr(self, name)
             if not isinstance(value, Mapping) or not value:
                 raise InvalidReceipt(f"{where}: expected a non-empty map, got {enc.describe(value)}")
-            object.__setattr__(self, name, enc.freeze(value, where))
+            object.__setattr__(self, name, enc.freeze(value, where, allow_bytes=False))
         enc.check_digest(self.deployment_hash, "deployment.hash")
         enc.check_digest(self.tuple_hash, "tuple.hash")
         if not isinstance(self.request, RequestRecord) or not isinstance(self.output, OutputRecord):
             raise InvalidReceipt("request and output: expected a RequestRecord and an OutputRecord")
+        if not isinstance(self.run, RunRecord):
+            raise InvalidReceipt(f"run: expected a RunRecord, got {enc.describe(self.run)}")
         if len(self.output.token_ids) > self.request.sampling.max_tokens:
             raise InvalidReceipt(f"output.token_ids: {len(self.output.token_ids)} tokens exceed "
                                  f"request.sampling.max_tokens ({self.request.sampling.max_tokens})")
         enc.check_digest(self.node_keyid, "node_keyid")
         enc.check_uint(self.time_unix_ns, "time_unix_ns")
+        if self.scoring is not None:
+            if not isinstance(self.scoring, ScoringRecord):
+                raise InvalidReceipt(f"scoring: expected a ScoringRecord, got {enc.describe(self.scoring)}")
+            if self.scoring.num_positions != len(self.request.prompt_token_ids) - 1:
+                raise InvalidReceipt(f"scoring: {self.scoring.num_positions} prompt logprobs for a prompt of "
+                                     f"{len(self.request.prompt_token_ids)} tokens (expected one per token after "
+                                     f"the first)")
+            if self.scoring.top_n != (self.request.sampling.logprobs or 0):
+                raise InvalidReceipt(f"scoring.top_n: {self.scoring.top_n} alternatives per prompt position, but "
+                                     f"the request asked for {self.request.sampling.logprobs or 0}")
+        elif self.request.sampling.max_tokens == 0:
+            raise InvalidReceipt("request.sampling.max_tokens: 0 only in a receipt that scores its prompt (scoring)")
 
     def to_bytes(self) -> bytes:
         """The canonical payload bytes (what the envelope signs)."""
-        return enc.pack({
+        payload = {
             "deployment": {"facts": self.deployment_facts, "hash": self.deployment_hash},
             "node_keyid": self.node_keyid, "output": self.output._to_wire(),
-            "request": self.request._to_wire(), "time_unix_ns": self.time_unix_ns,
+            "request": self.request._to_wire(), "run": self.run._to_wire(), "time_unix_ns": self.time_unix_ns,
             "tuple": {"hash": self.tuple_hash, "values": self.tuple_values},
             "version": SCHEMA_VERSION,
-        })
+        }
+        if self.scoring is not None:
+            payload["scoring"] = self.scoring._to_wire()
+        return enc.pack(payload)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Receipt:
@@ -230,7 +513,7 @@ class Receipt:
 
         This checks no signature: a verifier calls `verify_envelope`, which checks it first.
         """
-        w = enc.fields(enc.unpack(data, _LIMITS, what="receipt payload"), _FIELDS, "receipt")
+        w = enc.fields(enc.unpack(data, _LIMITS, what="receipt payload"), _FIELDS, "receipt", optional=("scoring",))
         if enc.check_uint(w["version"], "receipt.version") != SCHEMA_VERSION:
             raise InvalidReceipt(f"receipt: schema version {w['version']} is not supported (this release "
                                  f"reads version {SCHEMA_VERSION})", remedy="use the release the node ran")
@@ -238,7 +521,8 @@ class Receipt:
         tuple_ = enc.fields(w["tuple"], ("hash", "values"), "tuple")
         receipt = cls(deployment["facts"], deployment["hash"], tuple_["values"], tuple_["hash"],
                       RequestRecord._from_wire(w["request"]), OutputRecord._from_wire(w["output"]),
-                      w["node_keyid"], w["time_unix_ns"])
+                      RunRecord._from_wire(w["run"]), w["node_keyid"], w["time_unix_ns"],
+                      None if w["scoring"] is None else ScoringRecord._from_wire(w["scoring"]))
         if receipt.to_bytes() != bytes(data):
             raise InvalidReceipt("receipt payload: not canonical msgpack (re-encoding it gives other bytes: "
                                  "key order, integer or length widths, or duplicate keys differ)")
@@ -258,18 +542,29 @@ class Receipt:
             "time": {"unix_ns": self.time_unix_ns, "utc_rfc3339": enc.rfc3339_utc(self.time_unix_ns)},
             "deployment": {"hash_sha256": self.deployment_hash, "facts": enc.thaw(self.deployment_facts)},
             "tuple": {"hash_sha256": self.tuple_hash, "values": enc.thaw(self.tuple_values)},
+            "run": {"id": self.run.run_id, "seq": self.run.seq},
             "request": {"id": self.request.request_id, "seed": self.request.seed,
+                        "client": {"api": self.request.client.api,
+                                   "body_sha256": self.request.client.body_sha256,
+                                   "body_json": self.request.client.body_json.decode("utf-8", "replace")},
                         "prompt_token_ids": list(self.request.prompt_token_ids),
                         "sampling": {"temperature": enc.f64_view(s.temperature),
                                      "top_p": enc.f64_view(s.top_p), "top_k": s.top_k,
                                      "max_tokens": s.max_tokens,
                                      "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
-                                     "logprobs": s.logprobs}},
+                                     "logprobs": s.logprobs, "stop": list(s.stop)}},
             "output": {"token_ids": list(out.token_ids), "finish_reason": out.finish_reason,
-                       "digest_sha256": out.digest,
+                       "digest_sha256": out.digest, "text": out.text,
+                       "top_logprobs": [[[i, enc.json_float(v)] for i, v in top] for top in out.top_logprobs],
                        "logprobs": {"f32le_hex": out.logprobs_f32le.hex(),
                                     "values": [enc.json_float(v) for v in out.logprobs]}},
         }
+        if self.scoring is not None:
+            sc = self.scoring
+            view["scoring"] = {"prompt_logprobs": {"f32le_hex": sc.logprobs_f32le.hex(),
+                                                   "values": [enc.json_float(v) for v in sc.logprobs]},
+                               "top_n": sc.top_n,
+                               "top_logprobs": [[[i, enc.json_float(v)] for i, v in t] for t in sc.tops]}
         return json.dumps(view, indent=indent, default=lambda b: {"bin_hex": b.hex()})  # bytes in facts
 
 

@@ -11,12 +11,22 @@ batch-invariant node keeps out of every output bit. The root is RFC 6962's Merkl
                   two < n; SHA-256(b"") for n = 0
 
 Built level by level, this is pairing neighbours and promoting an odd last node unchanged (never
-duplicating it, so no two lists share a root). The payload (canonical msgpack, version 1):
+duplicating it, so no two lists share a root). The payload (canonical msgpack, version 2):
 
-    {deployment_hash: hex, merkle_root: hex, node_keyid: hex, output_tokens: u64, prompt_tokens: u64,
-     receipt_count: uint, receipt_digests: [hex], run_id: str, time_unix_ns: u64, tuple_hash: hex, version: 1}
+    {deployment_hash: hex, kind: "rotation"|"final"|"recovery", merkle_root: hex, node_keyid: hex,
+     output_tokens: u64, prompt_tokens: u64, receipt_count: uint, receipt_digests: [hex], run_id: str,
+     seq_first: u64, seq_last: u64, time_unix_ns: u64, tuple_hash: hex, version: 2}
 
 `merkle_root` and `receipt_count` are derived from the list; decoding requires them to match it.
+
+Coverage: every receipt names its run and its sequence number in it (`Receipt.run`). A manifest covers the
+receipts of run `run_id` whose sequence numbers lie in [seq_first, seq_last]: a `rotation` manifest (every
+`--rotate` receipts) and the `final` one (written on a clean shutdown; no receipt of the run comes after
+its seq_last) list every one of them, so receipt_count = seq_last - seq_first + 1; a `recovery` manifest is
+written by the next process on the same folder for the receipts a killed run left uncovered (those present:
+one may be missing at the end, the receipt being written when the process died, whose response never left).
+A verifier of a folder requires every receipt present to be in a manifest of its run, and every manifest to
+list every receipt present in its range (`coverage`).
 """
 
 from __future__ import annotations
@@ -35,12 +45,14 @@ from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.errors import BadSignature, InvalidManifest, ManifestMismatch
 from detent_audit.manifests.receipt import MAX_REQUEST_ID_LEN, Receipt
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+KINDS = ("rotation", "final", "recovery")
 MAX_RUN_RECEIPTS = 1 << 19  # 67 bytes each keeps a manifest under MAX_PAYLOAD_BYTES; split larger runs
 _LIMITS = enc.Limits(max_bytes=dsse.MAX_PAYLOAD_BYTES, max_str_len=1024, max_bin_len=0,
-                     max_array_len=MAX_RUN_RECEIPTS, max_map_len=16)
-_FIELDS = ("deployment_hash", "merkle_root", "node_keyid", "output_tokens", "prompt_tokens", "receipt_count",
-           "receipt_digests", "run_id", "time_unix_ns", "tuple_hash", "version")
+                     max_array_len=MAX_RUN_RECEIPTS, max_map_len=16, max_objects=MAX_RUN_RECEIPTS + 64)
+_FIELDS = ("deployment_hash", "kind", "merkle_root", "node_keyid", "output_tokens", "prompt_tokens",
+           "receipt_count", "receipt_digests", "run_id", "seq_first", "seq_last", "time_unix_ns", "tuple_hash",
+           "version")
 
 
 def merkle_root(digests: Sequence[bytes]) -> bytes:
@@ -71,6 +83,9 @@ class RunManifest:
     prompt_tokens: int  # summed over the run's receipts
     output_tokens: int
     time_unix_ns: int  # when the manifest was made, nanoseconds since the Unix epoch, UTC
+    kind: str = "final"
+    seq_first: int = 0  # the receipts' sequence numbers it covers (module docstring)
+    seq_last: int = 0
 
     def __post_init__(self) -> None:
         enc.check_str(self.run_id, "run_id", MAX_REQUEST_ID_LEN, error=InvalidManifest)
@@ -83,6 +98,15 @@ class RunManifest:
             if i and digests[i - 1] >= digest:
                 raise InvalidManifest(f"receipt_digests[{i}]: digests must be sorted ascending and unique")
         object.__setattr__(self, "receipt_digests", tuple(digests))
+        if self.kind not in KINDS:
+            raise InvalidManifest(f"kind: expected one of {', '.join(KINDS)}, got {enc.describe(self.kind)}")
+        for name in ("seq_first", "seq_last"):
+            enc.check_uint(getattr(self, name), name, error=InvalidManifest)
+        span = self.seq_last - self.seq_first + 1
+        if span < 1 or (self.kind != "recovery" and len(self.receipt_digests) != span) \
+                or len(self.receipt_digests) > span:
+            raise InvalidManifest(f"seq_first {self.seq_first}, seq_last {self.seq_last}: a {self.kind} manifest "
+                                  f"of {len(self.receipt_digests)} receipts cannot cover that range")
         for name in ("node_keyid", "deployment_hash", "tuple_hash"):
             enc.check_digest(getattr(self, name), name, error=InvalidManifest)
         for name in ("prompt_tokens", "output_tokens", "time_unix_ns"):
@@ -90,20 +114,25 @@ class RunManifest:
 
     @classmethod
     def for_receipts(cls, receipts: Iterable[Receipt], *, run_id: str, node_keyid: str, deployment_hash: str,
-                     tuple_hash: str, time_unix_ns: int) -> RunManifest:
-        """The manifest of `receipts`, each of which must name this node, deployment and tuple."""
+                     tuple_hash: str, time_unix_ns: int, kind: str = "final") -> RunManifest:
+        """The manifest of `receipts`, each of which must name this run, node, deployment and tuple; it covers
+        their sequence numbers' range."""
         receipts = list(receipts)
+        if not receipts:
+            raise InvalidManifest("a run manifest covers one receipt at least")
         for r in receipts:
-            if (r.node_keyid, r.deployment_hash, r.tuple_hash) != (node_keyid, deployment_hash, tuple_hash):
+            if (r.node_keyid, r.deployment_hash, r.tuple_hash, r.run.run_id) != \
+                    (node_keyid, deployment_hash, tuple_hash, run_id):
                 raise InvalidManifest(f"receipt {r.digest} (request {r.request.request_id!r}) is from "
-                                      "another node, deployment or tuple than the run",
+                                      "another run, node, deployment or tuple than the manifest",
                                       remedy="make one manifest per run")
         digests = sorted({r.digest for r in receipts})
         if len(digests) != len(receipts):
             raise InvalidManifest("the same receipt is listed twice", remedy="pass each receipt once")
+        seqs = [r.run.seq for r in receipts]
         return cls(run_id, tuple(digests), node_keyid, deployment_hash, tuple_hash,
                    sum(len(r.request.prompt_token_ids) for r in receipts),
-                   sum(len(r.output.token_ids) for r in receipts), time_unix_ns)
+                   sum(len(r.output.token_ids) for r in receipts), time_unix_ns, kind, min(seqs), max(seqs))
 
     @property
     def receipt_count(self) -> int:
@@ -117,12 +146,12 @@ class RunManifest:
     def to_bytes(self) -> bytes:
         """The canonical payload bytes (what the envelope signs)."""
         return enc.pack({
-            "deployment_hash": self.deployment_hash, "merkle_root": self.merkle_root,
+            "deployment_hash": self.deployment_hash, "kind": self.kind, "merkle_root": self.merkle_root,
             "node_keyid": self.node_keyid,
             "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
             "receipt_count": self.receipt_count, "receipt_digests": list(self.receipt_digests),
-            "run_id": self.run_id, "time_unix_ns": self.time_unix_ns, "tuple_hash": self.tuple_hash,
-            "version": SCHEMA_VERSION,
+            "run_id": self.run_id, "seq_first": self.seq_first, "seq_last": self.seq_last,
+            "time_unix_ns": self.time_unix_ns, "tuple_hash": self.tuple_hash, "version": SCHEMA_VERSION,
         }, error=InvalidManifest)
 
     @classmethod
@@ -135,7 +164,8 @@ class RunManifest:
                                   f"detent-audit reads version {SCHEMA_VERSION})",
                                   remedy="use the detent-audit release the node ran")
         manifest = cls(w["run_id"], w["receipt_digests"], w["node_keyid"], w["deployment_hash"],
-                       w["tuple_hash"], w["prompt_tokens"], w["output_tokens"], w["time_unix_ns"])
+                       w["tuple_hash"], w["prompt_tokens"], w["output_tokens"], w["time_unix_ns"], w["kind"],
+                       w["seq_first"], w["seq_last"])
         if w["receipt_count"] != manifest.receipt_count:
             raise InvalidManifest(f"receipt_count: {w['receipt_count']!r}, but there are "
                                   f"{manifest.receipt_count} digests")
@@ -150,7 +180,8 @@ class RunManifest:
         """A JSON view for people (not signed, not parsed back)."""
         return json.dumps({
             "format": f"detent-audit run manifest v{SCHEMA_VERSION}, JSON view (the signed form is msgpack)",
-            "run_id": self.run_id, "node_keyid": self.node_keyid,
+            "run_id": self.run_id, "kind": self.kind, "seq_first": self.seq_first, "seq_last": self.seq_last,
+            "node_keyid": self.node_keyid,
             "deployment_hash_sha256": self.deployment_hash,
             "tuple_hash_sha256": self.tuple_hash,
             "time": {"unix_ns": self.time_unix_ns, "utc_rfc3339": enc.rfc3339_utc(self.time_unix_ns)},
@@ -198,12 +229,16 @@ def check_run(manifest: RunManifest, receipts: Iterable[Receipt]) -> None:
     difference the error lists the `missing` and `extra` digests.
     """
     receipts = list(receipts)
-    # (1): every receipt is of this run's node, deployment and tuple
+    # (1): every receipt is of this run, node, deployment and tuple, within the manifest's range
     for r in receipts:
         for name in ("node_keyid", "deployment_hash", "tuple_hash"):
             if getattr(r, name) != getattr(manifest, name):
                 raise ManifestMismatch(f"receipt {r.digest} (request {r.request.request_id!r}): {name} is "
                                        f"{getattr(r, name)}, the run manifest's is {getattr(manifest, name)}")
+        if r.run.run_id != manifest.run_id or not manifest.seq_first <= r.run.seq <= manifest.seq_last:
+            raise ManifestMismatch(f"receipt {r.digest} (request {r.request.request_id!r}) is receipt "
+                                   f"{r.run.seq} of run {r.run.run_id!r}, outside this manifest's "
+                                   f"{manifest.seq_first}-{manifest.seq_last} of run {manifest.run_id!r}")
     # (2): the root of the receipts present
     present = sorted(r.digest for r in receipts)
     if len(set(present)) != len(present):

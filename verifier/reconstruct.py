@@ -2,12 +2,13 @@
 bit-relevant fact differs.
 
 The engine settings come from the receipt's facts (dtype, thread count, page size, limits, mode) and its tuple;
-only the checkpoint is local: `--model`, else the named model the receipt names (`named_models.NAMES` only: a
-receipt never chooses a path), else the default model. The local engine's facts are then compared with the receipt's,
-field by field: any difference (weights, kernel sources, torch version, CPU capability, ...) makes the
-receipt not comparable here, and every differing field is named; where the checkpoint differs, the verdict
-says which `--model` the receipt was served from. The checkpoint's name and source are descriptive (the same
-weights may sit in any folder): they are not compared, the hashes are.
+the checkpoint is always the verifier's own (`--model`, or the embedded default model): never one a receipt
+names, so no receipt sizes the verifier. Before anything is built, the facts known without building (engine
+sources, checkpoint file hashes, runtime) are compared; after, the local engine's facts are compared with the
+receipt's, field by field: any difference (weights, kernel sources, torch version, CPU capability, ...) makes
+the receipt not comparable here, and every differing field is named; where the checkpoint differs, the
+verdict says which `--model` the receipt was served from. The checkpoint's name and source are descriptive
+(the same weights may sit in any folder): they are not compared, the hashes are.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from detent_audit.engine.facts import static_facts
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.named_models import NAMES
 from detent_audit.engine_api import EMBEDDED, Engine, UnknownEngine, engine_for_facts
@@ -60,16 +62,14 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
     if tuple_override is not None and mode != "detent":
         raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
-    checkpoint = _get(facts, "checkpoint")
-    generated = checkpoint.get("generated")  # weights drawn on the device: no checkpoint needed
-    named = checkpoint.get("name") if checkpoint.get("name") in NAMES else None
+    _get(facts, "checkpoint")
     return EngineConfig(
-        model=str(model) if model else generated or named, mode=mode, dtype=runtime["dtype"],
+        model=str(model) if model else None, mode=mode, dtype=runtime["dtype"],
         device="cpu" if device == "cpu" else "cuda",
         num_threads=threads or served_threads,
         block_size=sched["block_size"], max_model_len=dep["max_model_len"], max_num_seqs=dep["max_num_seqs"],
         max_num_batched_tokens=sched["max_num_batched_tokens"],
-        max_prefill_chunk=sched["max_prefill_chunk"] or None, prefix_caching=sched["prefix_caching"],
+        prefix_caching=sched["prefix_caching"],
         tuple=families if mode == "detent" else None, cache_dir=cache_dir,
         kv_pool_tokens=kv_tokens,
         attention_streaming=dep.get("attention_backend") == "detent-streaming")
@@ -101,13 +101,11 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
     except UnknownEngine as exc:
         raise NotComparable(["engine.name"], exc.message) from None
     if name == "sglang":
-        from detent_audit.integrations.sglang.reconstruct import reconstruct_sglang
+        from detent_audit.verifier.reconstruct_sglang import reconstruct_sglang
 
         return reconstruct_sglang(facts, tuple_values, model, threads, tuple_override)
     if name != EMBEDDED:
-        from detent_audit.integrations.vllm.reconstruct import reconstruct_vllm
-
-        return reconstruct_vllm(facts, tuple_values, model, threads, tuple_override, kv_tokens=kv_tokens)
+        return _reconstruct_vllm(facts, tuple_values, model, threads, tuple_override, kv_tokens=kv_tokens)
     config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override, kv_tokens=kv_tokens)
     if config.mode == "stock":
         raise NotComparable(["tuple.mode.name"], "stock mode is not batch-invariant: its bits depend on the batch "
@@ -118,6 +116,12 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
         if not torch.cuda.is_available():
             raise NotComparable(["runtime.device"], f"the receipt was served on {facts['runtime']['device']!r}; "
                                                     "this machine has no CUDA device")
+    # (3a): what is known before building (the checkpoint is the verifier's: its files are hashed, not loaded)
+    expected = {k: dict(facts[k]) if isinstance(facts.get(k), Mapping) else facts.get(k)
+                for k in ("engine", "checkpoint", "runtime")}
+    if isinstance(expected["checkpoint"], dict):
+        expected["checkpoint"].pop("eos_token_ids", None)
+    check_comparable(expected, static_facts(config))
     try:
         llm = LLM(config)  # (4): select_kernels refuses a tuple that is not legal for the solved pins
     except BadInput as exc:
@@ -126,13 +130,19 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
             raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
         raise
     local = llm.facts()
-    fields = [f for f in differing_fields(dict(facts), local) if f not in DESCRIPTIVE_FIELDS]
+    check_comparable(dict(facts), local)
+    return llm
+
+
+def check_comparable(facts: Mapping[str, Any], local: Mapping[str, Any]) -> None:
+    """`NotComparable` naming every differing field but the descriptive ones; where the checkpoint differs,
+    the message says which `--model` the receipt was served from."""
+    fields = [f for f in differing_fields(facts, local) if f not in DESCRIPTIVE_FIELDS]
     if fields:
         message = f"deployment differs in {len(fields)} field(s): {', '.join(fields)}"
         if any(f.startswith("checkpoint.") for f in fields):
             message += "; " + served_from(facts, local)
         raise NotComparable(fields, message)
-    return llm
 
 
 DESCRIPTIVE_FIELDS = ("checkpoint.name", "checkpoint.source")
@@ -151,3 +161,65 @@ def served_from(facts: Mapping[str, Any], local: Mapping[str, Any]) -> str:
         return f"the receipt was served from model {name} ({source}) {here}: pass --model {name}"
     return (f"the receipt was served from the checkpoint {name!r} ({source}) {here}: pass --model with a copy of "
             "that checkpoint folder")
+
+
+def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
+                     threads: int | None = None, tuple_override: Mapping[str, Any] | None = None, *,
+                     kv_tokens: int = 0) -> Any:
+    """(3)-(4) for a vLLM receipt: the vLLM engine its facts describe (settings from the facts, the checkpoint
+    local), compared field by field; a different vLLM version or thread count is refused before an engine is
+    built (a build takes most of a minute), stock receipts are not comparable (vLLM's kernels read the batch)."""
+    mode = _get(tuple_values, "mode", "name")
+    if mode == "stock":
+        raise NotComparable(["tuple.mode.name"], "stock vLLM is not batch-invariant: its bits depend on the batch "
+                                                 "the request was served in, which no verifier can rebuild")
+    if tuple_override is not None and mode != "detent":
+        raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
+    if model is None:
+        model = _get(facts, "checkpoint").get("name")  # a named model (the wheel's) is found by its name
+    if not model:
+        raise BadInput("a vLLM receipt is re-executed on a local checkpoint", remedy="pass --model PATH")
+    import vllm
+
+    served = _get(facts, "engine", "version")
+    if served != vllm.__version__:
+        raise NotComparable(["engine.version"], f"the receipt was served by vLLM {served}; this verifier has "
+                                                f"vLLM {vllm.__version__}")
+    served_threads = _get(facts, "runtime", "num_threads")
+    if isinstance(served_threads, bool) or not isinstance(served_threads, int) or not 1 <= served_threads <= 4096:
+        raise BadInput(f"the receipt's runtime.num_threads is {served_threads!r}, not a thread count")
+    if threads is not None and threads != served_threads:
+        raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
+                                                     f"--threads {threads} changes the bits")
+    from detent_audit.engine.facts import checkpoint_hashes
+    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+
+    # (3a): the checkpoint's files are hashed, not loaded, before vLLM is built
+    local_model = VllmConfig(model=str(model)).resolved_model
+    expected = {k: v for k, v in dict(_get(facts, "checkpoint")).items() if k in ("config", "tokenizer", "weights")}
+    fields = [f"checkpoint.{f}" for f in differing_fields(expected, checkpoint_hashes(local_model.path))]
+    if fields:
+        raise NotComparable(fields, f"deployment differs in {len(fields)} field(s): {', '.join(fields)}; "
+                                    + served_from(facts, {"checkpoint": {"name": local_model.name}}))
+
+    dep, sched = _get(facts, "deployment", "engine"), _get(facts, "scheduler")
+    # signed facts size the engine built before they are compared: bounded, so no receipt sizes our memory
+    for what, value, top in (("scheduler.max_num_batched_tokens", sched.get("max_num_batched_tokens"), 1 << 16),
+                             ("scheduler.max_num_seqs", sched.get("max_num_seqs"), 1024),
+                             ("scheduler.block_size", sched.get("block_size"), 1024),
+                             ("deployment.engine.max_model_len", dep.get("max_model_len"), 1 << 20)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise BadInput(f"the receipt's {what} is {value!r}, not in 1..{top}")
+    families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
+    config = VllmConfig(model=str(model), mode=mode, num_threads=served_threads,
+                        dtype=_get(facts, "runtime", "dtype"), block_size=sched["block_size"],
+                        max_model_len=dep["max_model_len"], max_num_seqs=sched["max_num_seqs"],
+                        max_num_batched_tokens=sched["max_num_batched_tokens"],
+                        prefix_caching=sched["prefix_caching"], tuple=families if mode == "detent" else None,
+                        gemm=(_get(facts, "engine", "plugin").get("gemm") or "onednn") if mode == "detent"
+                        else "onednn")
+    engine = VllmEngine(config)
+    fields = [f for f in differing_fields(dict(facts), engine.facts()) if f not in DESCRIPTIVE_FIELDS]
+    if fields:
+        raise NotComparable(fields)
+    return engine

@@ -5,7 +5,7 @@
 weights as one safetensors file or as shards with model.safetensors.index.json. The same (shape, seed,
 dtype, shards) writes byte-identical files: each tensor draws from its own generator seeded by
 SHA-256(seed, tensor name), through numpy's frozen legacy stream, and every JSON file sorts its keys.
-`ensure_default_model` materialises the engine's embedded default model once per cache directory.
+`ensure_default_model` materialises the random-20m model (named_models.RANDOM_MODEL) once per cache directory.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def default_cache_dir() -> Path:
 
 
 def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
-    """Path of the embedded default model ("default-20m", fixed seed), writing it on first use.
+    """Path of the random-20m model (shape "default-20m", fixed seed), writing it on first use.
 
     Written into a temporary sibling directory and renamed into place, so a reader never sees a partial
     model; when two processes race, the loser's copy is discarded and both return the same path.

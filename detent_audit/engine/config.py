@@ -2,7 +2,7 @@
 
 A `ModelConfig` that exists is valid: `__post_init__` checks every field, and `from_hf_dict` turns a missing
 key into `BadCheckpoint` and an architecture or feature the engine does not run into `UnsupportedModel`,
-each naming the key. `NAMED_SHAPES` holds the tiny test shapes, the embedded default model and the real
+each naming the key. `NAMED_SHAPES` holds the tiny test shapes, the random-20m model and the real
 shapes of the shipped deployments (each model's config.json on the Hugging Face Hub).
 """
 
@@ -260,7 +260,7 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
     "tiny-qwen3-moe": _shape("Qwen3MoeForCausalLM", **{**_TINY, "num_hidden_layers": 3}, **_CHATML_TOKENS,
                              rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                              norm_topk_prob=True, mlp_only_layers=(0,)),
-    # the engine's embedded default model (checkpoint.ensure_default_model): ~19.4M parameters, Llama-shaped
+    # the random-20m model (checkpoint.ensure_default_model): ~19.4M parameters, Llama-shaped
     "default-20m": _shape("LlamaForCausalLM", hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
                           num_key_value_heads=4, intermediate_size=1536, vocab_size=512,
                           max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,

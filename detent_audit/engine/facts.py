@@ -4,7 +4,12 @@ Collected automatically: engine version and mode, source hashes of the kernels a
 deployment the selection was solved for (model shape, limits, page size, chunking), checkpoint hashes
 (config, weights, tokenizer), the model's name and source (what `--model` to pass: descriptive, the hashes are
 its identity) and its EOS ids, dtype, device and its properties, torch version, the CPU thread count (fixed
-at start: it changes BLAS bits) and the committed tuple. Weight hashes are cached by (path, size, mtime).
+at start: it changes BLAS bits) and the committed tuple. Weight hashes are cached by (path, device, inode,
+size, mtime, ctime): a write with the mtime set back still changes the ctime (which no user call can set), and
+a file replaced by another has another inode. Settings that change no bit (the prefill chunk, which batch
+invariance makes irrelevant) are not facts: a receipt signs only what a verifier's bits can confirm or what
+shapes selection. `static_facts` are those known before the model is built (the verifier compares them
+first, so no receipt makes it build anything).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def source_hash(package: str) -> str:
 
 def file_hash(path: Path, cache: dict | None = None) -> str:
     st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    key = f"{path.resolve()}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
     if cache is not None and key in cache:
         return cache[key]
     h = hashlib.sha256()
@@ -108,24 +113,33 @@ def _device(device: str) -> str:
            f"triton {triton.__version__}"
 
 
-def collect_facts(llm: LLM) -> dict[str, Any]:
-    """The engine's bit-relevant facts (plain JSON types, no floats)."""
-    cfg = llm.config
+def static_facts(cfg: Any) -> dict[str, Any]:
+    """The facts of an `EngineConfig` known before its model is built: engine, checkpoint files (hashed, not
+    loaded) with the model's name and source, runtime. `collect_facts` extends them."""
     named = cfg.resolved_model
     return {
         "engine": {"name": "detent-audit", "version": __version__, "mode": cfg.mode,
                    "sources": {k: source_hash(v) for k, v in sorted(_ROOTS.items())}},
-        "deployment": llm.deployment.to_canonical(),
         "checkpoint": {**({"generated": cfg.model, "config": file_hash(cfg.model_path / "config.json")}
                           if is_generated(cfg.model) else checkpoint_hashes(cfg.model_path)),
-                       "name": named.name, "source": named.source,
-                       # the stop set a finish is checked against: from tokenizer_config.json, generation_config.json
-                       # and config.json, files the hashes above do not all cover
-                       "eos_token_ids": list(llm.tokenizer.eos_token_ids)},
+                       "name": named.name, "source": named.source},
         "runtime": {"torch": str(torch.__version__), "device": _device(cfg.device),
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "num_threads": cfg.num_threads, "dtype": cfg.dtype},
+    }
+
+
+def collect_facts(llm: LLM) -> dict[str, Any]:
+    """The engine's bit-relevant facts (plain JSON types, no floats)."""
+    cfg = llm.config
+    facts = static_facts(cfg)
+    # the stop set a finish is checked against: from tokenizer_config.json, generation_config.json and
+    # config.json, files the hashes above do not all cover
+    facts["checkpoint"]["eos_token_ids"] = list(llm.tokenizer.eos_token_ids)
+    return {
+        **facts,
+        "deployment": llm.deployment.to_canonical(),
         "scheduler": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                      "max_prefill_chunk": cfg.max_prefill_chunk or 0, "prefix_caching": cfg.prefix_caching},
+                      "prefix_caching": cfg.prefix_caching},
         "tuple": llm.selection.tuple,
     }

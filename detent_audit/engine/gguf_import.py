@@ -256,6 +256,16 @@ def write_checkpoint(reader: Any, folder: Path, dtype: str, sha256: str,
     return len(tensors), tuple(sorted(qtypes))
 
 
+def check_import(file: str | Path, out: str | Path, dtype: str) -> Any:
+    """The checks of `import_gguf` before anything is written: the reader of `file`, or `BadInput`."""
+    out = Path(out)
+    if dtype not in DTYPES:
+        raise BadInput(f"cannot import as {dtype}", remedy=f"use one of {', '.join(DTYPES)}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadInput(f"{out} exists and is not an empty folder", remedy="choose a new --out folder")
+    return open_gguf(file)
+
+
 def import_gguf(file: str | Path, out: str | Path, dtype: str = "float32",
                 progress: Callable[[int, int], None] | None = None) -> GGUFImport:
     """Import the GGUF `file` into the new folder `out` (refused if it exists and is not empty).
@@ -264,11 +274,7 @@ def import_gguf(file: str | Path, out: str | Path, dtype: str = "float32",
     `UnsupportedModel` for an architecture, tensor, quantization or tokenizer the importer does not read.
     """
     file, out = Path(file), Path(out)
-    if dtype not in DTYPES:
-        raise BadInput(f"cannot import as {dtype}", remedy=f"use one of {', '.join(DTYPES)}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise BadInput(f"{out} exists and is not an empty folder", remedy="choose a new --out folder")
-    reader = open_gguf(file)
+    reader = check_import(file, out, dtype)
     sha256 = sha256_file(file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

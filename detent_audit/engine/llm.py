@@ -25,6 +25,7 @@ from detent_audit.engine.runner import ModelRunner, ScoreSpec
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
 from detent_audit.engine.sequence import Sequence
+from detent_audit.engine.stop_strings import output_text
 from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.errors import BadInput
@@ -90,6 +91,9 @@ class RequestOutput:
     finish_reason: str | None
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # echo: the fp32 logprob of every prompt token after the first, and their top-n (None: not asked)
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class LLM:
@@ -118,15 +122,14 @@ class LLM:
             batch_invariant=config.mode != "stock")
         self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir,
                                                    device=config.device)
-        # a verifier sizes the pool for its longest receipt: never past what this model's own context holds;
-        # an explicit max_model_len gets a pool that holds one request that long
-        pool_tokens = min(max(config.kv_pool_tokens, config.max_model_len or 0), max_len)
-        num_kv_blocks = max(config.num_kv_blocks, -(-pool_tokens // config.block_size) + 2)
+        # a verifier sizes the pool for its longest receipt: never past what this model's own context holds
+        num_kv_blocks = max(config.num_kv_blocks, -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2)
         usable_blocks = num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=usable_blocks, block_size=config.block_size, max_model_len=max_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_prefill_chunk=config.max_prefill_chunk, eos_token_ids=tuple(self.tokenizer.eos_token_ids)))
+            max_prefill_chunk=config.max_prefill_chunk, eos_token_ids=tuple(self.tokenizer.eos_token_ids)),
+            decode=self.tokenizer.decode)
         if not config.prefix_caching:
             self.scheduler.block_manager.prefix_caching = False
         self._scheduler_config = self.scheduler.config
@@ -145,14 +148,12 @@ class LLM:
 
     @staticmethod
     def _max_model_len(config: EngineConfig, positions: int) -> int:
-        """The context: `config.max_model_len` if given (at most the model's positions), else the model's
-        positions bounded by what the configured KV pool holds."""
+        """The context: `config.max_model_len` if given, else the model's positions bounded by what the
+        configured KV pool holds; never past the model's positions (the facts then record the cap, so a
+        receipt that claims more is not comparable, and `serve` refuses such an option before)."""
         if config.max_model_len is None:
-            return max(2, min(positions, (config.num_kv_blocks - 2) * config.block_size))
-        if config.max_model_len > positions:
-            raise BadInput(f"max_model_len {config.max_model_len} exceeds the model's {positions} positions",
-                           remedy=f"pass --max-model-len {positions} or less")
-        return config.max_model_len
+            return max(2, min(positions, config.num_kv_blocks * config.block_size))
+        return min(config.max_model_len, positions)
 
     def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
         """Forget every request and the prefix cache (the KV memory is kept: stale slots are never read).
@@ -167,7 +168,7 @@ class LLM:
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_prefill_chunk=max_prefill_chunk, eos_token_ids=cfg.eos_token_ids)
         prefix = self.scheduler.block_manager.prefix_caching
-        self.scheduler = Scheduler(cfg)
+        self.scheduler = Scheduler(cfg, decode=self.tokenizer.decode)
         self.scheduler.block_manager.prefix_caching = prefix
         self._score_from.clear()
         self._scores.clear()
@@ -203,9 +204,14 @@ class LLM:
     # ---- requests
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
                     *, score_from: int | None = None, score_params: SamplingParams | None = None,
-                    score_targets: SequenceOf[int] = ()) -> Sequence:
+                    score_targets: SequenceOf[int] = (), score_prompt: bool = False) -> Sequence:
+        """Queue one request. `score_prompt` (echo): also the logprob of every prompt token after the first
+        (and `params.logprobs` alternatives), from the same prefill that samples the output; they reach
+        `output_of`. `score_from`/`score_targets` are `rescore_batch`'s teacher forcing."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if score_from is not None and len(score_targets) != len(ids) - score_from + 1:
+        if score_prompt:
+            score_from, score_targets = 1, ids[1:]
+        elif score_from is not None and len(score_targets) != len(ids) - score_from + 1:
             raise ValueError(f"{len(score_targets)} score targets for a sequence of {len(ids)} tokens scored from "
                              f"{score_from}: the sequence must hold every target but the last")
         seq = Sequence(next(self._ids), ids, params, request_id=request_id)
@@ -214,7 +220,7 @@ class LLM:
         self.scheduler.add(seq)
         if score_from is not None:
             self._score_from[seq.seq_id] = ScoreSpec(score_from, score_params or params, tuple(score_targets))
-            self._scores[seq.seq_id] = Rescored([], [])
+            self._scores[seq.seq_id] = Rescored([], [], [])
         self._tops[seq.seq_id] = []
         return seq
 
@@ -235,10 +241,14 @@ class LLM:
         results = self.runner.execute(out, slots, self._score_from)
         tokens = {sid: r.token for sid, r in results.items()}
         logprobs = {sid: r.logprob for sid, r in results.items() if r.token is not None}
+        starts = {e.seq.seq_id: e.start_pos for e in out.scheduled}
         for sid, r in results.items():
             if sid in self._scores:
-                self._scores[sid].logprobs.extend(r.scored)
-                self._scores[sid].tokens.extend(r.scored_samples)
+                # a recompute after preemption scores its rows again: keep each position's score once
+                keep = max(0, starts[sid] - (self._score_from[sid].first - 1))
+                for scores, new in zip(self._scores[sid], (r.scored, r.scored_samples, r.scored_tops)):
+                    del scores[keep:]
+                    scores.extend(new)
             if r.top is not None:
                 self._tops[sid].append(r.top)
         return self.scheduler.update(out, tokens, logprobs)
@@ -278,7 +288,8 @@ class LLM:
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
                       params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
         """Rescore many (prompt, output) pairs together (batch invariance makes batching legal): each output
-        token's logprob, and the token the request's sampling (`params`, default greedy) draws there."""
+        token's logprob, the token the request's sampling (`params`, default greedy) draws there, and (with its
+        `logprobs` = n) the top-n alternatives there."""
         seqs = []
         for i, (prompt, output) in enumerate(pairs):
             if not output:
@@ -301,9 +312,17 @@ class LLM:
         return out
 
     def output_of(self, seq: Sequence) -> RequestOutput:
-        """The user-facing result of a finished sequence (its top logprobs are handed over once)."""
-        out = RequestOutput(seq.request_id, list(seq.prompt_token_ids), seq.output_token_ids,
-                            self.tokenizer.decode(seq.output_token_ids), list(seq.output_logprobs),
-                            seq.finish_reason,
+        """The user-facing result of a finished sequence (its top logprobs and prompt scores are handed over
+        once). The text is cut before a stop string that ended it (stop_strings.py)."""
+        text, _ = output_text(self.tokenizer.decode, seq.output_token_ids, seq.sampling_params.stop)
+        out = RequestOutput(seq.request_id, list(seq.prompt_token_ids), seq.output_token_ids, text,
+                            list(seq.output_logprobs), seq.finish_reason,
                             self._tops.pop(seq.seq_id, []), seq.num_cached_tokens)
+        scores = self._scores.pop(seq.seq_id, None)
+        if scores is not None:  # echo: the prompt's scores
+            self._score_from.pop(seq.seq_id, None)
+            self.scheduler.block_manager.hit_limit.pop(seq.seq_id, None)
+            if len(scores.logprobs) != seq.num_prompt_tokens - 1:
+                raise RuntimeError(f"{len(scores.logprobs)} prompt logprobs for a prompt of {seq.num_prompt_tokens}")
+            out.prompt_logprobs, out.prompt_top_logprobs = scores.logprobs, scores.tops
         return out

@@ -23,7 +23,9 @@ from detent_audit.kernels import sampling as sampling_ops
 class ScoreSpec:
     """A rescoring sequence: score `targets`, the tokens at positions `first`, `first + 1`, ...; they were
     drawn with `params`. The sequence holds the prompt and every target but the last (the last one's logits
-    are those of the position before it), so a response that filled the context is rescored within it."""
+    are those of the position before it), so a response that filled the context is rescored within it; or,
+    for a served prompt's logprobs (echo), the prompt, every token of it from `first` on a target, and samples
+    after it."""
 
     first: int
     params: SamplingParams
@@ -54,6 +56,7 @@ class SeqResult:
     top: list[tuple[int, float]] | None = None   # top-n (token, logprob), most likely first
     scored: list[float] = field(default_factory=list)  # teacher-forced logprobs of known next tokens
     scored_samples: list[int] = field(default_factory=list)  # what sampling would have drawn at those rows
+    scored_tops: list[list[tuple[int, float]]] = field(default_factory=list)  # top-n at those rows (score_params)
 
 
 class ModelRunner:
@@ -119,7 +122,7 @@ class ModelRunner:
             sid = e.seq.seq_id
             if sid in score_from:
                 spec = score_from[sid]
-                for p in range(max(e.start_pos, spec.first - 1), e.end_pos):
+                for p in range(max(e.start_pos, spec.first - 1), min(e.end_pos, spec.first - 1 + len(spec.targets))):
                     rows.append(cu[i] + p - e.start_pos)
                     teacher.append(spec.targets[p + 1 - spec.first])
                     owners.append((sid, "score"))
@@ -142,6 +145,13 @@ class ModelRunner:
             for j, lp, tok in zip(score_idx, scored.tolist(), draws.tolist()):
                 results[owners[j][0]].scored.append(lp)
                 results[owners[j][0]].scored_samples.append(tok)
+            n_top = max((s.params.logprobs or 0) for s in specs)
+            if n_top:  # the alternatives a response returned at each position, recomputed from the same logits
+                top = sampling_ops.top_logprobs(sub, n_top)
+                for row, (j, spec) in enumerate(zip(score_idx, specs)):
+                    n = spec.params.logprobs or 0
+                    results[owners[j][0]].scored_tops.append(
+                        list(zip(top.ids[row, :n].tolist(), top.logprobs[row, :n].tolist())))
         if sample_idx:
             self._sample(entries, owners, sample_idx, logits, results)
         return results

@@ -14,6 +14,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 
+from detent_audit.engine.stop_strings import check_stop_strings
 from detent_audit.errors import BadInput
 
 MAX_LOGPROBS = 20  # top-n alternatives per output token
@@ -68,6 +69,8 @@ class SamplingParams:
         even with `ignore_eos`, which only disables the model's end-of-sequence tokens.
     logprobs: also return the top-n alternatives per output token (0..20), None = only the sampled token's
         logprob (which is always recorded).
+    stop: stop strings: the first output token whose detokenized text contains one finishes the sequence with
+        reason 'stop' (kept in the output; the returned text is cut before the string: stop_strings.py).
     """
 
     temperature: float = 1.0
@@ -78,6 +81,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -127,6 +131,7 @@ class SamplingParams:
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
                 remedy=f"ask for at most {MAX_LOGPROBS} alternatives per token",
             )
+        object.__setattr__(self, "stop", check_stop_strings(self.stop))
 
     @property
     def is_greedy(self) -> bool:

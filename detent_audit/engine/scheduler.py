@@ -19,13 +19,15 @@ is never preempted for a younger one and always fits alone (checked at `add`), s
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from functools import cached_property
 
 from detent_audit.engine.block_manager import BlockManager
 from detent_audit.engine.sampling_params import check_token_id, is_int
 from detent_audit.engine.sequence import FinishReason, Sequence, SequenceStatus
+from detent_audit.engine.stop_strings import find_stop
 from detent_audit.errors import BadInput
 
 
@@ -100,8 +102,9 @@ class Scheduler:
     """Owns the waiting queue, the running set and the block manager. Call `schedule()`, run the model on its
     output, then `update()` with the sampled tokens, strictly alternating; `add()` may come at any time."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, decode: Callable[[SequenceOf[int]], str] | None = None) -> None:
         self.config = config
+        self.decode = decode  # output ids -> text, for stop strings (a request with stop strings needs it)
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -275,6 +278,11 @@ class Scheduler:
         params, token = seq.sampling_params, seq.last_token_id
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids):
             return "stop"
+        if params.stop:  # checked after every token, so the first token whose text holds one stops it
+            if self.decode is None:
+                raise RuntimeError("a request with stop strings needs a scheduler with a decode function")
+            if find_stop(self.decode(seq.output_token_ids), params.stop) is not None:
+                return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
         return None

@@ -5,7 +5,7 @@ current transformers writes it; it wins, as in transformers), else tokenizer_con
 string, or a list of named templates of which "default" is used).
 
 The two chat templates this project ships (`CHAT_FORMATS`) render through plain-Python twins that give the
-same text (the tests compare them with jinja2), so the embedded default model needs no jinja2. Any other
+same text (the tests compare them with jinja2), so the random-20m model needs no jinja2. Any other
 template renders with jinja2 the way transformers does (sandboxed, `trim_blocks`, `lstrip_blocks`); without
 jinja2 installed that is `BadInput` with the remedy.
 """

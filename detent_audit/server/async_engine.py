@@ -83,8 +83,9 @@ class RequestHandle:
     order), await `result()` (the final output). Created by `AsyncEngine.submit` only."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 loop: asyncio.AbstractEventLoop | None) -> None:
+                 loop: asyncio.AbstractEventLoop | None, score_prompt: bool = False) -> None:
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.score_prompt = score_prompt  # echo: the prompt's logprobs (and top-n) come with the output
         self.admitted_future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.future: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
         self.cancelled = False
@@ -178,14 +179,16 @@ class AsyncEngine:
             return {"outstanding": self._outstanding, "max_queued": self.max_queued, "closed": self._closed,
                     "error": None if self.error is None else repr(self.error)}
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> RequestHandle:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, *,
+               score_prompt: bool = False) -> RequestHandle:
         """Queue one request; raises `QueueFull` or `EngineClosed` at once. Call from the event loop that
-        will consume the handle's stream (or from plain code, then only `future` is usable)."""
+        will consume the handle's stream (or from plain code, then only `future` is usable). `score_prompt`:
+        the output carries the prompt's logprobs (and `params.logprobs` alternatives each)."""
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        handle = RequestHandle(request_id, list(prompt_ids), params, loop)
+        handle = RequestHandle(request_id, list(prompt_ids), params, loop, score_prompt)
         with self._cv:
             if self._closed or self.error is not None:
                 raise EngineClosed("the engine is shutting down" if self.error is None else
@@ -243,7 +246,8 @@ class AsyncEngine:
             self._end(handle, None)
             return
         try:
-            seq = self.llm.add_request(handle.prompt_ids, handle.params, request_id=handle.request_id)
+            seq = self.llm.add_request(handle.prompt_ids, handle.params, request_id=handle.request_id,
+                                       score_prompt=handle.score_prompt)
         except Exception as exc:  # BadInput: the scheduler refused it (too long for the KV cache)
             self._end(handle, exc)
             return

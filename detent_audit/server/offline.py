@@ -1,7 +1,8 @@
 """`detent-audit serve --input prompts.jsonl`: serve a file of requests, sign a receipt for each.
 
 Input lines: `{"id"?, "prompt": str | "prompt_token_ids": [int] | "messages": [{role, content}], "max_tokens"?,
-"temperature"?, "top_p"?, "top_k"?, "seed"?, "logprobs"?, "stop_token_ids"?, "ignore_eos"?}`. Output lines (one
+"temperature"?, "top_p"?, "top_k"?, "seed"?, "logprobs"?, "stop_token_ids"?, "stop"? (strings, as the HTTP
+server takes them), "ignore_eos"?}`. Output lines (one
 per request, in input order, written after its receipt is on disk): `{"id", "text", "token_ids", "logprobs",
 "top_logprobs" (with "logprobs": n), "finish_reason", "seed", "receipt_id", "receipt"}` (a sampled line without
 a seed gets a fresh one, recorded in its receipt). A bad line, or an id that has
@@ -19,24 +20,28 @@ from typing import Any
 from detent_audit.engine.sampling_params import SamplingParams, seed_for
 from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
+from detent_audit.manifests.receipt import ClientRequest
 from detent_audit.server.node import RECEIPT_ID, ServingNode
 from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
 
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids", "ignore_eos")
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids", "ignore_eos", "stop")
 _PROMPT = ("prompt", "prompt_token_ids", "messages")
 
 
-def read_requests(llm: Engine, path: Path) -> list[tuple[str, list[int], SamplingParams]]:
-    """Parse and validate every line first: (id, prompt token ids, sampling parameters). The checks are the
-    HTTP server's (token ids in the vocabulary, the messages' schema, room for max_tokens in the context);
-    an id must name a file (`RECEIPT_ID`), since the receipt is stored under it."""
+API = "detent/v1/offline-jsonl"
+
+
+def read_requests(llm: Engine, path: Path) -> list[tuple[str, list[int], SamplingParams, ClientRequest]]:
+    """Parse and validate every line first: (id, prompt token ids, sampling parameters, the line as the
+    client binding). The checks are the HTTP server's (token ids in the vocabulary, the messages' schema, room
+    for max_tokens in the context); an id must name a file (`RECEIPT_ID`), since the receipt is stored under
+    it."""
     out = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise BadInput(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
     max_len = llm.max_model_len
-    limits = Limits("", max_len, llm.vocab_size)
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -45,46 +50,62 @@ def read_requests(llm: Engine, path: Path) -> list[tuple[str, list[int], Samplin
             obj = json.loads(line, object_pairs_hook=unique_keys)
         except (ValueError, RecursionError) as exc:
             raise BadInput(f"{where}: not JSON ({exc})") from None
-        if not isinstance(obj, dict):
-            raise BadInput(f"{where}: each line is a JSON object")
-        unknown = sorted(set(obj) - set(_SAMPLING) - set(_PROMPT) - {"id"})
-        given = [k for k in _PROMPT if k in obj]
-        if unknown or len(given) != 1:
-            raise BadInput(f"{where}: " + (f"unknown fields {unknown}" if unknown else
-                                           "give exactly one of prompt, prompt_token_ids, messages"))
-        rid = obj.get("id", f"req-{n}")
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)) or not RECEIPT_ID.fullmatch(str(rid)):
-            raise BadInput(f"{where}: id {rid!r} cannot name a receipt file",
-                           remedy="use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        rid, ids, params = parse_line(obj, f"req-{n}", llm.tokenizer, max_len, llm.vocab_size,
+                                      where)
         try:
-            if "prompt" in obj:
-                if not isinstance(obj["prompt"], str):
-                    raise BadInput("'prompt' must be a string (token ids go in 'prompt_token_ids')")
-                ids = llm.tokenizer.encode(check_text(obj["prompt"], "prompt"))
-            elif "messages" in obj:
-                ids = llm.tokenizer.encode_chat(parse_messages(obj["messages"]))
-            else:
-                ids = list(check_token_ids(obj["prompt_token_ids"], "prompt_token_ids", limits))
-            if not ids:
-                raise BadInput("the prompt is empty (it encodes to no tokens)")
-            kwargs: dict[str, Any] = {k: obj[k] for k in _SAMPLING if k in obj}
-            if "stop_token_ids" in kwargs:
-                kwargs["stop_token_ids"] = tuple(check_token_ids(kwargs["stop_token_ids"], "stop_token_ids", limits))
-            kwargs = {"temperature": 0.0, **kwargs}
-            kwargs["seed"] = seed_for(kwargs["temperature"], kwargs.get("seed"))
-            params = SamplingParams(**kwargs)
-        except (BadInput, TypeError) as exc:
-            raise BadInput(f"{where}: {getattr(exc, 'message', exc)}") from None
-        if len(ids) + params.max_tokens > max_len:
-            raise BadInput(f"{where}: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
-                           f"beyond the model's context of {max_len} tokens",
-                           remedy=f"lower max_tokens to at most {max_len - len(ids)}" if len(ids) < max_len
-                           else f"shorten the prompt to under {max_len} tokens")
-        out.append((str(rid), ids, params))
+            client = ClientRequest.of(API, obj)
+        except BadInput as exc:
+            raise BadInput(f"{where}: {exc.message}") from None
+        out.append((rid, ids, params, client))
     ids_seen = [r[0] for r in out]
     if len(set(ids_seen)) != len(ids_seen):
         raise BadInput(f"{path.name}: request ids repeat", remedy="give each line a unique id")
     return out
+
+
+def parse_line(obj: Any, default_id: str, tokenizer: Any, max_len: int, vocab_size: int, where: str
+               ) -> tuple[str, list[int], SamplingParams]:
+    """One input line's (id, prompt token ids, sampling parameters); raises `BadInput` naming `where`. A
+    verifier parses a receipt's bound line with this too."""
+    limits = Limits("", max_len, vocab_size)
+    if not isinstance(obj, dict):
+        raise BadInput(f"{where}: each line is a JSON object")
+    unknown = sorted(set(obj) - set(_SAMPLING) - set(_PROMPT) - {"id"})
+    given = [k for k in _PROMPT if k in obj]
+    if unknown or len(given) != 1:
+        raise BadInput(f"{where}: " + (f"unknown fields {unknown}" if unknown else
+                                       "give exactly one of prompt, prompt_token_ids, messages"))
+    rid = obj.get("id", default_id)
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or not RECEIPT_ID.fullmatch(str(rid)):
+        raise BadInput(f"{where}: id {rid!r} cannot name a receipt file",
+                       remedy="use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    try:
+        if "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise BadInput("'prompt' must be a string (token ids go in 'prompt_token_ids')")
+            ids = tokenizer.encode(check_text(obj["prompt"], "prompt"))
+        elif "messages" in obj:
+            ids = tokenizer.encode_chat(parse_messages(obj["messages"]))
+        else:
+            ids = list(check_token_ids(obj["prompt_token_ids"], "prompt_token_ids", limits))
+        if not ids:
+            raise BadInput("the prompt is empty (it encodes to no tokens)")
+        kwargs: dict[str, Any] = {k: obj[k] for k in _SAMPLING if k in obj}
+        if "stop_token_ids" in kwargs:
+            kwargs["stop_token_ids"] = tuple(check_token_ids(kwargs["stop_token_ids"], "stop_token_ids", limits))
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = [kwargs["stop"]]
+        kwargs = {"temperature": 0.0, **kwargs}
+        kwargs["seed"] = seed_for(kwargs["temperature"], kwargs.get("seed"))
+        params = SamplingParams(**kwargs)
+    except (BadInput, TypeError) as exc:
+        raise BadInput(f"{where}: {getattr(exc, 'message', exc)}") from None
+    if len(ids) + params.max_tokens > max_len:
+        raise BadInput(f"{where}: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
+                       f"beyond the model's context of {max_len} tokens",
+                       remedy=f"lower max_tokens to at most {max_len - len(ids)}" if len(ids) < max_len
+                       else f"shorten the prompt to under {max_len} tokens")
+    return str(rid), list(ids), params
 
 
 def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output_path: str | Path,
@@ -94,7 +115,7 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
     All requests are submitted at once, or, with `max_in_flight`, as a closed loop of that many clients (a new
     request joins when one finishes), as an online server under that concurrency would see them."""
     requests = read_requests(llm, Path(input_path))
-    taken = [rid for rid, _, _ in requests if node.receipt_path(rid).exists()]
+    taken = [rid for rid, _, _, _ in requests if node.receipt_path(rid).exists()]
     if taken:
         raise BadInput(f"{len(taken)} request id(s) already have a receipt in {node.out}: "
                        f"{', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}",
@@ -104,7 +125,7 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
     except OSError as exc:
         raise BadInput(f"{output_path}: cannot write ({exc.strerror})") from None
     limit = max_in_flight or len(requests)
-    seqs = [llm.add_request(ids, params, rid) for rid, ids, params in requests[:limit]]
+    seqs = [llm.add_request(ids, params, rid) for rid, ids, params, _ in requests[:limit]]
     finished: dict[int, Any] = {}
     next_to_write = 0
     with out:
@@ -112,17 +133,17 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
             for seq in llm.step() if llm.has_unfinished() else []:
                 finished[seq.seq_id] = seq
                 if len(seqs) < len(requests):
-                    rid, ids, params = requests[len(seqs)]
+                    rid, ids, params, _ = requests[len(seqs)]
                     seqs.append(llm.add_request(ids, params, rid))
             while next_to_write < len(seqs) and seqs[next_to_write].seq_id in finished:
-                rid, _, params = requests[next_to_write]
+                rid, _, params, client = requests[next_to_write]
                 output = llm.output_of(finished.pop(seqs[next_to_write].seq_id))
-                signed = node.sign(output, params, rid)  # durable before the answer is written
+                signed = node.sign(output, params, rid, client)  # durable before the answer is written
                 line = {"id": rid, "text": output.text, "token_ids": output.token_ids, "logprobs": output.logprobs}
                 if params.logprobs:  # the top-n alternatives at each position, as [token id, logprob] pairs
                     line["top_logprobs"] = [[list(pair) for pair in top] for top in output.top_logprobs]
                 line.update(finish_reason=output.finish_reason, seed=params.seed, receipt_id=signed.receipt_id,
-                            receipt=str(signed.path))
+                            receipt=str(signed.path), receipt_digest=signed.receipt.digest)
                 out.write(json.dumps(line) + "\n")
                 out.flush()
                 os.fsync(out.fileno())

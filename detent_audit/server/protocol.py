@@ -1,13 +1,17 @@
 """The OpenAI-compatible request schema: JSON bodies checked field by field into a `ParsedRequest`.
 
 Supported (both endpoints): model (must name the served model), max_tokens, temperature, top_p, seed (recorded
-in the receipt and returned as `seed`; a sampled request without one gets a fresh seed, a greedy one 0), stream, stream_options.include_usage, user (ignored), and the vLLM-style
-extensions top_k (0 or -1 = off), stop_token_ids, ignore_eos, return_tokens_as_token_ids. /v1/completions:
-prompt (one string or one list of token ids), logprobs (int, top-n). /v1/chat/completions: messages (role and
+in the receipt and returned as `seed`; a sampled request without one gets a fresh seed, a greedy one 0), stop
+(a string or a list of strings: vLLM's rule, stop_strings.py; recorded in the receipt), stream,
+stream_options.include_usage, user (ignored), and the vLLM-style extensions top_k (0 or -1 = off),
+stop_token_ids, ignore_eos, return_tokens_as_token_ids. /v1/completions: prompt (a string, a list of token
+ids, or a batch: a list of strings or of token-id lists, one choice and one receipt each), logprobs (int,
+top-n), echo (the prompt's text and, with logprobs, each prompt token's logprob and top-n before the output's;
+max_tokens may then be 0: score the prompt, draw nothing). /v1/chat/completions: messages (role and
 text content, rendered by the checkpoint's chat template), logprobs (bool), top_logprobs (int),
 max_completion_tokens. Refused with 400: unknown fields, and fields whose effect the engine cannot produce or a
-receipt cannot record (n or best_of other than 1, echo, suffix, logit_bias, penalties, stop strings, tools,
-response_format). Every refusal is an `InvalidRequest` naming the field (`param`).
+receipt cannot record (n or best_of other than 1, suffix, logit_bias, penalties, tools, response_format; a
+batch or echo streamed). Every refusal is an `InvalidRequest` naming the field (`param`).
 """
 
 from __future__ import annotations
@@ -17,19 +21,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from detent_audit.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, seed_for
+from detent_audit.engine.stop_strings import check_stop_strings
 from detent_audit.errors import BadInput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
            "stream", "stream_options", "user", "return_tokens_as_token_ids"}
-_COMPLETION = _COMMON | {"prompt", "logprobs"}
+_COMPLETION = _COMMON | {"prompt", "logprobs", "echo"}
+MAX_BATCH = 256  # prompts in one /v1/completions request
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 _ROLES = ("system", "developer", "user", "assistant")
 # field -> (values that mean "off", why another value is refused)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "one choice per request (each answer gets its own receipt)"),
     "best_of": ((1,), "one sampled choice per request"),
-    "echo": ((False,), "the response holds the output only (the receipt holds the prompt's token ids)"),
     "suffix": (("",), "insertion is not supported"),
     "logit_bias": (({},), "the engine applies no logit processors"),
     "presence_penalty": ((0, 0.0), "sampling is temperature, top_k and top_p only"),
@@ -101,15 +106,26 @@ def _fits(texts: list[str], param: str, limits: Limits) -> None:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A checked request: the prompt as token ids and the engine's sampling parameters."""
+    """A checked request: its prompts as token ids (one per choice) and the engine's sampling parameters.
+    With `max_tokens` 0 (echo only) the engine still draws one token (`params.max_tokens` is 1), which the
+    response and the receipt leave out."""
 
     chat: bool
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     params: SamplingParams
     stream: bool
     include_usage: bool
     logprobs: bool          # return per-token logprobs
     tokens_as_ids: bool     # token strings as "token_id:<id>"
+    echo: bool = False      # return the prompt (text, and its logprobs with `logprobs`) before the output
+    max_tokens: int = 1     # as requested (0: echo only)
+    prompt_texts: tuple[str | None, ...] = ()  # the prompts given as text (None: given as token ids)
+    batched: bool = False   # the prompt was a list of prompts: receipts are named `<id>-<index>`
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt of a one-prompt request."""
+        return self.prompts[0]
 
 
 def _is(value: Any, kind: type) -> bool:
@@ -191,42 +207,45 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
         want_logprobs = _get(body, "logprobs", bool, False)
         if top_n is not None and not want_logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        prompts, texts, batched = [prompt_ids], (None,), False
+        echo = False
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            _fits([check_text(prompt, "prompt")], "prompt", limits)
-            prompt_ids = tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(_is(t, int) for t in prompt):
-            prompt_ids = check_token_ids(prompt, "prompt", limits)
-        else:
-            raise InvalidRequest("'prompt' must be one string or one non-empty list of token ids (batched "
-                                 "prompts are not supported: one request, one receipt)", param="prompt",
-                                 code="invalid_type")
+        prompts, texts, batched = _prompts(body.get("prompt"), limits, tokenizer)
         top_n = _get(body, "logprobs", int, None, 0, MAX_LOGPROBS)
         want_logprobs = top_n is not None
-    if not prompt_ids:
-        raise InvalidRequest("the prompt is empty (it encodes to no tokens)", param="prompt")
-    room = limits.max_model_len - len(prompt_ids)
-    if room < 1:
-        raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
-                             f"has {len(prompt_ids)} tokens, which leaves no room for output",
-                             param="messages" if chat else "prompt", code="context_length_exceeded")
-    max_tokens = _get(body, "max_tokens", int, None, 1)
+        echo = _get(body, "echo", bool, False)
+    param = "messages" if chat else "prompt"
+    for i, prompt_ids in enumerate(prompts):
+        where = f"{param}[{i}]" if batched else param
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty (it encodes to no tokens)", param=where)
+        if limits.max_model_len - len(prompt_ids) < 1:
+            raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the "
+                                 f"prompt has {len(prompt_ids)} tokens, which leaves no room for output",
+                                 param=where, code="context_length_exceeded")
+    longest = max(map(len, prompts))
+    room = limits.max_model_len - longest
+    max_tokens = _get(body, "max_tokens", int, None, 0 if echo else 1)
     if chat:
         alias = _get(body, "max_completion_tokens", int, None, 1)
         if None not in (alias, max_tokens) and alias != max_tokens:
             raise InvalidRequest("'max_tokens' and 'max_completion_tokens' differ", param="max_completion_tokens")
         max_tokens = max_tokens or alias or room  # chat: up to the context left, as OpenAI's API does
-    max_tokens = max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
     if max_tokens > room:
         raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
-                             f"has {len(prompt_ids)} tokens and max_tokens is {max_tokens}", param="max_tokens",
+                             f"has {longest} tokens and max_tokens is {max_tokens}", param="max_tokens",
                              code="context_length_exceeded")
     stop = body.get("stop")
-    if stop not in (None, []):
-        raise InvalidRequest("'stop' strings are not supported (a text stop would cut the output after the "
-                             "engine drew it); use 'stop_token_ids'", param="stop", code="unsupported")
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    try:
+        stop = check_stop_strings(stop, "'stop'")
+    except BadInput as exc:
+        raise InvalidRequest(exc.message, param="stop") from None
     stream = _get(body, "stream", bool, False)
+    if stream and (batched or echo):
+        raise InvalidRequest("a batch of prompts or 'echo' is answered whole, not streamed: send 'stream': false",
+                             param="stream", code="unsupported")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise InvalidRequest("'stream_options' must be {'include_usage': bool}, with 'stream': true",
@@ -238,10 +257,36 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
         raise InvalidRequest("'top_p' must be in (0, 1], got 0", param="top_p")
     temperature = float(_get(body, "temperature", float, 1.0, 0))
     params = SamplingParams(
-        temperature=temperature, top_k=max(top_k, 0), top_p=top_p, max_tokens=max_tokens,
+        temperature=temperature, top_k=max(top_k, 0), top_p=top_p, max_tokens=max(max_tokens, 1),
         seed=seed_for(temperature, _get(body, "seed", int, None, 0, MAX_SEED)),
         stop_token_ids=tuple(check_token_ids(body.get("stop_token_ids") or [], "stop_token_ids", limits)),
-        ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=(top_n or 0) if want_logprobs else None)
-    return ParsedRequest(chat, list(prompt_ids), params, stream,
+        ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=(top_n or 0) if want_logprobs else None,
+        stop=stop)
+    return ParsedRequest(chat, [list(p) for p in prompts], params, stream,
                          _get(options or {}, "include_usage", bool, False), want_logprobs,
-                         _get(body, "return_tokens_as_token_ids", bool, False))
+                         _get(body, "return_tokens_as_token_ids", bool, False), echo, max_tokens, tuple(texts),
+                         batched)
+
+
+def _prompts(prompt: Any, limits: Limits, tokenizer: Any) -> tuple[list[list[int]], tuple[str | None, ...], bool]:
+    """A completion's prompts as token ids, the texts given (None for ids), and whether it was a batch: one
+    string, one list of token ids, or a non-empty list of either."""
+    def one(value: Any, where: str) -> tuple[list[int], str | None] | None:
+        if isinstance(value, str):
+            return tokenizer.encode(check_text(value, where)), value
+        if isinstance(value, list) and value and all(_is(t, int) for t in value):
+            return check_token_ids(value, where, limits), None
+        return None
+
+    if isinstance(prompt, str):
+        _fits([prompt], "prompt", limits)
+    single = one(prompt, "prompt")
+    if single is not None:
+        return [single[0]], (single[1],), False
+    if isinstance(prompt, list) and 0 < len(prompt) <= MAX_BATCH:
+        _fits([p for p in prompt if isinstance(p, str)], "prompt", limits)
+        items = [one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if all(item is not None for item in items):
+            return [ids for ids, _ in items], tuple(text for _, text in items), True
+    raise InvalidRequest(f"'prompt' must be a string, a non-empty list of token ids, or a list of 1-{MAX_BATCH} "
+                         "of those (a batch: one choice and one receipt each)", param="prompt", code="invalid_type")

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from detent_audit.engine.stop_strings import output_text
 from detent_audit.engine.tokenizer import bytes_to_unicode
 
 LOGPROB_FLOOR = -9999.0
@@ -42,12 +43,21 @@ class TokenFormatter:
 
 class TextStream:
     """The output text of one request, token by token: `push` returns the new text (held back while it ends
-    in an incomplete UTF-8 character) and `flush` the rest; their concatenation is decode(all tokens)."""
+    in an incomplete UTF-8 character, or, with stop strings, in what could begin one) and `flush` the rest;
+    their concatenation is the response's text (decode(all tokens), cut before a stop string: stop_strings.py)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.hold = max(map(len, self.stop), default=1) - 1  # characters that could be a stop string's start
         self.ids: list[int] = []
         self.sent = ""
+
+    def _text(self, final: bool) -> str:
+        text, hit = output_text(self.tokenizer.decode, self.ids, self.stop)
+        if hit is None and not final and self.hold:
+            text = text[:max(len(self.sent), len(text) - self.hold)]
+        return text
 
     def offsets(self, new_ids: Sequence[int]) -> list[int]:
         """Character offset of each of `new_ids` in the final text (call before `push`)."""
@@ -59,14 +69,14 @@ class TextStream:
 
     def push(self, new_ids: Sequence[int]) -> str:
         self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids)
+        text = self._text(final=False)
         if text.endswith("\ufffd") or not text.startswith(self.sent):
             return ""
         piece, self.sent = text[len(self.sent):], text
         return piece
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
+        text = self._text(final=True)
         piece = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent = text
         return piece

@@ -276,12 +276,12 @@ def use_cascade_attention(d, common_prefix_len, num_reqs, max_seqlen_q):
     # no ALiBi / sliding / local attention, "too few queries" (< 8 requests), no DCP; then cascade unless
     # FlashDecoding is used (GQA decode: all query lens 1), where a wave model of 128 x 128 tiles decides
     ratio = d.num_heads // d.num_kv_heads
-    eligible = (common_prefix_len >= 256 and not d.alibi and d.window_left < 0 and num_reqs >= 8)
+    cascade = (common_prefix_len >= 256 and not d.alibi and d.window_left < 0 and num_reqs >= 8)
     flash_decoding = ratio > 1 and not d.alibi and d.window_left < 0 and max_seqlen_q == 1
     prefix_tiles = cdiv(common_prefix_len, 128)
     cascade_time = cdiv(d.num_heads * cdiv(num_reqs, 128), d.num_sms) * prefix_tiles
     flash_decoding_time = cdiv(num_reqs * d.num_kv_heads * cdiv(ratio, 128) * prefix_tiles, d.num_sms)
-    return eligible and (not flash_decoding or cascade_time < flash_decoding_time)
+    return cascade and (not flash_decoding or cascade_time < flash_decoding_time)
 
 
 def round_up_headdim(head_size):

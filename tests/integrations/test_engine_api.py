@@ -80,7 +80,7 @@ def test_verify_refuses_an_engine_it_cannot_rebuild(served, monkeypatch, tmp_pat
     assert err.value.fields == ["engine.name"]
     assert ("not installed" in err.value.message) == (name == "vllm")
     forged = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts))
-    path = tmp_path / "other-engine.receipt"
+    path = tmp_path / "r0.receipt"  # a receipt's file is named by its request
     path.write_bytes(sign_receipt(forged, load_private_key(served["key"].private_path)))
     res = runner.invoke(app, ["verify", str(path), "--key", str(served["key"].public_path), "--json"])
     assert res.exit_code == 3, res.stdout

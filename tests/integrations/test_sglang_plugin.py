@@ -1,5 +1,5 @@
 """The SGLang plugin's parts that need no running SGLang: its configuration, the entry point, the stand-in,
-the torchvision fix, verify's refusals; and (slow) the real CPU server with the plugin in both processes."""
+the torchvision fix, what verify refuses before SGLang starts (the real server: test_sglang_server.py)."""
 
 from __future__ import annotations
 
@@ -39,20 +39,27 @@ def test_entry_point_names_the_plugin():
     assert names.get("detent") == "detent_audit.integrations.sglang.plugin:register"
 
 
-def test_stand_in_only_where_vllm_is_missing_and_raises_if_called():
+@pytest.mark.parametrize("shadow_real", [False, True])
+def test_stand_in_where_vllm_is_missing_or_shadowed_and_raises_if_called(shadow_real):
+    """Without `shadow_real` (the launcher) an installed vLLM is left alone; with it (SGLang's children) the
+    stand-in is what `vllm._custom_ops` is, and its kernel raises."""
     code = ("import importlib.util, sys\n"
             "from detent_audit.integrations.sglang.stand_ins import install_stand_ins\n"
             "real = importlib.util.find_spec('vllm') is not None\n"
-            "installed = install_stand_ins()\n"
-            "assert (installed == []) == real, installed\n"
-            "if not real:\n"
-            "    from vllm._custom_ops import rotary_embedding\n"
+            f"installed = install_stand_ins(shadow_real={shadow_real})\n"
+            f"expect_stand_in = {shadow_real} or not real\n"
+            "assert (installed != []) == expect_stand_in, installed\n"
+            "from vllm._custom_ops import rotary_embedding\n"
+            "assert install_stand_ins(shadow_real=True) == []  # idempotent, and never over an imported vLLM\n"
+            "if expect_stand_in:\n"
             "    try:\n"
             "        rotary_embedding()\n"
             "    except RuntimeError as e:\n"
             "        assert 'stand-in' in str(e)\n"
             "    else:\n"
-            "        raise SystemExit('the stand-in ran')\n")
+            "        raise SystemExit('the stand-in ran')\n"
+            "else:\n"
+            "    assert not getattr(sys.modules['vllm'], '__detent_stand_in__', False)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -69,34 +76,85 @@ def test_torchvision_imports_beside_cpu_torch():
     assert bare.returncode != 0 and "torchvision::nms does not exist" in bare.stderr
 
 
-def test_verify_refuses_another_sglang_version_and_stock_receipts():
-    from detent_audit.integrations.sglang.reconstruct import reconstruct_sglang
+def _served_facts(**over) -> dict:
+    """An SGLang receipt's facts as far as verify reads them before SGLang starts."""
+    from detent_audit.integrations.sglang import sglang_version
+
+    facts = {"engine": {"name": "sglang", "version": sglang_version()}, "runtime": {"num_threads": 1},
+             "scheduler": {"max_model_len": 2048, "max_num_seqs": 64, "chunked_prefill_size": 8192,
+                           "prefix_caching": True},
+             "checkpoint": {"name": "random-20m", "source": "generated:default-20m", "config": "0" * 64, "tokenizer": "", "weights": "0" * 64}}
+    for path, value in over.items():
+        node = facts
+        *parents, leaf = path.split("__")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return facts
+
+
+@pytest.mark.parametrize("over, tuple_mode, kwargs, error, fields_or_message", [
+    ({"engine__version": "0.0.1"}, "detent", {}, "NotComparable", ["engine.version"]),
+    ({}, "stock", {}, "NotComparable", ["tuple.mode.name"]),
+    ({}, "detent", {"threads": 2}, "NotComparable", ["runtime.num_threads"]),
+    ({"runtime__num_threads": True}, "detent", {}, "BadInput", "not a thread count"),
+    ({"scheduler__max_num_seqs": 1 << 30}, "detent", {}, "BadInput", "scheduler.max_num_seqs is 1073741824"),
+    ({"scheduler__chunked_prefill_size": 0}, "detent", {}, "BadInput", "chunked_prefill_size is 0"),
+    ({"scheduler__prefix_caching": "yes"}, "detent", {}, "BadInput", "not a boolean"),
+    # other weights: refused from the file hashes, before SGLang starts, with the --model to pass
+    ({}, "detent", {}, "NotComparable", ["checkpoint.config", "checkpoint.tokenizer", "checkpoint.weights"]),
+])
+def test_verify_refuses_before_sglang_starts(over, tuple_mode, kwargs, error, fields_or_message, monkeypatch):
+    from detent_audit.integrations.sglang import engine
     from detent_audit.verifier.reconstruct import NotComparable
+    from detent_audit.verifier.reconstruct_sglang import reconstruct_sglang
 
-    facts = {"engine": {"name": "sglang", "version": "0.0.1"}, "runtime": {"num_threads": 1}}
-    with pytest.raises(NotComparable) as exc:
-        reconstruct_sglang(facts, {"mode": {"name": "detent"}}, None)
-    assert exc.value.fields == ["engine.version"]
-    with pytest.raises(NotComparable) as exc:
-        reconstruct_sglang(facts, {"mode": {"name": "stock"}}, None)
-    assert exc.value.fields == ["tuple.mode.name"]
+    def never(*args, **kwargs):
+        raise AssertionError("SGLang was started for a receipt refused from its facts")
+
+    monkeypatch.setattr(engine.SglangEngine, "__init__", never)
+    with pytest.raises(NotComparable if error == "NotComparable" else BadInput) as exc:
+        reconstruct_sglang(_served_facts(**over), {"mode": {"name": tuple_mode}}, None, **kwargs)
+    if isinstance(fields_or_message, list):
+        assert exc.value.fields == fields_or_message
+        if fields_or_message[0].startswith("checkpoint."):
+            assert "pass --model random-20m" in exc.value.message
+    else:
+        assert fields_or_message in exc.value.message
 
 
-@pytest.mark.slow
-def test_real_cpu_server_battery_detent_passes_every_cell_and_stock_fails_some():
-    """The real CPU server, the plugin loaded through its entry point in the launcher and the scheduler."""
-    from detent_audit.engine.battery import run_battery
-    from detent_audit.engine.named_models import resolve_model
-    from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine
+def test_launcher_gets_no_hook_and_the_scheduler_control_sets_the_chunk_size(tmp_path):
+    """register() in the launcher applies nothing; in SGLang's own process (stock mode) only the scheduler
+    control, whose `set_internal_state` sets the chunked-prefill size, refuses it while a chunked prefill is
+    in flight or for a non-positive size, and leaves every other request to SGLang."""
+    code = f"""
+import json, os, types
+from detent_audit.integrations.sglang import control, plugin
+from detent_audit.integrations.sglang.config import ENV, PluginConfig
 
-    model = str(resolve_model("smollm2-135m-instruct").path)
-    detent = SglangEngine(SglangConfig(model=model, mode="detent"))
-    try:
-        assert all(c.passed for c in run_battery(detent))
-    finally:
-        detent.shutdown()
-    stock = SglangEngine(SglangConfig(model=model, mode="stock"))
-    try:
-        assert [c.name for c in run_battery(stock) if not c.passed]
-    finally:
-        stock.shutdown()
+os.environ[ENV] = PluginConfig(mode="stock", model_path="/m", report_dir={str(tmp_path)!r},
+                               launcher_pid=os.getpid()).to_env()
+plugin.register()
+report = json.load(open(os.path.join({str(tmp_path)!r}, f"{{os.getpid()}}.json")))
+assert report["hooks"] == [] and report["error"] is None, report
+
+os.environ[ENV] = PluginConfig(mode="stock", model_path="/m", launcher_pid=os.getpid() + 1).to_env()
+plugin.register()
+assert plugin.REPORT["hooks"] == [control.TARGET] and plugin.REPORT["error"] is None, plugin.REPORT
+from sglang.srt.managers.io_struct import SetInternalStateReq
+from sglang.srt.managers.scheduler import Scheduler
+
+sched = types.SimpleNamespace(chunked_prefill_size=8192, chunked_req=None)
+def ask(value):
+    return Scheduler.set_internal_state(sched, SetInternalStateReq(server_args={{control.CHUNK_KEY: value}})).updated
+assert ask(7) and sched.chunked_prefill_size == 7
+assert not ask(0) and not ask(True) and sched.chunked_prefill_size == 7
+sched.chunked_req = object()
+assert not ask(64) and sched.chunked_prefill_size == 7
+called = []
+res = control.set_internal_state(lambda s, r: called.append(r) or "sglang's", sched,
+                                 SetInternalStateReq(server_args={{"pp_max_micro_batch_size": 2}}))
+assert res == "sglang's" and called, res
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-1500:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import random
 import sys
 import types
@@ -15,12 +16,14 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from detent_audit.integrations.sglang import cpu_kernels, cuda_selection  # noqa: E402
+from detent_audit.integrations.sglang import control, cpu_kernels, cuda_selection  # noqa: E402
 from detent_audit.integrations.sglang.cuda_selection import CudaHooks  # noqa: E402
 from detent_audit.manifests.deployment import load_deployment  # noqa: E402
 
 DEPLOYMENTS = Path(__file__).parents[2] / "manifests" / "deployments"
-STUBBED = ("sgl_kernel", "tvm_ffi")  # CUDA-only packages SGLang imports at module level
+# CUDA-only packages SGLang imports at module level, stubbed where they are not installed (vLLM's CPU build
+# brings a real tvm_ffi, which xgrammar then imports for real)
+STUBBED = tuple(p for p in ("sgl_kernel", "tvm_ffi") if importlib.util.find_spec(p) is None)
 
 
 class _Anything:
@@ -100,7 +103,7 @@ def _resolve(target: str):
 
 
 def test_every_hook_target_exists_in_the_installed_sglang(sglang_modules):
-    for target in (*cpu_kernels.TARGETS, *cuda_selection.TARGETS.values()):
+    for target in (*cpu_kernels.TARGETS, *cuda_selection.TARGETS.values(), control.TARGET):
         assert callable(_resolve(target)), target
 
 

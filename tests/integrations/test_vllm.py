@@ -161,15 +161,19 @@ def _forged(served: dict, tmp_path: Path, name: str, *, change_output=None, chan
     src = served["out"] / "receipts" / "r5.receipt"
     r = verify_envelope(src.read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
     if change_output is not None:
+        from detent_audit.engine.tokenizer import Tokenizer
+
         tokens, lps = change_output(list(r.output.token_ids), list(r.output.logprobs))
-        r = dataclasses.replace(r, output=OutputRecord.from_floats(tokens, lps, r.output.finish_reason))
+        text = Tokenizer.from_pretrained(served["ckpt"]).decode(tokens)  # a forger keeps the text consistent
+        r = dataclasses.replace(r, output=OutputRecord.from_floats(tokens, lps, r.output.finish_reason, text))
     if change_facts is not None:
         from detent_audit.engine.facts import facts_hash
 
         facts = json.loads(json.dumps(r.deployment_facts, default=dict))
         change_facts(facts)
         r = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts))
-    path = tmp_path / f"{name}.receipt"
+    (tmp_path / name).mkdir()
+    path = tmp_path / name / "r5.receipt"  # a receipt's file is named by its request
     path.write_bytes(sign_receipt(r, load_private_key(served["key"].private_path)))
     return path
 
@@ -201,6 +205,8 @@ def test_another_vllm_version_or_thread_count_is_not_comparable(served, tmp_path
     code, report = _verify(served, _forged(served, tmp_path, field.replace(".", "-"), change_facts=change))
     assert code == 3
     outcome = report["outcomes"][0]
-    assert outcome["status"] == "NOT_COMPARABLE" and field in outcome["fields"], outcome
+    # a receipt claiming 2 threads is rebuilt at 2: the deployment solved for them differs from what it signed
+    expected = {"engine.version"} if field == "engine.version" else {"runtime.num_threads", "deployment.gpu.num_sms"}
+    assert outcome["status"] == "NOT_COMPARABLE" and expected & set(outcome["fields"]), outcome
     code, report = _verify(served, served["out"] / "receipts" / "r1.receipt", extra=("--threads", "2"))
     assert code == 3 and report["outcomes"][0]["fields"] == ["runtime.num_threads"]

@@ -149,7 +149,7 @@ def test_trusted_keys_from_a_file_or_a_directory(tmp_path) -> None:
     single = load_trusted_keys(made[1].public_path)
     assert list(single) == [made[1].keyid]
     (tmp_path / "empty").mkdir()
-    with pytest.raises(KeyFileError, match="no \\*.pub public key files"):
+    with pytest.raises(KeyFileError, match="no usable \\*.pub public key files"):
         load_trusted_keys(tmp_path / "empty")
     with pytest.raises(KeyFileError, match="is a private key"):
         load_trusted_keys(made[0].private_path)

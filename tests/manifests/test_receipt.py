@@ -33,10 +33,13 @@ from detent_audit.manifests.dsse import (
 from detent_audit.manifests.errors import BadSignature, InvalidReceipt, UntrustedKey
 from detent_audit.manifests.keys import keyid
 from detent_audit.manifests.receipt import (
+    CLIENT_APIS,
     OUTPUT_DIGEST_TAG,
+    ClientRequest,
     OutputRecord,
     Receipt,
     RequestRecord,
+    RunRecord,
     SamplingRecord,
     sign_receipt,
     verify_envelope,
@@ -51,7 +54,7 @@ def random_receipt(rng: random.Random, key: Ed25519PrivateKey = KEY, max_prompt:
     n_out = rng.randint(1, 24)
     facts = {"model": {"name": f"m-{rng.getrandbits(32):x}", "num_layers": rng.randint(1, 128),
                        "shape": [rng.getrandbits(40) for _ in range(rng.randint(1, 4))]},
-             "gpu": {"arch": rng.choice(["sm90", "sm100", "cpu"]), "uuid": rng.randbytes(16)},
+             "gpu": {"arch": rng.choice(["sm90", "sm100", "cpu"]), "uuid": rng.randbytes(16).hex()},
              "engine": {"cuda_graphs": rng.random() < 0.5, "offset": -rng.getrandbits(20), "note": None}}
     values = {"attention.num_splits": rng.randint(1, 64), "gemm.block_k": rng.choice([32, 64, 128]),
               "all_reduce.algo": rng.choice(["ring", "tree"])}
@@ -59,12 +62,19 @@ def random_receipt(rng: random.Random, key: Ed25519PrivateKey = KEY, max_prompt:
                               top_p=rng.uniform(1e-3, 1.0), max_tokens=n_out + rng.randint(0, 8),
                               stop_token_ids=tuple(rng.getrandbits(32) for _ in range(rng.randint(0, 3))),
                               ignore_eos=rng.random() < 0.5, logprobs=rng.choice([None, rng.randint(0, 20)]))
-    request = RequestRecord(f"req-{rng.getrandbits(48):x}", tuple(rng.getrandbits(32) for _ in range(rng.randint(1, max_prompt))),
+    body = {"model": "m", "prompt": "".join(chr(rng.randint(32, 0x2FFF)) for _ in range(rng.randint(1, 30))),
+            "temperature": rng.uniform(0, 2), "seed": rng.getrandbits(64)}
+    client = ClientRequest.of(rng.choice(CLIENT_APIS), body)
+    request = RequestRecord(f"req-{rng.getrandbits(48):x}", client,
+                            tuple(rng.getrandbits(32) for _ in range(rng.randint(1, max_prompt))),
                             sampling, rng.getrandbits(64))
+    k = sampling.logprobs or 0
     output = OutputRecord(tuple(rng.getrandbits(17) for _ in range(n_out)), rng.randbytes(4 * n_out),
-                          rng.choice(["stop", "length"]))
+                          rng.choice(["stop", "length"]), "".join(chr(rng.randint(32, 0x2FFF)) for _ in range(n_out)),
+                          tuple(rng.getrandbits(17) for _ in range(k * n_out)), rng.randbytes(4 * k * n_out))
     return Receipt(facts, rng.randbytes(32).hex(), values, rng.randbytes(32).hex(), request, output,
-                   keyid(key.public_key()), rng.getrandbits(63))
+                   RunRecord(rng.randbytes(16).hex(), rng.getrandbits(20)), keyid(key.public_key()),
+                   rng.getrandbits(63))
 
 
 def wire(receipt: Receipt) -> dict:
@@ -106,8 +116,11 @@ def test_output_digest_follows_its_definition() -> None:
     receipt = random_receipt(rng)
     out = receipt.output
     n = len(out.token_ids)
+    text = out.text.encode("utf-8")
     by_hand = hashlib.sha256(OUTPUT_DIGEST_TAG + struct.pack("<Q", n) + b"".join(struct.pack("<I", t) for t in out.token_ids)
-                             + out.logprobs_f32le).hexdigest()
+                             + out.logprobs_f32le + struct.pack("<Q", out.top_k)
+                             + b"".join(struct.pack("<I", t) for t in out.top_token_ids) + out.top_logprobs_f32le
+                             + struct.pack("<Q", len(text)) + text).hexdigest()
     assert out.digest == by_hand == wire(receipt)["output"]["digest"]
     assert receipt.digest == hashlib.sha256(receipt.to_bytes()).hexdigest()
     floats = [-rng.expovariate(1.0) for _ in range(n)]
@@ -197,7 +210,7 @@ def test_every_truncation_and_any_trailing_bytes_are_invalid() -> None:
 def test_a_4_gib_declared_length_is_refused_without_allocating_it(header: bytes) -> None:
     payload_rest = os.urandom(64)
     crafted_envelope = b"\x83\xa7payload" + header + payload_rest
-    crafted_payload = signed(b"\x87\xaadeployment" + header + payload_rest)  # valid signature, hostile payload
+    crafted_payload = signed(b"\x88\xaadeployment" + header + payload_rest)  # valid signature, hostile payload
     tracemalloc.start()
     try:
         for data in (crafted_envelope, header + payload_rest, crafted_payload):
@@ -238,29 +251,41 @@ def _delete(path: tuple):
     return mutate
 
 
+def _u32(*ids: int) -> bytes:
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
 BAD_PAYLOADS = {
     "seed_is_text": (_set(("request", "seed"), "7"), "request.seed"),
     "seed_over_64_bits": (_set(("request", "seed"), -1), "request.seed"),
-    "negative_token": (_set(("request", "prompt_token_ids", 0), -1), r"request.prompt_token_ids\[0\]"),
-    "token_over_32_bits": (_set(("output", "token_ids", 0), 2**32), r"output.token_ids\[0\]"),
-    "empty_prompt": (_set(("request", "prompt_token_ids"), []), "request.prompt_token_ids"),
-    "token_list_is_map": (_set(("request", "prompt_token_ids"), {"a": 1}), "request.prompt_token_ids"),
-    "float_temperature": (_set(("request", "sampling", "temperature_f64_bits"), 0.5), "temperature_f64_bits"),
+    "prompt_ids_not_whole_words": (_set(("request", "prompt_token_ids_u32le"), b"\x01\x02\x03"),
+                                   "prompt_token_ids_u32le"),
+    "token_ids_as_an_array": (_set(("output", "token_ids_u32le"), [1, 2]), "output.token_ids_u32le"),
+    "empty_prompt": (_set(("request", "prompt_token_ids_u32le"), b""), "request.prompt_token_ids"),
+    "token_list_is_map": (_set(("request", "prompt_token_ids_u32le"), {"a": 1}), "request.prompt_token_ids"),
+    "float_temperature": (_set(("request", "sampling", "temperature_f64_bits"), 0.5), "floats are not allowed"),
     "float_in_facts": (_set(("deployment", "facts", "gpu", "arch"), 9.0), "floats are not allowed"),
+    "bytes_in_facts": (_set(("deployment", "facts", "gpu", "uuid"), b"\x00" * 16), "binary data is not a fact"),
     "bool_ignore_eos_is_int": (_set(("request", "sampling", "ignore_eos"), 1), "ignore_eos"),
     "nan_temperature": (_set(("request", "sampling", "temperature_f64_bits"), 0x7FF8000000000000), "temperature"),
     "top_p_above_one": (_set(("request", "sampling", "top_p_f64_bits"), enc.f64_to_bits(1.5)), "top_p"),
-    "version_2": (_set(("version",), 2), "schema version 2"),
+    "version_1": (_set(("version",), 1), "schema version 1"),
     "unknown_finish_reason": (_set(("output", "finish_reason"), "abort"), "finish_reason"),
     "logprobs_short": (_set(("output", "logprobs_f32le"), b"\x00\x00\x80\xbf"), "logprobs_f32le"),
     "logprobs_as_text": (_set(("output", "logprobs_f32le"), "x"), "logprobs_f32le"),
     "wrong_output_digest": (_set(("output", "digest"), "0" * 64), "output.digest"),
+    "text_changed": (_set(("output", "text"), "another answer"), "output.digest"),
+    "top_ids_not_k_per_token": (_set(("output", "top_token_ids_u32le"), _u32(5)), "top_token_ids"),
     "uppercase_keyid": (_set(("node_keyid",), "A" * 64), "node_keyid"),
     "short_hash": (_set(("deployment", "hash"), "ab"), "deployment.hash"),
     "empty_request_id": (_set(("request", "id"), ""), "request.id"),
     "empty_facts": (_set(("deployment", "facts"), {}), "deployment.facts"),
-    "int_key_in_facts": (_set(("tuple", "values", "x"), {1: 2}), "not valid msgpack"),
+    "int_key_in_facts": (_set(("tuple", "values", "x"), {1: 2}), "map key must be a string"),
     "more_output_than_max_tokens": (_set(("request", "sampling", "max_tokens"), 1), "max_tokens"),
+    "client_body_digest_wrong": (_set(("request", "client", "body_sha256"), "0" * 64), "body_sha256"),
+    "client_api_unknown": (_set(("request", "client", "api"), "grpc"), "request.client.api"),
+    "run_seq_negative": (_set(("run", "seq"), -1), "run.seq"),
+    "missing_run": (_delete(("run",)), "missing run"),
     "extra_top_level_field": (_set(("comment",), "hi"), "unknown comment"),
     "extra_nested_field": (_set(("request", "sampling", "min_p_f64_bits"), 0), "unknown min_p_f64_bits"),
     "missing_field": (_delete(("output", "finish_reason")), "missing finish_reason"),
@@ -273,11 +298,10 @@ def test_a_validly_signed_payload_with_a_defect_is_invalid(defect: str) -> None:
     mutate, message = BAD_PAYLOADS[defect]
     rng = random.Random(zlib.crc32(defect.encode()))
     w = wire(random_receipt(rng))
-    w["output"]["token_ids"] = [rng.getrandbits(32) for _ in range(2)]  # two tokens, within max_tokens
-    w["output"]["logprobs_f32le"] = rng.randbytes(8)
+    tokens = (rng.getrandbits(32), rng.getrandbits(32))  # two tokens, within max_tokens
+    out = OutputRecord(tokens, rng.randbytes(8), "stop", "ab", tokens + tokens, rng.randbytes(16))
+    w["output"] = out._to_wire()
     w["request"]["sampling"]["max_tokens"] = rng.randint(2, 10)
-    w["output"]["digest"] = OutputRecord(tuple(w["output"]["token_ids"]), w["output"]["logprobs_f32le"], "stop").digest
-    w["output"]["finish_reason"] = "stop"
     mutate(w)
     with pytest.raises(InvalidReceipt, match=message):
         verify_envelope(signed(sorted_pack(w)), TRUSTED)
@@ -285,18 +309,19 @@ def test_a_validly_signed_payload_with_a_defect_is_invalid(defect: str) -> None:
 
 def test_a_valid_signature_over_a_non_canonical_encoding_is_refused() -> None:
     payload = random_receipt(random.Random(13)).to_bytes()
-    assert payload.endswith(b"\xa7version\x01") and payload[0] == 0x87
+    assert payload.endswith(b"\xa7version\x02") and payload[0] == 0x88
     variants = {
-        "uint8_for_a_fixint": payload[:-1] + b"\xcc\x01",
-        "str8_for_a_fixstr": payload[:-9] + b"\xd9\x07version\x01",
-        "map16_for_a_fixmap": b"\xde\x00\x07" + payload[1:],
-        "duplicate_key": b"\x88" + payload[1:] + b"\xa7version\x01",
+        "uint8_for_a_fixint": payload[:-1] + b"\xcc\x02",
+        "str8_for_a_fixstr": payload[:-9] + b"\xd9\x07version\x02",
+        "map16_for_a_fixmap": b"\xde\x00\x08" + payload[1:],
         "unsorted_keys": msgpack.packb(dict(reversed(list(msgpack.unpackb(payload).items()))), use_bin_type=True),
     }
     for name, data in variants.items():
         assert msgpack.unpackb(data, raw=False) == msgpack.unpackb(payload, raw=False), name
         with pytest.raises(InvalidReceipt, match="not canonical"):
             verify_envelope(signed(data), TRUSTED)
+    with pytest.raises(InvalidReceipt, match="appears twice"):  # a repeated key is refused as it is decoded
+        verify_envelope(signed(b"\x89" + payload[1:] + b"\xa7version\x02"), TRUSTED)
     envelope = msgpack.unpackb(sign_receipt(random_receipt(random.Random(14)), KEY))
     reordered = msgpack.packb(dict(reversed(list(envelope.items()))), use_bin_type=True)
     with pytest.raises(InvalidReceipt, match="envelope: not canonical"):
@@ -332,7 +357,10 @@ def test_constructors_validate() -> None:
     good = random_receipt(rng)
     with pytest.raises(InvalidReceipt, match="floats are not allowed"):
         Receipt({"x": [1, 0.5]}, good.deployment_hash, good.tuple_values, good.tuple_hash, good.request,
-                good.output, good.node_keyid, good.time_unix_ns)
+                good.output, good.run, good.node_keyid, good.time_unix_ns)
+    with pytest.raises(InvalidReceipt, match="binary data is not a fact"):
+        Receipt({"x": b"\x00"}, good.deployment_hash, good.tuple_values, good.tuple_hash, good.request,
+                good.output, good.run, good.node_keyid, good.time_unix_ns)
     with pytest.raises(InvalidReceipt, match="temperature"):
         SamplingRecord(float("inf"), 0, 1.0, 4)
     with pytest.raises(InvalidReceipt, match="top_p"):
@@ -340,7 +368,9 @@ def test_constructors_validate() -> None:
     with pytest.raises(InvalidReceipt, match="4 per output token"):
         OutputRecord((1, 2), b"\x00" * 4, "stop")
     with pytest.raises(InvalidReceipt, match="request.seed"):
-        RequestRecord("r", (1,), good.request.sampling, 2**64)
+        RequestRecord("r", good.request.client, (1,), good.request.sampling, 2**64)
+    with pytest.raises(InvalidReceipt, match="same number of alternatives"):
+        OutputRecord.from_floats((1, 2), (-1.0, -2.0), "stop", "x", [[(1, -1.0)], [(1, -1.0), (2, -3.0)]])
     assert isinstance(good.deployment_facts["model"]["shape"], tuple)
     with pytest.raises(TypeError):
         good.deployment_facts["model"]["name"] = "changed"  # type: ignore[index]
@@ -360,7 +390,9 @@ def test_json_view_shows_bits_beside_values() -> None:
     logprobs = view["output"]["logprobs"]
     assert bytes.fromhex(logprobs["f32le_hex"]) == receipt.output.logprobs_f32le
     assert len(logprobs["values"]) == len(receipt.output.token_ids)
-    assert view["deployment"]["facts"]["gpu"]["uuid"] == {"bin_hex": receipt.deployment_facts["gpu"]["uuid"].hex()}
+    assert view["deployment"]["facts"]["gpu"]["uuid"] == receipt.deployment_facts["gpu"]["uuid"]
+    assert view["output"]["text"] == receipt.output.text and view["run"]["seq"] == receipt.run.seq
+    assert view["request"]["client"]["body_sha256"] == receipt.request.client.body_sha256
     assert view["time"]["unix_ns"] == receipt.time_unix_ns and view["time"]["utc_rfc3339"].endswith("Z")
     assert view["digest_sha256"] == receipt.digest
 

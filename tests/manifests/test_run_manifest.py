@@ -21,9 +21,11 @@ from detent_audit.manifests.errors import (
 )
 from detent_audit.manifests.keys import keyid
 from detent_audit.manifests.receipt import (
+    ClientRequest,
     OutputRecord,
     Receipt,
     RequestRecord,
+    RunRecord,
     SamplingRecord,
     sign_receipt,
     verify_envelope,
@@ -53,24 +55,27 @@ def rfc6962_root(leaves: list[bytes]) -> bytes:
     return hashlib.sha256(b"\x01" + rfc6962_root(leaves[:k]) + rfc6962_root(leaves[k:])).digest()
 
 
-def random_run(rng: random.Random, n: int, deployment: str, tuple_hash: str) -> list[Receipt]:
+def random_run(rng: random.Random, n: int, deployment: str, tuple_hash: str, run_id: str = "eval",
+               first: int = 0) -> list[Receipt]:
     receipts = []
     for i in range(n):
         n_out = rng.randint(1, 12)
-        request = RequestRecord(f"run-{i}-{rng.getrandbits(32):x}", tuple(rng.getrandbits(32) for _ in range(rng.randint(1, 30))),
+        client = ClientRequest.of("openai/v1/completions", {"prompt": f"p{rng.getrandbits(32)}"})
+        request = RequestRecord(f"run-{i}-{rng.getrandbits(32):x}", client,
+                                tuple(rng.getrandbits(32) for _ in range(rng.randint(1, 30))),
                                 SamplingRecord(rng.uniform(0, 1.5), rng.randint(0, 50), rng.uniform(0.1, 1), n_out),
                                 rng.getrandbits(64))
         output = OutputRecord(tuple(rng.getrandbits(16) for _ in range(n_out)), rng.randbytes(4 * n_out), "length")
         receipts.append(Receipt({"model": {"name": "tiny", "layers": rng.randint(1, 9)}}, deployment,
-                                {"gemm.block_k": rng.choice([32, 64])}, tuple_hash, request, output, NODE,
-                                rng.getrandbits(63)))
+                                {"gemm.block_k": rng.choice([32, 64])}, tuple_hash, request, output,
+                                RunRecord(run_id, first + i), NODE, rng.getrandbits(63)))
     return receipts
 
 
 def make_run(seed: int, n: int) -> tuple[RunManifest, list[Receipt]]:
     rng = random.Random(seed)
     deployment, tuple_hash = rng.randbytes(32).hex(), rng.randbytes(32).hex()
-    receipts = random_run(rng, n, deployment, tuple_hash)
+    receipts = random_run(rng, n, deployment, tuple_hash, f"eval-{seed}")
     manifest = RunManifest.for_receipts(receipts, run_id=f"eval-{seed}", node_keyid=NODE,
                                         deployment_hash=deployment, tuple_hash=tuple_hash,
                                         time_unix_ns=rng.getrandbits(63))
@@ -89,7 +94,7 @@ def test_merkle_root_is_rfc6962() -> None:
 
 def test_round_trip_is_bit_exact() -> None:
     for seed in range(6):
-        manifest, receipts = make_run(seed, n=seed * 3)
+        manifest, receipts = make_run(seed, n=seed * 3 + 1)
         data = sign_run_manifest(manifest, KEY)
         got, signer = verify_run_manifest(data, TRUSTED)
         assert got == manifest and signer == NODE
@@ -108,16 +113,26 @@ def test_check_run_recomputes_the_root_from_the_receipts_present() -> None:
     with pytest.raises(ManifestMismatch, match="1 missing, 0 not in the manifest") as err:
         check_run(manifest, receipts[1:])
     assert err.value.missing == (receipts[0].digest,) and err.value.extra == ()
-    stranger = random_run(rng, 1, manifest.deployment_hash, manifest.tuple_hash)[0]
+    stranger = random_run(rng, 1, manifest.deployment_hash, manifest.tuple_hash, manifest.run_id, first=3)[0]
     with pytest.raises(ManifestMismatch, match="0 missing, 1 not in the manifest") as err:
         check_run(manifest, receipts + [stranger])
     assert err.value.extra == (stranger.digest,)
     with pytest.raises(ManifestMismatch, match="given twice"):
         check_run(manifest, receipts + receipts[:1])
-    other = random_run(rng, 1, "0" * 64, manifest.tuple_hash)[0]
+    other = random_run(rng, 1, "0" * 64, manifest.tuple_hash, manifest.run_id)[0]
     with pytest.raises(ManifestMismatch, match="deployment_hash"):
         check_run(manifest, receipts[1:] + [other])
-    with pytest.raises(InvalidManifest, match="another node, deployment or tuple"):
+    outside = random_run(rng, 1, manifest.deployment_hash, manifest.tuple_hash, manifest.run_id, first=9)[0]
+    with pytest.raises(ManifestMismatch, match="outside this manifest's 0-8"):
+        check_run(manifest, receipts + [outside])
+    with pytest.raises(InvalidManifest, match="a rotation manifest of 2 receipts cannot cover"):
+        RunManifest.for_receipts([receipts[0], outside], run_id=manifest.run_id, node_keyid=NODE,
+                                 deployment_hash=manifest.deployment_hash, tuple_hash=manifest.tuple_hash,
+                                 time_unix_ns=1, kind="rotation")
+    assert RunManifest.for_receipts([receipts[0], outside], run_id=manifest.run_id, node_keyid=NODE,
+                                    deployment_hash=manifest.deployment_hash, tuple_hash=manifest.tuple_hash,
+                                    time_unix_ns=1, kind="recovery").seq_last == 9
+    with pytest.raises(InvalidManifest, match="another run, node, deployment or tuple"):
         RunManifest.for_receipts(receipts + [other], run_id="r", node_keyid=NODE,
                                  deployment_hash=manifest.deployment_hash, tuple_hash=manifest.tuple_hash,
                                  time_unix_ns=1)
@@ -169,9 +184,13 @@ BAD_MANIFESTS = {
     "wrong_count": (lambda w: w.__setitem__("receipt_count", 5), "receipt_count"),
     "extra_field": (lambda w: w.__setitem__("signer", "me"), "unknown signer"),
     "missing_field": (lambda w: w.pop("run_id"), "missing run_id"),
-    "float_tokens": (lambda w: w.__setitem__("output_tokens", 3.0), "output_tokens"),
-    "version_2": (lambda w: w.__setitem__("version", 2), "schema version 2"),
-    "digest_as_bytes": (lambda w: w["receipt_digests"].__setitem__(0, b"\x00" * 32), "exceeds max_bin_len"),
+    "float_tokens": (lambda w: w.__setitem__("output_tokens", 3.0), "floats are not allowed"),
+    "version_1": (lambda w: w.__setitem__("version", 1), "schema version 1"),
+    "digest_as_bytes": (lambda w: w["receipt_digests"].__setitem__(0, b"\x00" * 32), "longer than the limit"),
+    "kind_unknown": (lambda w: w.__setitem__("kind", "partial"), "kind"),
+    "range_too_wide": (lambda w: w.__setitem__("seq_last", 7), "cannot cover that range"),
+    # found by the fuzz: the range was checked before the digests were known to be a list
+    "digests_not_a_list": (lambda w: w.__setitem__("receipt_digests", True), "receipt_digests: expected"),
     "digest_as_int": (lambda w: w["receipt_digests"].__setitem__(0, 7), r"receipt_digests\[0\]"),
 }
 

@@ -1,4 +1,4 @@
-"""Every shipped deployment's programs, solved once per test session (a shared JIT cache)."""
+"""Every shipped deployment's programs, solved once per pytest run (a shared JIT cache)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,9 @@ class Env:
     tuple_file: Path
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
-        return EngineConfig(model=str(self.checkpoint), mode="detent", cache_dir=str(self.cache_dir), **overrides)
+        """The tests' context is 2048 tokens (of the checkpoint's 4096), unless overridden."""
+        return EngineConfig(model=str(self.checkpoint), mode="detent", cache_dir=str(self.cache_dir),
+                            **{"max_model_len": 2048, **overrides})
 
     @property
     def trusted(self) -> dict:
@@ -57,7 +59,7 @@ def env(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathF
     root = tmp_path_factory.mktemp("server-env")
     checkpoint = make_checkpoint("tiny-llama")
     cache_dir = root / "jit"
-    llm = LLM(EngineConfig(model=str(checkpoint), mode="detent", cache_dir=str(cache_dir)))
+    llm = LLM(EngineConfig(model=str(checkpoint), mode="detent", cache_dir=str(cache_dir), max_model_len=2048))
     tuple_file = root / "tuple.msgpack"
     save_tuple(llm.selection.tuple, tuple_file)
     return Env(checkpoint, generate_key(root / "node.key"), cache_dir, tuple_file)
@@ -104,3 +106,9 @@ def serve_live(env: Env) -> Callable[..., Any]:
 def live(env: Env, tmp_path: Path) -> Iterator[Live]:
     with live_server(env, tmp_path / "out") as server:
         yield server
+
+
+@pytest.fixture
+def start_server(env: Env) -> Callable[..., Any]:
+    """`with start_server(out, **engine_overrides) as live:` a live server of its own (e.g. another context)."""
+    return lambda out, **overrides: live_server(env, out, **overrides)

@@ -103,7 +103,8 @@ def test_shutdown_drains_or_cancels(env: Env) -> None:
 
 
 def test_a_refused_request_fails_alone(env: Env) -> None:
-    engine = AsyncEngine(LLM(env.engine_config(num_kv_blocks=4, block_size=16)))  # 64 tokens of KV
+    # 64 tokens of KV in a context of 2048: the request fits the context, not the pool
+    engine = AsyncEngine(LLM(env.engine_config(num_kv_blocks=4, block_size=16)))
     try:
         too_long = engine.submit(list(range(1, 60)), SamplingParams(max_tokens=30), "long")
         fine = engine.submit([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), "short")

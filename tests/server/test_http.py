@@ -174,11 +174,18 @@ BAD = [  # (endpoint, body, param, fragment of the message)
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "must be in [0, 20]"),
     ("completions", {"prompt": "x", "n": 2}, "n", "'n' is not supported"),
     ("completions", {"prompt": "x", "best_of": 3}, "best_of", "'best_of' is not supported"),
-    ("completions", {"prompt": "x", "echo": True}, "echo", "'echo' is not supported"),
-    ("completions", {"prompt": "x", "stop": ["\n"]}, "stop", "'stop' strings are not supported"),
+    ("completions", {"prompt": "x", "echo": True, "stream": True}, "stream", "answered whole, not streamed"),
+    ("completions", {"prompt": "x", "echo": 1}, "echo", "must be a boolean"),
+    ("completions", {"prompt": "x", "stop": [""]}, "stop", "1-256 characters"),
+    ("completions", {"prompt": "x", "stop": ["a\ufffd"]}, "stop", "no U+FFFD"),
+    ("completions", {"prompt": "x", "stop": [7]}, "stop", "each stop string"),
+    ("completions", {"prompt": "x", "stop": ["s"] * 17}, "stop", "at most 16 strings"),
     ("completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "is not supported"),
     ("completions", {"prompt": "x", "colour": "red"}, "colour", "unrecognized request argument"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
+    ("completions", {"prompt": ["a", "b"], "stream": True}, "stream", "answered whole, not streamed"),
+    ("completions", {"prompt": [[1, 2], "b", [3.5]]}, "prompt", "a list of 1-256 of those"),
+    ("completions", {"prompt": [[1, 2], []]}, "prompt", "a list of 1-256 of those"),
+    ("completions", {"prompt": [[5] * 10, [5] * 2048]}, "prompt[1]", "leaves no room for output"),
     ("completions", {"prompt": [1, 99999]}, "prompt", "token ids in [0, 319]"),
     ("completions", {"prompt": [5] * 3000}, "prompt", "maximum context length is 2048 tokens"),
     ("completions", {"prompt": [5] * 2040, "max_tokens": 16}, "max_tokens", "the prompt has 2040 tokens"),
@@ -382,14 +389,15 @@ def test_a_tampered_receipt_fails_at_the_changed_position(env: Env, serve_live: 
         body = {"model": MODEL_NAME, "prompt": [3, 1, 4, 1, 5, 9, 2, 6], "max_tokens": 8, "temperature": 0.0,
                 "ignore_eos": True}
         rid = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).json()["receipt_id"]
+        decode = live.llm.tokenizer.decode
     receipt = _receipt(env, tmp_path / "out", rid)
     key, pos, out = load_private_key(env.key.private_path), 3, receipt.output
     bits = bytearray(out.logprobs_f32le)
     bits[4 * pos] ^= 1  # the lowest mantissa bit of logprob `pos`
     tokens = list(out.token_ids)
     tokens[pos] = (tokens[pos] + 1) % 256
-    cases = {"intact": out, "logprob-bit": OutputRecord(out.token_ids, bytes(bits), out.finish_reason),
-             "token": OutputRecord(tuple(tokens), out.logprobs_f32le, out.finish_reason)}
+    cases = {"intact": out, "logprob-bit": OutputRecord(out.token_ids, bytes(bits), out.finish_reason, out.text),
+             "token": OutputRecord(tuple(tokens), out.logprobs_f32le, out.finish_reason, decode(tokens))}
     for name, output in cases.items():
         folder = tmp_path / name
         folder.mkdir()

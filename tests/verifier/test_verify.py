@@ -15,7 +15,13 @@ from detent_audit.cli import app
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.tuples import save_tuple
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
-from detent_audit.manifests.receipt import OutputRecord, sign_receipt, verify_envelope
+from detent_audit.manifests.receipt import (
+    ClientRequest,
+    OutputRecord,
+    RunRecord,
+    sign_receipt,
+    verify_envelope,
+)
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline
 
@@ -35,7 +41,29 @@ def served(make_checkpoint, tmp_path_factory) -> dict:
     (root / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     serve_offline(llm, node, root / "in.jsonl", root / "out.jsonl")
     node.close()
-    return {"root": root, "ckpt": ckpt, "key": key, "out": root / "out", "jit": root / "jit"}
+    return {"root": root, "ckpt": ckpt, "key": key, "out": root / "out", "jit": root / "jit", "tokenizer": llm.tokenizer}
+
+
+def _output(served_or_tokenizer, tokens, logprobs, finish, tops=()) -> OutputRecord:
+    """An output record whose text is the tokens' text (what the server returns)."""
+    tok = served_or_tokenizer["tokenizer"] if isinstance(served_or_tokenizer, dict) else served_or_tokenizer
+    return OutputRecord.from_floats(tokens, logprobs, finish, tok.decode(list(tokens)), tops)
+
+
+def _renamed(r, name: str):
+    """`r` as the receipt of request `name` (its bound body's id too), to be saved as `name`.receipt."""
+    body = {**r.request.client.body(), "id": name}
+    return dataclasses.replace(r, request=dataclasses.replace(r.request, request_id=name,
+                                                              client=ClientRequest.of(r.request.client.api, body)),
+                               run=RunRecord(f"forged-{name}", 0))
+
+
+def _bound(r, **sampling):
+    """`r`'s request with its sampling changed, and the client's bound body changed to ask for it."""
+    body = r.request.client.body()
+    body.update({k: list(v) if isinstance(v, tuple) else v for k, v in sampling.items()})
+    return dataclasses.replace(r.request, client=ClientRequest.of(r.request.client.api, body),
+                               sampling=dataclasses.replace(r.request.sampling, **sampling))
 
 
 def _verify(served: dict, *paths: Path, extra: tuple[str, ...] = ()) -> tuple[int, dict]:
@@ -69,8 +97,8 @@ def _tampered(served: dict, tmp_path: Path, change) -> Path:
 
     r = verify_envelope(src.read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
     tokens, lps = change(list(r.output.token_ids), list(r.output.logprobs))
-    forged = dataclasses.replace(r, output=OutputRecord.from_floats(tokens, lps, r.output.finish_reason))
-    path = tmp_path / "forged.receipt"
+    forged = dataclasses.replace(r, output=_output(served, tokens, lps, r.output.finish_reason))
+    path = tmp_path / "r4.receipt"
     path.write_bytes(sign_receipt(forged, load_private_key(served["key"].private_path)))
     return path
 
@@ -118,7 +146,7 @@ def test_other_weights_are_not_comparable(served, make_checkpoint) -> None:
 def test_other_thread_count_is_not_comparable(served) -> None:
     code, report = _verify(served, served["out"] / "receipts" / "r1.receipt", extra=("--threads", "2"))
     assert code == 3
-    assert report["outcomes"][0]["fields"] == ["deployment.gpu.num_sms", "runtime.num_threads"]
+    assert report["outcomes"][0]["fields"] == ["runtime.num_threads"]  # compared before building
 
 
 def test_other_tuple_is_not_comparable(served, tmp_path) -> None:
@@ -174,7 +202,8 @@ def test_receipts_of_a_generated_model_verify_without_a_checkpoint(tmp_path, mon
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_token_ids": [4, 5, 6], "max_tokens": 3}) + "\n")
     serve_offline(llm, node, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
     node.close()
-    res = runner.invoke(app, ["verify", str(tmp_path / "out"), "--key", str(key.public_path), "--json"])
+    res = runner.invoke(app, ["verify", str(tmp_path / "out"), "--key", str(key.public_path), "--json",
+                              "--model", "random:tiny-llama"])
     assert res.exit_code == 0, res.output
 
 
@@ -200,7 +229,7 @@ def test_workers_give_the_verdicts_of_one_process(served, tmp_path) -> None:
 def test_workers_report_a_deployment_mismatch_and_refuse_a_bad_count(served) -> None:
     code, report = _verify(served, served["out"] / "receipts", extra=("--threads", "2", "--workers", "2"))
     assert code == 3
-    assert {tuple(o["fields"]) for o in report["outcomes"]} == {("deployment.gpu.num_sms", "runtime.num_threads")}
+    assert {tuple(o["fields"]) for o in report["outcomes"] if o["kind"] == "receipt"} == {("runtime.num_threads",)}
     res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers", "0"])
     assert res.exit_code == 2 and "workers" in res.stderr
 
@@ -254,14 +283,18 @@ def test_a_response_that_filled_the_context_verifies_and_an_impossible_one_fails
 
     r = verify_envelope((tmp_path / "out" / "receipts" / "full.receipt").read_bytes(),
                         load_trusted_keys(key.public_path)).receipt
-    longer = dataclasses.replace(r.request, request_id="longer", prompt_token_ids=tuple(range(5, 70)))
+    r = _renamed(r, "longer")
+    body = {**r.request.client.body(), "prompt_token_ids": list(range(5, 70))}
+    longer = dataclasses.replace(r.request, prompt_token_ids=tuple(range(5, 70)),
+                                 client=ClientRequest.of(r.request.client.api, body))
     (tmp_path / "out" / "receipts" / "longer.receipt").write_bytes(
         sign_receipt(dataclasses.replace(r, request=longer), load_private_key(key.private_path)))
     res = runner.invoke(app, [base[0], str(tmp_path / "out" / "receipts"), *base[2:]])
     assert res.exit_code == 1, res.output
     outcomes = {Path(o["path"]).stem: o for o in json.loads(res.stdout)["outcomes"]}
     assert outcomes["full"]["status"] == outcomes["short"]["status"] == "OK"
-    assert outcomes["longer"]["status"] == "FAIL" and "cannot re-execute" in outcomes["longer"]["message"]
+    # no front end of a 64-token context admits a 65-token prompt with 24 tokens to come
+    assert outcomes["longer"]["status"] == "FAIL" and "admits the client's request" in outcomes["longer"]["message"]
 
 
 def test_a_tuple_illegal_for_the_solved_pins_is_not_comparable(served, tmp_path) -> None:
@@ -278,7 +311,7 @@ def test_a_tuple_illegal_for_the_solved_pins_is_not_comparable(served, tmp_path)
     assert code == 3 and o["fields"] == ["tuple"] and "the --tuple given is not legal" in o["message"], o
     signed_values = {**values, "mode": dict(r.tuple_values["mode"])}
     forged = dataclasses.replace(r, tuple_values=signed_values, tuple_hash=tuple_hash(signed_values))
-    path = tmp_path / "forged.receipt"
+    path = tmp_path / "r1.receipt"
     path.write_bytes(sign_receipt(forged, load_private_key(served["key"].private_path)))
     code, report = _verify(served, path)
     (o,) = report["outcomes"]
@@ -305,7 +338,7 @@ def test_facts_this_machine_cannot_rebuild_are_reported_per_receipt(served, tmp_
         for k, v in runtime.items():
             if v is None:
                 del facts["runtime"][k]
-        forged = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts))
+        forged = dataclasses.replace(_renamed(r, name), deployment_facts=facts, deployment_hash=facts_hash(facts))
         (folder / f"{name}.receipt").write_bytes(sign_receipt(forged, key))
 
     forge("gpu", device="NVIDIA H200 sm90 132 SMs cuda 13.0 triton 3.6.0")
@@ -367,14 +400,17 @@ def _forge_all(served, tmp_path, name: str, change) -> Path:
     """r0's receipt (greedy, 6 tokens, ignore_eos) changed by `change(receipt) -> receipt`, re-signed."""
 
     r = _receipt(served, "r0")
-    path = tmp_path / f"{name}.receipt"
-    path.write_bytes(sign_receipt(change(r), load_private_key(served["key"].private_path)))
+    (tmp_path / name).mkdir()
+    path = tmp_path / name / "r0.receipt"
+    forged = dataclasses.replace(change(r), run=RunRecord(f"forged-{name}", 0))
+    path.write_bytes(sign_receipt(forged, load_private_key(served["key"].private_path)))
     return path
 
 
-def _with(r, tokens, logprobs, finish, **sampling):
-    request = dataclasses.replace(r.request, sampling=dataclasses.replace(r.request.sampling, **sampling))
-    return dataclasses.replace(r, request=request, output=OutputRecord.from_floats(tokens, logprobs, finish))
+def _with(r, tokens, logprobs, finish, tokenizer=None, **sampling):
+    request = _bound(r, **sampling) if sampling else r.request
+    text = tokenizer.decode(list(tokens)) if tokenizer is not None else ""
+    return dataclasses.replace(r, request=request, output=OutputRecord.from_floats(tokens, logprobs, finish, text))
 
 
 @pytest.mark.parametrize("mode", ["rescore", "replay"])
@@ -389,7 +425,8 @@ def test_a_node_cannot_forge_the_finish_reason_or_feed_ids_outside_the_vocabular
     def cut(finish, **sampling):
         def change(r):
             tokens, lps = list(r.output.token_ids), list(r.output.logprobs)
-            return _with(r, tokens[:3], lps[:3], finish, stop_token_ids=(tokens[2],), **sampling)
+            return _with(r, tokens[:3], lps[:3], finish, served["tokenizer"], stop_token_ids=(tokens[2],),
+                         **sampling)
         return change
 
     r0_tokens = None
@@ -405,7 +442,7 @@ def test_a_node_cannot_forge_the_finish_reason_or_feed_ids_outside_the_vocabular
     if len(set(r0_tokens[:3])) < 3:  # the cut is honest only where its stop token first appears at the end
         pytest.skip("r0's first tokens repeat")
     code, report = _verify(served, folder, extra=("--mode", mode))
-    by = {Path(o["path"]).stem: o for o in report["outcomes"]}
+    by = {Path(o["path"]).parent.name: o for o in report["outcomes"]}
     assert by["stop-honest"]["status"] == "OK", by["stop-honest"]
     for name in ("length-at-stop", "length-at-stop-max"):
         assert by[name]["status"] == "FAIL" and "so it finished with 'stop'" in by[name]["message"], by[name]
@@ -437,12 +474,13 @@ def test_stock_receipts_are_not_comparable(served, make_checkpoint, tmp_path) ->
 
 def test_a_response_cut_by_the_context_and_a_request_longer_than_the_default_kv_pool_verify(make_checkpoint,
                                                                                           tmp_path) -> None:
-    """Honest receipts the verifier used to refuse: 'length' because prompt and output filled max_model_len
-    before max_tokens (the engine API allows it), and a request needing more KV blocks than the default pool
-    (block size 1); both modes pass."""
+    """Honest receipts the verifier used to refuse: 'length' where prompt and output fill max_model_len (a
+    prompt and max_tokens beyond it are refused by both front ends, so a receipt of one FAILs: see
+    test_receipts.py), and a request needing more KV blocks than the default pool (block size 1); both modes
+    pass."""
     ckpt = make_checkpoint("tiny-llama")
     key = generate_key(tmp_path / "node.key")
-    for name, overrides, prompt, max_tokens in (("context", {"max_model_len": 64}, list(range(3, 60)), 20),
+    for name, overrides, prompt, max_tokens in (("context", {"max_model_len": 64}, list(range(3, 60)), 7),
                                                 ("pool", {"block_size": 1, "num_kv_blocks": 4096},
                                                  [(7 * i) % 250 for i in range(1500)], 3)):
         llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(tmp_path / "jit"), **overrides))
@@ -452,7 +490,9 @@ def test_a_response_cut_by_the_context_and_a_request_longer_than_the_default_kv_
         params = SamplingParams(temperature=0.7, seed=5, max_tokens=max_tokens, ignore_eos=True)
         (out,) = llm.generate([prompt], params)
         assert out.finish_reason == "length"
-        node.sign(out, params, name)
+        node.sign(out, params, name, ClientRequest.of("detent/v1/offline-jsonl", {
+            "id": name, "prompt_token_ids": prompt, "max_tokens": max_tokens, "temperature": 0.7, "seed": 5,
+            "ignore_eos": True}))
         node.close()
         for mode in ("rescore", "replay"):
             res = runner.invoke(app, ["verify", str(tmp_path / name), "--key", str(key.public_path), "--model",
@@ -501,7 +541,7 @@ def test_an_empty_output_and_a_tuple_its_facts_do_not_record_fail(served, tmp_pa
                                                                "mode": {"name": "detent", "junk": 7}})(r))
     for mode in ("rescore", "replay"):
         code, report = _verify(served, folder, extra=("--mode", mode))
-        by = {Path(o["path"]).stem: o for o in report["outcomes"]}
+        by = {Path(o["path"]).parent.name: o for o in report["outcomes"]}
         assert code == 1 and all(o["status"] == "FAIL" for o in by.values()), by
         assert "an empty output" in by["empty"]["message"] and "an empty output" in by["empty-full"]["message"]
         for name in ("mode-only", "extra-key"):
@@ -512,7 +552,6 @@ def test_a_sample_is_unpredictable_unless_its_seed_is_given_and_a_run_answers_ea
                                                                                               tmp_path) -> None:
     """--sample draws its seed at random and reports it; --seed repeats that sample. A run manifest whose
     receipts answer one request id twice (a node keeping the draw it liked) FAILs."""
-    import shutil
 
     seeds, picks = set(), {}
     for _ in range(3):
@@ -530,12 +569,14 @@ def test_a_sample_is_unpredictable_unless_its_seed_is_given_and_a_run_answers_ea
     trusted = load_trusted_keys(served["key"].public_path)
     a, b = (verify_envelope((served["out"] / "receipts" / f"r{i}.receipt").read_bytes(), trusted).receipt
             for i in (1, 2))
-    b_as_a = dataclasses.replace(b, request=dataclasses.replace(b.request, request_id=a.request.request_id))
+    a = dataclasses.replace(a, run=RunRecord("twice", 0))
+    b_as_a = dataclasses.replace(b, request=dataclasses.replace(b.request, request_id=a.request.request_id),
+                                 run=RunRecord("twice", 1))
     folder = tmp_path / "twice"
-    folder.mkdir()
+    (folder / "again").mkdir(parents=True)
     key = load_private_key(served["key"].private_path)
-    shutil.copy(served["out"] / "receipts" / "r1.receipt", folder / "r1.receipt")
-    (folder / "r1-again.receipt").write_bytes(sign_receipt(b_as_a, key))
+    (folder / "r1.receipt").write_bytes(sign_receipt(a, key))
+    (folder / "again" / "r1.receipt").write_bytes(sign_receipt(b_as_a, key))
     manifest = RunManifest.for_receipts([a, b_as_a], run_id="twice", node_keyid=a.node_keyid,
                                         deployment_hash=a.deployment_hash, tuple_hash=a.tuple_hash,
                                         time_unix_ns=a.time_unix_ns)
@@ -559,7 +600,9 @@ def test_replay_holds_a_request_whose_max_tokens_exceeds_the_default_kv_pool(mak
     (out,) = llm.generate([[9, 8, 7]], params)
     assert out.finish_reason == "stop" and len(out.token_ids) <= 2
     node = ServingNode(llm, load_private_key(key.private_path), tmp_path / "out")
-    node.sign(out, params, "early-stop")
+    node.sign(out, params, "early-stop", ClientRequest.of("detent/v1/offline-jsonl", {
+        "id": "early-stop", "prompt_token_ids": [9, 8, 7], "max_tokens": 1500,
+        "stop_token_ids": [probe.token_ids[1]], "ignore_eos": True}))
     node.close()
     for mode in ("rescore", "replay"):
         res = runner.invoke(app, ["verify", str(tmp_path / "out"), "--key", str(key.public_path), "--model",
@@ -581,6 +624,7 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
     r = _receipt(served, "r1")
     facts = json.loads(json.dumps(r.deployment_facts, default=dict))
     facts["deployment"]["engine"]["max_model_len"] = 200_000
+    r = _renamed(r, "huge")
     request = dataclasses.replace(r.request, sampling=dataclasses.replace(r.request.sampling, max_tokens=4_000_000))
     forged = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts), request=request)
     (folder / "huge.receipt").write_bytes(sign_receipt(forged, load_private_key(served["key"].private_path)))

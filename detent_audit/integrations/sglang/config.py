@@ -32,7 +32,8 @@ class PluginConfig:
     process; tuple: the committed tuple for the CPU kernels (family -> axis -> value; {} = the preferred legal
     one); deployment: a deployment TOML whose SGLang selection points (FA3 splits, MoE row, all-reduce) are
     pinned (CUDA only; None on a CPU); cuda_tuple: that deployment's committed tuple ({} = its default);
-    report_dir: where each process writes which hooks it applied (None: nowhere)."""
+    report_dir: where each process writes which hooks it applied (None: nowhere); launcher_pid: the process
+    that starts SGLang (its hooks go only into SGLang's own processes; None: every process)."""
 
     mode: str
     model_path: str
@@ -41,6 +42,7 @@ class PluginConfig:
     deployment: str | None = None
     cuda_tuple: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     report_dir: str | None = None
+    launcher_pid: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -48,6 +50,8 @@ class PluginConfig:
                            remedy="serve SGLang in detent or stock mode")
         if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 1:
             raise BadInput(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        if self.launcher_pid is not None and (isinstance(self.launcher_pid, bool) or not isinstance(self.launcher_pid, int)):
+            raise BadInput(f"launcher_pid must be a process id, got {self.launcher_pid!r}")
         for name in ("tuple", "cuda_tuple"):
             value = getattr(self, name)
             if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):

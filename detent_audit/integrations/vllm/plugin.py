@@ -106,4 +106,11 @@ def register() -> None:
                      "detent_audit.integrations.vllm.attention.DetentCPUAttentionBackend")
     if not hasattr(layer_utils.dispatch_cpu_unquantized_gemm, "detent_original"):
         layer_utils.dispatch_cpu_unquantized_gemm = _detent_gemm_dispatch(layer_utils.dispatch_cpu_unquantized_gemm)
+    from vllm.platforms import current_platform
+
+    if active() and current_platform.is_cuda():  # written for vLLM 0.33 on CUDA; not run here (cuda.py)
+        from detent_audit.integrations.vllm import cuda
+
+        cuda.pin_flash_attention(1)
+        os.environ.update(cuda.ENV)
     _installed = True

@@ -1,0 +1,136 @@
+"""The evaluation audit on a real model: lm-eval against `detent-audit serve`, then `verify-eval`.
+
+One run, in order: (1) serve the model in detent mode; lm-eval runs the shipped tasks (examples/eval: the
+generate_until and the multiple-choice variant) through /v1/completions with --log_samples, timed (lm-eval's
+serving time); (2) `verify-eval` on its output and receipts, timed; (3) the multiple-choice task again at
+num_concurrent 1 and 8 (batch size 1), on a detent server and on a stock server, and the per-sample logprobs
+compared bit for bit between the two concurrencies. Raw outputs (lm-eval's folders, verify-eval's JSON, the
+comparison) go under --out; a summary JSON is printed and written there.
+
+    python benchmarks/eval_audit.py --model /path/to/checkpoint --out benchmarks/results/eval-audit-smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "examples" / "eval"
+CLI = [str(Path(sys.executable).with_name("detent-audit"))]
+ENV = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(model: str, key: Path, out: Path, mode: str, name: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--model", model, "--key", str(key), "--manifest-out", str(out),
+                             "--mode", mode, "--port", str(port), "--served-model-name", name],
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=open(out.parent / f"serve-{mode}.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc, url
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the {mode} server did not start") from None
+            time.sleep(1)
+
+
+def lm_eval(url: str, model: str, name: str, out: Path, tasks: str, *, limit: int | None, batch_size: int,
+            concurrent: int) -> float:
+    args = (f"model={name},base_url={url}/v1/completions,tokenizer={model},tokenizer_backend=huggingface,"
+            f"num_concurrent={concurrent}")
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
+           "--include_path", str(TASKS), "--tasks", tasks, "--batch_size", str(batch_size),
+           "--output_path", str(out), "--log_samples"] + (["--limit", str(limit)] if limit else [])
+    start = time.perf_counter()
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        subprocess.run(cmd, env=ENV, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return time.perf_counter() - start
+
+
+def per_sample(run: Path, task: str) -> dict[str, list]:
+    [path] = run.rglob(f"samples_{task}_*.jsonl")
+    return {f"{json.loads(line)['doc_id']}": json.loads(line)["resps"] for line in path.read_text().splitlines()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="checkpoint folder the server and lm-eval's tokenizer read")
+    ap.add_argument("--name", default="model", help="served model name")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batch-size", type=int, default=4, help="lm-eval's batch (prompts per request)")
+    ap.add_argument("--concurrency-limit", type=int, default=20, help="documents of the 1-vs-8 comparison")
+    args = ap.parse_args()
+    out = args.out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    key = out / "node.key"
+    subprocess.run([*CLI, "keygen", "--out", str(key)], env=ENV, check=True, stdout=subprocess.DEVNULL)
+    summary: dict = {"model": args.model, "machine": os.uname().nodename, "cpus": os.cpu_count()}
+
+    # (1) and (3, detent): one detent server
+    proc, url = serve(args.model, key, out / "detent-node", "detent", args.name)
+    try:
+        summary["lm_eval_seconds"] = lm_eval(url, args.model, args.name, out / "lm-eval", "detent_qa_gen,detent_qa_mc",
+                                             limit=None, batch_size=args.batch_size, concurrent=1)
+        runs = {}
+        for c in (1, 8):
+            runs[c] = out / f"detent-c{c}"
+            lm_eval(url, args.model, args.name, runs[c], "detent_qa_mc", limit=args.concurrency_limit,
+                    batch_size=1, concurrent=c)
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    # (2): verify-eval on the full run
+    start = time.perf_counter()
+    done = subprocess.run([*CLI, "verify-eval", str(out / "lm-eval"), "--receipts", str(out / "detent-node"),
+                           "--key", f"{key}.pub", "--model", args.model, "--include-path", str(TASKS), "--json"],
+                          env=ENV, capture_output=True, text=True)
+    summary["verify_eval_seconds"] = time.perf_counter() - start
+    summary["verify_eval_exit"] = done.returncode
+    (out / "verify-eval.json").write_text(done.stdout)
+    (out / "verify-eval.stderr").write_text(done.stderr[-20000:])
+    report = json.loads(done.stdout) if done.stdout.strip() else {}
+    summary["verify_eval"] = {k: report.get(k) for k in ("scores", "coverage", "receipts", "seconds")}
+    samples = report.get("coverage", {}).get("total") or 100
+    summary["seconds_per_sample"] = {"lm_eval": summary["lm_eval_seconds"] / samples,
+                                     "verify_eval": summary["verify_eval_seconds"] / samples}
+    summary["verify_over_serving"] = summary["verify_eval_seconds"] / summary["lm_eval_seconds"]
+    # (3, stock): the same comparison on a stock server
+    proc, url = serve(args.model, key, out / "stock-node", "stock", args.name)
+    try:
+        for c in (1, 8):
+            lm_eval(url, args.model, args.name, out / f"stock-c{c}", "detent_qa_mc", limit=args.concurrency_limit,
+                    batch_size=1, concurrent=c)
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    for mode in ("detent", "stock"):
+        one, eight = (per_sample(out / f"{mode}-c{c}", "detent_qa_mc") for c in (1, 8))
+        requests = [(doc, i) for doc in one for i in range(len(one[doc]))]
+        differ = [f"doc {doc} choice {i}: {one[doc][i][0]} vs {eight[doc][i][0]}" for doc, i in requests
+                  if one[doc][i] != eight[doc][i]]
+        summary[f"concurrency_1_vs_8_{mode}"] = {"requests": len(requests), "differ": len(differ),
+                                                  "examples": differ[:5]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

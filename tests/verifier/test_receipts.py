@@ -1,0 +1,346 @@
+"""What a receipt proves, tried as a node holding the trusted key would: each forgery below is re-signed with
+the node's own key, and `verify` must refuse it (numbers: the defects these tests hold)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from detent_audit.cli import app
+from detent_audit.engine.facts import collect_facts, facts_hash
+from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
+from detent_audit.manifests.receipt import (
+    OutputRecord,
+    RunRecord,
+    sign_receipt,
+    verify_envelope,
+)
+from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
+from detent_audit.server.node import ServingNode
+from detent_audit.server.offline import serve_offline
+
+runner = CliRunner()
+API = "detent/v1/offline-jsonl"
+
+
+@pytest.fixture(scope="module")
+def node_run(make_checkpoint, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("receipts")
+    ckpt = make_checkpoint("tiny-llama")
+    key = generate_key(root / "node.key")
+    llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(root / "jit")))
+    node = ServingNode(llm, load_private_key(key.private_path), root / "out")
+    node.publish(root / "deployment.json")
+    lines = [{"id": "long", "prompt_token_ids": list(range(5, 25)), "max_tokens": 64, "ignore_eos": True},
+             {"id": "sampled", "prompt_token_ids": [9, 8, 7, 6, 5], "max_tokens": 6, "temperature": 0.9, "seed": 11,
+              "ignore_eos": True, "logprobs": 3}]
+    (root / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    serve_offline(llm, node, root / "in.jsonl", root / "out.jsonl")
+    node.close()
+    return {"root": root, "ckpt": ckpt, "key": key, "llm": llm, "out": root / "out",
+            "private": load_private_key(key.private_path)}
+
+
+def _receipt(run: dict, name: str):
+    path = run["out"] / "receipts" / f"{name}.receipt"
+    return verify_envelope(path.read_bytes(), load_trusted_keys(run["key"].public_path)).receipt
+
+
+def _save(run: dict, folder: Path, receipt, name: str | None = None) -> Path:
+    """`receipt` re-signed by the node, in a folder of its own, named for its request (or `name`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name or receipt.request.request_id}.receipt"
+    path.write_bytes(sign_receipt(receipt, run["private"]))
+    return path
+
+
+def _verify(run: dict, *paths: Path, extra: tuple[str, ...] = ()) -> tuple[int, dict]:
+    res = runner.invoke(app, ["verify", *map(str, paths), "--key", str(run["key"].public_path), "--model",
+                              str(run["ckpt"]), "--cache-dir", str(run["root"] / "jit"), "--json", *extra])
+    return res.exit_code, json.loads(res.stdout)
+
+
+def _receipt_outcome(report: dict) -> dict:
+    (o,) = [o for o in report["outcomes"] if o["kind"] == "receipt"]
+    return o
+
+
+def _output(run: dict, tokens, logprobs, finish, tops=()) -> OutputRecord:
+    return OutputRecord.from_floats(tokens, logprobs, finish, run["llm"].tokenizer.decode(list(tokens)), tops)
+
+
+def test_the_honest_receipts_verify_and_say_whose_request_they_are(node_run, tmp_path) -> None:
+    for mode in ("rescore", "replay"):
+        code, report = _verify(node_run, node_run["out"], extra=("--mode", mode))
+        assert code == 0, report
+        assert report["facts_self_asserted"] is True and report["coverage"]["uncovered"] == []
+        code, report = _verify(node_run, node_run["out"], extra=("--mode", mode, "--deployment",
+                                                                   str(node_run["root"] / "deployment.json")))
+        assert code == 0 and report["facts_self_asserted"] is False and len(report["published_deployments"]) == 1
+    res = runner.invoke(app, ["verify", str(node_run["out"]), "--key", str(node_run["key"].public_path), "--model",
+                              str(node_run["ckpt"]), "--cache-dir", str(node_run["root"] / "jit")])
+    assert res.exit_code == 0 and "request long" in res.stdout and "facts are self-asserted" in res.stdout
+    assert "coverage: 2 of 2 receipts in 1 run manifest(s)" in res.stdout
+
+
+@pytest.mark.parametrize("mode", ["rescore", "replay"])
+def test_1_truncation_by_a_lied_max_model_len_fails(node_run, tmp_path, mode: str) -> None:
+    """The client asked max_tokens=64; the node returns 5 tokens, 'length', and facts claiming max_model_len =
+    prompt + 5, a signed run manifest too. No front end of that deployment admits the request: FAIL; and
+    against the published deployment the facts are not the published ones."""
+    r = _receipt(node_run, "long")
+    facts = json.loads(json.dumps(r.deployment_facts, default=dict))
+    facts["deployment"]["engine"]["max_model_len"] = len(r.request.prompt_token_ids) + 5
+    cut = _output(node_run, r.output.token_ids[:5], r.output.logprobs[:5], "length")
+    forged = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts), output=cut)
+    path = _save(node_run, tmp_path / "cut" / "receipts", forged)
+    manifest = RunManifest.for_receipts([forged], run_id=forged.run.run_id, node_keyid=forged.node_keyid,
+                                        deployment_hash=forged.deployment_hash, tuple_hash=forged.tuple_hash,
+                                        time_unix_ns=forged.time_unix_ns)
+    (tmp_path / "cut" / "run.manifest").write_bytes(sign_run_manifest(manifest, node_run["private"]))
+    code, report = _verify(node_run, tmp_path / "cut", extra=("--mode", mode))
+    o = _receipt_outcome(report)
+    assert code == 1 and o["status"] == "FAIL" and "admits the client's request" in o["message"], o
+    code, report = _verify(node_run, path, extra=("--mode", mode, "--deployment",
+                                                  str(node_run["root"] / "deployment.json")))
+    o = _receipt_outcome(report)
+    assert code == 1 and "not among the 1 published deployment" in o["message"], o
+
+
+def _forgeries(run: dict) -> dict:
+    long, sampled = _receipt(run, "long"), _receipt(run, "sampled")
+    llm = run["llm"]
+    # another prompt, computed honestly, under the client's request
+    other = [5, 6, 7, 8]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, seed=long.request.seed)
+    (out,) = llm.generate([other], params)
+    other_prompt = dataclasses.replace(long, request=dataclasses.replace(long.request, prompt_token_ids=tuple(other)),
+                                       output=_output(run, out.token_ids, out.logprobs, out.finish_reason))
+    # greedy where the client asked temperature 0.9, seed 11 (and the greedy output honestly computed)
+    s = sampled.request.sampling
+    greedy_params = SamplingParams(temperature=0.0, max_tokens=s.max_tokens, ignore_eos=True, seed=11, logprobs=3)
+    (g,) = llm.generate([list(sampled.request.prompt_token_ids)], greedy_params)
+    greedy = dataclasses.replace(
+        sampled, request=dataclasses.replace(sampled.request, sampling=dataclasses.replace(s, temperature=0.0)),
+        output=_output(run, g.token_ids, g.logprobs, g.finish_reason, g.top_logprobs))
+    # max_tokens lowered to the truncation point
+    lowered = dataclasses.replace(
+        long, request=dataclasses.replace(long.request, sampling=dataclasses.replace(long.request.sampling,
+                                                                                      max_tokens=5)),
+        output=_output(run, long.output.token_ids[:5], long.output.logprobs[:5], "length"))
+    # a stop token id the client never sent, ending the output early
+    t = long.output.token_ids
+    stop = next(i for i in range(2, len(t)) if t[i] not in t[:i])
+    extra_stop = dataclasses.replace(
+        long, request=dataclasses.replace(long.request, sampling=dataclasses.replace(
+            long.request.sampling, stop_token_ids=(t[stop],))),
+        output=_output(run, t[:stop + 1], long.output.logprobs[:stop + 1], "stop"))
+    # the text returned, and one top alternative's logprob bit
+    other_text = dataclasses.replace(sampled, output=dataclasses.replace(sampled.output, text="another answer"))
+    bits = bytearray(sampled.output.top_logprobs_f32le)
+    bits[4] ^= 1
+    tops = OutputRecord(sampled.output.token_ids, sampled.output.logprobs_f32le, sampled.output.finish_reason,
+                        sampled.output.text, sampled.output.top_token_ids, bytes(bits))
+    other_tops = dataclasses.replace(sampled, output=tops)
+    return {"other-prompt": (other_prompt, "is not the client's request"),
+            "greedy": (greedy, "temperature"), "lowered-max-tokens": (lowered, "max_tokens 5 where the client asked 64"),
+            "extra-stop": (extra_stop, "stop_token_ids"), "other-text": (other_text, "text returned"),
+            "other-top-logprob": (other_tops, "top-3 alternatives returned differ")}
+
+
+@pytest.mark.parametrize("mode", ["rescore", "replay"])
+def test_2_a_receipt_binds_the_request_as_the_client_sent_it_and_the_text_and_alternatives_returned(
+        node_run, tmp_path, mode: str) -> None:
+    forgeries = _forgeries(node_run)
+    for name, (receipt, _) in forgeries.items():
+        _save(node_run, tmp_path / name, receipt)
+    code, report = _verify(node_run, tmp_path, extra=("--mode", mode))
+    by = {Path(o["path"]).parent.name: o for o in report["outcomes"] if o["kind"] == "receipt"}
+    assert set(by) == set(forgeries)
+    for name, (_, fragment) in forgeries.items():
+        assert by[name]["status"] == "FAIL" and fragment in by[name]["message"], (name, by[name])
+    assert code == 1
+
+
+def test_8_verify_never_builds_a_model_a_receipt_names(node_run, tmp_path, monkeypatch) -> None:
+    """Facts claiming random:llama-3.2-1b: not comparable, from the facts alone, before any engine is built;
+    the engine built is always the verifier's own --model."""
+    import detent_audit.verifier.reconstruct as reconstruct_module
+
+    r = _receipt(node_run, "long")
+    facts = json.loads(json.dumps(r.deployment_facts, default=dict))
+    facts["checkpoint"] = {"generated": "random:llama-3.2-1b", "config": "0" * 64,
+                           "eos_token_ids": facts["checkpoint"]["eos_token_ids"]}
+    path = _save(node_run, tmp_path / "big", dataclasses.replace(r, deployment_facts=facts,
+                                                                  deployment_hash=facts_hash(facts)))
+    built = []
+    real = reconstruct_module.LLM
+    monkeypatch.setattr(reconstruct_module, "LLM", lambda config: built.append(config.model) or real(config))
+    from detent_audit.verifier.verify import verify
+
+    report = verify([path], load_trusted_keys(node_run["key"].public_path), model=node_run["ckpt"],
+                    cache_dir=str(node_run["root"] / "jit"))
+    (o,) = report.outcomes
+    assert o.status == "NOT_COMPARABLE" and "checkpoint.generated" in o.fields and built == [], (o, built)
+    report = verify([node_run["out"] / "receipts" / "long.receipt"], load_trusted_keys(node_run["key"].public_path),
+                    model=node_run["ckpt"], cache_dir=str(node_run["root"] / "jit"))
+    assert report.exit_code == 0 and built == [str(node_run["ckpt"])]
+
+
+def test_9_a_receipt_under_another_requests_file_name_fails_and_the_text_names_requests(node_run, tmp_path) -> None:
+    folder = tmp_path / "renamed"
+    folder.mkdir()
+    (folder / "sampled.receipt").write_bytes((node_run["out"] / "receipts" / "long.receipt").read_bytes())
+    code, report = _verify(node_run, folder / "sampled.receipt")
+    o = _receipt_outcome(report)
+    assert code == 1 and o["status"] == "FAIL" and "receipt of request 'long'" in o["message"], o
+    res = runner.invoke(app, ["verify", str(node_run["out"] / "receipts" / "sampled.receipt"), "--key",
+                              str(node_run["key"].public_path), "--model", str(node_run["ckpt"]), "--cache-dir",
+                              str(node_run["root"] / "jit")])
+    assert res.exit_code == 0 and "request sampled" in res.stdout, res.stdout
+
+
+def test_10_claims_no_bit_can_confirm_are_bounded_or_not_signed(node_run, tmp_path) -> None:
+    """A signing time of 0 or 2**64 - 1 FAILs; the prefill chunk (which changes no bit) is not a fact, so a
+    receipt claiming one is not comparable, the field named."""
+    r = _receipt(node_run, "long")
+    for name, t in (("zero", 0), ("max", 2**64 - 1)):
+        path = _save(node_run, tmp_path / name, dataclasses.replace(r, time_unix_ns=t))
+        code, report = _verify(node_run, path)
+        o = _receipt_outcome(report)
+        assert code == 1 and "no node signed it then" in o["message"], o
+    assert "max_prefill_chunk" not in collect_facts(node_run["llm"])["scheduler"]
+    facts = json.loads(json.dumps(r.deployment_facts, default=dict))
+    facts["scheduler"]["max_prefill_chunk"] = 8
+    path = _save(node_run, tmp_path / "chunk", dataclasses.replace(r, deployment_facts=facts,
+                                                                    deployment_hash=facts_hash(facts)))
+    code, report = _verify(node_run, path)
+    o = _receipt_outcome(report)
+    assert code == 3 and o["fields"] == ["scheduler.max_prefill_chunk"], o
+
+
+def test_11_a_flipped_weight_byte_changes_the_weights_hash_even_with_its_mtime_restored(make_checkpoint, tmp_path,
+                                                                                        monkeypatch) -> None:
+    import shutil
+
+    from detent_audit.engine.facts import checkpoint_hashes
+
+    monkeypatch.setenv("DETENT_AUDIT_CACHE", str(tmp_path / "cache"))
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(make_checkpoint("tiny-llama"), ckpt)
+    before = checkpoint_hashes(ckpt)["weights"]
+    assert checkpoint_hashes(ckpt)["weights"] == before  # cached
+    weights = next(ckpt.glob("*.safetensors"))
+    st = weights.stat()
+    with open(weights, "r+b") as f:
+        f.seek(st.st_size - 1)
+        last = f.read(1)
+        f.seek(st.st_size - 1)
+        f.write(bytes([last[0] ^ 1]))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_mtime_ns == st.st_mtime_ns and weights.stat().st_size == st.st_size
+    assert checkpoint_hashes(ckpt)["weights"] != before
+
+
+def test_12_trusted_key_folders_skip_and_report_junk_and_a_pub_holds_one_key(node_run, tmp_path) -> None:
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "node.pub").write_bytes(node_run["key"].public_path.read_bytes())
+    (keys / "junk.pub").write_text("not a key")
+    (keys / "dir.pub").mkdir()
+    res = runner.invoke(app, ["verify", str(node_run["out"] / "receipts" / "long.receipt"), "--trusted-keys",
+                              str(keys), "--model", str(node_run["ckpt"]), "--cache-dir", str(node_run["root"] / "jit"),
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    problems = json.loads(res.stdout)["trusted_key_problems"]
+    assert any("junk.pub" in p for p in problems) and any("dir.pub" in p and "not a regular file" in p for p in problems)
+    assert "junk.pub" in res.stderr
+    other = generate_key(tmp_path / "other.key")
+    (keys / "two.pub").write_bytes(other.public_path.read_bytes() + node_run["key"].public_path.read_bytes())
+    res = runner.invoke(app, ["verify", str(node_run["out"] / "receipts" / "long.receipt"), "--key",
+                              str(keys / "two.pub"), "--model", str(node_run["ckpt"])])
+    assert res.exit_code == 2 and "holds 2 PEM blocks" in res.stderr
+
+
+def _response_documents(run: dict, name: str) -> tuple[dict, dict, Path]:
+    """The request a client sent and the response it got, as `serve --input` recorded them."""
+    r = _receipt(run, name)
+    path = run["out"] / "receipts" / f"{name}.receipt"
+    from detent_audit.manifests.dsse import Envelope
+    from detent_audit.server.node import SignedReceipt
+
+    proof = SignedReceipt(name, path, r, path.read_bytes()).client_proof
+    lines = [json.loads(x) for x in (run["root"] / "in.jsonl").read_text().splitlines()]
+    request = next(x for x in lines if x["id"] == name)
+    response = {"id": name, "object": "text_completion", "system_fingerprint": r.deployment_hash,
+                "choices": [{"index": 0, "text": r.output.text, "finish_reason": r.output.finish_reason,
+                             "logprobs": {"token_logprobs": list(r.output.logprobs), "top_logprobs": [
+                                 {f"t{i}": v for i, v in top} for top in r.output.top_logprobs]}}],
+                "receipt": proof}
+    assert Envelope.from_bytes(path.read_bytes()).keyid == proof["keyid"]
+    return request, response, path
+
+
+def test_verify_response_checks_request_response_and_receipt_against_each_other(node_run, tmp_path) -> None:
+    request, response, receipt = _response_documents(node_run, "sampled")
+
+    def check(req: dict, resp: dict, rec: Path = receipt) -> tuple[int, dict]:
+        (tmp_path / "req.json").write_text(json.dumps(req))
+        (tmp_path / "resp.json").write_text(json.dumps(resp))
+        res = runner.invoke(app, ["verify-response", "--request", str(tmp_path / "req.json"), "--response",
+                                  str(tmp_path / "resp.json"), "--receipt", str(rec), "--key",
+                                  str(node_run["key"].public_path), "--model", str(node_run["ckpt"]), "--cache-dir",
+                                  str(node_run["root"] / "jit"), "--json"])
+        return res.exit_code, json.loads(res.stdout)
+
+    code, report = check(request, response)
+    assert code == 0 and report["outcomes"][0]["kind"] == "response", report
+    cases = {
+        "another request": ({**request, "temperature": 0.5}, response, "another request body"),
+        "another text": (request, {**response, "choices": [{**response["choices"][0], "text": "x"}]}, "text received"),
+        "another logprob": (request, {**response, "choices": [{**response["choices"][0], "logprobs": {
+            **response["choices"][0]["logprobs"], "token_logprobs": [
+                struct.unpack("<f", struct.pack("<f", -1.5))[0]] + response["choices"][0]["logprobs"][
+                "token_logprobs"][1:]}}]}, "logprobs received differ"),
+        "another receipt's proof": (request, {**response, "receipt": {**response["receipt"], "digest": "0" * 64}},
+                                    "receipt.digest"),
+        "another deployment": (request, {**response, "system_fingerprint": "1" * 64}, "system_fingerprint"),
+    }
+    for name, (req, resp, fragment) in cases.items():
+        code, report = check(req, resp)
+        first = report["outcomes"][0]
+        assert code == 1 and first["status"] == "FAIL" and fragment in first["message"], (name, first)
+    long_request, long_response, long_receipt = _response_documents(node_run, "long")
+    code, report = check(request, response, long_receipt)  # the request and response of another receipt
+    assert code == 1 and "another request body" in report["outcomes"][0]["message"]
+
+
+def test_the_library_checks_a_response_in_one_call(node_run) -> None:
+    from detent_audit.verifier.client import verify_response
+
+    request, response, receipt = _response_documents(node_run, "sampled")
+    report = verify_response(request, response, receipt, load_trusted_keys(node_run["key"].public_path),
+                             model=node_run["ckpt"], cache_dir=str(node_run["root"] / "jit"))
+    assert report.exit_code == 0 and [o.kind for o in report.outcomes] == ["response", "receipt"]
+    report = verify_response({**request, "seed": 12}, response, receipt, load_trusted_keys(node_run["key"].public_path),
+                             model=node_run["ckpt"], cache_dir=str(node_run["root"] / "jit"))
+    assert report.exit_code == 1
+
+
+def test_a_run_whose_receipt_is_renumbered_or_its_run_changed_is_seen(node_run, tmp_path) -> None:
+    """Coverage is by run and sequence number: two receipts of one run with one number FAIL."""
+    a, b = _receipt(node_run, "long"), _receipt(node_run, "sampled")
+    folder = tmp_path / "runs"
+    _save(node_run, folder, a)
+    _save(node_run, folder, dataclasses.replace(b, run=RunRecord(a.run.run_id, a.run.seq)))
+    code, report = _verify(node_run, folder)
+    cov = [o for o in report["outcomes"] if o["kind"] == "coverage"]
+    assert code == 1 and any("sequence number" in o["message"] for o in cov), report
