@@ -449,15 +449,19 @@ class SglangEngine:
                 raise BadInput(f"prompt and output have {len(ids)} tokens, beyond the context of {self._max_len}")
             scored.append(self._submit(self.engine.async_generate(
                 input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True},
-                return_logprob=True, logprob_start_len=len(prompt), top_logprobs_num=max(1, p.logprobs or 0))))
+                # from the last prompt token: SGLang then matches at most that much cached prefix, so the
+                # logits before the first output token are computed, not served from the radix cache
+                return_logprob=True, logprob_start_len=len(prompt) - 1, top_logprobs_num=max(1, p.logprobs or 0))))
         replays = {i: self.add_request(list(pairs[i][0]), p) for i, p in enumerate(params) if p.temperature > 0}
         self.run(list(replays.values()))
         out = []
         for i, (future, (_, output)) in enumerate(zip(scored, pairs, strict=True)):
             n = params[i].logprobs or 0
             logprobs, tops = _scored_positions(future.result()["meta_info"], max(1, n))
-            if len(logprobs) != len(output):
-                raise RuntimeError(f"SGLang scored {len(logprobs)} positions, expected {len(output)}")
+            expected = len(output) + (len(pairs[i][0]) > 1)  # and the last prompt token's, unless it is the first
+            if len(logprobs) != expected:
+                raise RuntimeError(f"SGLang scored {len(logprobs)} positions, expected {expected}")
+            logprobs, tops = logprobs[-len(output):], tops[-len(output):]
             tokens = replays[i].output_token_ids if i in replays else [row[0][0] if row else -1 for row in tops]
             out.append(Rescored(logprobs, tokens, [row[:n] for row in tops] if n else []))
         return out
