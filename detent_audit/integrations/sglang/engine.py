@@ -467,8 +467,12 @@ class SglangEngine:
         return out
 
     def shutdown(self) -> None:
+        """Stop SGLang's processes (idempotent: a second call does nothing)."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is None:
+            return
         try:
-            self.engine.shutdown()
+            engine.shutdown()
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             shutil.rmtree(self._report_dir, ignore_errors=True)
