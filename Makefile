@@ -14,7 +14,7 @@ DEPLOYMENT ?= manifests/deployments/llama-3.1-70b-instruct-tp4-h100-sglang.toml
 DEMO := out/demo
 CLI := $(VENV)/bin/detent-audit
 
-.PHONY: demo demo-vllm solve test test-slow test-triton lint bench clean
+.PHONY: demo demo-vllm solve test test-slow test-triton lint typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -61,7 +61,7 @@ solve: $(VENV)/.installed
 
 # CI's tier: everything but the tests marked slow (the real model's battery, lm-eval end to end, SIGKILL
 # under load); `make test-slow` runs those
-test: $(VENV)/.installed lint
+test: $(VENV)/.installed lint typecheck
 	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
 
 test-slow: $(VENV)/.installed
@@ -77,6 +77,15 @@ test-triton: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+
+# mypy on the library as it installs: the product trees linked under one detent_audit/ (pyproject's
+# package-dir), checked at the strictness pyproject.toml's [tool.mypy] states
+TYPECHECK := build/typecheck
+typecheck: $(VENV)/.installed
+	rm -rf $(TYPECHECK)/detent_audit && mkdir -p $(TYPECHECK)/detent_audit
+	for entry in detent_audit/*; do ln -s ../../../$$entry $(TYPECHECK)/detent_audit/; done
+	for tree in selection kernels manifests verifier; do ln -s ../../../$$tree $(TYPECHECK)/detent_audit/$$tree; done
+	cd $(TYPECHECK) && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p detent_audit
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/solve.py

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from detent_audit.enums import ExitCode
 from detent_audit.errors import DetentError
 
 EMBEDDED = "detent-audit"  # facts["engine"]["name"] of the embedded engine
@@ -111,7 +112,7 @@ class Engine(Protocol):
 class UnknownEngine(DetentError):
     """A receipt names an engine this installation cannot rebuild (exit 3: not comparable here)."""
 
-    exit_code = 3
+    exit_code = ExitCode.NOT_COMPARABLE
 
 
 def engine_name(facts: Mapping[str, Any]) -> str:

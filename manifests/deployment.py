@@ -325,7 +325,7 @@ class Deployment:
               section="engine")
         check(not self.tables.fused_moe or m.is_moe, "fused_moe: a fused-MoE table needs an MoE model",
               section="tables")
-        check(not self.tables.fused_moe_down or self.tables.fused_moe, "fused_moe_down: a down-projection table "
+        check(not self.tables.fused_moe_down or bool(self.tables.fused_moe), "fused_moe_down: a down-projection table "
               "completes an up-projection table ([tables.fused_moe])", section="tables")
 
     @property

@@ -21,6 +21,7 @@ from detent_audit.engine.facts import static_facts
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.named_models import NAMES
 from detent_audit.engine_api import EMBEDDED, Engine, UnknownEngine, engine_for_facts
+from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput
 from detent_audit.verifier.steps import DeploymentError
 
@@ -28,7 +29,7 @@ from detent_audit.verifier.steps import DeploymentError
 class NotComparable(DeploymentError):
     """The local deployment differs from the receipt's in a bit-relevant fact (step (7), exit 3)."""
 
-    exit_code = 3
+    exit_code = ExitCode.NOT_COMPARABLE
     remedy = "verify on a machine and checkpoint that match the receipt's deployment facts"
 
     def __init__(self, fields: list[str], message: str | None = None) -> None:

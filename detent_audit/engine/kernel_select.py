@@ -14,12 +14,12 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from detent_audit import __version__
 from detent_audit.engine.config import ModelConfig
 from detent_audit.errors import BadInput
-from detent_audit.kernels import AttentionParams, GemmParams, KernelSet, MoeParams
+from detent_audit.kernels import AttentionParams, GemmParams, Kernels, KernelSet, MoeParams
 from detent_audit.manifests.deployment import Deployment
 from detent_audit.selection.cache import JitCache
 from detent_audit.selection.compiler import SolveResult, solve
@@ -73,7 +73,7 @@ def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, bloc
 class Selection:
     """The solved families, the committed tuple and the KernelSet built from them."""
 
-    kernels: KernelSet
+    kernels: Kernels
     tuple: dict[str, dict[str, Any]]          # family -> axis -> value ({} outside detent mode)
     results: dict[str, SolveResult]
 
@@ -134,14 +134,16 @@ def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir:
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     streaming = deployment.engine.attention_backend == "detent-streaming"
     if mode == "stock":
-        return Selection(GpuKernelSet("stock", stock_attention_selector(deployment, sms)), {}, {})  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("stock", stock_attention_selector(deployment, sms)), {}, {})
     if mode == "det":
         det = AttentionParams(kv_tile=64, split_stride=0)
-        return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), streaming),  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), streaming),
                          {}, {})
     # detent's MoE tile follows M as stock's does (kernels.gpu.moe_tile): the tile does not change the bits
     cpu = select_kernels("detent", deployment, committed, cache_dir)
-    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, None, streaming),  # type: ignore[arg-type]
+    # detent's compiled selector always returns params (only stock's may return none)
+    select = cast(Callable[..., AttentionParams], cast(KernelSet, cpu.kernels).select_attention)
+    return Selection(GpuKernelSet("detent", select, None, streaming),
                      cpu.tuple, cpu.results)
 
 

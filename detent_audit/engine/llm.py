@@ -29,6 +29,7 @@ from detent_audit.engine.sequence import Sequence
 from detent_audit.engine.stop_strings import output_text
 from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import EMBEDDED, Rescored
+from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
 
 
@@ -55,7 +56,7 @@ class EngineConfig:
     cache_dir: str | None = None        # JIT cache directory
 
     def __post_init__(self) -> None:
-        if self.mode not in ("detent", "stock", "det"):
+        if self.mode not in {m.value for m in Mode}:
             raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
         if self.dtype not in RUN_DTYPES:
             raise BadInput(f"dtype must be one of {sorted(RUN_DTYPES)}, got {self.dtype!r}")

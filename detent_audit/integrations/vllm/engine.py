@@ -33,6 +33,7 @@ from detent_audit.engine.llm import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import Rescored
+from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.integrations.vllm import plugin
 
@@ -44,7 +45,7 @@ _SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrati
 class VllmUnavailable(DetentError):
     """vLLM cannot run here in the mode asked for."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 @dataclass(frozen=True)
