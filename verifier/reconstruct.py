@@ -102,6 +102,10 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
         name = engine_for_facts(facts)
     except UnknownEngine as exc:
         raise NotComparable(["engine.name"], exc.message) from None
+    if name == "sglang":
+        from detent_audit.verifier.reconstruct_sglang import reconstruct_sglang
+
+        return reconstruct_sglang(facts, tuple_values, model, threads, tuple_override)
     if name != EMBEDDED:
         return _reconstruct_vllm(facts, tuple_values, model, threads, tuple_override, kv_tokens=kv_tokens)
     config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override, kv_tokens=kv_tokens)

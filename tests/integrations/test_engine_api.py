@@ -68,7 +68,7 @@ def _with_engine(served: dict, name: str, version: str = "9.9.9"):
     return r, facts
 
 
-@pytest.mark.parametrize("name", ["sglang", "", "vllm"])
+@pytest.mark.parametrize("name", ["tgi", "", "vllm"])  # SGLang is known: its receipts are rebuilt
 def test_verify_refuses_an_engine_it_cannot_rebuild(served, monkeypatch, tmp_path, name: str) -> None:
     import detent_audit.integrations.vllm as vllm_pkg
     from detent_audit.manifests.encoding import facts_hash
