@@ -241,6 +241,12 @@ class CausalLM(nn.Module):
             return self.norm(x, ks)
         return ks.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
+    def gemm_shapes(self) -> list[tuple[int, int]]:
+        """(N, K) of every weight the gemm family multiplies: the projections and the LM head."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        shapes = {tuple(m.weight.shape) for m in self.modules() if isinstance(m, Linear)}
+        return sorted(shapes | {tuple(weight.shape)})
+
     def compute_logits(self, hidden: torch.Tensor, ks: Kernels) -> torch.Tensor:
         """hidden: [n, H] -> fp32 logits [n, V] (LM head tied to the embedding when the config says so)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
