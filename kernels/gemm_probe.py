@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from detent_audit.enums import ExitCode
 from detent_audit.errors import DetentError
 from detent_audit.kernels import gemm
 from detent_audit.kernels.params import GEMM_PAD_ROWS_SPACE, GemmParams
@@ -42,7 +43,7 @@ _MEMO: dict[tuple, ProbeReport] = {}
 class GemmFormNotInvariant(DetentError):
     """The committed GEMM form gave a row other bits at some batch size on this CPU."""
 
-    exit_code = 3
+    exit_code = ExitCode.NOT_COMPARABLE
     remedy = ("commit a tuple proven on this machine (`detent-audit tune`), use the chunk form "
               "(embedded.gemm.form = \"chunk\"), or run at the thread count the tuple was proven at")
 
@@ -115,7 +116,8 @@ def check(params: GemmParams, shapes: Iterable[tuple[int, int]], dtype: torch.dt
         return _MEMO[key]
     g = _generator(seed)
     t0 = time.perf_counter()
-    failure, tried = None, set()
+    failure: tuple[tuple[int, int], int] | None = None
+    tried: set[int] = set()
     for n, k in shapes:
         ref, sizes = plan(n, k, params.form, max_rows)
         tried.update(sizes)
@@ -168,7 +170,7 @@ def least_pad_rows(shapes: Iterable[tuple[int, int]], dtype: torch.dtype = torch
         if rows <= floor:
             continue
         report = check(GemmParams(rows, "pad"), shapes, dtype)
-        if report.ok:
+        if report.failure is None:  # ok
             return rows
         floor = report.failure[1]
     return 0
