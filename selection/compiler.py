@@ -31,8 +31,17 @@ from detent_audit.selection.partial_eval import partial_evaluate
 from detent_audit.selection.pe_values import IRProgram, check_program
 from detent_audit.selection.selector import CompiledSelector, SelectorTemplate, make_template
 from detent_audit.selection.simplify import domain_checks, input_domains, simplify
-from detent_audit.selection.vra import (MAX_ASSIGNMENTS, SAMPLED_POINTS, VRA_SEED, Assignment, KnobInfo,
-                                       LegalGroup, Value, VraResult, analyse)
+from detent_audit.selection.vra import (
+    MAX_ASSIGNMENTS,
+    SAMPLED_POINTS,
+    VRA_SEED,
+    Assignment,
+    KnobInfo,
+    LegalGroup,
+    Value,
+    VraResult,
+    analyse,
+)
 
 COMPILER_VERSION = "selir-2"
 ABLATIONS = ("constant-folding-only", "no-cut")

@@ -13,8 +13,8 @@ from detent_audit.manifests.encoding import canonical_json, sha256_hex
 from detent_audit.selection.cache import JitCache
 from detent_audit.selection.compiler import FoldedConstant, SolvedPin, SolveResult, solve
 from detent_audit.selection.errors import IllegalAssignment, SelectionViolation, SelIRError
-from detent_audit.selection.vra import KnobInfo, LegalGroup
 from detent_audit.selection.frontend import source_from_text
+from detent_audit.selection.vra import KnobInfo, LegalGroup
 
 PROGRAM = '''from __future__ import annotations
 from detent_audit.selection.lang import Runtime, knob, require, assume, cdiv, record
