@@ -35,7 +35,7 @@ from detent_audit.selection.vra import (
     MAX_ASSIGNMENTS,
     SAMPLED_POINTS,
     VRA_SEED,
-    Assignment,
+    AxisValues,
     KnobInfo,
     LegalGroup,
     Value,
@@ -103,7 +103,7 @@ class SolveResult:
     candidate_count: int
     legal_count: int
     legal_groups: tuple[LegalGroup, ...]  # independent groups; legal = legal in every group
-    default: Assignment | None
+    default: AxisValues | None
     points_tried: int
     exhaustive: bool
     template: dict[str, Any]              # SelectorTemplate.to_json()
@@ -168,11 +168,11 @@ class SolveResult:
             return False
         return all(g.admits(assignment) for g in self.legal_groups)
 
-    def legal_assignments(self) -> Iterator[Assignment]:
+    def legal_assignments(self) -> Iterator[AxisValues]:
         """Every legal assignment (the product of the groups' rows), in a fixed order."""
         axes = self.axes
         for combo in itertools.product(*(g.rows for g in self.legal_groups)):
-            out: Assignment = {}
+            out: AxisValues = {}
             for g, row in zip(self.legal_groups, combo):
                 out.update(zip(g.axes, row))
             yield {a: out[a] for a in axes}

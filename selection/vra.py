@@ -30,7 +30,7 @@ MAX_ASSIGNMENTS = 1_000_000
 VRA_SEED = 20261129
 
 Value: TypeAlias = Hashable               # a pin or knob value: int, bool, str (JSON scalars)
-Assignment: TypeAlias = dict[str, Value]  # axis (pin or knob name) -> value
+AxisValues: TypeAlias = dict[str, Value]  # axis (pin or knob name) -> value
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ class VraResult:
     knobs: tuple[KnobInfo, ...]
     candidate_count: int
     groups: tuple[LegalGroup, ...]
-    default: Assignment | None    # None when nothing is legal
+    default: AxisValues | None    # None when nothing is legal
     points_tried: int
     exhaustive: bool
 
@@ -288,11 +288,11 @@ def _legal_groups(prog: IRProgram, axes: list[str], candidates: list[tuple], tab
     return tuple(groups)
 
 
-def _default(groups: tuple[LegalGroup, ...], want: Assignment, knob_names: set[str]) -> Assignment | None:
+def _default(groups: tuple[LegalGroup, ...], want: AxisValues, knob_names: set[str]) -> AxisValues | None:
     """Per group: the values a lone smallest request gets from the unpinned program with default knobs, if
     legal; else the legal row with the most knobs at their defaults, then the most pins at those values
     (the first such row)."""
-    out: Assignment = {}
+    out: AxisValues = {}
     for g in groups:
         if not g.rows:
             return None
