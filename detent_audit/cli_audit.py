@@ -107,7 +107,7 @@ def _verify_cli(paths: list[Path], key: Path | None, trusted_keys: Path | None, 
 
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_trusted_keys
-    from detent_audit.verifier.verify import load_deployments
+    from detent_audit.verifier.verify import CLOCK_SKEW_NS, EARLIEST_UNIX_NS, load_deployments
     from detent_audit.verifier.verify import verify as run_verify
 
     if (key is None) == (trusted_keys is None):
@@ -146,13 +146,17 @@ def _verify_cli(paths: list[Path], key: Path | None, trusted_keys: Path | None, 
             from detent_audit.verifier.client import verify_response
 
             report = verify_response(response[0], response[1], paths[0], trusted, progress=show, **options)
-    facts_note = (f"facts checked against {len(report.published)} published deployment(s)" if report.published
-                  else "facts are self-asserted by the node (no --deployment given)")
+    facts_note = ((f"facts checked against {len(report.published)} published deployment(s)" if report.published
+                   else "facts are self-asserted by the node (no --deployment given): its limits and the tuple's "
+                        "values where the bits do not refute them")
+                  + f"; signing times are the node's clock, bounded to [2020-01-01, now + {CLOCK_SKEW_NS // 10**9} s]")
     cov = report.coverage
     if as_json:
         typer.echo(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
                                "sample_seed": report.sample_seed, "published_deployments": report.published,
-                               "facts_self_asserted": not report.published, "coverage": cov.to_json(),
+                               "facts_self_asserted": not report.published,
+                               "times_self_asserted": {"earliest_unix_ns": EARLIEST_UNIX_NS,
+                                                       "skew_ns": CLOCK_SKEW_NS}, "coverage": cov.to_json(),
                                "trusted_key_problems": key_problems,
                                "outcomes": [o.to_json() for o in report.outcomes]}, indent=2))
     else:
@@ -182,6 +186,10 @@ def verify_eval(
                                                                           "lm-eval's --include_path)."),
     cache_dir: Path = typer.Option(None, "--cache-dir", help="JIT cache directory."),
     workers: str = typer.Option("auto", "--workers", help="Processes that re-execute (as verify --workers)."),
+    deployment: list[str] = typer.Option(None, "--deployment", help="A published deployment (the file `serve "
+                                         "--publish-deployment` wrote, or its hash), as verify takes it; "
+                                         "repeatable. A receipt whose facts are not among them does not cover "
+                                         "its sample; without it, facts are self-asserted."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Audit an lm-eval run: match every request it logged to its receipt, verify them, recompute each
@@ -194,6 +202,7 @@ def verify_eval(
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_trusted_keys
     from detent_audit.verifier.eval_audit import verify_eval as run_verify_eval
+    from detent_audit.verifier.verify import load_deployments
 
     if (key is None) == (trusted_keys is None):
         raise BadInput("give exactly one of --key FILE or --trusted-keys DIR")
@@ -205,9 +214,11 @@ def verify_eval(
         raise BadInput("verify-eval recomputes scores with lm-eval's own task code, and lm-eval is not installed",
                        remedy="pip install 'lm-eval[api]'") from None
     trusted = load_trusted_keys(key or trusted_keys)
+    deployments = load_deployments(deployment) if deployment else None
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("verifying receipts", total=None)
         report = run_verify_eval(run, receipts, trusted, model=str(model) if model else None,
+                                 deployments=deployments,
                                  include_path=[str(p) for p in include_path or []],
                                  workers=workers if workers == "auto" else int(workers),
                                  cache_dir=str(cache_dir) if cache_dir else None,
@@ -225,7 +236,9 @@ def verify_eval(
     covered = sum(d.covered for d in report.docs)
     c = report.receipt_counts
     typer.echo(f"{covered}/{len(report.docs)} samples covered; receipts: {c['OK']} ok, {c['FAIL']} failed, "
-               f"{c['BAD'] + c['not_opened']} bad, {report.receipts_unmatched} matching no logged request")
+               f"{c['BAD'] + c['not_opened']} bad, {report.receipts_unmatched} matching no logged request; "
+               + (f"facts checked against {len(report.published)} published deployment(s)" if report.published
+                  else "facts are self-asserted by the node (no --deployment given)"))
     raise typer.Exit(report.exit_code)
 @app.command("verify-response")
 @handles_errors
