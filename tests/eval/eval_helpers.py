@@ -21,7 +21,7 @@ from detent_audit.server.app import create_app
 from detent_audit.server.async_engine import AsyncEngine
 from detent_audit.server.node import ServingNode
 
-MODEL_NAME = "tiny-llama"
+MODEL_NAME = "smollm2-135m-instruct"
 TASKS = Path(__file__).resolve().parents[2] / "examples" / "eval"
 
 
@@ -31,6 +31,7 @@ class Served:
     out: Path          # receipts/ and manifests/
     checkpoint: Path
     key: GeneratedKey
+    node: ServingNode
 
     @property
     def trusted(self) -> dict:
@@ -55,7 +56,7 @@ def serving(checkpoint: Path, key: GeneratedKey, out: Path, cache_dir: Path, mod
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
-        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", out, checkpoint, key)
+        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", out, checkpoint, key, node)
     finally:
         server.should_exit = True
         thread.join(30)
