@@ -16,7 +16,7 @@ max_num_seqs, its token budget and its KV blocks allow); on stock, measured firs
 first mode when stock is not run). Each run starts from a reset engine (cold prefix cache); one run each.
 `detent-default` is mode detent with its preferred tuple, `detent-tuned` mode detent with --tuned-tuple.
 
-Latency per output token = (finish - arrival) / output tokens, per request (`detent_audit.bench.serving`).
+Latency per output token = (finish - arrival) / output tokens, per request (`serving_harness.py`).
 The table gives p50/p90/p99 in ms, output tokens/s, and ratios over stock; then per mode the geometric mean
 over workloads of the p50 ratio (the acceptance: detent-tuned <= 1.10). Outputs are also compared bit for
 bit across concurrency (closed-c1 against closed-c8) and load (docs-*): a batch-invariant mode gives equal
@@ -43,8 +43,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from detent_audit.bench.serving import (
+from serving_harness import (
     LOAD_FRACTIONS,
     Peak,
     RunResult,
@@ -55,6 +54,7 @@ from detent_audit.bench.serving import (
     token_space_for,
     token_space_of,
 )
+
 from detent_audit.bench.workloads import (
     PROFILING_CONCURRENCY,
     TokenSpace,

@@ -14,19 +14,20 @@ import json
 import os
 import time
 
-from detent_audit.bench.serving import engine_requests, token_space_of
+from serving_harness import engine_requests, token_space_of
+from tune_replay import BUDGET_FRACTION, FAMILY, RECORDING_ENGINE
+
 from detent_audit.bench.workloads import PROFILING_CONCURRENCY, profiling_samples
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.tune import (
+from detent_audit.engine.tune_record import record_profile
+from detent_audit.engine.tune_search import (
     Oracle,
     classes_fraction,
     family_grid,
     graph_shape,
     heaviest,
     launch_classes,
-    record_profile,
 )
-from detent_audit.engine.tune_replay import BUDGET_FRACTION, FAMILY, RECORDING_ENGINE
 from detent_audit.selection.tuner import search
 
 

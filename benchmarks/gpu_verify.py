@@ -20,8 +20,8 @@ import sys
 import time
 
 import torch
+from serving_harness import run_workload, sampling_params, token_space_for
 
-from detent_audit.bench.serving import run_workload, sampling_params, token_space_for
 from detent_audit.bench.workloads import closed_loop
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.tuples import load_tuple

@@ -30,6 +30,8 @@ PROMPTS = [
 
 
 def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+    """Transformers' greedy decoding with its KV cache and no logits processors (generate's min_new_tokens
+    would mask the EOS token, which the engine's ignore_eos still draws)."""
     out, past, x = [], None, torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):

@@ -16,7 +16,8 @@ import random
 import statistics
 from pathlib import Path
 
-from detent_audit.engine.tune_replay import load_recorded
+from tune_replay import load_recorded
+
 from detent_audit.selection.tuner import search
 
 DEFAULT = Path(__file__).parent / "results" / "h200-split-combine" / "gpu_tune_llama-3.1-8b.json.gz"

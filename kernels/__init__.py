@@ -2,7 +2,8 @@
 
 A family's contract: for fixed parameters, a row's output bits depend only on that row's inputs (attention:
 on its own KV and absolute positions). The CPU implementations are torch; a later GPU tier adds Triton
-kernels behind the same signatures. Each module's docstring records what was measured on this CPU.
+kernels behind the same signatures. What a kernel relies on of torch or the device is a fact its tests
+check where they run (tests/kernels/), with what was measured.
 
 `KernelSet` holds one *selector* per family: a callable from the call's runtime inputs to that family's
 params. `stock` selectors return None (vendor kernels on the whole batch, batch-variant), `det` selectors

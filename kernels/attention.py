@@ -8,18 +8,12 @@ positions > p masked), each tile being one fp32 [G, D] x [D, tile] scores produc
 in split order in fp32. The same token therefore gets the same bits prefilled in one chunk, in chunked
 prefill, after a prefix-cache hit or decoded, and next to any other sequences.
 
-How this is made true on CPU (measured, torch 2.13 / MKL, fp32, 1-8 threads):
-- the per-tile products are torch.bmm calls whose batch elements are (token, kv head) pairs; for a fixed
-  element shape and operand layout, an element's bits do not depend on the batch count B nor on whether an
-  operand is an expanded (stride-0) view or a copy, PROVIDED B >= 2: with B == 1 MKL threads the single
-  product and splits its M rows (bits change for G = 7 at 2 and 8 threads). `_bmm` pads B == 1 to 2.
-- the operand layout does change bits (a [D, tile] operand given transposed vs contiguous), so both code
-  paths below build identical element layouts: Q [G, D] and P [G, tile] contiguous, K^T as the transpose of
-  a contiguous [tile, D], V a contiguous [tile, D].
-- exp, amax/sum over the last dim and the elementwise updates are position-invariant (see rowlocal.py).
-Stock (params=None) pads the batch to (max_seqlen_q, max_seqlen_k) for one F.scaled_dot_product_attention
-call; measured: a sequence's bits change when a longer neighbour raises max_seqlen_k (fp32 and bf16, 1 and 2
-threads), and in fp32 a token decoded alone differs from the same token's row in its prefill.
+On the CPU the per-tile products are torch.bmm calls whose batch elements are (token, kv head) pairs: an
+element's bits do not depend on the batch count, except that a lone product is threaded over its rows, so
+`_bmm` pads a batch of one to two; and the operand layout does change bits, so both code paths below build
+identical element layouts (tests/kernels/test_kernel_attention.py holds what was measured). Stock
+(params=None) pads the batch to (max_seqlen_q, max_seqlen_k) for one F.scaled_dot_product_attention call,
+whose bits move with that padding.
 Two paths feed the same per-token arithmetic: sequences with many active query tokens at a tile share that
 tile's K/V through an expanded view (prefill), the rest are gathered per token and batched (decode).
 """

@@ -1,7 +1,8 @@
 """The KernelSet on a CUDA device: the model's calls routed to Triton kernels, per mode.
 
-- `stock`: cuBLAS GEMMs; attention split as FlashAttention-3's heuristic splits it, read from the batch
-  (`fa3_num_splits`); MoE config by M as vLLM's default rule picks it. Selection follows the batch, so bits do.
+- `stock`: cuBLAS GEMMs; attention split as FlashAttention-3's heuristic splits it, read from the batch (its
+  SelIR program unpinned: engine/kernel_select.py `stock_attention_selector`); MoE config by M as vLLM's
+  default rule picks it. Selection follows the batch, so bits do.
 - `det`: one conservative setting per family (one attention split, fixed tiles).
 - `detent`: the compiled SelIR selectors with the committed tuple's pins, called at every launch with the
   launch's runtime inputs (with pins they return constants).
@@ -15,7 +16,6 @@ selection, and its BLOCK_M stays 64 (16 changes the matrix instruction, and the 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +28,6 @@ from detent_audit.kernels.params import AttentionParams
 from detent_audit.kernels.rowlocal import RopeCache
 
 NO_SPLIT = 1 << 30
-STOCK_BLOCK_N = 64
 
 
 def gemm_tile(m: int, n: int = 0, k: int = 0):
@@ -59,29 +58,6 @@ def moe_tile(m: int, e: int, h: int, inter: int, top_k: int):
     return stock_config(m, e, h, inter, top_k)
 
 
-@functools.lru_cache(maxsize=4096)
-def fa3_num_splits(num_kv_heads: int, heads_per_group: int, max_seqlen_q: int,
-                   max_seqlen_k: int, block_m: int, block_n: int, num_sms: int, max_splits: int = 128) -> int:
-    """FlashAttention-3's split count for a varlen call (hopper/flash_api.cpp get_num_splits and heuristics.h
-    num_splits_heuristic, Dao-AILab/flash-attention @ 0251105a): read from the batch.
-    What the `stock` mode uses, so its reduction order follows the batch the way FA3's does. Memoised: every
-    layer of a step asks with the same arguments (FA3 computes it in C++; here a Python loop of up to 128)."""
-    num_n_blocks = -(-max_seqlen_k // block_n)
-    num_m_blocks = -(-(max_seqlen_q * heads_per_group) // block_m)
-    total_mblocks = num_kv_heads * num_m_blocks  # varlen: the batch counted as 1 (FA3's host-side bound)
-    if total_mblocks >= 0.8 * num_sms:
-        return 1
-    if num_n_blocks <= 4:
-        return 1
-    max_splits = min(max_splits, num_sms, num_n_blocks)
-    eff = []
-    for s in range(1, max_splits + 1):
-        waves = total_mblocks * s / num_sms
-        eff.append(waves / -(-waves // 1))
-    best = max(eff)
-    return next((s for s, e in enumerate(eff, 1) if e >= 0.85 * best), 1)
-
-
 def selected_attention_config(params: AttentionParams, streaming: bool = False):
     """The Triton attention config of selected params (det/detent; the tuner's candidates): the KV tile and
     split stride they name (0: one split), BLOCK_M 64 (16 changes the bits)."""
@@ -93,24 +69,15 @@ def selected_attention_config(params: AttentionParams, streaming: bool = False):
 
 @dataclass
 class GpuKernelSet:
-    mode: str                                                # stock | det | detent
-    select_attention: Callable[..., AttentionParams] | None  # det/detent: per launch (None: stock)
-    moe_config: object | None = None                         # det: its one MoE tile (None: moe_tile by M)
-    num_sms: int = 132
-    streaming: bool = False                                  # det/detent: the attention's streaming fold
-    _plan: tuple | None = None                               # (metadata, config, plan) of the current step
+    mode: str                                         # stock | det | detent
+    select_attention: Callable[..., AttentionParams]  # per launch, from the batch's shape
+    moe_config: object | None = None                  # det: its one MoE tile (None: moe_tile by M)
+    streaming: bool = False                           # det/detent: the attention's streaming fold
+    _plan: tuple | None = None                        # (metadata, config, plan) of the current step
 
     def attention_config(self, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, num_kv_heads: int,
                          heads_per_group: int):
-        """The Triton attention config of a launch: selected (det/detent) or read from the batch (stock)."""
-        from detent_audit.kernels.triton_attention import TritonAttentionConfig
-
-        if self.select_attention is None:
-            splits = fa3_num_splits(num_kv_heads, heads_per_group, max_seqlen_q, max_seqlen_k, 64,
-                                    STOCK_BLOCK_N, self.num_sms)
-            n_blocks = -(-max_seqlen_k // STOCK_BLOCK_N)
-            split = STOCK_BLOCK_N * -(-n_blocks // splits) if splits > 1 else NO_SPLIT
-            return TritonAttentionConfig(block_m=64, block_n=STOCK_BLOCK_N, split=split)
+        """The Triton attention config of a launch, from the mode's selector (stock's reads the batch)."""
         p = self.select_attention(num_seqs=num_seqs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return selected_attention_config(p, self.streaming)
 

@@ -1,17 +1,10 @@
 """Row-local ops: RMSNorm, SiLU-and-mul, RoPE, log_softmax. Batch-invariant by construction.
 
 Each op reads one row (one token) and writes one row; the only care needed is that torch's own kernel for
-each step is row-local in its *bits*, which was measured on this CPU (torch 2.13, AVX-512; fp32 and bf16;
-1 and 2 threads; row alone vs rows 1..128 of a batch, rows reversed; widths 1..262144):
-- invariant: log_softmax, softmax, logsumexp, amax, argmax, sort, topk, cumsum over the last dim at every
-  width tried (151936 included); sum/mean over the last dim for widths < 32768; elementwise exp, log, sin,
-  cos, tanh, rsqrt (fp32), sqrt, +, -, *, / (independent of the element's position in the tensor).
-- NOT invariant: (1) sum/mean over a last dim of >= 32768 elements at 2 threads: a lone row (one output)
-  is reduced by both threads in two halves, a row inside a batch by one thread, so its bits differ (this
-  also hits F.rms_norm). `_row_sum` therefore reduces in fixed 4096-wide blocks, then over the blocks.
-  (2) fp32 torch.sigmoid / F.silu: an element's bits depend on whether it falls in the vectorised body or
-  the tail of the tensor, i.e. on the tensor's size. SiLU is computed as g / (1 + exp(-g)) instead.
-  (3) fp32 F.gelu on a 1-element tensor; bf16 torch.rsqrt on small tensors (not used here).
+each step is row-local in its *bits*. Two are not (tests/kernels/test_kernel_rowlocal.py holds both facts and
+what was measured): a wide sum over the last dim, which threads split for a lone row but not for a row in a
+batch, so `_row_sum` reduces in fixed 4096-wide blocks, then over the blocks; and fp32 sigmoid/SiLU, whose
+bits depend on where an element falls in the vectorised loop, so SiLU is computed as g / (1 + exp(-g)).
 """
 
 from __future__ import annotations

@@ -14,14 +14,13 @@ This module imports neither torch nor the engine.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from detent_audit.errors import BadInput
+from detent_audit.manifests.encoding import canonical_json, facts_hash
 
 try:
     import tomllib
@@ -109,6 +108,32 @@ class ModelFacts:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def num_parameters(self) -> int:
+        """The weights these facts imply (`decoder_parameters`; untied embeddings, no biases: the facts do not
+        say, so it is the larger count)."""
+        return decoder_parameters(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                                  num_layers=self.num_layers, num_heads=self.num_heads,
+                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                  intermediate_size=self.intermediate_size, num_experts=self.num_experts,
+                                  moe_intermediate_size=self.moe_intermediate_size)
+
+
+def decoder_parameters(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                       head_dim: int, intermediate_size: int, num_experts: int = 0, moe_intermediate_size: int = 0,
+                       moe_layers: int | None = None, tied_embeddings: bool = False, qkv_bias: bool = False,
+                       o_bias: bool = False, qk_norm: bool = False) -> int:
+    """The parameter count of a Llama/Qwen decoder: embeddings (and an untied head), per layer attention
+    (q, k, v, o; optional biases and per-head q/k norms), two RMSNorms and a gated MLP, or on `moe_layers` of
+    them (all, by default, when `num_experts` > 0) a router and `num_experts` gated experts; a final norm."""
+    h, q, kv = hidden_size, num_heads * head_dim, num_kv_heads * head_dim
+    attention = h * (q + 2 * kv) + q * h + (q + 2 * kv) * qkv_bias + h * o_bias + 2 * head_dim * qk_norm
+    dense = 3 * h * intermediate_size
+    sparse = num_experts * (3 * h * moe_intermediate_size + h)
+    sparse_layers = (num_layers if num_experts else 0) if moe_layers is None else moe_layers
+    return (vocab_size * h * (1 if tied_embeddings else 2) + num_layers * (attention + 2 * h)
+            + sparse_layers * sparse + (num_layers - sparse_layers) * dense + h)
 
 
 @dataclass(frozen=True)
@@ -326,12 +351,12 @@ class Deployment:
         return _sorted_keys(out)
 
     def canonical_json(self) -> bytes:
-        """The hashed encoding: sorted keys, no whitespace, ASCII."""
-        return json.dumps(self.to_canonical(), sort_keys=True, separators=(",", ":")).encode("ascii")
+        """The hashed encoding (`encoding.canonical_json`: sorted keys, no whitespace, ASCII)."""
+        return canonical_json(self.to_canonical())
 
     def facts_hash(self) -> str:
-        """SHA-256 hex of `canonical_json()`; changes when any fact changes."""
-        return hashlib.sha256(self.canonical_json()).hexdigest()
+        """SHA-256 hex of `canonical_json()` (`encoding.facts_hash`); changes when any fact changes."""
+        return facts_hash(self.to_canonical())
 
     @classmethod
     def from_canonical(cls, data: Any, source: str = "<canonical facts>") -> Deployment:

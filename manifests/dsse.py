@@ -27,6 +27,7 @@ from typing import NamedTuple
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.errors import BadSignature, InvalidReceipt, UntrustedKey
 from detent_audit.manifests.keys import keyid as keyid_of
@@ -37,7 +38,7 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 MAX_ENVELOPE_BYTES = MAX_PAYLOAD_BYTES + 1024  # the payload plus its type, one signature and the headers
 MAX_PAYLOAD_TYPE_LEN = 256
 SIGNATURE_LEN = 64
-_LIMITS = enc.Limits(max_bytes=MAX_ENVELOPE_BYTES, max_str_len=MAX_PAYLOAD_TYPE_LEN,
+_LIMITS = dec.Limits(max_bytes=MAX_ENVELOPE_BYTES, max_str_len=MAX_PAYLOAD_TYPE_LEN,
                      max_bin_len=MAX_PAYLOAD_BYTES, max_array_len=16, max_map_len=16, max_objects=64)
 _ENVELOPE_FIELDS = ("payload", "payloadType", "signatures")
 _SIGNATURE_FIELDS = ("keyid", "sig")
@@ -63,10 +64,10 @@ class Envelope:
     signature: bytes
 
     def __post_init__(self) -> None:
-        enc.check_str(self.payload_type, "envelope.payloadType", MAX_PAYLOAD_TYPE_LEN)
+        dec.check_str(self.payload_type, "envelope.payloadType", MAX_PAYLOAD_TYPE_LEN)
         if not isinstance(self.payload, bytes) or len(self.payload) > MAX_PAYLOAD_BYTES:
             raise InvalidReceipt(f"envelope.payload: expected at most {MAX_PAYLOAD_BYTES} bytes")
-        enc.check_digest(self.keyid, "envelope.signatures[0].keyid")
+        dec.check_digest(self.keyid, "envelope.signatures[0].keyid")
         if not isinstance(self.signature, bytes) or len(self.signature) != SIGNATURE_LEN:
             raise InvalidReceipt(f"envelope.signatures[0].sig: expected {SIGNATURE_LEN} signature bytes")
 
@@ -81,12 +82,12 @@ class Envelope:
 
         Does not check the signature: call `verify`.
         """
-        wire = enc.unpack(data, _LIMITS, what="envelope", error=error)
-        wire = enc.fields(wire, _ENVELOPE_FIELDS, "envelope", error=error)
+        wire = dec.unpack(data, _LIMITS, what="envelope", error=error)
+        wire = dec.fields(wire, _ENVELOPE_FIELDS, "envelope", error=error)
         signatures = wire["signatures"]
         if not isinstance(signatures, list) or len(signatures) != 1:
             raise error("envelope.signatures: expected exactly one signature")
-        signature = enc.fields(signatures[0], _SIGNATURE_FIELDS, "envelope.signatures[0]", error=error)
+        signature = dec.fields(signatures[0], _SIGNATURE_FIELDS, "envelope.signatures[0]", error=error)
         try:
             envelope = cls(wire["payloadType"], wire["payload"], signature["keyid"], signature["sig"])
         except InvalidReceipt as exc:
@@ -114,6 +115,17 @@ class Envelope:
                                f"({len(self.payload)} bytes of {self.payload_type!r})") from None
         return self.keyid
 
+    def open(self, trusted_keys: Mapping[str, Ed25519PublicKey], payload_type: str, *,
+             error: type[InvalidReceipt] = InvalidReceipt) -> OpenedEnvelope:
+        """Step (2): the signature over PAE(payloadType, payload) by a trusted key, before the payload is
+        parsed; then the payload type, once it is known to be signed. Raises `UntrustedKey`, `BadSignature`,
+        `error` (another payload type)."""
+        signer = self.verify(trusted_keys)
+        if self.payload_type != payload_type:
+            raise error(f"envelope.payloadType: expected {payload_type!r}, got {self.payload_type!r}",
+                        remedy="this file is another kind of signed document: verify it with its own command")
+        return OpenedEnvelope(self.payload, signer)
+
 
 class OpenedEnvelope(NamedTuple):
     """The payload of an envelope whose signature verified under the trusted key `keyid`."""
@@ -124,19 +136,15 @@ class OpenedEnvelope(NamedTuple):
 
 def open_envelope(data: bytes, trusted_keys: Mapping[str, Ed25519PublicKey], payload_type: str, *,
                   error: type[InvalidReceipt] = InvalidReceipt) -> OpenedEnvelope:
-    """Steps (0)-(2) of verifying a signed file; the caller decodes the payload only after this returns.
+    """Steps (1)-(2) of verifying a signed file (docs/design.md section 7); the caller decodes the payload only
+    after this returns.
 
     Raises `error` (malformed envelope, other payload type), `UntrustedKey`, `BadSignature`.
     """
-    # (0): bounded, canonical decode of the envelope only
+    # (1): bounded, canonical decode of the envelope only
     envelope = Envelope.from_bytes(data, error=error)
-    # (1): the signature over PAE(payloadType, payload) by a trusted key, before the payload is parsed
-    signer = envelope.verify(trusted_keys)
-    # (2): the payload type, once it is known to be signed
-    if envelope.payload_type != payload_type:
-        raise error(f"envelope.payloadType: expected {payload_type!r}, got {envelope.payload_type!r}",
-                    remedy="this file is another kind of signed document: verify it with its own command")
-    return OpenedEnvelope(envelope.payload, signer)
+    # (2): the signature, then the payload type
+    return envelope.open(trusted_keys, payload_type, error=error)
 
 
 def sign_envelope(payload_type: str, payload: bytes, private_key: Ed25519PrivateKey, *,
@@ -154,4 +162,4 @@ def sign_envelope(payload_type: str, payload: bytes, private_key: Ed25519Private
 
 def read_envelope_bytes(path: str | Path, *, error: type[InvalidReceipt] = InvalidReceipt) -> bytes:
     """An envelope file's bytes, refused before reading when larger than `MAX_ENVELOPE_BYTES`."""
-    return enc.read_bounded(path, MAX_ENVELOPE_BYTES, what="signed envelope", error=error)
+    return dec.read_bounded(path, MAX_ENVELOPE_BYTES, what="signed envelope", error=error)

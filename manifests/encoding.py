@@ -1,57 +1,38 @@
-"""Canonical msgpack: the one encoding of every signed byte string (receipts, run manifests, envelopes).
+"""Canonical encodings: the one spelling of every signed or hashed byte string, and float bits.
 
-msgpack has no canonical form of its own (msgpack/msgpack#215 and #317), so this module
-fixes one, in the manner of Keybase's canonical msgpack:
+- **Canonical msgpack** (`pack`, `freeze`, `thaw`): receipts, run manifests, envelopes. msgpack has no
+  canonical form of its own (msgpack/msgpack#215 and #317), so this module fixes one, in the manner of
+  Keybase's canonical msgpack: values are nil, bool, int in [-2**63, 2**64 - 1], UTF-8 str, bin, arrays and
+  maps with str keys; **no floats** anywhere (a float travels as its IEEE-754 bits, `f64_to_bits`) and no ext
+  types; every header has its shortest encoding (msgpack-python packs that way); map keys are sorted by
+  their UTF-8 bytes (= Python str order) and unique.
+- **Canonical JSON** (`canonical_json`): keys sorted, no whitespace, no NaN; what deployment facts, the
+  selection cache's keys and a client's request body are hashed as. `facts_hash` and `tuple_hash` are the
+  two digests a receipt names.
+- **Bits**: IEEE-754 binary64 as u64, little-endian u32 and f32 arrays, SHA-256 hex.
 
-- values are nil, bool, int in [-2**63, 2**64 - 1], UTF-8 str, bin, arrays and maps with str keys;
-  **no floats** anywhere (a float travels as its IEEE-754 bits, `f64_to_bits`) and no ext types;
-- every int, str, bin, array and map header has its shortest encoding (msgpack-python packs that way);
-- map keys are sorted by their UTF-8 bytes (= Python str order) and unique.
-
-`pack` emits that form. Decoding is bounded and strict: `read_bounded` checks a file's size before reading
-it, `unpack` sets msgpack's per-container limits so no declared length is allocated before it is checked,
-accepts exactly one object and no trailing bytes; it is a decoder of its own, iterative, with a depth limit
-and a budget of decoded objects, so no input costs more than its limits (a "bomb" of nested or many empty
-containers is refused early). Canonicity itself is checked by the callers, which
-re-encode the object they built and require the exact input bytes (`Receipt.from_bytes`).
-
-Every failure raises the `error` class the caller names (an `InvalidReceipt` subclass), never anything else.
+Reading them back, bounded and strict, is `decoding.py`. Every failure raises the `error` class the caller
+names (an `InvalidReceipt` subclass), never anything else.
 """
 
 from __future__ import annotations
 
 import datetime
-import errno
 import hashlib
+import json
 import math
-import os
-import stat
 import struct
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any
 
 import msgpack
 
+from detent_audit.errors import BadInput
 from detent_audit.manifests.errors import InvalidReceipt
 
 MAX_DEPTH = 32  # nesting of maps and arrays; receipts need 5
 INT_MIN, UINT64_MAX, UINT32_MAX = -(2**63), 2**64 - 1, 2**32 - 1
-HEX_DIGITS = frozenset("0123456789abcdef")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Upper bounds checked before anything of that size is allocated: the whole input, and each container."""
-
-    max_bytes: int
-    max_str_len: int
-    max_bin_len: int
-    max_array_len: int
-    max_map_len: int
-    max_objects: int = 1 << 16  # objects decoded in all (every container and scalar counts one)
 
 
 # ---- encode -------------------------------------------------------------------------------------------
@@ -120,243 +101,6 @@ def _check_keys(value: Mapping, where: str, error: type[InvalidReceipt]) -> list
     return keys
 
 
-# ---- decode -------------------------------------------------------------------------------------------
-
-
-def open_regular(path: str | Path) -> BinaryIO:
-    """`path` opened for reading, without blocking, and only if it is a regular file (else `OSError`)."""
-    nonblock = getattr(os, "O_NONBLOCK", 0)  # POSIX: a FIFO's open would otherwise wait for a writer
-    fd = os.open(path, os.O_RDONLY | nonblock)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        if nonblock:  # (Windows has no O_NONBLOCK, and its set_blocking takes pipes only)
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def read_bounded(path: str | Path, max_bytes: int, *, what: str,
-                 error: type[InvalidReceipt] = InvalidReceipt) -> bytes:
-    """The bytes of the file at `path`, refused before reading when larger than `max_bytes` or not a regular
-    file (a FIFO or a device would block the open or the read)."""
-    try:
-        with open_regular(path) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise error(f"{path}: {size} bytes is larger than any {what} ({max_bytes} bytes at most)")
-            data = f.read(max_bytes + 1)
-    except OSError as exc:
-        raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
-    if len(data) > max_bytes:  # the file grew after fstat
-        raise error(f"{path}: larger than any {what} ({max_bytes} bytes at most)")
-    return data
-
-
-def unpack(data: bytes, limits: Limits, *, what: str, error: type[InvalidReceipt] = InvalidReceipt) -> Any:
-    """Decode exactly one msgpack object filling all of `data`, within `limits`.
-
-    A decoder of its own (no recursion, no allocation before a check): every container's declared length is
-    checked against `limits` and against the bytes left (each element takes one byte at least) before its
-    elements are read; nesting stops at `MAX_DEPTH`; the objects decoded in all are counted against
-    `limits.max_objects`. So any input is refused in time and memory proportional to the smaller of its size
-    and that budget, never to what it declares. Returns plain dicts, lists, str, bytes, ints, bools and None;
-    floats, ext types, non-str map keys and repeated keys are refused. Raises `error`, never anything else.
-    """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise error(f"{what}: expected bytes, got {type(data).__name__}")
-    data = bytes(data)
-    if len(data) > limits.max_bytes:
-        raise error(f"{what}: {len(data)} bytes is larger than the limit ({limits.max_bytes} bytes)")
-    value, end = _Decoder(data, limits, what, error).run()
-    if end != len(data):
-        raise error(f"{what}: {len(data) - end} trailing bytes after the encoded value")
-    return value
-
-
-class _Decoder:
-    """The iterative decoder behind `unpack`: a stack of open containers, one loop, bounded work."""
-
-    def __init__(self, data: bytes, limits: Limits, what: str, error: type[InvalidReceipt]) -> None:
-        self.data, self.limits, self.what, self.error = data, limits, what, error
-        self.pos, self.objects = 0, 0
-
-    def fail(self, message: str) -> InvalidReceipt:
-        return self.error(f"{self.what}: {message} (at byte {self.pos})")
-
-    def take(self, n: int) -> bytes:
-        if self.pos + n > len(self.data):
-            raise self.error(f"{self.what}: truncated (it declares more than its {len(self.data)} bytes)")
-        out = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-    def uint(self, n: int) -> int:
-        return int.from_bytes(self.take(n), "big")
-
-    def run(self) -> tuple[Any, int]:
-        # each frame: [container (list or dict), remaining elements, pending map key or _NO_KEY]
-        stack: list[list[Any]] = []
-        while True:
-            value = self.item(len(stack))
-            if isinstance(value, _Open):
-                if value.count == 0:
-                    value = value.container
-                else:
-                    stack.append([value.container, value.count, _NO_KEY])
-                    continue
-            while True:  # place the value in its container; close every container it completes
-                if not stack:
-                    return value, self.pos
-                frame = stack[-1]
-                container = frame[0]
-                if isinstance(container, list):
-                    container.append(value)
-                    frame[1] -= 1
-                elif frame[2] is _NO_KEY:
-                    if not isinstance(value, str):
-                        raise self.fail(f"a map key must be a string, got {type(value).__name__}")
-                    if value in container:
-                        raise self.fail(f"the map key {value[:64]!r} appears twice")
-                    frame[2] = value
-                    break
-                else:
-                    container[frame[2]] = value
-                    frame[2] = _NO_KEY
-                    frame[1] -= 1
-                if frame[1]:
-                    break
-                stack.pop()
-                value = container
-
-    def item(self, depth: int) -> Any:
-        self.objects += 1
-        if self.objects > self.limits.max_objects:
-            raise self.fail(f"more than {self.limits.max_objects} objects")
-        b = self.take(1)[0]
-        if b <= 0x7F:
-            return b
-        if b >= 0xE0:
-            return b - 0x100
-        if 0xA0 <= b <= 0xBF:
-            return self.text(b & 0x1F)
-        if 0x90 <= b <= 0x9F:
-            return self.open(depth, b & 0x0F, False)
-        if 0x80 <= b <= 0x8F:
-            return self.open(depth, b & 0x0F, True)
-        if b == 0xC0:
-            return None
-        if b in (0xC2, 0xC3):
-            return b == 0xC3
-        if b in (0xCC, 0xCD, 0xCE, 0xCF):
-            return self.uint(1 << (b - 0xCC))
-        if b in (0xD0, 0xD1, 0xD2, 0xD3):
-            return int.from_bytes(self.take(1 << (b - 0xD0)), "big", signed=True)
-        if b in (0xD9, 0xDA, 0xDB):
-            return self.text(self.uint(1 << (b - 0xD9)))
-        if b in (0xC4, 0xC5, 0xC6):
-            n = self.uint(1 << (b - 0xC4))
-            if n > self.limits.max_bin_len:
-                raise self.fail(f"a binary of {n} bytes is longer than the limit ({self.limits.max_bin_len})")
-            return self.take(n)
-        if b in (0xDC, 0xDD):
-            return self.open(depth, self.uint(2 if b == 0xDC else 4), False)
-        if b in (0xDE, 0xDF):
-            return self.open(depth, self.uint(2 if b == 0xDE else 4), True)
-        if b in (0xCA, 0xCB):
-            raise self.fail("floats are not allowed in signed data")
-        raise self.fail(f"type byte 0x{b:02x} (an ext type or reserved) is not allowed")
-
-    def text(self, n: int) -> str:
-        if n > self.limits.max_str_len:
-            raise self.fail(f"a string of {n} bytes is longer than the limit ({self.limits.max_str_len})")
-        raw = self.take(n)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.fail("a string is not valid UTF-8") from None
-
-    def open(self, depth: int, count: int, is_map: bool) -> _Open:
-        if depth >= MAX_DEPTH:
-            raise self.fail(f"nested deeper than {MAX_DEPTH} levels")
-        limit = self.limits.max_map_len if is_map else self.limits.max_array_len
-        if count > limit:
-            raise self.fail(f"{'a map' if is_map else 'an array'} of {count} entries is longer than the limit "
-                            f"({limit})")
-        if count * (2 if is_map else 1) > len(self.data) - self.pos:  # every element takes a byte at least
-            raise self.error(f"{self.what}: truncated (it declares more than its {len(self.data)} bytes)")
-        return _Open({} if is_map else [], count)
-
-
-class _Open(NamedTuple):
-    container: Any
-    count: int
-
-
-_NO_KEY = object()
-
-
-def fields(value: Any, names: tuple[str, ...], where: str, *, error: type[InvalidReceipt] = InvalidReceipt,
-           optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`value` as a dict with exactly the keys `names` (and any of `optional`, absent ones as None); unknown,
-    extra or missing keys raise `error`."""
-    if not isinstance(value, dict):
-        raise error(f"{where}: expected a map, got {describe(value)}")
-    allowed = set(names) | set(optional)
-    missing, extra = sorted(set(names) - set(value)), sorted(set(value) - allowed, key=repr)
-    if missing or extra:
-        parts = ([f"missing {', '.join(missing)}"] if missing else []) + \
-                ([f"unknown {', '.join(map(str, extra))}"] if extra else [])
-        raise error(f"{where}: {'; '.join(parts)} (expected exactly: {', '.join(sorted(names))}"
-                    + (f"; optional: {', '.join(sorted(optional))})" if optional else ")"))
-    return {**{k: None for k in optional}, **value}
-
-
-# ---- checks shared by the schemas -------------------------------------------------------------------
-
-
-def check_uint(value: Any, where: str, maximum: int = UINT64_MAX, minimum: int = 0, *,
-               error: type[InvalidReceipt] = InvalidReceipt) -> int:
-    """`value` if it is an int (not a bool) in [minimum, maximum], else raise `error`."""
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise error(f"{where}: expected an integer in [{minimum}, {maximum}], got {describe(value)}")
-    return value
-
-
-def check_str(value: Any, where: str, max_len: int, *, min_len: int = 1,
-              error: type[InvalidReceipt] = InvalidReceipt) -> str:
-    """`value` if it is a str of min_len..max_len characters, else raise `error`."""
-    if not isinstance(value, str) or not min_len <= len(value) <= max_len:
-        raise error(f"{where}: expected a string of {min_len} to {max_len} characters, got {describe(value)}")
-    return value
-
-
-def check_digest(value: Any, where: str, *, error: type[InvalidReceipt] = InvalidReceipt) -> str:
-    """`value` if it is a SHA-256 digest as 64 lowercase hex digits, else raise `error`."""
-    if not isinstance(value, str) or len(value) != 64 or not HEX_DIGITS.issuperset(value):
-        raise error(f"{where}: expected a SHA-256 digest as 64 lowercase hex digits, got {describe(value)}")
-    return value
-
-
-def check_token_ids(value: Any, where: str, max_len: int, *, min_len: int = 0,
-                    error: type[InvalidReceipt] = InvalidReceipt) -> tuple[int, ...]:
-    """`value` as a tuple of token ids (ints in [0, 2**32 - 1]), min_len..max_len of them."""
-    if not isinstance(value, (list, tuple)) or not min_len <= len(value) <= max_len:
-        raise error(f"{where}: expected {min_len} to {max_len} token ids, got {describe(value)}")
-    for i, token in enumerate(value):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= UINT32_MAX:
-            raise error(f"{where}[{i}]: expected a token id in [0, 2**32 - 1], got {describe(token)}")
-    return tuple(value)
-
-
-def describe(value: Any) -> str:
-    if isinstance(value, (list, tuple, dict, bytes, str)) and len(value) > 8:
-        return f"{type(value).__name__} of length {len(value)}"
-    return f"{type(value).__name__} {value!r}"
-
-
 # ---- IEEE-754 bits and digests -----------------------------------------------------------------------
 
 
@@ -412,3 +156,51 @@ def json_float(value: float) -> float | str:
 def sha256_hex(data: bytes) -> str:
     """Lowercase hex SHA-256 of `data`: the one spelling of every digest in receipts and manifests."""
     return hashlib.sha256(data).hexdigest()
+
+
+# ---- canonical JSON and the digests a receipt names ------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+def canonical_json(value: Any, *, ascii: bool = True) -> bytes:
+    """The canonical JSON bytes of `value`: keys sorted, no whitespace, NaN and infinities refused, floats as
+    Python writes them (the shortest text that reads back the same double); read-only mappings (a decoded
+    receipt's) as objects, tuples as arrays. `ascii`: other characters as \\u escapes (facts, cache keys);
+    else UTF-8 (a client's request body, as the client computes it). Raises `TypeError` or `ValueError` for a
+    value that has no JSON form."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=ascii, allow_nan=False,
+                      default=_plain).encode("utf-8")
+
+
+def facts_hash(facts: Any) -> str:
+    """SHA-256 hex of the facts' canonical (ASCII) JSON: a receipt's `deployment.hash`."""
+    return sha256_hex(canonical_json(facts))
+
+
+def check_tuple(data: Any, source: str) -> dict[str, dict[str, Any]]:
+    """A committed tuple ({family: {axis: value}}, values int, bool or str) with keys sorted; else `BadInput`."""
+    if not isinstance(data, Mapping) or not all(isinstance(k, str) and isinstance(v, Mapping)
+                                                for k, v in data.items()):
+        raise BadInput(f"{source}: a tuple maps family names to {{axis: value}} maps")
+    for family, axes in data.items():
+        for axis, value in axes.items():
+            if not isinstance(axis, str) or not isinstance(value, (int, bool, str)):
+                raise BadInput(f"{source}: {family}.{axis} = {value!r}: values are integers, booleans or strings")
+            if isinstance(value, int) and not INT_MIN <= value <= UINT64_MAX:
+                raise BadInput(f"{source}: {family}.{axis} = {value}: does not fit 64 bits")
+    return {f: dict(sorted(a.items())) for f, a in sorted(data.items())}
+
+
+def encode_tuple(values: Any) -> bytes:
+    """A tuple's canonical msgpack (it holds no floats, so the encoding is exact): what `tuple_hash` hashes."""
+    return pack(check_tuple(values, "tuple"))
+
+
+def tuple_hash(values: Any) -> str:
+    """SHA-256 hex of `encode_tuple`: a receipt's `tuple.hash`."""
+    return sha256_hex(encode_tuple(values))

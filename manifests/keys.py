@@ -26,7 +26,8 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from detent_audit.manifests.encoding import open_regular, sha256_hex
+from detent_audit.manifests.decoding import open_regular
+from detent_audit.manifests.encoding import sha256_hex
 from detent_audit.manifests.errors import KeyFileError, WrongPassphrase
 
 MAX_KEY_FILE_BYTES = 64 * 1024

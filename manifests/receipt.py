@@ -6,7 +6,7 @@ canonical msgpack (encoding.py), one map, schema version 2 (`version`):
 
     deployment:   {facts: map, hash: hex}    the deployment's canonical facts and their hash, as its producer
     tuple:        {hash: hex, values: map}   (Deployment.facts_hash, the tuner) computes them; only their
-                                             form is checked here, the verifier recomputes them (design.md 7)
+                                             form is checked here, the verifier recomputes them (step 3)
     request:      {client: map, id: str, prompt_token_ids_u32le: bin(4m), sampling: map, seed: u64}
     client:       {api: str, body_json: bin, body_sha256: hex}
     sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, [stop: [str]], stop_token_ids: [u32],
@@ -23,7 +23,7 @@ canonical msgpack (encoding.py), one map, schema version 2 (`version`):
 What the receipt binds, and why:
 - `request.client` is the request **as the client sent it**: `api` names its schema and endpoint
   (`openai/v1/completions`, `openai/v1/chat/completions`, `detent/v1/offline-jsonl`), `body_json` is the
-  body's canonical JSON (`canonical_json`: keys sorted, no whitespace, UTF-8, no NaN; what a client computes
+  body's canonical JSON (`body_json`: keys sorted, no whitespace, UTF-8, no NaN; what a client computes
   over the body it sent) and `body_sha256` its SHA-256. A verifier parses the body again with the node's own
   parser for that `api` and requires the prompt ids and sampling below to be what it gives: a node cannot
   answer another prompt, other sampling, a lower `max_tokens` or extra stop ids under the client's id.
@@ -51,7 +51,18 @@ output.digest = SHA-256(b"detent-audit/output/v2\\0" || u64le(n) || token_ids_u3
 A receipt's own digest (what run manifests list, what a response carries) is SHA-256 of its payload bytes
 (`Receipt.digest`).
 
-Adding a field: a later field is optional in `from_bytes` (`enc.fields(..., optional=...)`) and omitted from
+A verifier checks a receipt in ten steps, numbered the same in `detent_audit.verifier.steps` and in
+docs/design.md section 7 (steps 1-3 are `verify_envelope` here):
+(1) read: a bounded read, the envelope decoded; (2) signature: by a trusted key, before the payload is
+parsed, then the payload type; (3) payload: schema, canonical re-encoding, `node_keyid` the signer's, the
+deployment and tuple hashes recomputed; (4) claims: the file is named after `request.id`, `time_unix_ns` is
+plausible, the deployment published; (5) run manifests and (6) coverage: `run` places the receipt in them;
+(7) deployment: the engine rebuilt from `deployment.facts` and `tuple`; (8) output: ids in the vocabulary,
+`finish_reason` by the scheduler's rule, `sampling.stop` recomputed; (9) request: `request.client` parsed
+again gives `prompt_token_ids`, `sampling` and `seed`, `output.text` is the tokens' text; (10) bits:
+`output` (and `scoring`) recomputed, the fp32 bits compared.
+
+Adding a field: a later field is optional in `from_bytes` (`dec.fields(..., optional=...)`) and omitted from
 `to_bytes` at its default, so receipts that do not use it keep their bytes; a verifier that does not know a
 field refuses the receipt (unknown fields are errors), never ignores it. A change of meaning bumps the
 version and the payload type.
@@ -69,8 +80,15 @@ from typing import Any, NamedTuple
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import encoding as enc
-from detent_audit.manifests.dsse import MAX_PAYLOAD_BYTES, RECEIPT_PAYLOAD_TYPE, open_envelope, sign_envelope
+from detent_audit.manifests.dsse import (
+    MAX_PAYLOAD_BYTES,
+    RECEIPT_PAYLOAD_TYPE,
+    OpenedEnvelope,
+    open_envelope,
+    sign_envelope,
+)
 from detent_audit.manifests.errors import BadSignature, InvalidReceipt
 
 SCHEMA_VERSION = 2
@@ -86,7 +104,7 @@ FINISH_REASONS = ("length", "stop")
 OUTPUT_DIGEST_TAG = b"detent-audit/output/v2\x00"
 CLIENT_APIS = ("openai/v1/completions", "openai/v1/chat/completions", "detent/v1/offline-jsonl")
 MAX_JSON_CONTAINERS = 1 << 20  # arrays and objects in a client body (bounds the memory of parsing it)
-_LIMITS = enc.Limits(max_bytes=MAX_PAYLOAD_BYTES, max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_CLIENT_BODY,
+_LIMITS = dec.Limits(max_bytes=MAX_PAYLOAD_BYTES, max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_CLIENT_BODY,
                      max_array_len=4096, max_map_len=4096, max_objects=1 << 16)
 _SAMPLING_FIELDS = ("ignore_eos", "logprobs", "max_tokens", "stop_token_ids", "temperature_f64_bits", "top_k",
                     "top_p_f64_bits")
@@ -119,18 +137,18 @@ class SamplingRecord:
                                  f"got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidReceipt(f"request.sampling.top_p: expected a float in (0, 1], got {self.top_p!r}")
-        enc.check_uint(self.top_k, "request.sampling.top_k", enc.UINT32_MAX)
-        enc.check_uint(self.max_tokens, "request.sampling.max_tokens", MAX_TOKENS)  # 0: scoring only (echo)
-        stop = enc.check_token_ids(self.stop_token_ids, "request.sampling.stop_token_ids", MAX_STOP_TOKENS)
+        dec.check_uint(self.top_k, "request.sampling.top_k", enc.UINT32_MAX)
+        dec.check_uint(self.max_tokens, "request.sampling.max_tokens", MAX_TOKENS)  # 0: scoring only (echo)
+        stop = dec.check_token_ids(self.stop_token_ids, "request.sampling.stop_token_ids", MAX_STOP_TOKENS)
         object.__setattr__(self, "stop_token_ids", stop)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidReceipt(f"request.sampling.ignore_eos: expected a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
-            enc.check_uint(self.logprobs, "request.sampling.logprobs", MAX_LOGPROBS)
+            dec.check_uint(self.logprobs, "request.sampling.logprobs", MAX_LOGPROBS)
         if not isinstance(self.stop, (tuple, list)) or len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidReceipt(f"request.sampling.stop: expected at most {MAX_STOP_STRINGS} strings, "
-                                 f"got {enc.describe(self.stop)}")
-        object.__setattr__(self, "stop", tuple(enc.check_str(s, "request.sampling.stop", MAX_STOP_CHARS)
+                                 f"got {dec.describe(self.stop)}")
+        object.__setattr__(self, "stop", tuple(dec.check_str(s, "request.sampling.stop", MAX_STOP_CHARS)
                                                for s in self.stop))
 
     @classmethod
@@ -150,23 +168,21 @@ class SamplingRecord:
 
     @classmethod
     def _from_wire(cls, wire: Any) -> SamplingRecord:
-        w = enc.fields(wire, _SAMPLING_FIELDS, "request.sampling", optional=("stop",))
+        w = dec.fields(wire, _SAMPLING_FIELDS, "request.sampling", optional=("stop",))
         if w["stop"] is not None and not w["stop"]:
             raise InvalidReceipt("request.sampling.stop: present but empty (an absent key means no stop strings)")
-        bits = {name: enc.check_uint(w[f"{name}_f64_bits"], f"request.sampling.{name}_f64_bits")
+        bits = {name: dec.check_uint(w[f"{name}_f64_bits"], f"request.sampling.{name}_f64_bits")
                 for name in ("temperature", "top_p")}
         temperature, top_p = enc.f64_from_bits(bits["temperature"]), enc.f64_from_bits(bits["top_p"])
         return cls(temperature, w["top_k"], top_p, w["max_tokens"], w["stop_token_ids"], w["ignore_eos"],
                    w["logprobs"], tuple(w["stop"] or ()))
 
 
-def canonical_json(body: Any) -> bytes:
-    """A JSON value's canonical bytes: keys sorted, no whitespace, UTF-8 (not ASCII-escaped), NaN and
-    infinities refused; floats as Python writes them (the shortest text that reads back the same double).
-    A client computes `body_sha256` over this form of the body it sent."""
+def body_json(body: Any) -> bytes:
+    """A request body's canonical JSON (`encoding.canonical_json`, UTF-8 rather than ASCII escapes): what a
+    client computes `body_sha256` over, for the body it sent. Raises `InvalidReceipt` for a non-JSON value."""
     try:
-        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False).encode("utf-8")
+        return enc.canonical_json(body, ascii=False)
     except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as exc:
         raise InvalidReceipt(f"request.client.body_json: not a JSON value with a canonical form ({exc})") from None
 
@@ -189,14 +205,14 @@ def parse_canonical_json(data: bytes, where: str = "request.client.body_json") -
         raise InvalidReceipt(f"{where}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(value, dict):
         raise InvalidReceipt(f"{where}: expected a JSON object")
-    if canonical_json(value) != data:
+    if body_json(value) != data:
         raise InvalidReceipt(f"{where}: not canonical JSON (re-encoded, it differs)")
     return value
 
 
 @dataclass(frozen=True)
 class ClientRequest:
-    """The request as the client sent it: its API and its body's canonical JSON (`canonical_json`)."""
+    """The request as the client sent it: its API and its body's canonical JSON (`body_json`)."""
 
     api: str
     body_json: bytes
@@ -204,15 +220,15 @@ class ClientRequest:
     def __post_init__(self) -> None:
         if self.api not in CLIENT_APIS:
             raise InvalidReceipt(f"request.client.api: expected one of {', '.join(CLIENT_APIS)}, got "
-                                 f"{enc.describe(self.api)}")
+                                 f"{dec.describe(self.api)}")
         if not isinstance(self.body_json, bytes) or not 2 <= len(self.body_json) <= MAX_CLIENT_BODY:
             raise InvalidReceipt(f"request.client.body_json: expected 2 to {MAX_CLIENT_BODY} bytes of JSON, got "
-                                 f"{enc.describe(self.body_json)}")
+                                 f"{dec.describe(self.body_json)}")
 
     @classmethod
     def of(cls, api: str, body: Any) -> ClientRequest:
         """From a parsed JSON body (a client's, or the node's as it parsed the request)."""
-        return cls(api, canonical_json(body))
+        return cls(api, body_json(body))
 
     @cached_property
     def body_sha256(self) -> str:
@@ -227,9 +243,9 @@ class ClientRequest:
 
     @classmethod
     def _from_wire(cls, wire: Any) -> ClientRequest:
-        w = enc.fields(wire, ("api", "body_json", "body_sha256"), "request.client")
+        w = dec.fields(wire, ("api", "body_json", "body_sha256"), "request.client")
         client = cls(w["api"], w["body_json"])
-        if enc.check_digest(w["body_sha256"], "request.client.body_sha256") != client.body_sha256:
+        if dec.check_digest(w["body_sha256"], "request.client.body_sha256") != client.body_sha256:
             raise InvalidReceipt("request.client.body_sha256: not the SHA-256 of body_json")
         return client
 
@@ -237,7 +253,7 @@ class ClientRequest:
 def _ids_from_wire(value: Any, where: str, max_len: int, min_len: int = 0) -> tuple[int, ...]:
     if not isinstance(value, bytes) or len(value) % 4 or not min_len <= len(value) // 4 <= max_len:
         raise InvalidReceipt(f"{where}: expected {min_len} to {max_len} token ids as u32le bytes, got "
-                             f"{enc.describe(value)}")
+                             f"{dec.describe(value)}")
     return enc.u32le_unpack(value)
 
 
@@ -252,15 +268,15 @@ class RequestRecord:
     seed: int  # unsigned 64-bit sampling seed, recorded also when greedy
 
     def __post_init__(self) -> None:
-        enc.check_str(self.request_id, "request.id", MAX_REQUEST_ID_LEN)
+        dec.check_str(self.request_id, "request.id", MAX_REQUEST_ID_LEN)
         if not isinstance(self.client, ClientRequest):
-            raise InvalidReceipt(f"request.client: expected a ClientRequest, got {enc.describe(self.client)}")
-        prompt = enc.check_token_ids(self.prompt_token_ids, "request.prompt_token_ids", MAX_TOKENS, min_len=1)
+            raise InvalidReceipt(f"request.client: expected a ClientRequest, got {dec.describe(self.client)}")
+        prompt = dec.check_token_ids(self.prompt_token_ids, "request.prompt_token_ids", MAX_TOKENS, min_len=1)
         object.__setattr__(self, "prompt_token_ids", prompt)
         if not isinstance(self.sampling, SamplingRecord):
             raise InvalidReceipt(f"request.sampling: expected a SamplingRecord, "
-                                 f"got {enc.describe(self.sampling)}")
-        enc.check_uint(self.seed, "request.seed")
+                                 f"got {dec.describe(self.sampling)}")
+        dec.check_uint(self.seed, "request.seed")
 
     def _to_wire(self) -> dict[str, Any]:
         return {"client": self.client._to_wire(), "id": self.request_id,
@@ -269,7 +285,7 @@ class RequestRecord:
 
     @classmethod
     def _from_wire(cls, wire: Any) -> RequestRecord:
-        w = enc.fields(wire, ("client", "id", "prompt_token_ids_u32le", "sampling", "seed"), "request")
+        w = dec.fields(wire, ("client", "id", "prompt_token_ids_u32le", "sampling", "seed"), "request")
         return cls(w["id"], ClientRequest._from_wire(w["client"]),
                    _ids_from_wire(w["prompt_token_ids_u32le"], "request.prompt_token_ids_u32le", MAX_TOKENS, 1),
                    SamplingRecord._from_wire(w["sampling"]), w["seed"])
@@ -283,15 +299,15 @@ class RunRecord:
     seq: int
 
     def __post_init__(self) -> None:
-        enc.check_str(self.run_id, "run.id", MAX_RUN_ID_LEN)
-        enc.check_uint(self.seq, "run.seq")
+        dec.check_str(self.run_id, "run.id", MAX_RUN_ID_LEN)
+        dec.check_uint(self.seq, "run.seq")
 
     def _to_wire(self) -> dict[str, Any]:
         return {"id": self.run_id, "seq": self.seq}
 
     @classmethod
     def _from_wire(cls, wire: Any) -> RunRecord:
-        w = enc.fields(wire, ("id", "seq"), "run")
+        w = dec.fields(wire, ("id", "seq"), "run")
         return cls(w["id"], w["seq"])
 
 
@@ -308,18 +324,18 @@ class OutputRecord:
     top_logprobs_f32le: bytes = b""
 
     def __post_init__(self) -> None:
-        tokens = enc.check_token_ids(self.token_ids, "output.token_ids", MAX_TOKENS)
+        tokens = dec.check_token_ids(self.token_ids, "output.token_ids", MAX_TOKENS)
         object.__setattr__(self, "token_ids", tokens)
         if not isinstance(self.logprobs_f32le, bytes) or len(self.logprobs_f32le) != 4 * len(self.token_ids):
             raise InvalidReceipt(f"output.logprobs_f32le: expected {4 * len(self.token_ids)} bytes (4 per "
-                                 f"output token), got {enc.describe(self.logprobs_f32le)}")
+                                 f"output token), got {dec.describe(self.logprobs_f32le)}")
         if self.finish_reason not in FINISH_REASONS:
             raise InvalidReceipt(f"output.finish_reason: expected one of {', '.join(FINISH_REASONS)}, "
                                  f"got {self.finish_reason!r}")
         if not isinstance(self.text, str) or len(self.text) > MAX_TEXT_BYTES:
-            raise InvalidReceipt(f"output.text: expected a string, got {enc.describe(self.text)}")
-        enc.check_str(self.text, "output.text", MAX_TEXT_BYTES, min_len=0)
-        top = enc.check_token_ids(self.top_token_ids, "output.top_token_ids", MAX_LOGPROBS * MAX_TOKENS)
+            raise InvalidReceipt(f"output.text: expected a string, got {dec.describe(self.text)}")
+        dec.check_str(self.text, "output.text", MAX_TEXT_BYTES, min_len=0)
+        top = dec.check_token_ids(self.top_token_ids, "output.top_token_ids", MAX_LOGPROBS * MAX_TOKENS)
         object.__setattr__(self, "top_token_ids", top)
         n = len(self.token_ids)
         if (n == 0 and top) or (n and len(top) % n) or len(top) > n * MAX_LOGPROBS:
@@ -327,7 +343,7 @@ class OutputRecord:
                                  f"{n} tokens (k <= {MAX_LOGPROBS})")
         if not isinstance(self.top_logprobs_f32le, bytes) or len(self.top_logprobs_f32le) != 4 * len(top):
             raise InvalidReceipt(f"output.top_logprobs_f32le: expected {4 * len(top)} bytes (4 per top "
-                                 f"token id), got {enc.describe(self.top_logprobs_f32le)}")
+                                 f"token id), got {dec.describe(self.top_logprobs_f32le)}")
 
     @classmethod
     def from_floats(cls, token_ids: Sequence[int], logprobs: Sequence[float], finish_reason: str, text: str = "",
@@ -378,14 +394,14 @@ class OutputRecord:
 
     @classmethod
     def _from_wire(cls, wire: Any) -> OutputRecord:
-        w = enc.fields(wire, ("digest", "finish_reason", "logprobs_f32le", "text", "token_ids_u32le",
+        w = dec.fields(wire, ("digest", "finish_reason", "logprobs_f32le", "text", "token_ids_u32le",
                               "top_logprobs_f32le", "top_token_ids_u32le"), "output")
         output = cls(_ids_from_wire(w["token_ids_u32le"], "output.token_ids_u32le", MAX_TOKENS),
                      w["logprobs_f32le"], w["finish_reason"], w["text"],
                      _ids_from_wire(w["top_token_ids_u32le"], "output.top_token_ids_u32le",
                                     MAX_LOGPROBS * MAX_TOKENS),
                      w["top_logprobs_f32le"])
-        if enc.check_digest(w["digest"], "output.digest") != output.digest:
+        if dec.check_digest(w["digest"], "output.digest") != output.digest:
             raise InvalidReceipt(f"output.digest: {w['digest']} is not the digest of the output "
                                  f"({output.digest})")
         return output
@@ -404,16 +420,16 @@ class ScoringRecord:
     def __post_init__(self) -> None:
         if not isinstance(self.logprobs_f32le, bytes) or len(self.logprobs_f32le) % 4:
             raise InvalidReceipt(f"scoring.logprobs_f32le: expected 4 bytes per prompt position, "
-                                 f"got {enc.describe(self.logprobs_f32le)}")
-        enc.check_uint(self.top_n, "scoring.top_n", MAX_LOGPROBS)
-        ids = enc.check_token_ids(self.top_ids, "scoring.top_ids", MAX_TOKENS * 8)
+                                 f"got {dec.describe(self.logprobs_f32le)}")
+        dec.check_uint(self.top_n, "scoring.top_n", MAX_LOGPROBS)
+        ids = dec.check_token_ids(self.top_ids, "scoring.top_ids", MAX_TOKENS * 8)
         object.__setattr__(self, "top_ids", ids)
         if len(ids) != self.num_positions * self.top_n:
             raise InvalidReceipt(f"scoring.top_ids: expected {self.top_n} per position ({self.num_positions * self.top_n}), "
                                  f"got {len(ids)}")
         if not isinstance(self.top_logprobs_f32le, bytes) or len(self.top_logprobs_f32le) != 4 * len(ids):
             raise InvalidReceipt(f"scoring.top_logprobs_f32le: expected {4 * len(ids)} bytes (4 per top id), "
-                                 f"got {enc.describe(self.top_logprobs_f32le)}")
+                                 f"got {dec.describe(self.top_logprobs_f32le)}")
 
     @property
     def num_positions(self) -> int:
@@ -445,7 +461,7 @@ class ScoringRecord:
 
     @classmethod
     def _from_wire(cls, wire: Any) -> ScoringRecord:
-        w = enc.fields(wire, _SCORING_FIELDS, "scoring")
+        w = dec.fields(wire, _SCORING_FIELDS, "scoring")
         return cls(w["logprobs_f32le"], w["top_n"], w["top_ids"], w["top_logprobs_f32le"])
 
 
@@ -468,22 +484,22 @@ class Receipt:
         for name, where in (("deployment_facts", "deployment.facts"), ("tuple_values", "tuple.values")):
             value = getattr(self, name)
             if not isinstance(value, Mapping) or not value:
-                raise InvalidReceipt(f"{where}: expected a non-empty map, got {enc.describe(value)}")
+                raise InvalidReceipt(f"{where}: expected a non-empty map, got {dec.describe(value)}")
             object.__setattr__(self, name, enc.freeze(value, where, allow_bytes=False))
-        enc.check_digest(self.deployment_hash, "deployment.hash")
-        enc.check_digest(self.tuple_hash, "tuple.hash")
+        dec.check_digest(self.deployment_hash, "deployment.hash")
+        dec.check_digest(self.tuple_hash, "tuple.hash")
         if not isinstance(self.request, RequestRecord) or not isinstance(self.output, OutputRecord):
             raise InvalidReceipt("request and output: expected a RequestRecord and an OutputRecord")
         if not isinstance(self.run, RunRecord):
-            raise InvalidReceipt(f"run: expected a RunRecord, got {enc.describe(self.run)}")
+            raise InvalidReceipt(f"run: expected a RunRecord, got {dec.describe(self.run)}")
         if len(self.output.token_ids) > self.request.sampling.max_tokens:
             raise InvalidReceipt(f"output.token_ids: {len(self.output.token_ids)} tokens exceed "
                                  f"request.sampling.max_tokens ({self.request.sampling.max_tokens})")
-        enc.check_digest(self.node_keyid, "node_keyid")
-        enc.check_uint(self.time_unix_ns, "time_unix_ns")
+        dec.check_digest(self.node_keyid, "node_keyid")
+        dec.check_uint(self.time_unix_ns, "time_unix_ns")
         if self.scoring is not None:
             if not isinstance(self.scoring, ScoringRecord):
-                raise InvalidReceipt(f"scoring: expected a ScoringRecord, got {enc.describe(self.scoring)}")
+                raise InvalidReceipt(f"scoring: expected a ScoringRecord, got {dec.describe(self.scoring)}")
             if self.scoring.num_positions != len(self.request.prompt_token_ids) - 1:
                 raise InvalidReceipt(f"scoring: {self.scoring.num_positions} prompt logprobs for a prompt of "
                                      f"{len(self.request.prompt_token_ids)} tokens (expected one per token after "
@@ -513,12 +529,12 @@ class Receipt:
 
         This checks no signature: a verifier calls `verify_envelope`, which checks it first.
         """
-        w = enc.fields(enc.unpack(data, _LIMITS, what="receipt payload"), _FIELDS, "receipt", optional=("scoring",))
-        if enc.check_uint(w["version"], "receipt.version") != SCHEMA_VERSION:
+        w = dec.fields(dec.unpack(data, _LIMITS, what="receipt payload"), _FIELDS, "receipt", optional=("scoring",))
+        if dec.check_uint(w["version"], "receipt.version") != SCHEMA_VERSION:
             raise InvalidReceipt(f"receipt: schema version {w['version']} is not supported (this release "
                                  f"reads version {SCHEMA_VERSION})", remedy="use the release the node ran")
-        deployment = enc.fields(w["deployment"], ("facts", "hash"), "deployment")
-        tuple_ = enc.fields(w["tuple"], ("hash", "values"), "tuple")
+        deployment = dec.fields(w["deployment"], ("facts", "hash"), "deployment")
+        tuple_ = dec.fields(w["tuple"], ("hash", "values"), "tuple")
         receipt = cls(deployment["facts"], deployment["hash"], tuple_["values"], tuple_["hash"],
                       RequestRecord._from_wire(w["request"]), OutputRecord._from_wire(w["output"]),
                       RunRecord._from_wire(w["run"]), w["node_keyid"], w["time_unix_ns"],
@@ -582,15 +598,17 @@ def sign_receipt(receipt: Receipt, key: Ed25519PrivateKey) -> bytes:
 
 
 def verify_envelope(data: bytes, trusted_keys: Mapping[str, Ed25519PublicKey]) -> VerifiedReceipt:
-    """Verify a receipt file's bytes and decode it: the signature first, the payload after.
+    """Verify a receipt file's bytes and decode it: steps (1)-(3), the signature first, the payload after.
 
     Raises `InvalidReceipt` (malformed), `UntrustedKey` (signer not trusted), `BadSignature`.
     """
-    # (0)-(2): bounded envelope decode, signature by a trusted key, payload type (dsse.open_envelope)
-    payload, signer = open_envelope(data, trusted_keys, RECEIPT_PAYLOAD_TYPE)
-    # (3): the payload: bounded decode, schema, canonical re-encoding
-    receipt = Receipt.from_bytes(payload)
-    # (4): the payload names its signer
-    if receipt.node_keyid != signer:
-        raise BadSignature(f"the receipt names node key {receipt.node_keyid}, but key {signer} signed it")
-    return VerifiedReceipt(receipt, signer)
+    # (1)-(2): bounded envelope decode, signature by a trusted key, payload type (dsse.open_envelope)
+    return open_payload(open_envelope(data, trusted_keys, RECEIPT_PAYLOAD_TYPE))
+
+
+def open_payload(opened: OpenedEnvelope) -> VerifiedReceipt:
+    """Step (3): the signed payload decoded (bounded, schema, canonical re-encoding); it names its signer."""
+    receipt = Receipt.from_bytes(opened.payload)
+    if receipt.node_keyid != opened.keyid:
+        raise BadSignature(f"the receipt names node key {receipt.node_keyid}, but key {opened.keyid} signed it")
+    return VerifiedReceipt(receipt, opened.keyid)

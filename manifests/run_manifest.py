@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import dsse
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.errors import BadSignature, InvalidManifest, ManifestMismatch
@@ -48,7 +49,7 @@ from detent_audit.manifests.receipt import MAX_REQUEST_ID_LEN, Receipt
 SCHEMA_VERSION = 2
 KINDS = ("rotation", "final", "recovery")
 MAX_RUN_RECEIPTS = 1 << 19  # 67 bytes each keeps a manifest under MAX_PAYLOAD_BYTES; split larger runs
-_LIMITS = enc.Limits(max_bytes=dsse.MAX_PAYLOAD_BYTES, max_str_len=1024, max_bin_len=0,
+_LIMITS = dec.Limits(max_bytes=dsse.MAX_PAYLOAD_BYTES, max_str_len=1024, max_bin_len=0,
                      max_array_len=MAX_RUN_RECEIPTS, max_map_len=16, max_objects=MAX_RUN_RECEIPTS + 64)
 _FIELDS = ("deployment_hash", "kind", "merkle_root", "node_keyid", "output_tokens", "prompt_tokens",
            "receipt_count", "receipt_digests", "run_id", "seq_first", "seq_last", "time_unix_ns", "tuple_hash",
@@ -88,29 +89,29 @@ class RunManifest:
     seq_last: int = 0
 
     def __post_init__(self) -> None:
-        enc.check_str(self.run_id, "run_id", MAX_REQUEST_ID_LEN, error=InvalidManifest)
+        dec.check_str(self.run_id, "run_id", MAX_REQUEST_ID_LEN, error=InvalidManifest)
         digests = self.receipt_digests
         if not isinstance(digests, (list, tuple)) or len(digests) > MAX_RUN_RECEIPTS:
             raise InvalidManifest(f"receipt_digests: expected at most {MAX_RUN_RECEIPTS} digests, "
-                                  f"got {enc.describe(digests)}")
+                                  f"got {dec.describe(digests)}")
         for i, digest in enumerate(digests):
-            enc.check_digest(digest, f"receipt_digests[{i}]", error=InvalidManifest)
+            dec.check_digest(digest, f"receipt_digests[{i}]", error=InvalidManifest)
             if i and digests[i - 1] >= digest:
                 raise InvalidManifest(f"receipt_digests[{i}]: digests must be sorted ascending and unique")
         object.__setattr__(self, "receipt_digests", tuple(digests))
         if self.kind not in KINDS:
-            raise InvalidManifest(f"kind: expected one of {', '.join(KINDS)}, got {enc.describe(self.kind)}")
+            raise InvalidManifest(f"kind: expected one of {', '.join(KINDS)}, got {dec.describe(self.kind)}")
         for name in ("seq_first", "seq_last"):
-            enc.check_uint(getattr(self, name), name, error=InvalidManifest)
+            dec.check_uint(getattr(self, name), name, error=InvalidManifest)
         span = self.seq_last - self.seq_first + 1
         if span < 1 or (self.kind != "recovery" and len(self.receipt_digests) != span) \
                 or len(self.receipt_digests) > span:
             raise InvalidManifest(f"seq_first {self.seq_first}, seq_last {self.seq_last}: a {self.kind} manifest "
                                   f"of {len(self.receipt_digests)} receipts cannot cover that range")
         for name in ("node_keyid", "deployment_hash", "tuple_hash"):
-            enc.check_digest(getattr(self, name), name, error=InvalidManifest)
+            dec.check_digest(getattr(self, name), name, error=InvalidManifest)
         for name in ("prompt_tokens", "output_tokens", "time_unix_ns"):
-            enc.check_uint(getattr(self, name), name, error=InvalidManifest)
+            dec.check_uint(getattr(self, name), name, error=InvalidManifest)
 
     @classmethod
     def for_receipts(cls, receipts: Iterable[Receipt], *, run_id: str, node_keyid: str, deployment_hash: str,
@@ -157,9 +158,9 @@ class RunManifest:
     @classmethod
     def from_bytes(cls, data: bytes) -> RunManifest:
         """Decode payload bytes; every problem (size, schema, root, non-canonical) is `InvalidManifest`."""
-        w = enc.fields(enc.unpack(data, _LIMITS, what="run manifest payload", error=InvalidManifest), _FIELDS,
+        w = dec.fields(dec.unpack(data, _LIMITS, what="run manifest payload", error=InvalidManifest), _FIELDS,
                        "run manifest", error=InvalidManifest)
-        if enc.check_uint(w["version"], "version", error=InvalidManifest) != SCHEMA_VERSION:
+        if dec.check_uint(w["version"], "version", error=InvalidManifest) != SCHEMA_VERSION:
             raise InvalidManifest(f"run manifest: schema version {w['version']} is not supported (this "
                                   f"detent-audit reads version {SCHEMA_VERSION})",
                                   remedy="use the detent-audit release the node ran")
@@ -211,12 +212,11 @@ def verify_run_manifest(data: bytes, trusted_keys: Mapping[str, Ed25519PublicKey
     Raises `InvalidManifest` (malformed), `UntrustedKey`, `BadSignature`. The receipts are checked
     separately, with `check_run`.
     """
-    # (0)-(2): bounded envelope decode, signature by a trusted key, payload type (dsse.open_envelope)
+    # (1)-(2): bounded envelope decode, signature by a trusted key, payload type (dsse.open_envelope)
     payload, signer = dsse.open_envelope(data, trusted_keys, dsse.RUN_MANIFEST_PAYLOAD_TYPE,
                                          error=InvalidManifest)
-    # (3): the payload: bounded decode, schema, root, canonical re-encoding
+    # (3): the payload: bounded decode, schema, root, canonical re-encoding; it names its signer
     manifest = RunManifest.from_bytes(payload)
-    # (4): the payload names its signer
     if manifest.node_keyid != signer:
         raise BadSignature(f"the run manifest names node key {manifest.node_keyid}, but {signer} signed it")
     return VerifiedManifest(manifest, signer)
@@ -229,7 +229,7 @@ def check_run(manifest: RunManifest, receipts: Iterable[Receipt]) -> None:
     difference the error lists the `missing` and `extra` digests.
     """
     receipts = list(receipts)
-    # (1): every receipt is of this run, node, deployment and tuple, within the manifest's range
+    # step (5), first: every receipt is of this run, node, deployment and tuple, within the manifest's range
     for r in receipts:
         for name in ("node_keyid", "deployment_hash", "tuple_hash"):
             if getattr(r, name) != getattr(manifest, name):
@@ -239,7 +239,7 @@ def check_run(manifest: RunManifest, receipts: Iterable[Receipt]) -> None:
             raise ManifestMismatch(f"receipt {r.digest} (request {r.request.request_id!r}) is receipt "
                                    f"{r.run.seq} of run {r.run.run_id!r}, outside this manifest's "
                                    f"{manifest.seq_first}-{manifest.seq_last} of run {manifest.run_id!r}")
-    # (2): the root of the receipts present
+    # then the root of the receipts present
     present = sorted(r.digest for r in receipts)
     if len(set(present)) != len(present):
         raise ManifestMismatch("the same receipt was given twice", remedy="pass each receipt file once")
@@ -251,7 +251,7 @@ def check_run(manifest: RunManifest, receipts: Iterable[Receipt]) -> None:
                                f"manifest's {manifest.receipt_count} have {manifest.merkle_root}: "
                                f"{len(missing)} missing, {len(extra)} not in the manifest",
                                missing=missing, extra=extra)
-    # (3): the counts
+    # then the counts
     prompt = sum(len(r.request.prompt_token_ids) for r in receipts)
     output = sum(len(r.output.token_ids) for r in receipts)
     if (prompt, output) != (manifest.prompt_tokens, manifest.output_tokens):

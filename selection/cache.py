@@ -8,39 +8,24 @@ miss, the entry is removed and the program solved again: a bad entry is never tr
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from detent_audit.atomic import write_atomically
-
-ENV_VAR = "DETENT_AUDIT_CACHE"
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env) / "selir"
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("detent-audit")) / "selir"
-
-
-def canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+from detent_audit.cache_dir import cache_root
+from detent_audit.manifests.encoding import canonical_json, sha256_hex
 
 
 def cache_key(parts: dict[str, Any]) -> str:
-    return hashlib.sha256(canonical(parts)).hexdigest()
+    return sha256_hex(canonical_json(parts))
 
 
 class JitCache:
     """get/put of solve results by key. `last_status` says 'hit', 'miss' or 'corrupt' for the last get."""
 
     def __init__(self, directory: str | Path | None = None) -> None:
-        self.directory = Path(directory) if directory is not None else default_cache_dir()
+        self.directory = Path(directory) if directory is not None else cache_root("selir")
         self.last_status = "miss"
 
     def path(self, key: str) -> Path:
@@ -59,7 +44,7 @@ class JitCache:
         try:
             entry = json.loads(raw)
             body = entry["body"]
-            ok = entry["key"] == key and entry["sha256"] == hashlib.sha256(canonical(body)).hexdigest()
+            ok = entry["key"] == key and entry["sha256"] == sha256_hex(canonical_json(body))
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
@@ -72,5 +57,5 @@ class JitCache:
     def put(self, key: str, body: dict) -> None:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, canonical({"key": key, "sha256": hashlib.sha256(canonical(body)).hexdigest(),
+        write_atomically(path, canonical_json({"key": key, "sha256": sha256_hex(canonical_json(body)),
                                           "body": body}))

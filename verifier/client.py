@@ -1,12 +1,12 @@
 """A client's check of one answer: its request, the response it received and the node's receipt, against each
 other, then the receipt's bits (`detent-audit verify-response`, or `verify_response` in one call).
 
-(1) the receipt's signature (a trusted key), (2) the request: the receipt binds this exact body (its canonical
-JSON's SHA-256, `receipt.canonical_json`) at this endpoint, (3) the response: its id is the receipt's request
-id, the proof it carries (`receipt`: digest, keyid, signature) is this receipt's, its `system_fingerprint` the
-receipt's deployment, its text, finish reason, per-token logprobs (fp32 bits) and top alternatives those the
-receipt holds; (4) `verify` of the receipt (re-execution, bits). Any difference in (2)-(3) is a FAIL that
-names the field.
+First the receipt's steps (1)-(3) (read, signature by a trusted key, payload); then the request: the receipt
+binds this exact body (its canonical JSON's SHA-256, `receipt.body_json`) at this endpoint; then the
+response: its id is the receipt's request id, the proof it carries (`receipt`: digest, keyid, signature) is
+this receipt's, its `system_fingerprint` the receipt's deployment, its text, finish reason, per-token logprobs
+(fp32 bits) and top alternatives those the receipt holds; last, `verify` of the receipt, steps (1)-(10). Any
+difference between request, response and receipt is a FAIL that names the field.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.dsse import Envelope, read_envelope_bytes
-from detent_audit.manifests.receipt import Receipt, canonical_json, verify_envelope
-from detent_audit.verifier.verify import Outcome, Report, verify
+from detent_audit.manifests.receipt import Receipt, body_json, verify_envelope
+from detent_audit.verifier.report import Outcome, Report
+from detent_audit.verifier.verify import verify
 
 MAX_DOCUMENT_BYTES = 256 << 20
 
@@ -30,7 +32,7 @@ MAX_DOCUMENT_BYTES = 256 << 20
 def read_json_document(path: str | Path, what: str) -> Any:
     """A JSON file (a request or a response), or a response saved as a server-sent-event stream."""
     try:
-        data = enc.read_bounded(path, MAX_DOCUMENT_BYTES, what=what)
+        data = dec.read_bounded(path, MAX_DOCUMENT_BYTES, what=what)
     except DetentError as exc:
         raise BadInput(exc.message) from None
     text = data.decode("utf-8", "replace")
@@ -84,7 +86,7 @@ def check_response(request: Any, response: Any, receipt: Receipt, envelope: Enve
     if not isinstance(request, dict):
         return ["the request must be the JSON object the client sent"]
     try:
-        body = canonical_json(request)
+        body = body_json(request)
     except DetentError as exc:
         return [exc.message]
     if enc.sha256_hex(body) != receipt.request.client.body_sha256:

@@ -1,15 +1,15 @@
 """`detent-audit verify-eval`: an lm-eval run's published score, recomputed from verified receipts alone.
 
-(1) Read the run: lm-eval's `results_<time>.json` (the reported scores, the model and its arguments, the task
+(a) Read the run: lm-eval's `results_<time>.json` (the reported scores, the model and its arguments, the task
 configs) and its `samples_<task>_<time>.jsonl` (`--log_samples`: per document its requests, the responses
-lm-eval parsed, and its metrics). (2) Rebuild every request lm-eval sent, with lm-eval's own model class (its
+lm-eval parsed, and its metrics). (b) Rebuild every request lm-eval sent, with lm-eval's own model class (its
 tokenization, truncation, payload): the prompt token ids, and for a generation its stop strings, max_tokens,
 temperature and seed; a chat request's messages rendered by the deployment's chat template, as the server
-renders them. (3) Open the receipts (signatures checked) and match each request to one receipt of that exact
-request (each receipt answers at most one request). (4) Verify the matched receipts (`verify`: deployment,
-tuple, re-execution in batches, bits). (5) From each verified receipt alone, rebuild the response the server
+renders them. (c) Open the receipts (verification steps (1)-(3)) and match each request to one receipt of
+that exact request (each receipt answers at most one request). (d) Verify the matched receipts (`verify`,
+steps (1)-(10)). (e) From each verified receipt alone, rebuild the response the server
 gave (the same response code: the echoed logprobs and top alternatives, or the output text cut at its stop
-string) and parse it with lm-eval's own parser; it must equal the response lm-eval logged. (6) Recompute each
+string) and parse it with lm-eval's own parser; it must equal the response lm-eval logged. (f) Recompute each
 document's metrics with the task's own filters and `process_results`, aggregate with its own aggregations,
 over the documents whose every request verified (the coverage), and compare with the reported score.
 
@@ -114,7 +114,7 @@ class EvalReport:
                 "seconds": self.seconds, "exit_code": self.exit_code}
 
 
-# ---- (1): the run lm-eval wrote
+# ---- (a): the run lm-eval wrote
 
 
 def find_run(path: Path) -> tuple[Path, dict[str, Path]]:
@@ -176,7 +176,7 @@ def _arguments(sample: dict) -> list[tuple]:
     return [tuple(a) for a in args]
 
 
-# ---- (2): the requests, rebuilt with lm-eval's own model class
+# ---- (b): the requests, rebuilt with lm-eval's own model class
 
 
 def _model_args(results: dict) -> tuple[str, dict[str, Any]]:
@@ -279,7 +279,7 @@ def rebuild_requests(lm: Any, task: str, request_type: str, sample: dict, tokeni
     return requests
 
 
-# ---- (3): receipts by request
+# ---- (c): receipts by request
 
 
 def receipt_key(r: Any) -> tuple:
@@ -288,7 +288,7 @@ def receipt_key(r: Any) -> tuple:
             tuple(s.stop), s.temperature, r.request.seed)
 
 
-# ---- (5): the response a verified receipt gives, parsed by lm-eval
+# ---- (e): the response a verified receipt gives, parsed by lm-eval
 
 
 def _json_logprob(value: float) -> float:
@@ -330,7 +330,7 @@ def _same(logged: Any, rebuilt: Any) -> bool:
     return logged == rebuilt
 
 
-# ---- (6): the metrics, with the task's own code
+# ---- (f): the metrics, with the task's own code
 
 
 def load_tasks(names: list[str], include_path: list[str]) -> dict[str, Any]:
@@ -381,17 +381,19 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
                 include_path: list[str] | None = None, workers: int | str = 1, cache_dir: str | None = None,
                 progress: Callable[[int, int], None] | None = None,
                 deployments: dict[str, dict | None] | None = None) -> EvalReport:
-    """Steps (1)-(6) of the module docstring. `deployments`: the published ones (`verify.load_deployments`),
-    as `verify` takes them: a receipt whose facts are not among them fails, and so does its sample's coverage
-    (None: the facts are self-asserted, and the report says so)."""
+    """The audit's steps (a)-(f) of the module docstring. `deployments`: the published ones
+    (`load_deployments`), as `verify` takes them: a receipt whose facts are not among them fails, and so does
+    its sample's coverage (None: the facts are self-asserted, and the report says so)."""
     import time
 
     from detent_audit.engine.tokenizer import Tokenizer
-    from detent_audit.verifier.verify import _open_receipt, collect, verify
+    from detent_audit.verifier.plan import collect
+    from detent_audit.verifier.receipt_file import open_receipt
+    from detent_audit.verifier.verify import verify
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    # (1): the run
+    # (a): the run
     results_path, sample_paths = find_run(run)
     results = _read_json(results_path)
     reported = results.get("results") or {}
@@ -399,13 +401,14 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     if not tasks:
         raise BadInput(f"{results_path}: its samples files name no task of its results")
     samples = {t: read_samples(sample_paths[t]) for t in tasks}
-    # (3), first half: every receipt opened (signature, schema, hashes)
-    receipt_paths, _, bad = collect(receipts)
+    # (c), first half: every receipt opened (steps (1)-(3): read, signature, payload)
+    files = collect(receipts)
+    receipt_paths, bad = files.receipts, files.bad
     opened: dict[Path, Any] = {}
     failed_open: dict[Path, str] = {o.path: o.message for o in bad}
     for p in receipt_paths:
         try:
-            opened[p] = _open_receipt(p, trusted)
+            opened[p] = open_receipt(p, trusted)
         except DetentError as exc:
             failed_open[p] = exc.message
     if not opened:
@@ -413,7 +416,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
                        remedy="give the run's receipts folder and the node's public key")
     checkpoint = _checkpoint(model)
     tokenizer = Tokenizer.from_pretrained(checkpoint)
-    # (2): the requests
+    # (b): the requests
     lm = make_lm(results, str(checkpoint))
     task_objs = load_tasks(tasks, include_path or [])
     requests: dict[tuple[str, int], list[Request]] = {}
@@ -423,7 +426,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
         for sample in samples[t]:
             requests[(t, int(sample["doc_id"]))] = rebuild_requests(lm, t, request_type, sample, tokenizer)
     seconds["rebuild_requests"] = time.perf_counter() - start
-    # (3), second half: one receipt per request, of exactly that request
+    # (c), second half: one receipt per request, of exactly that request
     pool: dict[tuple, list[Path]] = defaultdict(list)
     for p, r in sorted(opened.items()):
         pool[receipt_key(r)].append(p)
@@ -433,13 +436,13 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
             if pool.get(req.key):
                 matched[(t, doc_id, req.index)] = pool[req.key].pop(0)
     unmatched = sum(len(v) for v in pool.values())
-    # (4): verify the matched receipts, in batches
+    # (d): verify the matched receipts, in batches
     start = time.perf_counter()
     report = verify(sorted(set(matched.values())), trusted, model=model, workers=workers, cache_dir=cache_dir,
                     progress=progress, deployments=deployments)
     seconds["verify"] = time.perf_counter() - start
     status = {Path(o.path): o for o in report.outcomes if o.kind == "receipt"}
-    # (5): each document's responses from its verified receipts, against what lm-eval logged
+    # (e): each document's responses from its verified receipts, against what lm-eval logged
     decode = tokenizer.decode
     docs: list[DocVerdict] = []
     verified: dict[str, dict[int, list]] = {t: {} for t in tasks}
@@ -469,7 +472,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
             if verdict.covered:
                 verified[t][doc_id] = resps
             docs.append(verdict)
-    # (6): the metrics from the verified responses alone
+    # (f): the metrics from the verified responses alone
     scores = []
     for t in tasks:
         got = recompute(task_objs[t], t, samples[t], verified[t])

@@ -1,4 +1,4 @@
-"""(3)-(4) of verification: rebuild the serving engine a receipt describes, and refuse to compare where a
+"""Step (7) of verification: rebuild the serving engine a receipt describes, and refuse to compare where a
 bit-relevant fact differs.
 
 The engine settings come from the receipt's facts (dtype, thread count, page size, limits, mode) and its tuple;
@@ -21,18 +21,19 @@ from detent_audit.engine.facts import static_facts
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.named_models import NAMES
 from detent_audit.engine_api import EMBEDDED, Engine, UnknownEngine, engine_for_facts
-from detent_audit.errors import BadInput, DetentError
+from detent_audit.errors import BadInput
+from detent_audit.verifier.steps import DeploymentError
 
 
-class NotComparable(DetentError):
-    """The local deployment differs from the receipt's in a bit-relevant fact."""
+class NotComparable(DeploymentError):
+    """The local deployment differs from the receipt's in a bit-relevant fact (step (7), exit 3)."""
 
     exit_code = 3
     remedy = "verify on a machine and checkpoint that match the receipt's deployment facts"
 
     def __init__(self, fields: list[str], message: str | None = None) -> None:
-        self.fields = fields
-        super().__init__(message or f"deployment differs in {len(fields)} field(s): {', '.join(fields)}")
+        super().__init__(message or f"deployment differs in {len(fields)} field(s): {', '.join(fields)}",
+                         fields=fields)
 
 
 def _get(facts: Mapping[str, Any], *path: str) -> Any:
@@ -94,7 +95,7 @@ def differing_fields(expected: Any, got: Any, prefix: str = "") -> list[str]:
 def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                 cache_dir: str | None = None, threads: int | None = None,
                 tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0) -> Engine:
-    """(3) deployment and (4) tuple: the local engine for these facts, of the engine they name (the embedded
+    """Step (7), the deployment and its tuple: the local engine for these facts, of the engine they name (the embedded
     one or vLLM); raises NotComparable, also for an engine this installation does not have."""
     try:
         name = engine_for_facts(facts)
@@ -112,14 +113,14 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
         if not torch.cuda.is_available():
             raise NotComparable(["runtime.device"], f"the receipt was served on {facts['runtime']['device']!r}; "
                                                     "this machine has no CUDA device")
-    # (3a): what is known before building (the checkpoint is the verifier's: its files are hashed, not loaded)
+    # (7), first: what is known before building (the checkpoint is the verifier's: its files are hashed, not loaded)
     expected = {k: dict(facts[k]) if isinstance(facts.get(k), Mapping) else facts.get(k)
                 for k in ("engine", "checkpoint", "runtime")}
     if isinstance(expected["checkpoint"], dict):
         expected["checkpoint"].pop("eos_token_ids", None)
     check_comparable(expected, static_facts(config))
     try:
-        llm = LLM(config)  # (4): select_kernels refuses a tuple that is not legal for the solved pins
+        llm = LLM(config)  # (7): select_kernels refuses a tuple that is not legal for the solved pins
     except BadInput as exc:
         if "is not legal" in exc.message or "does not run" in exc.message:
             whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
@@ -162,7 +163,7 @@ def served_from(facts: Mapping[str, Any], local: Mapping[str, Any]) -> str:
 def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                      threads: int | None = None, tuple_override: Mapping[str, Any] | None = None, *,
                      kv_tokens: int = 0) -> Any:
-    """(3)-(4) for a vLLM receipt: the vLLM engine its facts describe (settings from the facts, the checkpoint
+    """Step (7) for a vLLM receipt: the vLLM engine its facts describe (settings from the facts, the checkpoint
     local), compared field by field; a different vLLM version or thread count is refused before an engine is
     built (a build takes most of a minute), stock receipts are not comparable (vLLM's kernels read the batch)."""
     mode = _get(tuple_values, "mode", "name")
@@ -190,7 +191,7 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
     from detent_audit.engine.facts import checkpoint_hashes
     from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
 
-    # (3a): the checkpoint's files are hashed, not loaded, before vLLM is built
+    # (7), first: the checkpoint's files are hashed, not loaded, before vLLM is built
     local_model = VllmConfig(model=str(model)).resolved_model
     expected = {k: v for k, v in dict(_get(facts, "checkpoint")).items() if k in ("config", "tokenizer", "weights")}
     fields = [f"checkpoint.{f}" for f in differing_fields(expected, checkpoint_hashes(local_model.path))]

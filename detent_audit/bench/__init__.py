@@ -1,2 +1,2 @@
-"""Serving benchmarks: seeded synthetic workloads (`workloads`) and the wall-clock harness that drives the
-engine through them and measures latency per output token (`serving`)."""
+"""Seeded synthetic serving workloads (`workloads`): what `tune` profiles and the serving benchmarks
+(`benchmarks/serving_harness.py`) run."""

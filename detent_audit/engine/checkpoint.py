@@ -25,7 +25,9 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from detent_audit.cache_dir import cache_root
 from detent_audit.engine.config import ModelConfig
+from detent_audit.engine.dtypes import DTYPES, dtype_name
 from detent_audit.engine.loader import checkpoint_names
 from detent_audit.engine.model import CausalLM
 from detent_audit.engine.tokenizer import CHAT_FORMATS, ChatFormat, bytes_to_unicode
@@ -34,8 +36,6 @@ from detent_audit.errors import BadInput
 DEFAULT_MODEL = "default-20m"
 DEFAULT_SEED = 20_000_000
 DEFAULT_FORMAT_VERSION = 1  # bump when the writer's output changes, so caches regenerate
-CACHE_ENV = "DETENT_AUDIT_CACHE"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def chat_format_for(config: ModelConfig) -> ChatFormat:
@@ -85,14 +85,14 @@ def write_random_checkpoint(path: str | Path, shape_or_config: str | ModelConfig
     Raises `BadInput` for an unknown dtype, a vocabulary smaller than the tokenizer or too many shards.
     """
     config = ModelConfig.from_name(shape_or_config) if isinstance(shape_or_config, str) else shape_or_config
-    dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if dtype_name not in _DTYPES:
-        raise BadInput(f"cannot write a checkpoint in {dtype}", remedy=f"use one of {sorted(_DTYPES)}")
+    dtype_str = dtype_name(dtype)
+    if dtype_str not in DTYPES:
+        raise BadInput(f"cannot write a checkpoint in {dtype}", remedy=f"use one of {sorted(DTYPES)}")
     fmt = chat_format_for(config)
     ids = {t: 256 + i for i, t in enumerate(fmt.special_tokens)}
     if config.vocab_size < 256 + len(ids):
         raise BadInput(f"vocab_size {config.vocab_size} is smaller than the tokenizer's {256 + len(ids)} tokens")
-    config = dataclasses.replace(config, torch_dtype=dtype_name, bos_token_id=ids.get(fmt.bos_token or ""),
+    config = dataclasses.replace(config, torch_dtype=dtype_str, bos_token_id=ids.get(fmt.bos_token or ""),
                                  eos_token_ids=tuple(sorted(ids[t] for t in fmt.eos_tokens)))
     model = CausalLM(config, device="meta")
     names = checkpoint_names(model)
@@ -116,7 +116,7 @@ def write_random_checkpoint(path: str | Path, shape_or_config: str | ModelConfig
     for name, (param, shard) in names.items():
         module, _, local = param.rpartition(".")
         shape = model.get_submodule(module).shard_shape(local, shard)
-        tensors[name] = _random_tensor(name, shape, seed, _DTYPES[dtype_name])
+        tensors[name] = _random_tensor(name, shape, seed, DTYPES[dtype_str])
     ordered = sorted(tensors)
     if shards == 1:
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -132,22 +132,13 @@ def write_random_checkpoint(path: str | Path, shape_or_config: str | ModelConfig
     return path
 
 
-def default_cache_dir() -> Path:
-    """$DETENT_AUDIT_CACHE, else the platform's user cache directory for detent-audit."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("detent-audit"))
-
-
 def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     """Path of the random-20m model (shape "default-20m", fixed seed), writing it on first use.
 
     Written into a temporary sibling directory and renamed into place, so a reader never sees a partial
     model; when two processes race, the loser's copy is discarded and both return the same path.
     """
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
     target = root / "models" / f"{DEFAULT_MODEL}-seed{DEFAULT_SEED}-v{DEFAULT_FORMAT_VERSION}"
     if (target / "config.json").exists():
         return target

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.engine.errors import BadCheckpoint, UnsupportedModel
+from detent_audit.manifests.deployment import DTYPE_BYTES, decoder_parameters
 
 # architecture -> HF model_type
 ARCHITECTURES = {
@@ -24,7 +25,6 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-DTYPES = ("float32", "bfloat16", "float16")
 _MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 _REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 # HF's per-architecture defaults for the keys a config.json may leave out.
@@ -92,8 +92,8 @@ class ModelConfig:
                                 f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_dim % 2:
             raise BadCheckpoint(f"head_dim {self.head_dim} must be even for RoPE")
-        if self.torch_dtype not in DTYPES:
-            raise UnsupportedModel(f"torch_dtype {self.torch_dtype!r} is not one of {DTYPES}")
+        if self.torch_dtype not in DTYPE_BYTES:
+            raise UnsupportedModel(f"torch_dtype {self.torch_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         if self.architecture == "Qwen2ForCausalLM" and not self.attention_bias:
             raise BadCheckpoint("Qwen2 always has a q/k/v bias: attention_bias must be True")
         if self.is_moe:
@@ -132,15 +132,14 @@ class ModelConfig:
 
     @cached_property
     def num_parameters(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias + h * self.o_proj_bias
-        attn += 2 * d * self.qk_norm
-        dense = 3 * h * self.intermediate_size
-        sparse = self.num_experts * (3 * h * self.moe_intermediate_size + h)
-        layers = sum(attn + 2 * h + (sparse if self.is_moe_layer(i) else dense)
-                     for i in range(self.num_hidden_layers))
-        return self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + layers + h
+        return decoder_parameters(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_hidden_layers,
+            num_heads=self.num_attention_heads, num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size, num_experts=self.num_experts,
+            moe_intermediate_size=self.moe_intermediate_size,
+            moe_layers=sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers)),
+            tied_embeddings=self.tie_word_embeddings, qkv_bias=self.attention_bias, o_bias=self.o_proj_bias,
+            qk_norm=self.qk_norm)
 
     # ---- HF config.json ------------------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,29 +26,13 @@ import torch
 
 from detent_audit import __version__
 from detent_audit.atomic import write_atomically
+from detent_audit.cache_dir import cache_root
 from detent_audit.engine.generated import is_generated
 
 if TYPE_CHECKING:
     from detent_audit.engine.llm import LLM
 
 _ROOTS = {"kernels": "detent_audit.kernels", "selection_programs": "detent_audit.selection.programs"}
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    if isinstance(obj, (tuple, list)):
-        return list(obj)
-    raise TypeError(f"{type(obj).__name__} is not a fact")
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Sorted keys, no whitespace, ASCII; read-only mappings (a decoded receipt's) as plain ones."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=_plain).encode()
-
-
-def facts_hash(facts: dict) -> str:
-    return hashlib.sha256(canonical_json(facts)).hexdigest()
 
 
 def source_hash(package: str) -> str:
@@ -77,31 +62,35 @@ def file_hash(path: Path, cache: dict | None = None) -> str:
 
 
 def _hash_cache_file() -> Path:
-    from detent_audit.engine.checkpoint import default_cache_dir
-
-    return default_cache_dir() / "weight-hashes.json"
+    return cache_root("weight-hashes.json")
 
 
-def checkpoint_hashes(path: Path) -> dict[str, str]:
-    """config, tokenizer and weights hashes of a checkpoint folder (weights: a hash over the per-file ones)."""
-    cache_file = _hash_cache_file()
+@contextmanager
+def hash_cache(cache_file: Path) -> Iterator[dict]:
+    """The `file_hash` cache kept in `cache_file` (empty when missing or unreadable), written back atomically
+    when the block added to it; one that cannot be written is left: the cache only saves time."""
     try:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cache = {}
     before = dict(cache)
-    weights = sorted(path.glob("*.safetensors"))
-    per_file = [f"{f.name}:{file_hash(f, cache)}" for f in weights]
-    out = {"config": file_hash(path / "config.json"),
-           "tokenizer": file_hash(path / "tokenizer.json") if (path / "tokenizer.json").exists() else "",
-           "weights": hashlib.sha256("\n".join(per_file).encode()).hexdigest()}
+    yield cache
     if cache != before:
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(cache_file, json.dumps(cache).encode())
         except OSError:
-            pass  # the cache only saves time
-    return out
+            pass
+
+
+def checkpoint_hashes(path: Path) -> dict[str, str]:
+    """config, tokenizer and weights hashes of a checkpoint folder (weights: a hash over the per-file ones)."""
+    with hash_cache(_hash_cache_file()) as cache:
+        weights = sorted(path.glob("*.safetensors"))
+        per_file = [f"{f.name}:{file_hash(f, cache)}" for f in weights]
+    return {"config": file_hash(path / "config.json"),
+            "tokenizer": file_hash(path / "tokenizer.json") if (path / "tokenizer.json").exists() else "",
+            "weights": hashlib.sha256("\n".join(per_file).encode()).hexdigest()}
 
 
 def _device(device: str) -> str:

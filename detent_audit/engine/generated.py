@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from detent_audit.engine.checkpoint import default_cache_dir, write_random_checkpoint
+from detent_audit.cache_dir import cache_root
+from detent_audit.engine.checkpoint import write_random_checkpoint
 from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.model import CausalLM
 
@@ -28,7 +29,7 @@ def is_generated(model: str | None) -> bool:
 def model_card(model: str) -> Path:
     """The folder with config.json and the tokenizer of a generated model (written once)."""
     shape = model.removeprefix(PREFIX)
-    path = default_cache_dir() / "models" / f"card-{shape}"
+    path = cache_root("models") / f"card-{shape}"
     if not (path / "config.json").exists():
         write_random_checkpoint(path, shape, SEED, weights=False)
     return path

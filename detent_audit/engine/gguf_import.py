@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.engine.errors import UnsupportedModel
 from detent_audit.errors import BadInput
 
 IMPORT_VERSION = 1  # bump when the written files change, so cached imports are redone
 GGUF_MAGIC = b"GGUF"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # the quantizations `gguf.quants.dequantize` handles that this importer accepts
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 # GGUF tensor name -> HF name ({L}: layer)
@@ -259,8 +259,8 @@ def write_checkpoint(reader: Any, folder: Path, dtype: str, sha256: str,
 def check_import(file: str | Path, out: str | Path, dtype: str) -> Any:
     """The checks of `import_gguf` before anything is written: the reader of `file`, or `BadInput`."""
     out = Path(out)
-    if dtype not in DTYPES:
-        raise BadInput(f"cannot import as {dtype}", remedy=f"use one of {', '.join(DTYPES)}")
+    if dtype not in RUN_DTYPES:
+        raise BadInput(f"cannot import as {dtype}", remedy=f"use one of {', '.join(RUN_DTYPES)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise BadInput(f"{out} exists and is not an empty folder", remedy="choose a new --out folder")
     return open_gguf(file)

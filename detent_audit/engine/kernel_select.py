@@ -17,7 +17,9 @@ probe; the node checks before each signature that the kernels were called with n
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,8 @@ from detent_audit.kernels import AttentionParams, GemmParams, KernelSet, MoePara
 from detent_audit.manifests.deployment import Deployment
 from detent_audit.selection.cache import JitCache
 from detent_audit.selection.compiler import SolveResult, solve
-from detent_audit.selection.programs import families_for
+from detent_audit.selection.lang import cdiv
+from detent_audit.selection.programs import fa3, families_for
 
 # What the embedded engine commits when no tuple is given: chosen by `benchmarks/engine_cpu.py` on CPU
 # (a fixed 16-row GEMM chunk costs little over stock at decode batch sizes; 64-token KV tiles; splits of
@@ -228,7 +231,7 @@ def used_axes(results: Mapping[str, SolveResult], chosen: Mapping[str, Mapping[s
 
 def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir: Any) -> Selection:
     """On a GPU, detent's attention selector is the same compiled embedded selector (called per launch), det
-    is one split with a fixed tile, stock reads the batch (FA3's split heuristic, vLLM's MoE rule by M)."""
+    is one split with a fixed tile, stock reads the batch (FA3's split program unpinned, vLLM's MoE rule by M)."""
     import torch
 
     from detent_audit.kernels.gpu import GpuKernelSet
@@ -236,18 +239,44 @@ def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir:
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     streaming = deployment.engine.attention_backend == "detent-streaming"
     if mode == "stock":
-        return Selection(GpuKernelSet("stock", None, num_sms=sms), {}, {})  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("stock", stock_attention_selector(deployment, sms)), {}, {})  # type: ignore[arg-type]
     if mode == "det":
         det = AttentionParams(kv_tile=64, split_stride=0)
-        return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), sms, streaming),  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), streaming),  # type: ignore[arg-type]
                          {}, {})
     # detent's MoE tile follows M as stock's does (kernels.gpu.moe_tile): the tile does not change the bits
     # the GPU kernels read the attention selector alone (GEMM and MoE tiles by shape): only its axes are signed
     cpu = select_kernels("detent", deployment, committed, cache_dir)
     used = {f: a for f, a in cpu.used_tuple.items() if f == "embedded.attention"}
     params = {f: p for f, p in cpu.kernel_params.items() if f == "attention"}
-    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, None, sms, streaming),  # type: ignore[arg-type]
+    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, None, streaming),  # type: ignore[arg-type]
                      cpu.tuple, cpu.results, used, params)
+
+
+STOCK_TILE = 64  # stock's Triton attention tile on a GPU: BLOCK_M and the KV tile
+
+
+def stock_attention_selector(deployment: Deployment, num_sms: int) -> Callable[..., AttentionParams]:
+    """Stock's attention on a GPU, per launch: FlashAttention-3's split count as its SelIR program computes it
+    (selection/programs/fa3.py, `static_num_splits`: the heuristic unpinned, as a stock engine calls it),
+    evaluated on the launch's batch over the Triton kernel's 64 x 64 tile; each sequence's KV is cut into that
+    many runs of whole tiles, so split boundaries move with the batch. Memoised on the batch shape: every layer
+    of a step asks with the same values."""
+    facts = dataclasses.replace(fa3.facts(deployment), num_sms=num_sms, num_splits_arg=0, graph_num_splits_arg=0,
+                                max_cuda_graph_size=0)
+
+    @functools.lru_cache(maxsize=4096)
+    def select(num_seqs: int, max_seqlen_q: int, max_seqlen_k: int) -> AttentionParams:
+        is_causal, is_local = fa3.attention_flags(facts, max_seqlen_q, max_seqlen_k)
+        splits = fa3.static_num_splits(facts, False, facts.varlen, num_seqs, max_seqlen_q, max_seqlen_k, STOCK_TILE,
+                                       STOCK_TILE, is_causal, is_local)
+        stride = STOCK_TILE * cdiv(cdiv(max_seqlen_k, STOCK_TILE), splits) if splits > 1 else 0
+        return AttentionParams(kv_tile=STOCK_TILE, split_stride=stride)
+
+    def select_attention(*, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int) -> AttentionParams:
+        return select(num_seqs, max_seqlen_q, max_seqlen_k)
+
+    return select_attention
 
 
 def _det_moe_config(deployment: Deployment) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.engine.generated import generate_model, is_generated
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
 from detent_audit.engine.loader import load_model
@@ -29,8 +30,6 @@ from detent_audit.engine.stop_strings import output_text
 from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.errors import BadInput
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("detent", "stock", "det"):
             raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
-        if self.dtype not in DTYPES:
-            raise BadInput(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in RUN_DTYPES:
+            raise BadInput(f"dtype must be one of {sorted(RUN_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise BadInput(f"device must be cpu or cuda, got {self.device!r}")
         if self.num_threads < 1:

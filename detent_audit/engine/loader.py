@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from detent_audit.engine.config import ModelConfig
+from detent_audit.engine.dtypes import DTYPES
 from detent_audit.engine.errors import BadCheckpoint
 from detent_audit.engine.model import CausalLM, Weights
 from detent_audit.errors import BadInput
@@ -46,7 +47,6 @@ WEIGHT_MAP: dict[str, tuple[str, str | None]] = {
 # Tensors some exports carry that hold no weight of ours: old RoPE tables, a tied head's copy of the embedding.
 IGNORED = ("model.layers.{L}.self_attn.rotary_emb.inv_freq",)
 IGNORED_WHEN_TIED = ("lm_head.weight",)
-LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_NAMES = 10  # names listed in an error before "and N more"
 
 
@@ -150,8 +150,8 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> CausalLM:
     """Read config.json, build the model on 'meta', load the safetensors cast to `dtype`, on `device`."""
-    if dtype not in LOAD_DTYPES:
-        raise BadInput(f"cannot load weights as {dtype}", remedy=f"use one of {LOAD_DTYPES}")
+    if dtype not in DTYPES.values():
+        raise BadInput(f"cannot load weights as {dtype}", remedy=f"use one of {', '.join(DTYPES)}")
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     model = CausalLM(config, dtype=dtype, device="meta")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from detent_audit.engine.checkpoint import default_cache_dir, ensure_default_model
+from detent_audit.cache_dir import cache_root
+from detent_audit.engine.checkpoint import ensure_default_model
 from detent_audit.engine.generated import is_generated, model_card
 from detent_audit.errors import BadInput
 
@@ -74,24 +74,10 @@ def wheel_gguf(name: str) -> tuple[Path, str]:
 
 def _gguf_sha256(file: Path, cache_dir: Path) -> str:
     """The file's SHA-256, cached by (path, size, mtime) with the weights hashes."""
-    from detent_audit.engine.facts import file_hash
+    from detent_audit.engine.facts import file_hash, hash_cache
 
-    cache_file = cache_dir / "gguf-hashes.json"
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    before = dict(cache)
-    digest = file_hash(file, cache)
-    if cache != before:
-        try:
-            from detent_audit.atomic import write_atomically
-
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(cache_file, json.dumps(cache).encode())
-        except OSError:
-            pass  # the cache only saves time
-    return digest
+    with hash_cache(cache_dir / "gguf-hashes.json") as cache:
+        return file_hash(file, cache)
 
 
 def ensure_wheel_model(name: str, cache_dir: str | Path | None = None, progress=None) -> ResolvedModel:
@@ -99,7 +85,7 @@ def ensure_wheel_model(name: str, cache_dir: str | Path | None = None, progress=
     race both end with the same folder)."""
     from detent_audit.engine.gguf_import import IMPORT_VERSION, import_gguf
 
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
     file, version = wheel_gguf(name)
     sha = _gguf_sha256(file, root)
     target = root / "models" / f"{name}-{sha[:16]}-v{IMPORT_VERSION}"

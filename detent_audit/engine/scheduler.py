@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from detent_audit.engine.block_manager import BlockManager
+from detent_audit.engine.finish import FinishReason, finish_cause
 from detent_audit.engine.sampling_params import check_token_id, is_int
-from detent_audit.engine.sequence import FinishReason, Sequence, SequenceStatus
+from detent_audit.engine.sequence import Sequence, SequenceStatus
 from detent_audit.engine.stop_strings import find_stop
 from detent_audit.errors import BadInput
 
@@ -273,16 +274,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish_reason(self, seq: Sequence) -> FinishReason | None:
-        """'stop' for an EOS (unless ignore_eos) or stop token, which wins over reaching a length limit;
-        'length' at max_tokens outputs or max_model_len tokens; else None."""
-        params, token = seq.sampling_params, seq.last_token_id
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids):
-            return "stop"
+        """The finish rule (engine/finish.py) after `seq`'s last token; None while it goes on."""
+        params = seq.sampling_params
+        stop_string = False
         if params.stop:  # checked after every token, so the first token whose text holds one stops it
             if self.decode is None:
                 raise RuntimeError("a request with stop strings needs a scheduler with a decode function")
-            if find_stop(self.decode(seq.output_token_ids), params.stop) is not None:
-                return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+            stop_string = find_stop(self.decode(seq.output_token_ids), params.stop) is not None
+        cause = finish_cause(seq.last_token_id, seq.num_output_tokens, seq.num_tokens, params,
+                             self.config.eos_token_ids, self.config.max_model_len, stop_string=stop_string)
+        return None if cause is None else cause.reason

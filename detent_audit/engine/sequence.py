@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence as SequenceOf
-from typing import Literal
 
+from detent_audit.engine.finish import FinishReason
 from detent_audit.engine.sampling_params import SamplingParams, check_token_id, is_int
 from detent_audit.errors import BadInput
-
-FinishReason = Literal["stop", "length"]
 
 
 class SequenceStatus(enum.Enum):

@@ -1,14 +1,12 @@
 """Committed tuples on disk: {family: {axis: value}} as msgpack (or JSON, by extension).
 
 A tuple file is data the tuner writes and a receipt names by hash; it holds no floats (pins and knobs are
-integers, booleans or strings), so its canonical msgpack encoding is exact.
+integers, booleans or strings), so its canonical msgpack encoding is exact (`manifests.encoding.tuple_hash`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +14,7 @@ import msgpack
 
 from detent_audit.atomic import write_atomically
 from detent_audit.errors import BadInput
-
-
-def _check(data: Any, source: str) -> dict[str, dict[str, Any]]:
-    if not isinstance(data, Mapping) or not all(isinstance(k, str) and isinstance(v, Mapping)
-                                                for k, v in data.items()):
-        raise BadInput(f"{source}: a tuple maps family names to {{axis: value}} maps")
-    for family, axes in data.items():
-        for axis, value in axes.items():
-            if not isinstance(axis, str) or not isinstance(value, (int, bool, str)):
-                raise BadInput(f"{source}: {family}.{axis} = {value!r}: values are integers, booleans or strings")
-    return {f: dict(sorted(a.items())) for f, a in sorted(data.items())}
+from detent_audit.manifests.encoding import check_tuple, encode_tuple
 
 
 def load_tuple(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -39,16 +27,7 @@ def load_tuple(path: str | Path) -> dict[str, dict[str, Any]]:
         data = json.loads(raw) if path.suffix == ".json" else msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as exc:
         raise BadInput(f"{path.name}: not a tuple file ({exc})") from None
-    return _check(data, path.name)
-
-
-def encode_tuple(values: dict[str, dict[str, Any]]) -> bytes:
-    """The canonical encoding (sorted keys) that `tuple_hash` hashes."""
-    return msgpack.packb(_check(values, "tuple"), use_bin_type=True)
-
-
-def tuple_hash(values: dict[str, dict[str, Any]]) -> str:
-    return hashlib.sha256(encode_tuple(values)).hexdigest()
+    return check_tuple(data, path.name)
 
 
 def save_tuple(values: dict[str, dict[str, Any]], path: str | Path) -> None:

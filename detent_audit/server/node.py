@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.atomic import write_atomically
-from detent_audit.engine.facts import facts_hash
 from detent_audit.engine.llm import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.tuples import tuple_hash
 from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.manifests.dsse import Envelope, read_envelope_bytes
+from detent_audit.manifests.encoding import facts_hash, tuple_hash
 from detent_audit.manifests.keys import keyid as keyid_of
 from detent_audit.manifests.receipt import (
     ClientRequest,

@@ -3,9 +3,14 @@ batch invariance seen through the harness (detent's outputs bit-identical at con
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from detent_audit.bench.serving import RunResult, measure_peak, run_workload, same_outputs, token_space_of
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks' own modules
+from serving_harness import RunResult, measure_peak, run_workload, same_outputs, token_space_of  # noqa: E402
+
 from detent_audit.bench.workloads import closed_loop, long_documents, sharegpt_like
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.errors import BadInput

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("detent_audit.kernels.triton_attention")
 
-from detent_audit.engine.tune import GPU_LAUNCHES, GraphShape, Oracle  # noqa: E402
+from detent_audit.engine.tune_search import GPU_LAUNCHES, GraphShape, Oracle  # noqa: E402
 from detent_audit.selection.tuner import Assignment  # noqa: E402
 
 FAMILY = "embedded.attention"

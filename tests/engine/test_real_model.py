@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks' own modules
+from real_model_agreement import PROMPTS, hf_greedy  # noqa: E402  (the agreement benchmark's prompts and loop)
 
 from detent_audit.engine.battery import run_battery
 from detent_audit.engine.gguf_import import import_gguf
@@ -33,13 +37,6 @@ TEXTS = [
     "Numbers: 12345 3.14159 -42 1e10 0x1F",
     "   leading spaces and trailing ones   ",
     "",
-]
-PROMPTS = [
-    "The capital of France is", "Question: what is 2 + 2?\nAnswer:", "Once upon a time, there was a",
-    "The three primary colors are", "def add(a, b):\n", "Water boils at", "The largest planet in the solar system is",
-    "In 1492, Columbus", "A haiku about autumn:\n", "Photosynthesis is the process by which",
-    "The square root of 144 is", "To make a cup of tea, first", "Python is a programming language that",
-    "The opposite of hot is", "My favourite book is", "The speed of light is",
 ]
 
 
@@ -123,19 +120,6 @@ def test_chat_template_renders_as_transformers(engine: LLM, hf_tokenizer) -> Non
                 "input_ids"]
 
 
-def _hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
-    """Transformers' greedy decoding with its KV cache and no logits processors (generate's min_new_tokens
-    would mask the EOS token, which the engine's ignore_eos still draws)."""
-    out, past, x = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            step = hf_model(x, past_key_values=past, use_cache=True)
-            past = step.past_key_values
-            out.append(int(step.logits[0, -1].argmax()))
-            x = torch.tensor([[out[-1]]])
-    return out
-
-
 def test_greedy_continuations_and_logprobs_equal_transformers(engine: LLM, hf_model) -> None:
     """16 prompts x 32 greedy tokens, all in one batch in the engine, one by one in transformers: the tokens
     equal, except that a continuation may part where transformers' two best logits are within LOGIT_TIE (a
@@ -145,7 +129,7 @@ def test_greedy_continuations_and_logprobs_equal_transformers(engine: LLM, hf_mo
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     worst, parted = 0.0, []
     for ids, out in zip(prompts, outs):
-        theirs = _hf_greedy(hf_model, ids, 32)
+        theirs = hf_greedy(hf_model, ids, 32)
         same = next((i for i, (a, b) in enumerate(zip(out.token_ids, theirs)) if a != b), 32)
         with torch.no_grad():
             logits = hf_model(torch.tensor([ids + out.token_ids[:-1]])).logits[0, len(ids) - 1:].double()

@@ -8,7 +8,7 @@ import random
 
 from detent_audit.engine.config import NAMED_SHAPES
 from detent_audit.engine.kernel_select import engine_deployment, select_kernels
-from detent_audit.engine.tune import (
+from detent_audit.engine.tune_search import (
     GPU_KV_TILES,
     GPU_STRIDE_MAX,
     GPU_STRIDE_STEP,
@@ -106,7 +106,7 @@ def test_gpu_tuning_searches_launch_classes_within_the_budget(monkeypatch) -> No
 def test_graph_replayed_decode_steps_split_as_the_graph_does() -> None:
     """A decode step a CUDA graph replays launches the splits of the engine's longest context, so strides
     below it stay distinct even where the step's own sequences are short; prefill calls are unaffected."""
-    from detent_audit.engine.tune import GraphShape
+    from detent_audit.engine.tune_search import GraphShape
 
     s = _selection()
     grid, _ = family_grid(s.results["embedded.attention"], s.tuple["embedded.attention"], "cuda")

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from detent_audit.engine import tune
+from detent_audit.engine import tune, tune_record
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import BadInput
@@ -39,7 +39,7 @@ def test_profile_runs_at_the_concurrency_asked_over_the_same_tokens(seed) -> Non
     recorded = {}
     for limit in (1, 3, None):
         llm.reset()
-        recorded[limit] = tune.record_calls(llm, requests, limit)
+        recorded[limit] = tune_record.record_calls(llm, requests, limit)
     assert set(_batches(recorded[1])) == {1}
     assert max(_batches(recorded[3])) == 3
     assert max(_batches(recorded[None])) > 3
@@ -53,7 +53,7 @@ def test_tune_engine_adds_up_the_passes(monkeypatch) -> None:
     expected: dict[str, Counter] = {}
     for limit in (1, None):
         llm.reset()
-        for family, counter in tune.record_calls(llm, requests, limit).items():
+        for family, counter in tune_record.record_calls(llm, requests, limit).items():
             expected.setdefault(family, Counter()).update(counter)
     seen = {}
 
@@ -72,6 +72,6 @@ def test_tune_engine_adds_up_the_passes(monkeypatch) -> None:
 def test_bad_concurrency_is_refused(bad) -> None:
     llm = LLM(EngineConfig(model="random:tiny-llama", max_model_len=256, num_kv_blocks=256))
     with pytest.raises(BadInput, match="concurrency"):
-        tune.record_calls(llm, _requests(0, 2), bad)
+        tune_record.record_calls(llm, _requests(0, 2), bad)
     with pytest.raises(BadInput, match="concurrency"):
         tune.tune_engine(llm, _requests(0, 2), concurrency=())

@@ -5,11 +5,14 @@ at most 15% of the grid, on the median costs and under the recorded timing noise
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import pytest
 
-from detent_audit.engine.tune_replay import load_recorded
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks' own modules
+from tune_replay import load_recorded  # noqa: E402
+
 from detent_audit.selection.tuner import search
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import uvicorn
+from threaded_server import threaded_server
 
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.manifests.keys import GeneratedKey, load_private_key, load_trusted_keys
@@ -44,23 +41,10 @@ def serving(checkpoint: Path, key: GeneratedKey, out: Path, cache_dir: Path, mod
     llm = LLM(EngineConfig(model=str(checkpoint), mode=mode, cache_dir=str(cache_dir)))
     node = ServingNode(llm, load_private_key(key.private_path), out)
     engine = AsyncEngine(llm)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, node, MODEL_NAME), log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.01)
     try:
-        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", out, checkpoint, key, node)
+        with threaded_server(create_app(engine, node, MODEL_NAME), start_timeout=60) as url:
+            yield Served(url, out, checkpoint, key, node)
     finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
         engine.shutdown(drain=False)
 
 

@@ -160,7 +160,7 @@ def test_verify_eval_checks_the_facts_against_the_published_deployment(served_ru
     that are not the published ones (a max_num_seqs no bit depends on) fails, and its sample's coverage with
     it, while without the published deployment the same receipt verifies and the report says the facts are
     self-asserted."""
-    from detent_audit.engine.facts import facts_hash
+    from detent_audit.manifests.encoding import facts_hash
     from detent_audit.verifier.verify import load_deployments
 
     served, completions, _ = served_run

@@ -71,7 +71,7 @@ def _with_engine(served: dict, name: str, version: str = "9.9.9"):
 @pytest.mark.parametrize("name", ["sglang", "", "vllm"])
 def test_verify_refuses_an_engine_it_cannot_rebuild(served, monkeypatch, tmp_path, name: str) -> None:
     import detent_audit.integrations.vllm as vllm_pkg
-    from detent_audit.engine.facts import facts_hash
+    from detent_audit.manifests.encoding import facts_hash
 
     monkeypatch.setattr(vllm_pkg, "vllm_available", lambda: False)  # as on a verifier without the extra
     r, facts = _with_engine(served, name)

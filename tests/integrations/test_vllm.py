@@ -167,7 +167,7 @@ def _forged(served: dict, tmp_path: Path, name: str, *, change_output=None, chan
         text = Tokenizer.from_pretrained(served["ckpt"]).decode(tokens)  # a forger keeps the text consistent
         r = dataclasses.replace(r, output=OutputRecord.from_floats(tokens, lps, r.output.finish_reason, text))
     if change_facts is not None:
-        from detent_audit.engine.facts import facts_hash
+        from detent_audit.manifests.encoding import facts_hash
 
         facts = json.loads(json.dumps(r.deployment_facts, default=dict))
         change_facts(facts)

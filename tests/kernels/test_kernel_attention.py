@@ -1,6 +1,18 @@
 """paged_attention: a token's bits depend only on its own KV and position, however its prompt is scheduled.
 
 Caches start as NaN, so reading a slot a sequence does not own (or has not written) poisons the output.
+
+What kernels/attention.py relies on, measured on a CPU (torch 2.13 / MKL, fp32, 1-8 threads):
+- for a fixed element shape and operand layout, a torch.bmm element's bits do not depend on the batch count B
+  nor on whether an operand is an expanded (stride-0) view or a copy, PROVIDED B >= 2: with B == 1 MKL
+  threads the single product and splits its M rows (bits change for G = 7 at 2 and 8 threads);
+- the operand layout does change bits (a [D, tile] operand given transposed vs contiguous), so both paths
+  build Q [G, D] and P [G, tile] contiguous, K^T as the transpose of a contiguous [tile, D], V a contiguous
+  [tile, D];
+- exp, amax/sum over the last dim and the elementwise updates are position-invariant (test_kernel_rowlocal.py);
+- stock SDPA: a sequence's bits change when a longer neighbour raises max_seqlen_k (fp32 and bf16, 1 and 2
+  threads), and in fp32 a token decoded alone differs from the same token's row in its prefill.
+The group-7 case below makes a lone decode token one bmm element, so the padding is exercised.
 """
 
 from __future__ import annotations

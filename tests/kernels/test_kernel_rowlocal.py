@@ -1,4 +1,16 @@
-"""Row-local ops: every row's bits depend only on that row; torch's own variants are recorded where they leak."""
+"""Row-local ops: every row's bits depend only on that row; torch's own variants are recorded where they leak.
+
+What kernels/rowlocal.py relies on, measured on a CPU (torch 2.13; fp32 and bf16; 1 and 2 threads; a row
+alone against rows 1..128 of a batch, rows reversed; widths 1..262144) and checked here wherever it runs:
+- invariant: log_softmax, softmax, logsumexp, amax, argmax, sort, topk, cumsum over the last dim at every
+  width tried (151936 included); sum/mean over the last dim for widths < 32768; elementwise exp, log, sin,
+  cos, tanh, rsqrt (fp32), sqrt, +, -, *, / (independent of the element's position in the tensor).
+- NOT invariant: (1) sum/mean over a last dim of >= 32768 elements at 2 threads: a lone row (one output) is
+  reduced by both threads in two halves, a row inside a batch by one thread, so its bits differ (this also
+  hits F.rms_norm); (2) fp32 torch.sigmoid / F.silu: an element's bits depend on whether it falls in the
+  vectorised body or the tail of the tensor, i.e. on the tensor's size; (3) fp32 F.gelu on a 1-element
+  tensor, bf16 torch.rsqrt on small tensors (not used).
+"""
 
 from __future__ import annotations
 

@@ -407,7 +407,7 @@ def test_manifests_import_neither_torch_nor_the_engine() -> None:
 def test_open_regular_reads_files_and_refuses_the_rest_with_or_without_o_nonblock(tmp_path, monkeypatch) -> None:
     """POSIX opens without blocking (a FIFO would wait for a writer); where O_NONBLOCK does not exist (Windows,
     whose set_blocking takes pipes only) a regular file still reads and set_blocking is never called."""
-    from detent_audit.manifests.encoding import read_bounded
+    from detent_audit.manifests.decoding import read_bounded
 
     data = os.urandom(300)
     (tmp_path / "f.receipt").write_bytes(data)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
+from threaded_server import threaded_server
 
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.tuples import save_tuple
@@ -71,23 +68,10 @@ def live_server(env: Env, out: Path, *, max_queued: int = 256, **engine_override
     llm = LLM(env.engine_config(**engine_overrides))
     node = ServingNode(llm, load_private_key(env.key.private_path), out)
     engine = AsyncEngine(llm, max_queued=max_queued)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, node, MODEL_NAME), log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.01)
     try:
-        yield Live(f"http://127.0.0.1:{sock.getsockname()[1]}", llm, engine, node, out)
+        with threaded_server(create_app(engine, node, MODEL_NAME)) as url:
+            yield Live(url, llm, engine, node, out)
     finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
         engine.shutdown(drain=False)
 
 

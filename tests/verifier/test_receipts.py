@@ -13,9 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
-from detent_audit.engine.facts import collect_facts, facts_hash
+from detent_audit.engine.facts import collect_facts
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import (
     OutputRecord,
@@ -32,12 +33,8 @@ API = "detent/v1/offline-jsonl"
 
 
 @pytest.fixture(scope="module")
-def node_run(make_checkpoint, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("receipts")
-    ckpt = make_checkpoint("tiny-llama")
-    key = generate_key(root / "node.key")
-    llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(root / "jit")))
-    node = ServingNode(llm, load_private_key(key.private_path), root / "out")
+def node_run(new_node) -> dict:
+    root, ckpt, key, llm, node = new_node("receipts")
     node.publish(root / "deployment.json")
     lines = [{"id": "long", "prompt_token_ids": list(range(5, 25)), "max_tokens": 64, "ignore_eos": True},
              {"id": "sampled", "prompt_token_ids": [9, 8, 7, 6, 5], "max_tokens": 6, "temperature": 0.9, "seed": 11,

@@ -29,12 +29,8 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def served(make_checkpoint, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("served")
-    ckpt = make_checkpoint("tiny-llama")
-    key = generate_key(root / "node.key")
-    llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(root / "jit")))
-    node = ServingNode(llm, load_private_key(key.private_path), root / "out", rotate=4)
+def served(new_node) -> dict:
+    root, ckpt, key, llm, node = new_node("served", rotate=4)
     lines = [{"id": f"r{i}", "prompt_token_ids": list(range(3 + i, 12 + 2 * i)), "max_tokens": 6,
               "temperature": [0.0, 0.9, 0.7][i % 3], "top_p": [1.0, 1.0, 0.9][i % 3], "seed": 100 + i,
               "ignore_eos": True} for i in range(10)]
@@ -237,7 +233,7 @@ def test_workers_report_a_deployment_mismatch_and_refuse_a_bad_count(served) -> 
 def test_auto_workers_follow_cores_receipts_threads_and_memory(served) -> None:
     """`--workers auto`: one worker per core at the receipts' thread count, no more than full batches of receipts
     or engines the memory holds, and one for GPU receipts."""
-    from detent_audit.verifier.verify import BATCH, _engine_bytes, auto_workers
+    from detent_audit.verifier.plan import BATCH, auto_workers, engine_bytes
 
     r = _receipt(served, "r0")
     facts = r.deployment_facts
@@ -247,7 +243,7 @@ def test_auto_workers_follow_cores_receipts_threads_and_memory(served) -> None:
     assert auto_workers(4 * BATCH, [facts], cores=16, available_memory=lots) == 4       # the receipts
     assert auto_workers(BATCH - 1, [facts], cores=16, available_memory=lots) == 1       # under one batch
     assert auto_workers(64 * BATCH, [facts], threads=4, cores=16, available_memory=lots) == 4   # 4-thread engines
-    engine = _engine_bytes(facts)
+    engine = engine_bytes(facts)
     assert auto_workers(64 * BATCH, [facts], cores=16, available_memory=3 * engine + 1) == 3  # the memory
     assert auto_workers(64 * BATCH, [facts], cores=16, available_memory=engine // 2) == 1
     gpu = {**facts, "runtime": {**facts["runtime"], "device": {"name": "NVIDIA H200"}}}
@@ -255,7 +251,7 @@ def test_auto_workers_follow_cores_receipts_threads_and_memory(served) -> None:
     # the estimate grows with the model: the weights of the receipt's shape in its dtype, plus the overhead
     model = facts["deployment"]["model"]
     wider = {**facts, "deployment": {**facts["deployment"], "model": {**model, "hidden_size": 2 * model["hidden_size"]}}}
-    assert _engine_bytes(wider) > engine
+    assert engine_bytes(wider) > engine
     res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers", "x"])
     assert res.exit_code == 2 and "workers" in res.stderr
 
@@ -300,7 +296,7 @@ def test_a_response_that_filled_the_context_verifies_and_an_impossible_one_fails
 def test_a_tuple_illegal_for_the_solved_pins_is_not_comparable(served, tmp_path) -> None:
     """Step (4): a receipt whose signed tuple is not legal for the solved pins, and a --tuple that is not, are
     exit 3 with "tuple" named, and the message says whose tuple it was."""
-    from detent_audit.engine.tuples import tuple_hash
+    from detent_audit.manifests.encoding import tuple_hash
 
     r = _receipt(served, "r1")
     values = _tuple_with_chunk(r, 512)
@@ -325,7 +321,7 @@ def test_facts_this_machine_cannot_rebuild_are_reported_per_receipt(served, tmp_
 
     import torch
 
-    from detent_audit.engine.facts import facts_hash
+    from detent_audit.manifests.encoding import facts_hash
 
     folder = tmp_path / "mixed"
     shutil.copytree(served["out"] / "receipts", folder)
@@ -520,7 +516,7 @@ def test_a_checkpoint_with_another_eos_set_is_not_comparable(served, tmp_path) -
 def test_an_empty_output_and_a_tuple_its_facts_do_not_record_fail(served, tmp_path) -> None:
     """The engine draws at least one token for every request it admits, so an empty output FAILs (even where
     the prompt fills the context); the tuple a receipt signs must be its facts' mode and per-family tuple."""
-    from detent_audit.engine.tuples import tuple_hash
+    from detent_audit.manifests.encoding import tuple_hash
 
     folder = tmp_path / "forged"
     folder.mkdir()
@@ -616,8 +612,9 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
     stays within the context."""
     import shutil
 
-    import detent_audit.verifier.verify as verify_module
-    from detent_audit.engine.facts import facts_hash
+    import detent_audit.verifier.reexecute as reexecute_module
+    from detent_audit.manifests.encoding import facts_hash
+    from detent_audit.verifier.verify import verify
 
     folder = tmp_path / "mixed"
     shutil.copytree(served["out"] / "receipts", folder)
@@ -629,7 +626,7 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
     forged = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts), request=request)
     (folder / "huge.receipt").write_bytes(sign_receipt(forged, load_private_key(served["key"].private_path)))
     seen: dict[str, tuple[int, int]] = {}
-    real = verify_module.reconstruct
+    real = reexecute_module.reconstruct
 
     def recording(facts, *args, kv_tokens=0, **kwargs):
         llm = None
@@ -640,9 +637,9 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
             blocks = None if llm is None else llm.runner.kv_caches[0][0].shape[0]
             seen[facts["deployment"]["engine"]["max_model_len"]] = (kv_tokens, blocks)
 
-    monkeypatch.setattr(verify_module, "reconstruct", recording)
-    report = verify_module.verify([folder], load_trusted_keys(served["key"].public_path), model=served["ckpt"],
-                                  mode="replay", cache_dir=str(served["jit"]))
+    monkeypatch.setattr(reexecute_module, "reconstruct", recording)
+    report = verify([folder], load_trusted_keys(served["key"].public_path), model=served["ckpt"], mode="replay",
+                    cache_dir=str(served["jit"]))
     statuses = {Path(o.path).stem: o.status for o in report.outcomes}
     assert statuses.pop("huge") == "NOT_COMPARABLE" and set(statuses.values()) == {"OK"}
     honest_tokens, honest_blocks = seen[r.deployment_facts["deployment"]["engine"]["max_model_len"]]
@@ -652,3 +649,42 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
     capped = LLM(EngineConfig(model=str(served["ckpt"]), cache_dir=str(served["jit"]), block_size=1,
                               kv_pool_tokens=huge_tokens))
     assert capped.scheduler.config.num_blocks == capped.scheduler.config.max_model_len + 2  # the context, no more
+
+
+def test_each_refutation_names_the_step_that_made_it(served, tmp_path) -> None:
+    """One forged file per step (a folder each, so each is alone in its run): the JSON outcome names the step
+    of docs/design.md section 7 that refuted it, and the honest receipt passes every step."""
+    from detent_audit.manifests.dsse import Envelope
+    from detent_audit.manifests.encoding import tuple_hash
+
+    src = served["out"] / "receipts"
+    folder = tmp_path / "forged"
+    folder.mkdir()
+    (folder / "read").mkdir()
+    (folder / "read" / "r0.receipt").write_bytes(b"\x93not a receipt")
+    data = bytearray((src / "r0.receipt").read_bytes())
+    at = bytes(data).index(Envelope.from_bytes(bytes(data)).payload) + 20
+    data[at] ^= 1  # one payload bit after signing: the envelope still decodes
+    (folder / "signature").mkdir()
+    (folder / "signature" / "r0.receipt").write_bytes(bytes(data))
+    (folder / "claims").mkdir()
+    (folder / "claims" / "r0.receipt").write_bytes((src / "r1.receipt").read_bytes())  # r1 under r0's name
+    detent = {"mode": {"name": "detent"}}
+    _forge_all(served, folder, "deployment", lambda r: dataclasses.replace(r, tuple_values=detent,
+                                                                            tuple_hash=tuple_hash(detent)))
+    _forge_all(served, folder, "output", lambda r: _with(r, list(r.output.token_ids)[:-1] + [10**6],
+                                                         list(r.output.logprobs), r.output.finish_reason))
+    _forge_all(served, folder, "request", lambda r: dataclasses.replace(r, request=dataclasses.replace(
+        r.request, sampling=dataclasses.replace(r.request.sampling, temperature=0.5))))
+    _forge_all(served, folder, "bits", lambda r: _with(r, list(r.output.token_ids), _flip_bit(
+        list(r.output.logprobs), 2), r.output.finish_reason, served["tokenizer"]))
+    _forge_all(served, folder, "honest", lambda r: r)
+    code, report = _verify(served, folder)
+    by = {Path(o["path"]).parent.name: o for o in report["outcomes"]}
+    assert code == 1
+    assert by.pop("honest")["step"] is None
+    for name, o in sorted(by.items()):
+        assert o["step"]["name"] == name and o["status"] in ("FAIL", "BAD"), o
+    assert {n: o["step"]["number"] for n, o in by.items()} == {
+        "read": 1, "signature": 2, "claims": 4, "deployment": 7, "output": 8, "request": 9, "bits": 10}
+    assert by["read"]["status"] == "BAD" and by["bits"]["divergence"]["position"] == 2

@@ -15,10 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
-from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.stop_strings import find_stop
-from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
+from detent_audit.manifests.keys import load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import (
     ClientRequest,
     OutputRecord,
@@ -27,7 +26,6 @@ from detent_audit.manifests.receipt import (
     sign_receipt,
     verify_envelope,
 )
-from detent_audit.server.node import ServingNode
 
 runner = CliRunner()
 API = "openai/v1/completions"
@@ -45,12 +43,8 @@ def _body(prompt: list[int], params: SamplingParams, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(make_checkpoint, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("echo-stop")
-    ckpt = make_checkpoint("tiny-llama")
-    key = generate_key(root / "node.key")
-    llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(root / "jit")))
-    node = ServingNode(llm, load_private_key(key.private_path), root / "out")
+def setup(new_node) -> dict:
+    root, ckpt, key, llm, node = new_node("echo-stop")
     return {"root": root, "ckpt": ckpt, "key": key, "llm": llm, "node": node, "jit": root / "jit"}
 
 

@@ -1,64 +1,35 @@
-"""`detent-audit` commands of the embedded engine: info, battery, generate."""
+"""Commands of the embedded engine: info, battery, generate, tune, import-gguf."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import typer
 
-from detent_audit.cli import _MODEL_HELP, app, handles_errors
-
-ENGINES = ("embedded", "vllm")
-
-
-def _engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
-            cache_dir: Path | None = None, *, engine: str = "embedded", **extra: Any):
-    """The engine a command runs on: the embedded one (default) or vLLM (`--engine vllm`, the [vllm] extra)."""
-    from detent_audit.engine.llm import LLM, EngineConfig
-    from detent_audit.errors import BadInput
-
-    if engine not in ENGINES:
-        raise BadInput(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    committed = None
-    if tuple_file is not None:
-        from detent_audit.engine.tuples import load_tuple
-
-        committed = load_tuple(tuple_file)
-    if engine == "vllm":
-        from detent_audit.integrations.vllm import vllm_available
-
-        if extra.get("device", "cpu") != "cpu" or extra.get("attention_streaming"):
-            raise BadInput("--engine vllm runs vLLM's CPU build here", remedy="drop --device/--attention-streaming")
-        if not vllm_available():
-            raise BadInput("vLLM is not installed", remedy="pip install 'detent-audit[vllm]'")
-        from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
-
-        limits = {"max_model_len": extra["max_model_len"]} if extra.get("max_model_len") else {}
-        return VllmEngine(VllmConfig(model=str(model) if model else "", mode=mode, dtype=dtype, num_threads=threads,
-                                     tuple=committed, cache_dir=str(cache_dir) if cache_dir else None, **limits))
-    config = EngineConfig(model=str(model) if model else None, mode=mode, dtype=dtype, num_threads=threads,
-                          tuple=committed, cache_dir=str(cache_dir) if cache_dir else None, **extra)
-    return LLM(config)
+from detent_audit.cli.engines import open_engine
+from detent_audit.cli.options import (
+    ATTENTION_STREAMING,
+    DEVICE,
+    DTYPE,
+    ENGINE,
+    JSON,
+    MAX_MODEL_LEN,
+    MODE,
+    MODEL,
+    THREADS,
+    TUPLE,
+)
 
 
-@app.command()
-@handles_errors
-def info(
-    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
-    mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
-    threads: int = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact)."),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, generated models)."),
-    tuple_file: Path = typer.Option(None, "--tuple", help="Committed tuple file (detent mode)."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-) -> None:
+def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
+         tuple_file: Path = TUPLE, as_json: bool = JSON) -> None:
     """Print the running engine's deployment facts and their hash."""
-    from detent_audit.engine.facts import collect_facts, facts_hash
+    from detent_audit.engine.facts import collect_facts
+    from detent_audit.manifests.encoding import facts_hash
 
-    llm = _engine(model, mode, dtype, threads, tuple_file, device=device)
+    llm = open_engine(model, mode, dtype, threads, tuple_file, device=device)
     facts = collect_facts(llm)
     digest = facts_hash(facts)
     if as_json:
@@ -68,18 +39,10 @@ def info(
     typer.echo(f"facts hash: {digest}")
 
 
-@app.command()
-@handles_errors
 def battery(
-    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
-    mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
-    threads: int = typer.Option(1, "--threads", help="CPU threads."),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, generated models)."),
+    model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
     seed: int = typer.Option(0, "--seed", help="Seed of the target and neighbour prompts."),
-    engine: str = typer.Option("embedded", "--engine", help="embedded | vllm (vLLM's own engine; det mode is "
-                                                            "its VLLM_BATCH_INVARIANT=1)."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    engine: str = ENGINE, as_json: bool = JSON,
 ) -> None:
     """Run the 35-cell invariance battery; exit 1 if any cell fails."""
     from rich.console import Console
@@ -88,14 +51,15 @@ def battery(
 
     from detent_audit.engine.battery import cells, run_battery
 
-    llm = _engine(model, mode, dtype, threads, device=device, engine=engine)
+    llm = open_engine(model, mode, dtype, threads, device=device, engine=engine)
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("battery", total=len(cells()))
         results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task))
     failed = [r for r in results if not r.passed]
     if as_json:
-        typer.echo(json.dumps({"engine": engine, "mode": mode, "dtype": dtype, "threads": threads, "passed": len(results) - len(failed),
-                               "total": len(results), "cells": [r.to_json() for r in results]}, indent=2))
+        typer.echo(json.dumps({"engine": engine, "mode": mode, "dtype": dtype, "threads": threads,
+                               "passed": len(results) - len(failed), "total": len(results),
+                               "cells": [r.to_json() for r in results]}, indent=2))
     else:
         table = Table(title=f"invariance battery: {engine} engine, mode {mode}, {dtype}, {threads} threads")
         for col in ("cell", "group", "what changes", "result", "first diff", "expected bits", "got bits"):
@@ -110,27 +74,20 @@ def battery(
         raise typer.Exit(1)
 
 
-@app.command()
-@handles_errors
 def generate(
     prompt: list[str] = typer.Argument(..., help="Prompts (submitted together)."),
-    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
-    mode: str = typer.Option("detent", "--mode", help="detent | stock | det"),
-    dtype: str = typer.Option("float32", "--dtype"),
-    threads: int = typer.Option(1, "--threads"),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, generated models)."),
+    model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
     max_tokens: int = typer.Option(16, "--max-tokens"),
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     seed: int = typer.Option(None, "--seed", help="Sampling seed (default: fresh when sampling, and printed)."),
-    max_model_len: int = typer.Option(None, "--max-model-len", help="Context length (default: the model's own)."),
-    as_json: bool = typer.Option(False, "--json"),
+    max_model_len: int = MAX_MODEL_LEN, as_json: bool = JSON,
 ) -> None:
     """Generate completions offline."""
     from detent_audit.engine.sampling_params import SamplingParams, seed_for
 
-    llm = _engine(model, mode, dtype, threads, device=device, max_model_len=max_model_len)
+    llm = open_engine(model, mode, dtype, threads, device=device, max_model_len=max_model_len)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                             seed=seed_for(temperature, seed))
     outs = llm.generate(prompt, params)
@@ -145,25 +102,19 @@ def generate(
         typer.echo(f"seed {params.seed}")
 
 
-@app.command()
-@handles_errors
 def tune(
     workload: Path = typer.Option(..., "--workload", help="Profiling workload: requests as jsonl (serve's format)."),
     out: Path = typer.Option(..., "--out", help="Tuple file to write (msgpack; never overwritten)."),
-    model: str = typer.Option(None, "--model", "-m", help=_MODEL_HELP),
-    dtype: str = typer.Option("float32", "--dtype"),
-    threads: int = typer.Option(1, "--threads"),
+    model: str = MODEL, dtype: str = DTYPE, threads: int = THREADS,
     tuple_file: Path = typer.Option(None, "--tuple", help="Start from this tuple (default: the preferred one)."),
     exhaustive: bool = typer.Option(False, "--exhaustive", help="Measure every candidate (validation)."),
     budget: float = typer.Option(0.15, "--budget", help="Fraction of each family's grid to measure."),
     seed: int = typer.Option(0, "--seed"),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda (time the GPU kernels)."),
-    attention_streaming: bool = typer.Option(False, "--attention-streaming", help="GPU: tune the attention's "
-                                             "streaming fold (serve with the same flag)."),
+    device: str = DEVICE, attention_streaming: bool = ATTENTION_STREAMING,
     concurrency: str = typer.Option("all", "--concurrency", help="Profile the workload at these concurrencies, "
                                     "comma-separated (e.g. 1,8; all: every request submitted together), the "
                                     "calls added up: tune for the batch sizes you serve at."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = JSON,
 ) -> None:
     """Profile a workload, search each family's legal grid on its recorded calls, commit the best tuple."""
     from rich.console import Console
@@ -178,7 +129,8 @@ def tune(
     if out.exists():
         raise BadInput(f"{out} exists", remedy="choose another --out or remove the old tuple first")
     levels = parse_concurrencies(concurrency)
-    llm = _engine(model, "detent", dtype, threads, tuple_file, device=device, attention_streaming=attention_streaming)
+    llm = open_engine(model, "detent", dtype, threads, tuple_file, device=device,
+                      attention_streaming=attention_streaming)
     requests = [r[:3] for r in read_requests(llm, workload)]  # (id, prompt ids, sampling): no binding needed
     committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
                                      budget_fraction=budget, seed=seed, concurrency=levels)
@@ -200,25 +152,24 @@ def tune(
     typer.echo(f"OK: tuple written to {out}")
 
 
-@app.command("import-gguf")
-@handles_errors
-def import_gguf_command(
+def import_gguf(
     file: Path = typer.Argument(..., help="A llama.cpp GGUF file (Llama architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1)."),
     out: Path = typer.Option(..., "--out", help="Folder to write the Hugging Face checkpoint into (new or empty)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16: the safetensors' dtype."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_json: bool = JSON,
 ) -> None:
     """Import a GGUF file as a Hugging Face checkpoint folder (config, safetensors, tokenizer, chat template)."""
     from rich.console import Console
     from rich.progress import Progress
 
-    from detent_audit.engine.gguf_import import check_import, import_gguf
+    from detent_audit.engine.gguf_import import check_import
+    from detent_audit.engine.gguf_import import import_gguf as run_import
 
     check_import(file, out, dtype)  # bad input fails before the progress bar starts
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("dequantizing", total=None)
-        result = import_gguf(file, out, dtype,
-                             progress=lambda done, total: progress.update(task, completed=done, total=total))
+        result = run_import(file, out, dtype,
+                            progress=lambda done, total: progress.update(task, completed=done, total=total))
     if as_json:
         typer.echo(json.dumps({"out": str(result.path), "sha256": result.sha256, "tensors": result.num_tensors,
                                "quantizations": list(result.quantizations), "dtype": dtype}, indent=2))

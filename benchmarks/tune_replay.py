@@ -18,7 +18,7 @@ from pathlib import Path
 
 from detent_audit.engine.config import NAMED_SHAPES
 from detent_audit.engine.kernel_select import engine_deployment, select_kernels
-from detent_audit.engine.tune import GraphShape, classes_fraction, family_grid, launch_classes
+from detent_audit.engine.tune_search import GraphShape, classes_fraction, family_grid, launch_classes
 from detent_audit.selection.tuner import Assignment, FamilyGrid, Workload
 
 FAMILY = "embedded.attention"

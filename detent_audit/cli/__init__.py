@@ -1,0 +1,30 @@
+"""The `detent-audit` command line: the app (app.py) with every command registered, in the order `--help`
+lists them. The command modules never import the app: it imports them, here."""
+
+from __future__ import annotations
+
+from detent_audit.cli import audit_commands, engine_commands, serve_command, solve_command
+from detent_audit.cli.app import app, register, version
+
+register([
+    ("version", version),
+    ("solve", solve_command.solve),
+    ("info", engine_commands.info),
+    ("battery", engine_commands.battery),
+    ("generate", engine_commands.generate),
+    ("tune", engine_commands.tune),
+    ("import-gguf", engine_commands.import_gguf),
+    ("keygen", audit_commands.keygen),
+    ("inspect", audit_commands.inspect),
+    ("verify", audit_commands.verify),
+    ("verify-eval", audit_commands.verify_eval),
+    ("verify-response", audit_commands.verify_response),
+    ("serve", serve_command.serve),
+])
+
+
+def main() -> None:
+    app()
+
+
+__all__ = ["app", "main"]

@@ -1,0 +1,56 @@
+"""The `detent-audit` app and its one error handler.
+
+Errors a user can cause are `DetentError`s: caught here once, printed as one `FAIL:` line with a remedy,
+exit code 2 for bad input (1 for a mismatch, 3 for not comparable). `--verbose` re-raises with the traceback.
+The commands live in modules by concept; the package's `__init__` registers them on `app`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from detent_audit.errors import DetentError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Batch-invariant LLM serving at near-stock speed, with signed receipts anyone can verify.")
+_state = {"verbose": False}
+
+
+@app.callback()
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks on errors.")) -> None:
+    _state["verbose"] = verbose
+
+
+def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with its `DetentError`s printed (`FAIL:` and the remedy) and turned into their exit code."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except DetentError as exc:
+            if _state["verbose"]:
+                raise
+            lines = exc.diagnostics().splitlines()
+            typer.echo(f"FAIL: {lines[0]}", err=True)
+            for line in lines[1:]:
+                typer.echo(line, err=True)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper
+
+
+def register(commands: list[tuple[str, Callable[..., Any]]]) -> None:
+    """Each (name, function) as a command of `app`, in this order (the order `--help` lists them)."""
+    for name, fn in commands:
+        app.command(name)(handles_errors(fn))
+
+
+def version() -> None:
+    """Print the version."""
+    from detent_audit import __version__
+
+    typer.echo(__version__)

@@ -1,0 +1,227 @@
+"""Commands of the audit: keygen, inspect, verify, verify-response, verify-eval."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from detent_audit.cli.options import (
+    CACHE_DIR,
+    DEPLOYMENTS,
+    JSON,
+    MODEL,
+    PASSPHRASE_ENV,
+    RECEIPT_MODEL,
+    TRUSTED_KEY,
+    TRUSTED_KEYS,
+    WORKERS,
+    one_key_source,
+    passphrase,
+    workers_count,
+)
+
+
+def keygen(
+    out: Path = typer.Option(..., "--out", help="Private key file to create (the public key goes to OUT.pub)."),
+    passphrase_env: str = PASSPHRASE_ENV,
+) -> None:
+    """Create an Ed25519 signing key (PKCS#8, mode 0600, never overwriting) and its public key."""
+    from detent_audit.manifests.keys import generate_key
+
+    key = generate_key(out, passphrase(passphrase_env))
+    typer.echo(f"OK: private key {key.private_path}\nOK: public key {key.public_path}\nkeyid {key.keyid}")
+
+
+def inspect(
+    path: Path = typer.Argument(..., help="A receipt or run-manifest file."),
+    as_json: bool = JSON,
+) -> None:
+    """Show a receipt or run manifest (decoded, NOT verified: use `verify` for that)."""
+    from detent_audit.manifests.dsse import RUN_MANIFEST_PAYLOAD_TYPE, Envelope, read_envelope_bytes
+    from detent_audit.manifests.errors import InvalidReceipt
+    from detent_audit.manifests.receipt import Receipt
+    from detent_audit.manifests.run_manifest import RunManifest
+
+    env = Envelope.from_bytes(read_envelope_bytes(path))
+    try:
+        body = (RunManifest.from_bytes(env.payload) if env.payload_type == RUN_MANIFEST_PAYLOAD_TYPE
+                else Receipt.from_bytes(env.payload))
+    except RecursionError:  # (the bounded decoder nests 32 levels at most; kept as a last guard)
+        raise InvalidReceipt(f"{path}: nested too deeply to show") from None
+    doc = json.loads(body.to_json())
+    doc = {"unverified": True, "payload_type": env.payload_type, "signer_keyid_hint": env.keyid, "payload": doc}
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        typer.echo(f"{path}: {env.payload_type} (NOT verified; signer hint {env.keyid})")
+        typer.echo(json.dumps(doc["payload"], indent=2, sort_keys=True))
+
+
+def verify(
+    paths: list[Path] = typer.Argument(..., help="Receipts, folders of receipts, run manifests."),
+    key: Path = TRUSTED_KEY, trusted_keys: Path = TRUSTED_KEYS, model: str = RECEIPT_MODEL,
+    mode: str = typer.Option("rescore", "--mode", help="rescore (one teacher-forced prefill) | replay"),
+    sample: float = typer.Option(None, "--sample", help="Verify a seeded sample: this fraction of receipts."),
+    seed: int = typer.Option(None, "--seed", help="Seed of --sample, to repeat a sample (default: drawn at "
+                                                  "random and reported, so a node cannot know the sample)."),
+    cache_dir: Path = CACHE_DIR,
+    threads: int = typer.Option(None, "--threads", help="Run with this many CPU threads (default: the "
+                                                        "receipt's); a different count is not comparable."),
+    tuple_file: Path = typer.Option(None, "--tuple", help="Verify as this tuple (default: the receipt's)."),
+    workers: str = WORKERS, deployment: list[str] = DEPLOYMENTS, as_json: bool = JSON,
+) -> None:
+    """Verify receipts: signature, the client's request, deployment, tuple, re-execution, bits; folders: that
+    run manifests cover every receipt. Exit 0 pass, 1 mismatch, 2 bad input, 3 not comparable."""
+    _verify(paths, key, trusted_keys, model, mode, sample, seed, cache_dir, threads, tuple_file, workers,
+            deployment, as_json)
+
+
+def verify_response(
+    request: Path = typer.Option(..., "--request", help="The request body the client sent (JSON)."),
+    response: Path = typer.Option(..., "--response", help="The response it received (JSON, or the stream's "
+                                                           "server-sent events)."),
+    receipt: Path = typer.Option(..., "--receipt", help="The node's receipt of it."),
+    key: Path = TRUSTED_KEY, trusted_keys: Path = TRUSTED_KEYS, model: str = RECEIPT_MODEL,
+    mode: str = typer.Option("rescore", "--mode", help="rescore | replay"),
+    cache_dir: Path = CACHE_DIR, deployment: list[str] = DEPLOYMENTS, as_json: bool = JSON,
+) -> None:
+    """Check a request, the response received and the receipt against each other, then the receipt's bits.
+    Exit 0 pass, 1 mismatch, 2 bad input, 3 not comparable."""
+    from detent_audit.verifier.client import read_json_document
+
+    documents = (read_json_document(request, "request"), read_json_document(response, "response"))
+    _verify([receipt], key, trusted_keys, model, mode, None, None, cache_dir, None, None, "1", deployment,
+            as_json, response=documents)
+
+
+def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, model: str | None, mode: str,
+            sample: float | None, seed: int | None, cache_dir: Path | None, threads: int | None,
+            tuple_file: Path | None, workers: str, deployment: list[str] | None, as_json: bool,
+            response: tuple[Any, Any] | None = None) -> None:
+    """`verify`, and `verify-response` (with `response` = (request, response) documents)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from detent_audit.errors import BadInput
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.verifier.receipt_file import CLOCK_SKEW_NS, EARLIEST_UNIX_NS
+    from detent_audit.verifier.verify import load_deployments
+    from detent_audit.verifier.verify import verify as run_verify
+
+    key_source = one_key_source(key, trusted_keys)
+    if sample is not None and not 0 < sample <= 1:
+        raise BadInput(f"--sample must be in (0, 1], got {sample}")
+    if seed is not None and sample is None:
+        raise BadInput("--seed chooses the receipts of --sample; without --sample every receipt is verified",
+                       remedy="add --sample FRACTION, or drop --seed")
+    if threads is not None and threads < 1:
+        raise BadInput(f"--threads must be >= 1, got {threads}")
+    worker_count = workers_count(workers)
+    if key is not None and key.is_dir():
+        raise BadInput(f"--key {key} is a folder; --key takes one public key file",
+                       remedy="pass --trusted-keys DIR to trust every *.pub file in a folder")
+    key_problems: list[str] = []
+    trusted = load_trusted_keys(key_source, key_problems)
+    for problem in key_problems:  # a junk file is skipped, never in silence
+        typer.echo(f"warning: trusted keys: {problem}", err=True)
+    deployments = load_deployments(deployment) if deployment else None
+    override = None
+    if tuple_file is not None:
+        from detent_audit.engine.tuples import load_tuple
+
+        override = load_tuple(tuple_file)
+    options = dict(model=model, mode=mode, sample=sample, seed=seed, cache_dir=str(cache_dir) if cache_dir else None,
+                   threads=threads, tuple_override=override, workers=worker_count, deployments=deployments)
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("re-executing", total=None)
+        show = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
+        if response is None:
+            report = run_verify(paths, trusted, progress=show, **options)
+        else:
+            from detent_audit.verifier.client import verify_response as run_verify_response
+
+            report = run_verify_response(response[0], response[1], paths[0], trusted, progress=show, **options)
+    facts_note = ((f"facts checked against {len(report.published)} published deployment(s)" if report.published
+                   else "facts are self-asserted by the node (no --deployment given): its limits and the tuple's "
+                        "values where the bits do not refute them")
+                  + f"; signing times are the node's clock, bounded to [2020-01-01, now + {CLOCK_SKEW_NS // 10**9} s]")
+    cov = report.coverage
+    if as_json:
+        typer.echo(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
+                               "sample_seed": report.sample_seed, "published_deployments": report.published,
+                               "facts_self_asserted": not report.published,
+                               "times_self_asserted": {"earliest_unix_ns": EARLIEST_UNIX_NS,
+                                                       "skew_ns": CLOCK_SKEW_NS}, "coverage": cov.to_json(),
+                               "trusted_key_problems": key_problems,
+                               "outcomes": [o.to_json() for o in report.outcomes]}, indent=2))
+    else:
+        for o in report.outcomes:
+            tag = "OK" if o.status == "OK" else "FAIL"
+            extra = "" if o.status in ("OK", "FAIL") else f" [{o.status.lower().replace('_', ' ')}]"
+            rid = f" [request {o.request_id}]" if o.request_id and o.request_id not in o.message else ""
+            typer.echo(f"{tag}: {o.path}{extra}{rid}: {o.message}")
+        c = report.counts()
+        typer.echo(f"{c['OK']} ok, {c['FAIL']} failed, {c['BAD']} bad input, {c['NOT_COMPARABLE']} not comparable "
+                   f"({mode})" + (f"; a sample drawn with --seed {report.sample_seed}" if sample is not None else ""))
+        typer.echo(f"{facts_note}; coverage: {cov.covered} of {cov.receipts} receipts in {cov.manifests} run "
+                   f"manifest(s)" + (f", {len(cov.uncovered)} in none" if cov.uncovered else ""))
+    raise typer.Exit(report.exit_code)
+
+
+def verify_eval(
+    run: Path = typer.Argument(..., help="lm-eval's --output_path folder (or its results_*.json); the run "
+                                         "was made with --log_samples."),
+    receipts: list[Path] = typer.Option(..., "--receipts", help="The run's receipts folder (or files)."),
+    key: Path = TRUSTED_KEY, trusted_keys: Path = TRUSTED_KEYS, model: str = MODEL,
+    include_path: list[Path] = typer.Option(None, "--include-path", help="Folder of the run's task YAML (as "
+                                                                          "lm-eval's --include_path)."),
+    cache_dir: Path = CACHE_DIR, workers: str = WORKERS, deployment: list[str] = DEPLOYMENTS,
+    as_json: bool = JSON,
+) -> None:
+    """Audit an lm-eval run (against the published deployment with --deployment, as verify): match every request it logged to its receipt, verify them, recompute each
+    sample's metric from the verified outputs with lm-eval's own task code; print the reported score, the
+    recomputed one and the coverage, and name every sample that differs and why. Exit 0 when every sample is
+    covered and every score equal, 1 otherwise, 2 bad input."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from detent_audit.errors import BadInput
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.verifier.eval_audit import verify_eval as run_verify_eval
+    from detent_audit.verifier.verify import load_deployments
+
+    key_source = one_key_source(key, trusted_keys)
+    worker_count = workers_count(workers)
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise BadInput("verify-eval recomputes scores with lm-eval's own task code, and lm-eval is not installed",
+                       remedy="pip install 'lm-eval[api]'") from None
+    trusted = load_trusted_keys(key_source)
+    deployments = load_deployments(deployment) if deployment else None
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("verifying receipts", total=None)
+        report = run_verify_eval(run, receipts, trusted, model=model or None, deployments=deployments,
+                                 include_path=[str(p) for p in include_path or []], workers=worker_count,
+                                 cache_dir=str(cache_dir) if cache_dir else None,
+                                 progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+        raise typer.Exit(report.exit_code)
+    for s in report.scores:
+        tag = "OK" if s.equal else "FAIL"
+        typer.echo(f"{tag}: {s.task} {s.metric}: reported {s.reported}, recomputed from verified receipts "
+                   f"{s.recomputed}, coverage {s.covered}/{s.total}")
+    for d in report.docs:
+        if not d.covered:
+            typer.echo(f"FAIL: {d.task} doc {d.doc_id}: {'; '.join(d.reasons)}")
+    covered = sum(d.covered for d in report.docs)
+    c = report.receipt_counts
+    typer.echo(f"{covered}/{len(report.docs)} samples covered; receipts: {c['OK']} ok, {c['FAIL']} failed, "
+               f"{c['BAD'] + c['not_opened']} bad, {report.receipts_unmatched} matching no logged request; "
+               + (f"facts checked against {len(report.published)} published deployment(s)" if report.published
+                  else "facts are self-asserted by the node (no --deployment given)"))
+    raise typer.Exit(report.exit_code)

@@ -1,0 +1,109 @@
+"""Receipts and run manifests of format v2 as they were committed (tests/fixtures/compat/, signed with a key for
+these tests only) verify forever, and each tampered copy fails with the error its name gives: a change that
+breaks old receipts, or lets a defect through, cannot land silently. The bytes are read as committed
+(tests/fixtures/make_compat_fixtures.py wrote them; rerun it only for an intended format change)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from detent_audit.manifests.dsse import Envelope
+from detent_audit.manifests.encoding import facts_hash, tuple_hash
+from detent_audit.manifests.errors import BadSignature, InvalidManifest, InvalidReceipt, UntrustedKey
+from detent_audit.manifests.keys import load_trusted_keys
+from detent_audit.manifests.receipt import Receipt, verify_envelope
+from detent_audit.manifests.run_manifest import check_run, verify_run_manifest
+from detent_audit.verifier.verify import _check_manifest, _open_receipt
+
+FIXTURES = Path(__file__).parent / "fixtures" / "compat"
+GOLDEN_RECEIPTS = sorted(FIXTURES.glob("golden-*.receipt"))
+
+# tampered receipt -> (the error, what its message says)
+BAD_RECEIPTS = {
+    "receipt-flipped-logprob-bit-unsigned": (BadSignature, "does not verify over this payload"),
+    "receipt-flipped-signature-bit": (BadSignature, "does not verify over this payload"),
+    "receipt-truncated-envelope": (InvalidReceipt, "envelope: truncated"),
+    "receipt-signed-by-an-untrusted-key": (UntrustedKey, "which is not among the 1 trusted key"),
+    "receipt-manifest-payload-type": (InvalidReceipt, "envelope.payloadType: expected "
+                                                      "'application/vnd.detent-audit.receipt.v2+msgpack'"),
+    "receipt-flipped-logprob-bit-resigned": (InvalidReceipt, "is not the digest of the output"),
+    "receipt-wrong-request-digest-resigned": (InvalidReceipt, "request.client.body_sha256: not the SHA-256"),
+    "receipt-facts-changed-under-their-hash-resigned": (InvalidReceipt, "deployment hash does not match the facts"),
+    "receipt-wrong-tuple-hash-resigned": (InvalidReceipt, "tuple hash does not match the tuple"),
+    "receipt-version-1-resigned": (InvalidReceipt, "schema version 1 is not supported"),
+    "receipt-unknown-field-resigned": (InvalidReceipt, "output: unknown comment"),
+    "receipt-non-canonical-key-order-resigned": (InvalidReceipt, "not canonical msgpack"),
+}
+# tampered manifest -> (the verifier's status, what its message says)
+BAD_MANIFESTS = {
+    "manifest-omits-a-receipt-resigned": ("FAIL", "the run's final manifest ends at receipt 1, yet 1 receipt(s)"),
+    "manifest-flipped-signature-bit": ("FAIL", "does not verify over this payload"),
+    "manifest-truncated-envelope": ("BAD", "envelope: truncated"),
+    "manifest-wrong-merkle-root-resigned": ("BAD", "is not the root of the listed digests"),
+    "manifest-wrong-receipt-count-resigned": ("BAD", "receipt_count: 4, but there are 3 digests"),
+}
+
+
+@pytest.fixture(scope="module")
+def trusted() -> dict:
+    return load_trusted_keys(FIXTURES / "test-only-node.key.pub")
+
+
+@pytest.fixture(scope="module")
+def golden(trusted: dict) -> dict[Path, Receipt]:
+    return {p: _open_receipt(p, trusted) for p in GOLDEN_RECEIPTS}
+
+
+def test_every_fixture_is_named_here() -> None:
+    names = {p.stem for p in FIXTURES.iterdir() if p.suffix in (".receipt", ".manifest")}
+    assert names == {p.stem for p in GOLDEN_RECEIPTS} | {"golden-run"} | set(BAD_RECEIPTS) | set(BAD_MANIFESTS)
+
+
+def test_golden_receipts_verify_and_keep_their_bytes(golden: dict[Path, Receipt], trusted: dict) -> None:
+    assert len(golden) == 3
+    by_id = {r.request.request_id: r for r in golden.values()}
+    assert set(by_id) == {"chat", "completion-top-logprobs", "completion-stop-string"}
+    for path, r in golden.items():
+        envelope = Envelope.from_bytes(path.read_bytes())
+        assert r.to_bytes() == envelope.payload  # decoded and re-encoded: the signed bytes, exactly
+        assert verify_envelope(path.read_bytes(), trusted).keyid == r.node_keyid
+        assert (facts_hash(r.deployment_facts), tuple_hash(r.tuple_values)) == (r.deployment_hash, r.tuple_hash)
+        assert r.request.client.body()["id"] == r.request.request_id  # the client's body, as it was sent
+    # what each request exercised is still read back (optional fields included)
+    assert by_id["completion-top-logprobs"].output.top_k == 2
+    assert by_id["completion-stop-string"].request.sampling.stop == ("e",)
+    assert by_id["chat"].request.client.api == "detent/v1/offline-jsonl"
+    assert sorted(r.run.seq for r in golden.values()) == [0, 1, 2]
+
+
+def test_the_golden_manifest_covers_the_golden_run(golden: dict[Path, Receipt], trusted: dict) -> None:
+    path = FIXTURES / "golden-run.manifest"
+    manifest = verify_run_manifest(path.read_bytes(), trusted).manifest
+    check_run(manifest, golden.values())
+    assert manifest.kind == "final" and manifest.receipt_count == 3
+    outcome, _ = _check_manifest(path, trusted, golden)
+    assert outcome.status == "OK", outcome.message
+
+
+@pytest.mark.parametrize("name", sorted(BAD_RECEIPTS))
+def test_each_tampered_receipt_fails_with_its_named_error(name: str, trusted: dict) -> None:
+    error, message = BAD_RECEIPTS[name]
+    with pytest.raises(error) as caught:
+        _open_receipt(FIXTURES / f"{name}.receipt", trusted)
+    assert type(caught.value) is error and message in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize("name", sorted(BAD_MANIFESTS))
+def test_each_tampered_manifest_fails_with_its_named_error(name: str, golden: dict[Path, Receipt],
+                                                           trusted: dict) -> None:
+    status, message = BAD_MANIFESTS[name]
+    outcome, _ = _check_manifest(FIXTURES / f"{name}.manifest", trusted, golden)
+    assert (outcome.status, message in outcome.message) == (status, True), outcome.message
+
+
+def test_the_manifest_errors_are_the_manifests_own(trusted: dict) -> None:
+    for name in ("manifest-wrong-merkle-root-resigned", "manifest-wrong-receipt-count-resigned"):
+        with pytest.raises(InvalidManifest):
+            verify_run_manifest((FIXTURES / f"{name}.manifest").read_bytes(), trusted)

@@ -1,0 +1,46 @@
+"""Steps (1)-(4) of verification: a receipt file read, its signature checked, its payload decoded, and what
+its own content claims checked, before any engine runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from detent_audit.manifests.dsse import RECEIPT_PAYLOAD_TYPE, Envelope, read_envelope_bytes
+from detent_audit.manifests.encoding import facts_hash, tuple_hash
+from detent_audit.manifests.receipt import Receipt, open_payload
+from detent_audit.verifier.plan import RECEIPT_SUFFIX
+from detent_audit.verifier.steps import ClaimError, PayloadError, Step, at
+
+EARLIEST_UNIX_NS = 1_577_836_800 * 10**9  # 2020-01-01T00:00:00Z: no receipt is older than this release line
+CLOCK_SKEW_NS = 600 * 10**9  # a receipt may be dated this far after the verifier's clock
+
+
+def open_receipt(path: Path, trusted: dict) -> Receipt:
+    """Steps (1)-(3): the receipt in the file at `path`, signed by one of the `trusted` keys."""
+    with at(Step.READ):  # (1): bounded read (regular files only), the envelope decoded
+        envelope = Envelope.from_bytes(read_envelope_bytes(path))
+    with at(Step.SIGNATURE):  # (2): the signature, before the payload is parsed; the payload type
+        opened = envelope.open(trusted, RECEIPT_PAYLOAD_TYPE)
+    with at(Step.PAYLOAD):  # (3): schema, canonical re-encoding, its signer
+        receipt = open_payload(opened).receipt
+    with at(Step.PAYLOAD):  # (3): the hashes the receipt states are the hashes of what it carries
+        if facts_hash(receipt.deployment_facts) != receipt.deployment_hash:
+            raise PayloadError(f"{path.name}: deployment hash does not match the facts it carries")
+        if tuple_hash(receipt.tuple_values) != receipt.tuple_hash:
+            raise PayloadError(f"{path.name}: tuple hash does not match the tuple it carries")
+    return receipt
+
+
+def check_claims(path: Path, r: Receipt, deployments: dict[str, dict | None] | None, now_ns: int) -> None:
+    """Step (4): what a receipt's own content refutes before any engine: its file names another request; a time
+    no node could have signed at; a deployment that is not among the published ones (None: none given)."""
+    rid = r.request.request_id
+    if path.name != f"{rid}{RECEIPT_SUFFIX}":
+        raise ClaimError(f"the file is named {path.name!r}, but it is the receipt of request {rid!r} (a copy "
+                         "under another request's name)", request_id=rid)
+    if not EARLIEST_UNIX_NS <= r.time_unix_ns <= now_ns + CLOCK_SKEW_NS:
+        raise ClaimError(f"signed at {r.time_unix_ns} ns since the epoch, outside [2020-01-01, the verifier's "
+                         f"clock + {CLOCK_SKEW_NS // 10**9} s]: no node signed it then", request_id=rid)
+    if deployments is not None and r.deployment_hash not in deployments:
+        raise ClaimError(f"its deployment {r.deployment_hash[:16]}... is not among the {len(deployments)} "
+                         "published deployment(s) given with --deployment", request_id=rid)
