@@ -15,26 +15,30 @@ from detent_audit.manifests.errors import BadSignature, InvalidManifest, Invalid
 from detent_audit.manifests.keys import load_trusted_keys
 from detent_audit.manifests.receipt import Receipt, verify_envelope
 from detent_audit.manifests.run_manifest import check_run, verify_run_manifest
-from detent_audit.verifier.verify import _check_manifest, _open_receipt
+from detent_audit.verifier.receipt_file import open_receipt as _open_receipt
+from detent_audit.verifier.runs import check_manifest as _check_manifest
+from detent_audit.verifier.steps import PayloadError, ReadError, SignatureError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "compat"
 GOLDEN_RECEIPTS = sorted(FIXTURES.glob("golden-*.receipt"))
 
-# tampered receipt -> (the error, what its message says)
+# tampered receipt -> (the verifier's step that refuses it, the format's own error beneath, what it says);
+# None beneath: the step itself names the defect
 BAD_RECEIPTS = {
-    "receipt-flipped-logprob-bit-unsigned": (BadSignature, "does not verify over this payload"),
-    "receipt-flipped-signature-bit": (BadSignature, "does not verify over this payload"),
-    "receipt-truncated-envelope": (InvalidReceipt, "envelope: truncated"),
-    "receipt-signed-by-an-untrusted-key": (UntrustedKey, "which is not among the 1 trusted key"),
-    "receipt-manifest-payload-type": (InvalidReceipt, "envelope.payloadType: expected "
-                                                      "'application/vnd.detent-audit.receipt.v2+msgpack'"),
-    "receipt-flipped-logprob-bit-resigned": (InvalidReceipt, "is not the digest of the output"),
-    "receipt-wrong-request-digest-resigned": (InvalidReceipt, "request.client.body_sha256: not the SHA-256"),
-    "receipt-facts-changed-under-their-hash-resigned": (InvalidReceipt, "deployment hash does not match the facts"),
-    "receipt-wrong-tuple-hash-resigned": (InvalidReceipt, "tuple hash does not match the tuple"),
-    "receipt-version-1-resigned": (InvalidReceipt, "schema version 1 is not supported"),
-    "receipt-unknown-field-resigned": (InvalidReceipt, "output: unknown comment"),
-    "receipt-non-canonical-key-order-resigned": (InvalidReceipt, "not canonical msgpack"),
+    "receipt-flipped-logprob-bit-unsigned": (SignatureError, BadSignature, "does not verify over this payload"),
+    "receipt-flipped-signature-bit": (SignatureError, BadSignature, "does not verify over this payload"),
+    "receipt-truncated-envelope": (ReadError, InvalidReceipt, "envelope: truncated"),
+    "receipt-signed-by-an-untrusted-key": (SignatureError, UntrustedKey, "which is not among the 1 trusted key"),
+    "receipt-manifest-payload-type": (SignatureError, InvalidReceipt,
+                                      "envelope.payloadType: expected 'application/vnd.detent-audit.receipt.v2+msgpack'"),
+    "receipt-flipped-logprob-bit-resigned": (PayloadError, InvalidReceipt, "is not the digest of the output"),
+    "receipt-wrong-request-digest-resigned": (PayloadError, InvalidReceipt,
+                                              "request.client.body_sha256: not the SHA-256"),
+    "receipt-facts-changed-under-their-hash-resigned": (PayloadError, None, "deployment hash does not match the facts"),
+    "receipt-wrong-tuple-hash-resigned": (PayloadError, None, "tuple hash does not match the tuple"),
+    "receipt-version-1-resigned": (PayloadError, InvalidReceipt, "schema version 1 is not supported"),
+    "receipt-unknown-field-resigned": (PayloadError, InvalidReceipt, "output: unknown comment"),
+    "receipt-non-canonical-key-order-resigned": (PayloadError, InvalidReceipt, "not canonical msgpack"),
 }
 # tampered manifest -> (the verifier's status, what its message says)
 BAD_MANIFESTS = {
@@ -89,10 +93,12 @@ def test_the_golden_manifest_covers_the_golden_run(golden: dict[Path, Receipt], 
 
 @pytest.mark.parametrize("name", sorted(BAD_RECEIPTS))
 def test_each_tampered_receipt_fails_with_its_named_error(name: str, trusted: dict) -> None:
-    error, message = BAD_RECEIPTS[name]
-    with pytest.raises(error) as caught:
+    step_error, format_error, message = BAD_RECEIPTS[name]
+    with pytest.raises(step_error) as caught:
         _open_receipt(FIXTURES / f"{name}.receipt", trusted)
-    assert type(caught.value) is error and message in caught.value.message, caught.value.message
+    assert type(caught.value) is step_error and message in caught.value.message, caught.value.message
+    beneath = caught.value.__cause__
+    assert (type(beneath) if beneath is not None else None) is format_error, repr(beneath)
 
 
 @pytest.mark.parametrize("name", sorted(BAD_MANIFESTS))
