@@ -227,7 +227,7 @@ def test_10_claims_no_bit_can_confirm_are_bounded_or_not_signed(node_run, tmp_pa
 def _forged_tuple(run: dict, folder: Path, r, change_tuple=None, change_facts=None) -> Path:
     """`r` with its tuple (in the facts and as signed) and facts changed, hashes recomputed, re-signed: what a
     node holding the key can sign."""
-    from detent_audit.engine.tuples import tuple_hash
+    from detent_audit.manifests.encoding import tuple_hash
 
     facts = json.loads(json.dumps(r.deployment_facts, default=dict))
     values = {k: dict(v) for k, v in r.tuple_values.items()}
