@@ -201,9 +201,11 @@ class LLM:
         kernels read (`Selection.used_tuple`: an axis that changes no kernel's params is not signed)."""
         return {"mode": {"name": self.config.mode}, **self.selection.used_tuple}
 
-    def kernel_params_called(self) -> dict[str, list[dict]]:
-        """kernel family -> the params the kernels were called with so far (what they report)."""
-        return self.selection.kernels.params_called()
+    def kernel_params_called(self) -> dict[str, list[dict]] | None:
+        """kernel family -> the params the kernels were called with so far (what they report); None where the
+        kernels do not report (the GPU KernelSet)."""
+        report = getattr(self.selection.kernels, "params_called", None)
+        return report() if report is not None else None
 
     # ---- requests
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,

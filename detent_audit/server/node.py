@@ -171,12 +171,13 @@ class ServingNode:
     def _check_kernel_params(self) -> None:
         """The kernels report the params they were called with: every one must be among those the signed
         facts state (`kernel_params`), or the facts do not describe what ran and nothing is signed."""
-        called = getattr(self.llm, "kernel_params_called", None)
+        report = getattr(self.llm, "kernel_params_called", None)
+        called = report() if report is not None else None
         stated = self.facts.get("kernel_params")
         if called is None or stated is None:
-            return  # an engine whose kernels do not report (vLLM's)
+            return  # an engine whose kernels do not report (vLLM's, the GPU KernelSet)
         extra = {family: [p for p in params if p not in stated.get(family, [])]
-                 for family, params in called().items()}
+                 for family, params in called.items()}
         extra = {family: params for family, params in extra.items() if params}
         if extra:
             raise DetentError(f"the kernels were called with params the signed facts do not state: {extra}",
