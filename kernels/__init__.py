@@ -17,16 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from detent_audit.enums import Mode
 from detent_audit.errors import DetentError
 from detent_audit.kernels import attention, gemm, moe, rowlocal
 from detent_audit.kernels.attention_metadata import AttentionMetadata
 from detent_audit.kernels.params import AttentionParams, BadParams, GemmParams, MoeParams
 from detent_audit.kernels.rowlocal import RopeCache, RotatedQK
 
-MODES = ("stock", "det", "detent")
+MODES = tuple(m.value for m in Mode)
 
 DET_GEMM = GemmParams(chunk_rows=16)
 DET_ATTENTION = AttentionParams(kv_tile=64, split_stride=0)
@@ -47,6 +49,30 @@ def params_list(values) -> list[dict]:
 
 def _constant(value):
     return lambda **_: value
+
+
+class Kernels(Protocol):
+    """The calls the model makes, every reduction inside one: what a kernel set on any device provides (the CPU
+    `KernelSet` here, `gpu.GpuKernelSet` on CUDA; the type checker holds both to it). Mutates only the KV cache
+    (`qkv_prologue`)."""
+
+    @property
+    def mode(self) -> str: ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor: ...
+    def qkv_prologue(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: RopeCache,
+                     heads: tuple[int, int, int], kv_cache: tuple[torch.Tensor, torch.Tensor],
+                     slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
+                     k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor: ...
+    def moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+            renormalize: bool) -> torch.Tensor: ...
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -170,3 +196,8 @@ __all__ = [
     "RopeCache",
     "SelectorError",
 ]
+
+
+if TYPE_CHECKING:
+    def _satisfies(kernels: KernelSet) -> Kernels:
+        return kernels  # the type checker holds KernelSet to the protocol

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -138,3 +139,10 @@ class GpuKernelSet:
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return rowlocal.log_softmax(x)
+
+
+if TYPE_CHECKING:
+    from detent_audit.kernels import Kernels
+
+    def _satisfies(kernels: GpuKernelSet) -> Kernels:
+        return kernels  # the type checker holds GpuKernelSet to the protocol

@@ -34,6 +34,12 @@ def _check_int(name: str, value: object) -> int:
 
 
 GEMM_CHUNK_ROWS_SPACE: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# "chunk": every BLAS call has exactly chunk_rows rows; "pad": one product over the batch, padded to at least
+# chunk_rows rows; "row": every row its own product (chunk_rows == 1). pad and row rest on a property of the
+# BLAS that only a probe on the running CPU can show (kernels/gemm_probe.py): the engine refuses to start
+# with either unless the probe proved it there.
+GEMM_FORMS: tuple[str, ...] = ("chunk", "pad", "row")
+GEMM_PAD_ROWS_SPACE: tuple[int, ...] = (2, 4, 8, 12, 16, 32, 64)
 ATTENTION_KV_TILE_SPACE: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
 # Every listed stride is a multiple of every listed tile, so the grid is the full product. Any positive
 # multiple of kv_tile is legal; the grid stops at 8192 because longer splits behave as no split on CPU.
@@ -42,19 +48,37 @@ ATTENTION_SPLIT_STRIDE_SPACE: tuple[int, ...] = (0, 512, 1024, 2048, 4096, 8192)
 
 @dataclass(frozen=True)
 class GemmParams:
-    """Rows go to the BLAS in chunks of exactly `chunk_rows` (the last chunk zero-padded).
+    """How rows go to the BLAS, by `form`:
 
-    Invariant: the matrix the BLAS sees always has M == chunk_rows, so its blocking cannot depend on the
-    batch. chunk_rows is a power of two in 1..256 (measured: with power-of-two M a row's bits did not depend
-    on its position in the chunk at 1-8 threads, while M in 5..11 did at 2 threads; see gemm.py).
+    - "chunk" (the default): chunks of exactly `chunk_rows` rows, the last zero-padded; the matrix the BLAS
+      sees always has M == chunk_rows, so its blocking cannot depend on the batch. chunk_rows is a power of
+      two in 1..256 (measured: with power-of-two M a row's bits did not depend on its position in the chunk
+      at 1-8 threads, while M in 5..11 did at 2 threads; see gemm.py).
+    - "pad": one product over the whole batch, zero-padded to at least `chunk_rows` rows (in
+      GEMM_PAD_ROWS_SPACE): invariant only where the BLAS gives a row the same bits for every M >= chunk_rows,
+      which `gemm_probe.prove` must show on the running CPU and thread count.
+    - "row": every row its own product (chunk_rows == 1; MKL's one-row path): invariant where the probe
+      shows that the batched one-row products equal the lone one.
     """
 
     chunk_rows: int
+    form: str = "chunk"
 
     def __post_init__(self) -> None:
         _check_int("chunk_rows", self.chunk_rows)
-        if self.chunk_rows not in GEMM_CHUNK_ROWS_SPACE:
+        if self.form not in GEMM_FORMS:
+            raise BadParams(f"GEMM form must be one of {GEMM_FORMS}, got {self.form!r}")
+        if self.form == "chunk" and self.chunk_rows not in GEMM_CHUNK_ROWS_SPACE:
             raise BadParams(f"chunk_rows must be a power of two in 1..256, got {self.chunk_rows}")
+        if self.form == "pad" and self.chunk_rows not in GEMM_PAD_ROWS_SPACE:
+            raise BadParams(f"the pad form's least rows must be one of {GEMM_PAD_ROWS_SPACE}, got {self.chunk_rows}")
+        if self.form == "row" and self.chunk_rows != 1:
+            raise BadParams(f"the row form takes one row per product (chunk_rows=1), got {self.chunk_rows}")
+
+    @property
+    def label(self) -> str:
+        """chunk:16, pad:4, row: how errors and reports name the form."""
+        return "row" if self.form == "row" else f"{self.form}:{self.chunk_rows}"
 
 
 @dataclass(frozen=True)
@@ -97,9 +121,10 @@ class MoeParams:
             raise BadParams(f"MoeParams.gemm must be GemmParams, got {type(self.gemm).__name__}")
 
 
-GEMM_GRID: tuple[GemmParams, ...] = tuple(GemmParams(c) for c in GEMM_CHUNK_ROWS_SPACE)
+GEMM_GRID: tuple[GemmParams, ...] = (*(GemmParams(c) for c in GEMM_CHUNK_ROWS_SPACE),
+                                      *(GemmParams(r, "pad") for r in GEMM_PAD_ROWS_SPACE), GemmParams(1, "row"))
 ATTENTION_GRID: tuple[AttentionParams, ...] = tuple(
     AttentionParams(kv_tile=t, split_stride=s)
     for t, s in product(ATTENTION_KV_TILE_SPACE, ATTENTION_SPLIT_STRIDE_SPACE)
 )
-MOE_GRID: tuple[MoeParams, ...] = tuple(MoeParams(gemm=g) for g in GEMM_GRID)
+MOE_GRID: tuple[MoeParams, ...] = tuple(MoeParams(gemm=GemmParams(c)) for c in GEMM_CHUNK_ROWS_SPACE)

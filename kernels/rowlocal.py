@@ -101,7 +101,7 @@ class RopeCache:
         inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
         if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
         elif rope_type != "default":
             raise BadInput(f"unsupported rope_scaling type {rope_type!r}", remedy="use 'default' or 'llama3'")
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)

@@ -115,10 +115,10 @@ class _Decoder:
         while True:
             value = self.item(len(stack))
             if isinstance(value, _Open):
-                if value.count == 0:
+                if value.length == 0:
                     value = value.container
                 else:
-                    stack.append([value.container, value.count, _NO_KEY])
+                    stack.append([value.container, value.length, _NO_KEY])
                     continue
             while True:  # place the value in its container; close every container it completes
                 if not stack:
@@ -205,7 +205,7 @@ class _Decoder:
 
 class _Open(NamedTuple):
     container: Any
-    count: int
+    length: int
 
 
 _NO_KEY = object()

@@ -183,6 +183,9 @@ class EngineFacts:
     nccl_channels: int = 0                 # NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS (0: not pinned)
     disable_cascade_attn: bool = False     # vLLM --disable-cascade-attn (cascade attention on by default)
     fa3_source: str = ""                   # the FlashAttention-3 build: "<owner>/<repo>@<commit>" ("": unknown)
+    # the embedded engine on a CPU: GEMM forms a probe proved batch-invariant where it runs (kernels/gemm_probe.py)
+    gemm_pad_rows: int = 0                 # one product padded to >= this many rows (0: not proven)
+    gemm_row_form: bool = False            # every row its own one-row product
 
     def __post_init__(self) -> None:
         check(self.name in ENGINES, f"name {self.name!r} must be one of {list(ENGINES)}")
@@ -202,6 +205,7 @@ class EngineFacts:
         check(self.custom_all_reduce_algo in ("auto", "1stage", "2stage"),
               f"custom_all_reduce_algo {self.custom_all_reduce_algo!r} must be 'auto', '1stage' or '2stage'")
         check(self.nccl_channels >= 0, "nccl_channels must not be negative (0: not pinned)")
+        check(self.gemm_pad_rows >= 0, "gemm_pad_rows must not be negative (0: not proven)")
         check(self.fa3_source == "" or ("/" in self.fa3_source and "@" in self.fa3_source),
               f"fa3_source {self.fa3_source!r} must read <owner>/<repo>@<commit>")
         check(not self.uses_vllm_fa_fork or self.name == "vllm",
@@ -325,7 +329,7 @@ class Deployment:
               section="engine")
         check(not self.tables.fused_moe or m.is_moe, "fused_moe: a fused-MoE table needs an MoE model",
               section="tables")
-        check(not self.tables.fused_moe_down or self.tables.fused_moe, "fused_moe_down: a down-projection table "
+        check(not self.tables.fused_moe_down or bool(self.tables.fused_moe), "fused_moe_down: a down-projection table "
               "completes an up-projection table ([tables.fused_moe])", section="tables")
 
     @property

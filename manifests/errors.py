@@ -17,13 +17,14 @@ its manifest).
 
 from __future__ import annotations
 
+from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 
 
 class InvalidReceipt(BadInput):
     """A receipt file (envelope or payload) is malformed: every decode problem ends here, never elsewhere."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
     remedy = ("the file is not a well-formed detent-audit receipt v2: it may be truncated, made by another "
               "version, or modified; obtain the original file from the serving node")
 
@@ -38,7 +39,7 @@ class InvalidManifest(InvalidReceipt):
 class UntrustedKey(DetentError):
     """No trusted key matches the envelope's signer (a keyid is a hint: trust comes from key files only)."""
 
-    exit_code = 1
+    exit_code = ExitCode.MISMATCH
     remedy = ("pass the serving node's public key (its `.pub` file, or a directory of them) as trusted; "
               "get it from the node's operator over a channel you trust, never from the receipt itself")
 
@@ -46,7 +47,7 @@ class UntrustedKey(DetentError):
 class BadSignature(DetentError):
     """The signature does not verify under the trusted key: the payload or its type changed after signing."""
 
-    exit_code = 1
+    exit_code = ExitCode.MISMATCH
     remedy = ("the file was modified after the node signed it, or signed by another key than it names; "
               "obtain the original file from the serving node")
 
@@ -58,7 +59,7 @@ class ManifestMismatch(DetentError):
     unlisted.
     """
 
-    exit_code = 1
+    exit_code = ExitCode.MISMATCH
     remedy = "verify the manifest with the complete set of the run's receipt files, and nothing else"
 
     def __init__(self, message: str, *, missing: tuple[str, ...] = (), extra: tuple[str, ...] = (),
@@ -70,7 +71,7 @@ class ManifestMismatch(DetentError):
 class KeyFileError(BadInput):
     """A key file cannot be used: missing, not a key, not Ed25519, too open, or already there."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
     remedy = "create a key pair with `detent-audit keygen --out FILE` (writes FILE and FILE.pub)"
 
 

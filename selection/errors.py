@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 
 
@@ -29,7 +30,7 @@ class SelectionViolation(DetentError):
     The engine must stop serving rather than launch another kernel.
     """
 
-    exit_code = 1
+    exit_code = ExitCode.MISMATCH
     remedy = "re-solve and re-tune for this workload, or raise the limit the condition names"
 
     def __init__(self, program: str, condition: str, line: int, inputs: dict, pins: dict) -> None:
@@ -50,4 +51,4 @@ class NotTranscribed(DetentError):
     Exit 3 (not comparable): `solve` has no answer rather than a wrong one (0 pins), and nothing serves it.
     """
 
-    exit_code = 3
+    exit_code = ExitCode.NOT_COMPARABLE

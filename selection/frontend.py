@@ -83,8 +83,8 @@ def source_of_function(fn: Any) -> Source:
     module = inspect.getmodule(fn)
     if module is None or not getattr(module, "__file__", None):
         raise SelIRError(f"cannot find the source module of {fn!r}")
-    text = inspect.getsource(module)
-    return Source(module.__file__, text, ast.parse(text, module.__file__), vars(module))
+    text, filename = inspect.getsource(module), str(module.__file__)
+    return Source(filename, text, ast.parse(text, filename), vars(module))
 
 
 def source_from_text(text: str, filename: str = "<selir>", module_name: str = "_selir_program") -> Source:

@@ -23,21 +23,29 @@ import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Generic, TypeVar
 
 T = TypeVar("T")
 
+if TYPE_CHECKING:
+    # to a type checker an input is the value it holds (the compiler reads the annotations from the source)
+    from typing_extensions import dataclass_transform
 
-class Runtime(Generic[T]):
-    """Annotation: a batch-dependent input that may be pinned."""
+    Runtime = Annotated[T, "Runtime"]
+    Unpinnable = Annotated[T, "Unpinnable"]
+    Request = Annotated[T, "Request"]
+else:
+    def dataclass_transform(**_: Any) -> Any:
+        return lambda fn: fn
 
+    class Runtime(Generic[T]):
+        """Annotation: a batch-dependent input that may be pinned."""
 
-class Unpinnable(Generic[T]):
-    """Annotation: a batch-dependent input the kernel needs as is; never pinned."""
+    class Unpinnable(Generic[T]):
+        """Annotation: a batch-dependent input the kernel needs as is; never pinned."""
 
-
-class Request(Generic[T]):
-    """Annotation: an input that depends on the request alone (its own length); never a leak."""
+    class Request(Generic[T]):
+        """Annotation: an input that depends on the request alone (its own length); never a leak."""
 
 
 INPUT_KINDS = ("Runtime", "Unpinnable", "Request")
@@ -141,6 +149,7 @@ BUILTINS: dict[str, Any] = {
 MARKERS = ("require", "assume", "knob")
 
 
+@dataclass_transform(frozen_default=True)
 def record(cls: type[T]) -> type[T]:
     """A frozen, slotted dataclass: facts records and selection results."""
     return dataclasses.dataclass(frozen=True)(cls)

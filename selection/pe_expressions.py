@@ -9,10 +9,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from detent_audit.selection import lang
-from detent_audit.selection.ir import Node, Op
+from detent_audit.selection.ir import Builder, Node, Op
+
+if TYPE_CHECKING:
+    from detent_audit.selection.frontend import Source
 from detent_audit.selection.pe_values import (
     BINOPS,
     CMPOPS,
@@ -29,6 +32,21 @@ from detent_audit.selection.pe_values import (
 
 class ExpressionEvaluator:
     """Expression methods of the partial evaluator (see PartialEvaluator for the state they use)."""
+
+    # the state and constructors PartialEvaluator provides
+    src: Source
+    fn_name: str
+    b: Builder
+    knobs: dict[str, Node]
+
+    if TYPE_CHECKING:
+        def node(self, v: Any, at: ast.AST | None = None) -> Node: ...
+        def _pos(self, at: ast.AST | None) -> tuple[int, int]: ...
+        def not_(self, a: Any, at: ast.AST | None = None) -> Any: ...
+        def and_(self, a: Any, b: Any, at: ast.AST | None = None) -> Any: ...
+        def or_(self, a: Any, b: Any, at: ast.AST | None = None) -> Any: ...
+        def merge(self, cond: Any, a: Any, b: Any, at: ast.AST | None = None) -> Any: ...
+        def _inline(self, name: str, e: ast.Call, frame: Frame) -> Any: ...
 
     def eval(self, e: ast.expr, frame: Frame) -> Any:
         method = getattr(self, f"_e_{type(e).__name__}", None)

@@ -160,7 +160,7 @@ def analyse(prog: IRProgram, pins: list[Node], domains: dict[str, Interval], pin
         prog.knobs[k].arg[2] for k in knob_names)), prog, inputs, knob_names)[0],
         *(prog.knobs[k].arg[2] for k in knob_names))))
     default = _default(groups, want, set(knob_names))
-    legal_sets = {a: set() for a in axes}
+    legal_sets: dict[Any, set[Any]] = {a: set() for a in axes}
     for g in groups:
         for row in g.rows:
             for a, v in zip(g.axes, row):

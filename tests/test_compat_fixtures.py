@@ -15,30 +15,30 @@ from detent_audit.manifests.errors import BadSignature, InvalidManifest, Invalid
 from detent_audit.manifests.keys import load_trusted_keys
 from detent_audit.manifests.receipt import Receipt, verify_envelope
 from detent_audit.manifests.run_manifest import check_run, verify_run_manifest
-from detent_audit.verifier.receipt_file import open_receipt as _open_receipt
-from detent_audit.verifier.runs import check_manifest as _check_manifest
-from detent_audit.verifier.steps import PayloadError, ReadError, SignatureError
+from detent_audit.verifier.receipt_file import open_receipt
+from detent_audit.verifier.runs import check_manifest
+from detent_audit.verifier.steps import ERRORS, Step, VerificationError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "compat"
 GOLDEN_RECEIPTS = sorted(FIXTURES.glob("golden-*.receipt"))
 
-# tampered receipt -> (the verifier's step that refuses it, the format's own error beneath, what it says);
-# None beneath: the step itself names the defect
+# tampered receipt -> (the verification step that refutes it, the error it raises there, what its message says)
 BAD_RECEIPTS = {
-    "receipt-flipped-logprob-bit-unsigned": (SignatureError, BadSignature, "does not verify over this payload"),
-    "receipt-flipped-signature-bit": (SignatureError, BadSignature, "does not verify over this payload"),
-    "receipt-truncated-envelope": (ReadError, InvalidReceipt, "envelope: truncated"),
-    "receipt-signed-by-an-untrusted-key": (SignatureError, UntrustedKey, "which is not among the 1 trusted key"),
-    "receipt-manifest-payload-type": (SignatureError, InvalidReceipt,
-                                      "envelope.payloadType: expected 'application/vnd.detent-audit.receipt.v2+msgpack'"),
-    "receipt-flipped-logprob-bit-resigned": (PayloadError, InvalidReceipt, "is not the digest of the output"),
-    "receipt-wrong-request-digest-resigned": (PayloadError, InvalidReceipt,
+    "receipt-flipped-logprob-bit-unsigned": (Step.SIGNATURE, BadSignature, "does not verify over this payload"),
+    "receipt-flipped-signature-bit": (Step.SIGNATURE, BadSignature, "does not verify over this payload"),
+    "receipt-truncated-envelope": (Step.READ, InvalidReceipt, "envelope: truncated"),
+    "receipt-signed-by-an-untrusted-key": (Step.SIGNATURE, UntrustedKey, "which is not among the 1 trusted key"),
+    "receipt-manifest-payload-type": (Step.SIGNATURE, InvalidReceipt, "envelope.payloadType: expected "
+                                      "'application/vnd.detent-audit.receipt.v2+msgpack'"),
+    "receipt-flipped-logprob-bit-resigned": (Step.PAYLOAD, InvalidReceipt, "is not the digest of the output"),
+    "receipt-wrong-request-digest-resigned": (Step.PAYLOAD, InvalidReceipt,
                                               "request.client.body_sha256: not the SHA-256"),
-    "receipt-facts-changed-under-their-hash-resigned": (PayloadError, None, "deployment hash does not match the facts"),
-    "receipt-wrong-tuple-hash-resigned": (PayloadError, None, "tuple hash does not match the tuple"),
-    "receipt-version-1-resigned": (PayloadError, InvalidReceipt, "schema version 1 is not supported"),
-    "receipt-unknown-field-resigned": (PayloadError, InvalidReceipt, "output: unknown comment"),
-    "receipt-non-canonical-key-order-resigned": (PayloadError, InvalidReceipt, "not canonical msgpack"),
+    "receipt-facts-changed-under-their-hash-resigned": (Step.PAYLOAD, InvalidReceipt,
+                                                        "deployment hash does not match the facts"),
+    "receipt-wrong-tuple-hash-resigned": (Step.PAYLOAD, InvalidReceipt, "tuple hash does not match the tuple"),
+    "receipt-version-1-resigned": (Step.PAYLOAD, InvalidReceipt, "schema version 1 is not supported"),
+    "receipt-unknown-field-resigned": (Step.PAYLOAD, InvalidReceipt, "output: unknown comment"),
+    "receipt-non-canonical-key-order-resigned": (Step.PAYLOAD, InvalidReceipt, "not canonical msgpack"),
 }
 # tampered manifest -> (the verifier's status, what its message says)
 BAD_MANIFESTS = {
@@ -57,7 +57,7 @@ def trusted() -> dict:
 
 @pytest.fixture(scope="module")
 def golden(trusted: dict) -> dict[Path, Receipt]:
-    return {p: _open_receipt(p, trusted) for p in GOLDEN_RECEIPTS}
+    return {p: open_receipt(p, trusted) for p in GOLDEN_RECEIPTS}
 
 
 def test_every_fixture_is_named_here() -> None:
@@ -87,26 +87,27 @@ def test_the_golden_manifest_covers_the_golden_run(golden: dict[Path, Receipt], 
     manifest = verify_run_manifest(path.read_bytes(), trusted).manifest
     check_run(manifest, golden.values())
     assert manifest.kind == "final" and manifest.receipt_count == 3
-    outcome, _ = _check_manifest(path, trusted, golden)
-    assert outcome.status == "OK", outcome.message
+    outcome, _ = check_manifest(path, trusted, golden)
+    assert outcome.status == "OK" and outcome.step is None, outcome.message
 
 
 @pytest.mark.parametrize("name", sorted(BAD_RECEIPTS))
 def test_each_tampered_receipt_fails_with_its_named_error(name: str, trusted: dict) -> None:
-    step_error, format_error, message = BAD_RECEIPTS[name]
-    with pytest.raises(step_error) as caught:
-        _open_receipt(FIXTURES / f"{name}.receipt", trusted)
-    assert type(caught.value) is step_error and message in caught.value.message, caught.value.message
-    beneath = caught.value.__cause__
-    assert (type(beneath) if beneath is not None else None) is format_error, repr(beneath)
+    step, error, message = BAD_RECEIPTS[name]
+    with pytest.raises(VerificationError) as caught:
+        open_receipt(FIXTURES / f"{name}.receipt", trusted)
+    assert type(caught.value) is ERRORS[step] and message in caught.value.message, (caught.value.step, caught.value.message)
+    cause = caught.value.__cause__
+    assert type(cause) is error and cause.exit_code == caught.value.exit_code, repr(cause)
 
 
 @pytest.mark.parametrize("name", sorted(BAD_MANIFESTS))
 def test_each_tampered_manifest_fails_with_its_named_error(name: str, golden: dict[Path, Receipt],
                                                            trusted: dict) -> None:
     status, message = BAD_MANIFESTS[name]
-    outcome, _ = _check_manifest(FIXTURES / f"{name}.manifest", trusted, golden)
+    outcome, _ = check_manifest(FIXTURES / f"{name}.manifest", trusted, golden)
     assert (outcome.status, message in outcome.message) == (status, True), outcome.message
+    assert outcome.step is Step.MANIFESTS
 
 
 def test_the_manifest_errors_are_the_manifests_own(trusted: dict) -> None:

@@ -7,16 +7,18 @@ from pathlib import Path
 
 from detent_audit.manifests.dsse import RECEIPT_PAYLOAD_TYPE, Envelope, read_envelope_bytes
 from detent_audit.manifests.encoding import facts_hash, tuple_hash
+from detent_audit.manifests.errors import InvalidReceipt
 from detent_audit.manifests.receipt import Receipt, open_payload
 from detent_audit.verifier.plan import RECEIPT_SUFFIX
-from detent_audit.verifier.steps import ClaimError, PayloadError, Step, at
+from detent_audit.verifier.steps import ClaimError, Step, at
 
 EARLIEST_UNIX_NS = 1_577_836_800 * 10**9  # 2020-01-01T00:00:00Z: no receipt is older than this release line
 CLOCK_SKEW_NS = 600 * 10**9  # a receipt may be dated this far after the verifier's clock
 
 
 def open_receipt(path: Path, trusted: dict) -> Receipt:
-    """Steps (1)-(3): the receipt in the file at `path`, signed by one of the `trusted` keys."""
+    """Steps (1)-(3): the receipt in the file at `path`, signed by one of the `trusted` keys. Raises the step's
+    error (`ReadError`, `SignatureError`, `PayloadError`), the manifests layer's error as its cause."""
     with at(Step.READ):  # (1): bounded read (regular files only), the envelope decoded
         envelope = Envelope.from_bytes(read_envelope_bytes(path))
     with at(Step.SIGNATURE):  # (2): the signature, before the payload is parsed; the payload type
@@ -25,9 +27,9 @@ def open_receipt(path: Path, trusted: dict) -> Receipt:
         receipt = open_payload(opened).receipt
     with at(Step.PAYLOAD):  # (3): the hashes the receipt states are the hashes of what it carries
         if facts_hash(receipt.deployment_facts) != receipt.deployment_hash:
-            raise PayloadError(f"{path.name}: deployment hash does not match the facts it carries")
+            raise InvalidReceipt(f"{path.name}: deployment hash does not match the facts it carries")
         if tuple_hash(receipt.tuple_values) != receipt.tuple_hash:
-            raise PayloadError(f"{path.name}: tuple hash does not match the tuple it carries")
+            raise InvalidReceipt(f"{path.name}: tuple hash does not match the tuple it carries")
     return receipt
 
 

@@ -21,6 +21,7 @@ from detent_audit.engine.facts import static_facts
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.named_models import NAMES
 from detent_audit.engine_api import EMBEDDED, Engine, UnknownEngine, engine_for_facts
+from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput
 from detent_audit.verifier.steps import DeploymentError
 
@@ -28,7 +29,7 @@ from detent_audit.verifier.steps import DeploymentError
 class NotComparable(DeploymentError):
     """The local deployment differs from the receipt's in a bit-relevant fact (step (7), exit 3)."""
 
-    exit_code = 3
+    exit_code = ExitCode.NOT_COMPARABLE
     remedy = "verify on a machine and checkpoint that match the receipt's deployment facts"
 
     def __init__(self, fields: list[str], message: str | None = None) -> None:
@@ -101,6 +102,10 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
         name = engine_for_facts(facts)
     except UnknownEngine as exc:
         raise NotComparable(["engine.name"], exc.message) from None
+    if name == "sglang":
+        from detent_audit.verifier.reconstruct_sglang import reconstruct_sglang
+
+        return reconstruct_sglang(facts, tuple_values, model, threads, tuple_override)
     if name != EMBEDDED:
         return _reconstruct_vllm(facts, tuple_values, model, threads, tuple_override, kv_tokens=kv_tokens)
     config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override, kv_tokens=kv_tokens)
@@ -119,13 +124,17 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
     if isinstance(expected["checkpoint"], dict):
         expected["checkpoint"].pop("eos_token_ids", None)
     check_comparable(expected, static_facts(config))
+    from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
+
+    whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
     try:
         llm = LLM(config)  # (7): select_kernels refuses a tuple that is not legal for the solved pins
     except BadInput as exc:
         if "is not legal" in exc.message or "does not run" in exc.message:
-            whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
             raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
         raise
+    except GemmFormNotInvariant as exc:  # its GEMM form is not proven on this machine: these bits cannot be had
+        raise NotComparable(["tuple"], f"{whose} cannot run here: {exc.message}") from None
     local = llm.facts()
     check_comparable(dict(facts), local)
     return llm
@@ -189,7 +198,7 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
         raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
                                                      f"--threads {threads} changes the bits")
     from detent_audit.engine.facts import checkpoint_hashes
-    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine, attention_of_facts
 
     # (7), first: the checkpoint's files are hashed, not loaded, before vLLM is built
     local_model = VllmConfig(model=str(model)).resolved_model
@@ -214,7 +223,9 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
                         max_num_batched_tokens=sched["max_num_batched_tokens"],
                         prefix_caching=sched["prefix_caching"], tuple=families if mode == "detent" else None,
                         gemm=(_get(facts, "engine", "plugin").get("gemm") or "onednn") if mode == "detent"
-                        else "onednn")
+                        else "onednn",
+                        attention=attention_of_facts(_get(facts, "engine", "plugin").get("attention"))
+                        if mode == "detent" else "auto")
     engine = VllmEngine(config)
     fields = [f for f in differing_fields(dict(facts), engine.facts()) if f not in DESCRIPTIVE_FIELDS]
     if fields:

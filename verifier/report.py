@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from detent_audit.enums import ExitCode, Verdict
 from detent_audit.verifier.compare import Divergence
 from detent_audit.verifier.steps import Step, VerificationError
 
-STATUS_OF_EXIT = {1: "FAIL", 2: "BAD", 3: "NOT_COMPARABLE"}
+STATUS_OF_EXIT = {ExitCode.MISMATCH: Verdict.FAIL.value, ExitCode.BAD_INPUT: Verdict.BAD.value,
+                  ExitCode.NOT_COMPARABLE: Verdict.NOT_COMPARABLE.value}
 
 
 @dataclass
@@ -17,7 +19,7 @@ class Outcome:
 
     path: str
     kind: str                      # receipt | manifest | coverage | response
-    status: str                    # OK | FAIL | BAD | NOT_COMPARABLE
+    status: str                    # a Verdict: OK | FAIL | BAD | NOT_COMPARABLE
     message: str = ""
     request_id: str | None = None
     divergence: Divergence | None = None
@@ -65,9 +67,8 @@ class Report:
     coverage: Coverage = field(default_factory=Coverage)
 
     @property
-    def exit_code(self) -> int:
-        statuses = {o.status for o in self.outcomes}
-        return 1 if "FAIL" in statuses else 2 if "BAD" in statuses else 3 if "NOT_COMPARABLE" in statuses else 0
+    def exit_code(self) -> ExitCode:
+        return ExitCode.of({o.status for o in self.outcomes})
 
     def counts(self) -> dict[str, int]:
-        return {s: sum(o.status == s for o in self.outcomes) for s in ("OK", "FAIL", "BAD", "NOT_COMPARABLE")}
+        return {v.value: sum(o.status == v for o in self.outcomes) for v in Verdict}

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from enum import IntEnum
 from typing import ClassVar
 
+from detent_audit.enums import ExitCode
 from detent_audit.errors import DetentError
 from detent_audit.verifier.compare import Divergence
 
@@ -35,19 +36,19 @@ class VerificationError(DetentError):
     """A receipt, manifest or run refuted at one step (`step`), with what an outcome reports of it."""
 
     step: ClassVar[Step]
-    exit_code = 1
+    exit_code = ExitCode.MISMATCH
 
-    def __init__(self, message: str, *, exit_code: int | None = None, remedy: str | None = None,
+    def __init__(self, message: str, *, exit_code: ExitCode | int | None = None, remedy: str | None = None,
                  request_id: str | None = None) -> None:
         super().__init__(message, remedy=remedy)
         if exit_code is not None:
-            self.exit_code = exit_code
+            self.exit_code = ExitCode(exit_code)
         self.request_id = request_id
 
 
 class ReadError(VerificationError):
     step = Step.READ
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 class SignatureError(VerificationError):
@@ -56,7 +57,7 @@ class SignatureError(VerificationError):
 
 class PayloadError(VerificationError):
     step = Step.PAYLOAD
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 class ClaimError(VerificationError):

@@ -25,8 +25,9 @@ DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
 THREADS = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact).")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, CUDA graphs, generated models; a "
                                               "deployment fact).")
-ENGINE = typer.Option("embedded", "--engine", help="embedded | vllm (vLLM's own engine with the detent plugin, "
-                                                   "the [vllm] extra; det mode is its VLLM_BATCH_INVARIANT=1).")
+ENGINE = typer.Option("embedded", "--engine", help="embedded | vllm | sglang (vLLM's or SGLang's own engine with "
+                                                   "the detent plugin; vLLM's det mode is its "
+                                                   "VLLM_BATCH_INVARIANT=1).")
 TUPLE = typer.Option(None, "--tuple", help="Committed tuple file (default: the preferred legal tuple of detent "
                                            "mode).")
 MAX_MODEL_LEN = typer.Option(None, "--max-model-len", help="Context length: prompt plus output tokens (default: "

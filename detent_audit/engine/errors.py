@@ -5,13 +5,14 @@ Both derive from `DetentError`, so the CLI prints them with their remedy and no 
 
 from __future__ import annotations
 
+from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 
 
 class UnsupportedModel(DetentError):
     """The checkpoint is well formed but describes a model or a feature the engine does not run."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
     remedy = (
         "detent-audit's engine runs LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and "
         "Qwen3MoeForCausalLM with SiLU MLPs and full attention; serve other models through the vLLM or "

@@ -39,7 +39,7 @@ def source_hash(package: str) -> str:
     """SHA-256 over the package's .py files (relative path and bytes), sorted."""
     import importlib
 
-    folder = Path(importlib.import_module(package).__file__).parent
+    folder = Path(str(importlib.import_module(package).__file__)).parent
     h = hashlib.sha256()
     for f in sorted(folder.rglob("*.py")):
         h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")

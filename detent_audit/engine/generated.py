@@ -23,7 +23,7 @@ SEED = 0
 
 
 def is_generated(model: str | None) -> bool:
-    return bool(model) and model.startswith(PREFIX)
+    return model is not None and model.startswith(PREFIX)
 
 
 def model_card(model: str) -> Path:

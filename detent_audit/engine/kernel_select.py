@@ -6,6 +6,14 @@
   tuple's pins as constants: the KernelSet's selectors are the compiled selectors, called at every kernel
   launch with the launch's runtime inputs.
 
+On a CPU the GEMM's "pad" and "row" forms are legal only where `kernels.gemm_probe` proves them at start, on
+the model's own GEMM shapes and the engine's thread count: the committed form is probed before the solve
+(a failure refuses to start, naming the tuple and the failing M), and the deployment facts record what the
+probe proved (`engine.gemm_pad_rows`, `engine.gemm_row_form`), so a verifier's facts match only where its
+own probe proved the same form. Without a tuple the engine commits the pad form at the fewest rows the probe
+proves (4 at one thread on the CPU of benchmarks/RESULTS.md), else the 16-row chunk. A tuple written before
+the forms existed names no form: it means the chunk form, as it did.
+
 What a receipt signs of the tuple is what the kernels use (`Selection.used_tuple`): an axis of a family's
 assignment is kept only where another legal value of it changes the params the KernelSet gives its kernels
 over a probe of the deployment's runtime inputs (`used_axes`). An axis no kernel reads (a knob whose result a
@@ -19,15 +27,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from detent_audit import __version__
 from detent_audit.engine.config import ModelConfig
 from detent_audit.errors import BadInput, DetentError
-from detent_audit.kernels import AttentionParams, GemmParams, KernelSet, MoeParams, params_list
+from detent_audit.kernels import (
+    AttentionParams,
+    GemmParams,
+    Kernels,
+    KernelSet,
+    MoeParams,
+    gemm_probe,
+    params_list,
+)
+from detent_audit.kernels.params import BadParams
 from detent_audit.manifests.deployment import Deployment
 from detent_audit.selection.cache import JitCache
 from detent_audit.selection.compiler import SolveResult, solve
@@ -38,7 +55,7 @@ from detent_audit.selection.programs import fa3, families_for
 # (a fixed 16-row GEMM chunk costs little over stock at decode batch sizes; 64-token KV tiles; splits of
 # 4096 tokens). The nearest legal assignment is taken, so a deployment whose legal set differs still works.
 EMBEDDED_PREFERENCES: dict[str, dict[str, Any]] = {
-    "embedded.gemm": {"chunk_rows": 16, "embedded.gemm.chunk_rows": 16},
+    "embedded.gemm": {"chunk_rows": 16, "embedded.gemm.chunk_rows": 16, "embedded.gemm.form": "chunk"},
     "embedded.attention": {"embedded.attention.kv_tile": 64, "embedded.attention.split_stride": 4096,
                            "tiles_per_split": 64},
     "embedded.moe": {"chunk_rows": 16, "embedded.moe.chunk_rows": 16},
@@ -81,9 +98,10 @@ def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, bloc
 class Selection:
     """The solved families, the committed tuple and the KernelSet built from them."""
 
-    kernels: KernelSet
+    kernels: Kernels
     tuple: dict[str, dict[str, Any]]          # family -> axis -> value ({} outside detent mode): what was loaded
     results: dict[str, SolveResult]
+    deployment: Deployment | None = None      # the facts selection was solved for (with the GEMM probe's)
     used_tuple: dict[str, dict[str, Any]] = field(default_factory=dict)  # the axes the kernels read: signed
     kernel_params: dict[str, list[dict]] = field(default_factory=dict)   # kernel family -> params over the probe
 
@@ -107,22 +125,74 @@ def nearest_legal_of(assignments: Any, preferences: Mapping[str, Any], program: 
     return best
 
 
+GEMM_FORM_KNOB = "embedded.gemm.form"
+
+
+def committed_gemm(committed: Mapping[str, Mapping[str, Any]] | None) -> dict[str, Any] | None:
+    """The tuple's embedded.gemm assignment, a tuple from before the forms read as the chunk form (None:
+    the tuple commits none)."""
+    if not committed or "embedded.gemm" not in committed:
+        return None
+    return {GEMM_FORM_KNOB: "chunk", **committed["embedded.gemm"]}
+
+
+def gemm_params_of(assignment: Mapping[str, Any]) -> GemmParams:
+    """The kernel parameters an embedded.gemm assignment launches with (its pin and form)."""
+    try:
+        return GemmParams(assignment["chunk_rows"], assignment.get(GEMM_FORM_KNOB, "chunk"))
+    except KeyError as exc:
+        raise BadInput(f"the tuple's embedded.gemm assignment {dict(assignment)} names no {exc}",
+                       remedy="run `detent-audit solve` for the legal values") from None
+    except BadParams as exc:
+        raise BadInput(f"the tuple's embedded.gemm assignment {dict(assignment)} is not legal: {exc.message}",
+                       remedy=exc.remedy) from None
+
+
+def proven_deployment(deployment: Deployment, gemm: dict[str, Any] | None, shapes: Iterable[tuple[int, int]],
+                      ) -> tuple[Deployment, dict[str, Any] | None]:
+    """Probe the GEMM form the engine is about to commit on `shapes` (N, K) and record what the probe proved
+    in the deployment facts; without a committed assignment, choose the pad form at the fewest proven rows
+    (else keep the preferences' chunk). Raises `GemmFormNotInvariant` where a committed form fails."""
+    import torch
+
+    dtype = getattr(torch, deployment.model.dtype)
+    shapes = tuple(shapes)
+    if gemm is None:
+        rows = gemm_probe.least_pad_rows(shapes, dtype)
+        if not rows:
+            return deployment, None
+        gemm = {"chunk_rows": rows, "embedded.gemm.chunk_rows": rows, GEMM_FORM_KNOB: "pad"}
+    params = gemm_params_of(gemm)
+    gemm_probe.require(params, shapes, dtype, what=f"the tuple's ({params.label})")
+    engine = dataclasses.replace(deployment.engine, gemm_pad_rows=params.chunk_rows if params.form == "pad" else 0,
+                                 gemm_row_form=params.form == "row")
+    return dataclasses.replace(deployment, engine=engine), gemm
+
+
 def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Mapping[str, Any]] | None = None,
-                   cache_dir: str | Path | None = None, device: str = "cpu") -> Selection:
-    """The KernelSet for `mode`; in detent mode the committed tuple (or the preferred legal one)."""
+                   cache_dir: str | Path | None = None, device: str = "cpu",
+                   gemm_shapes: Iterable[tuple[int, int]] | None = None) -> Selection:
+    """The KernelSet for `mode`; in detent mode the committed tuple (or the preferred legal one). On a CPU,
+    `gemm_shapes` (the model's GEMM weights, (N, K)) are what the GEMM form is probed on; the Selection's
+    `deployment` is `deployment` with the probe's facts."""
     if device != "cpu":
         return _gpu_selection(mode, deployment, committed, cache_dir)
     if mode == "stock":
-        return Selection(KernelSet.stock(), {}, {})
+        return Selection(KernelSet.stock(), {}, {}, deployment)
     if mode == "det":
         det = KernelSet.det()
-        return Selection(det, {}, {}, {}, probe_params(det, probe_inputs(deployment)))
+        return Selection(det, {}, {}, deployment, {}, probe_params(det, probe_inputs(deployment)))
     if mode != "detent":
         raise BadInput(f"unknown mode {mode!r}", remedy="choose detent, stock or det")
+    committed = dict(committed or {})
+    gemm = committed_gemm(committed)
+    if gemm_shapes is not None:
+        deployment, gemm = proven_deployment(deployment, gemm, gemm_shapes)
+    if gemm is not None:
+        committed["embedded.gemm"] = gemm
     cache = JitCache(cache_dir)
     results = {spec.name: solve(spec.program, spec.facts(deployment), cache=cache, family=spec.name)
                for spec in families_for(deployment)}
-    committed = dict(committed or {})
     unknown = sorted(set(committed) - set(results))
     if unknown:
         raise BadInput(f"the tuple names families {unknown} this deployment does not run",
@@ -136,7 +206,8 @@ def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Ma
     selectors = {family: results[family].selector(chosen[family]) for family in results}
     probe = probe_inputs(deployment)
     used = used_axes(results, chosen, selectors, probe)
-    return Selection(_kernel_set(selectors), chosen, results, used, probe_params(_kernel_set(selectors), probe))
+    return Selection(_kernel_set(selectors), chosen, results, deployment, used,
+                     probe_params(_kernel_set(selectors), probe))
 
 
 def _complete(result: SolveResult, family: str, given: dict[str, Any]) -> dict[str, Any]:
@@ -239,18 +310,20 @@ def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir:
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     streaming = deployment.engine.attention_backend == "detent-streaming"
     if mode == "stock":
-        return Selection(GpuKernelSet("stock", stock_attention_selector(deployment, sms)), {}, {})  # type: ignore[arg-type]
+        return Selection(GpuKernelSet("stock", stock_attention_selector(deployment, sms)), {}, {}, deployment)
     if mode == "det":
         det = AttentionParams(kv_tile=64, split_stride=0)
-        return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), streaming),  # type: ignore[arg-type]
-                         {}, {})
+        return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), streaming),
+                         {}, {}, deployment)
     # detent's MoE tile follows M as stock's does (kernels.gpu.moe_tile): the tile does not change the bits
     # the GPU kernels read the attention selector alone (GEMM and MoE tiles by shape): only its axes are signed
     cpu = select_kernels("detent", deployment, committed, cache_dir)
     used = {f: a for f, a in cpu.used_tuple.items() if f == "embedded.attention"}
     params = {f: p for f, p in cpu.kernel_params.items() if f == "attention"}
-    return Selection(GpuKernelSet("detent", cpu.kernels.select_attention, None, streaming),  # type: ignore[arg-type]
-                     cpu.tuple, cpu.results, used, params)
+    # detent's compiled selector always returns params (only stock's may return none)
+    select = cast(Callable[..., AttentionParams], cast(KernelSet, cpu.kernels).select_attention)
+    return Selection(GpuKernelSet("detent", select, None, streaming),
+                     cpu.tuple, cpu.results, cpu.deployment, used, params)
 
 
 STOCK_TILE = 64  # stock's Triton attention tile on a GPU: BLOCK_M and the KV tile
@@ -292,17 +365,18 @@ def _kernel_set(selectors: dict[str, Any]) -> KernelSet:
     gemm_fn = selectors["embedded.gemm"].fn
     attn_fn = selectors["embedded.attention"].fn
     moe_fn = selectors["embedded.moe"].fn if "embedded.moe" in selectors else gemm_fn
-    gemm_params: dict[int, GemmParams] = {}
+    gemm_params: dict[tuple[int, str], GemmParams] = {}
     attn_params: dict[tuple[int, int], AttentionParams] = {}
 
-    def gemm_of(chunk_rows: int) -> GemmParams:
-        params = gemm_params.get(chunk_rows)
+    def gemm_of(chunk_rows: int, form: str = "chunk") -> GemmParams:
+        params = gemm_params.get((chunk_rows, form))
         if params is None:
-            params = gemm_params.setdefault(chunk_rows, GemmParams(chunk_rows=chunk_rows))
+            params = gemm_params.setdefault((chunk_rows, form), GemmParams(chunk_rows, form))
         return params
 
     def select_gemm(num_tokens: int) -> GemmParams:
-        return gemm_of(gemm_fn(num_tokens).chunk_rows)
+        choice = gemm_fn(num_tokens)
+        return gemm_of(choice.chunk_rows, choice.form)
 
     def select_attention(num_seqs: int, max_seqlen_q: int, max_seqlen_k: int) -> AttentionParams:
         choice = attn_fn(num_seqs, max_seqlen_k, max_seqlen_k)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from detent_audit import engine_api
 from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.engine.generated import generate_model, is_generated
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
@@ -29,6 +30,7 @@ from detent_audit.engine.sequence import Sequence
 from detent_audit.engine.stop_strings import output_text
 from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import EMBEDDED, Rescored
+from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
 
 
@@ -55,7 +57,7 @@ class EngineConfig:
     cache_dir: str | None = None        # JIT cache directory
 
     def __post_init__(self) -> None:
-        if self.mode not in ("detent", "stock", "det"):
+        if self.mode not in {m.value for m in Mode}:
             raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
         if self.dtype not in RUN_DTYPES:
             raise BadInput(f"dtype must be one of {sorted(RUN_DTYPES)}, got {self.dtype!r}")
@@ -119,8 +121,10 @@ class LLM:
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
             attention_backend="detent-streaming" if config.attention_streaming else "detent",
             batch_invariant=config.mode != "stock")
-        self.selection: Selection = select_kernels(config.mode, self.deployment, config.tuple, config.cache_dir,
-                                                   device=config.device)
+        self.selection: Selection = select_kernels(
+            config.mode, self.deployment, config.tuple, config.cache_dir, device=config.device,
+            gemm_shapes=self.model.gemm_shapes() if config.device == "cpu" else None)
+        self.deployment = self.selection.deployment or self.deployment  # with the GEMM probe's facts
         # a verifier sizes the pool for its longest receipt: never past what this model's own context holds
         num_kv_blocks = max(config.num_kv_blocks, -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2)
         usable_blocks = num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)
@@ -267,25 +271,13 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     def run(self, seqs: list[Sequence]) -> None:
-        pending = {s.seq_id for s in seqs}
-        while pending:
-            if not self.has_unfinished():
-                raise RuntimeError("the scheduler stopped with requests unfinished")
-            for seq in self.step():
-                pending.discard(seq.seq_id)
+        engine_api.run_to_completion(self, seqs)
 
     # ---- offline API
     def generate(self, prompts: Iterable[str | SequenceOf[int]],
                  params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, submitted together in order; outputs in the same order."""
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams(temperature=0.0)] * len(prompts)
-        if len(params) != len(prompts):
-            raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        self.run(seqs)
-        return [self.output_of(s) for s in seqs]
+        return engine_api.generate(self, prompts, params, default=SamplingParams(temperature=0.0))
 
     def rescore(self, prompt_ids: SequenceOf[int], output_ids: SequenceOf[int]) -> list[float]:
         """Teacher-forced logprobs of `output_ids` after `prompt_ids`, in one prefill (fp32 values)."""

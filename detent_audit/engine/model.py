@@ -24,7 +24,7 @@ from detent_audit.engine.errors import BadCheckpoint
 from detent_audit.kernels.rowlocal import RopeCache
 
 if TYPE_CHECKING:
-    from detent_audit.kernels import KernelSet
+    from detent_audit.kernels import Kernels
     from detent_audit.kernels.attention import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -81,7 +81,7 @@ class Linear(Weights):
             offset += rows
         raise KeyError(f"{source}: no part {shard!r} in {list(self.parts)}")
 
-    def forward(self, x: torch.Tensor, ks: KernelSet) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ks: Kernels) -> torch.Tensor:
         return ks.linear(x, self.weight, self.bias)  # [M, in] -> [M, out]
 
 
@@ -91,7 +91,7 @@ class RMSNorm(Weights):
         self.eps = eps
         self.weight = _param(dim, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, ks: KernelSet) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ks: Kernels) -> torch.Tensor:
         # x: [..., dim]; flattened to rows so the kernel sees a 2-D input
         return ks.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
@@ -118,7 +118,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
-                rope: RopeCache, ks: KernelSet) -> torch.Tensor:
+                rope: RopeCache, ks: Kernels) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x, ks)  # [T, (Hq + 2 Hkv) D]
         q_norm = self.q_norm.weight if self.q_norm is not None else None
@@ -139,7 +139,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, {"gate": intermediate, "up": intermediate}, False, dtype, device)
         self.down_proj = Linear(intermediate, {None: hidden}, False, dtype, device)
 
-    def forward(self, x: torch.Tensor, ks: KernelSet) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ks: Kernels) -> torch.Tensor:
         return self.down_proj(ks.silu_and_mul(self.gate_up_proj(x, ks)), ks)  # [T,H] -> [T,2I] -> [T,I] -> [T,H]
 
 
@@ -177,7 +177,7 @@ class SparseMoE(nn.Module):
         self.gate = Linear(c.hidden_size, {None: c.num_experts}, False, dtype, device)  # the router
         self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype, device)
 
-    def forward(self, x: torch.Tensor, ks: KernelSet) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ks: Kernels) -> torch.Tensor:
         router_logits = self.gate(x, ks)  # [T, E]
         return ks.moe(x, router_logits, self.experts.w13, self.experts.w2, self.top_k, self.renormalize)
 
@@ -192,7 +192,7 @@ class DecoderLayer(nn.Module):
                                      else MLP(c.hidden_size, c.intermediate_size, dtype, device))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KVCache, rope: RopeCache, ks: KernelSet
+                meta: AttentionMetadata, kv_cache: KVCache, rope: RopeCache, ks: Kernels
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it is added). The hidden state
         is residual + x, added by the next norm (one launch on a GPU); the first layer gets residual None."""
@@ -230,7 +230,7 @@ class CausalLM(nn.Module):
         self.rope = RopeCache(cos=table.cos.to(device or "cpu"), sin=table.sin.to(device or "cpu"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache], ks: KernelSet) -> torch.Tensor:
+                kv_caches: list[KVCache], ks: Kernels) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, H]; writes the tokens' K/V in place."""
         if self.rope is None:
             raise RuntimeError("CausalLM.build_rope(device) was not called after loading")
@@ -241,7 +241,13 @@ class CausalLM(nn.Module):
             return self.norm(x, ks)
         return ks.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
-    def compute_logits(self, hidden: torch.Tensor, ks: KernelSet) -> torch.Tensor:
+    def gemm_shapes(self) -> list[tuple[int, int]]:
+        """(N, K) of every weight the gemm family multiplies: the projections and the LM head."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        shapes = {tuple(m.weight.shape) for m in self.modules() if isinstance(m, Linear)}
+        return sorted(shapes | {tuple(weight.shape)})
+
+    def compute_logits(self, hidden: torch.Tensor, ks: Kernels) -> torch.Tensor:
         """hidden: [n, H] -> fp32 logits [n, V] (LM head tied to the embedding when the config says so)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ks.linear(hidden, weight).float()

@@ -15,7 +15,7 @@ import torch
 from detent_audit.engine.model import CausalLM
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import SchedulerOutput
-from detent_audit.kernels import AttentionMetadata, KernelSet
+from detent_audit.kernels import AttentionMetadata, Kernels
 from detent_audit.kernels import sampling as sampling_ops
 
 
@@ -62,7 +62,7 @@ class SeqResult:
 class ModelRunner:
     """Owns the paged KV cache of every layer. `execute` runs one scheduled step."""
 
-    def __init__(self, model: CausalLM, kernels: KernelSet, num_blocks: int, block_size: int,
+    def __init__(self, model: CausalLM, kernels: Kernels, num_blocks: int, block_size: int,
                  device: str = "cpu", graphs: object | None = None) -> None:
         c = model.config
         self.model, self.kernels, self.block_size, self.device = model, kernels, block_size, device

@@ -9,8 +9,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from detent_audit.engine.llm import LLM
 from detent_audit.engine.tune_record import record_profile
@@ -23,7 +26,25 @@ from detent_audit.engine.tune_search import (
     launch_classes,
 )
 from detent_audit.errors import BadInput
+from detent_audit.selection.compiler import SolveResult
 from detent_audit.selection.tuner import TuneResult, search
+
+
+def _gemm_with_every_proven_form(llm: LLM) -> SolveResult:
+    """The embedded.gemm family solved for the engine's deployment with every GEMM form the probe proves on
+    this CPU, thread count and model (kernels/gemm_probe.py): the tuner's candidates. The committed form is
+    probed again when an engine starts with the tuple."""
+    from detent_audit.kernels import gemm_probe
+    from detent_audit.selection.compiler import solve
+    from detent_audit.selection.programs import families_for
+
+    shapes, dtype = llm.model.gemm_shapes(), getattr(torch, llm.config.dtype)
+    dep = llm.deployment
+    engine = dataclasses.replace(dep.engine, gemm_pad_rows=gemm_probe.least_pad_rows(shapes, dtype),
+                                 gemm_row_form=gemm_probe.row_form_holds(shapes, dtype))
+    dep = dataclasses.replace(dep, engine=engine)
+    spec = next(s for s in families_for(dep) if s.name == "embedded.gemm")
+    return solve(spec.program, spec.facts(dep), family=spec.name)
 
 
 @dataclass(frozen=True)
@@ -52,9 +73,12 @@ def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_frac
     shape = graph_shape(llm)
     oracle = Oracle(seed, device, getattr(llm.selection.kernels, "streaming", False), shape, cold_kv)
     committed = dict(llm.selection.tuple)
+    results = dict(llm.selection.results)
+    if device == "cpu" and "embedded.gemm" in calls:  # the forms this CPU proves, whatever the engine runs now
+        results["embedded.gemm"] = _gemm_with_every_proven_form(llm)
     reports = []
     for family, counter in sorted(calls.items()):
-        grid, reps = family_grid(llm.selection.results[family], committed[family], device)
+        grid, reps = family_grid(results[family], committed[family], device)
         workload = heaviest(family, counter)
         searched, fraction = grid, budget_fraction
         if device != "cpu" and family == "embedded.attention":

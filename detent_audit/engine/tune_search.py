@@ -50,7 +50,7 @@ def _effective(family: str, a: dict, device: str = "cpu") -> Hashable | None:
     does not list them (a split stride off the grid is legal for SelIR but not a tuning candidate)."""
     try:
         if family in ("embedded.gemm", "embedded.moe"):
-            params = GemmParams(chunk_rows=a["chunk_rows"])
+            params = GemmParams(a["chunk_rows"], a.get("embedded.gemm.form", "chunk"))
             return GPU_SAME_KERNEL if device != "cpu" else params
         if family == "embedded.attention":
             tile = a["embedded.attention.kv_tile"]
@@ -81,7 +81,10 @@ def family_grid(result: SolveResult, current: dict, device: str = "cpu") -> tupl
     reps: dict[Hashable, dict] = {}
     for a in result.legal_assignments():
         eff = _effective(result.family, a, device)
-        if eff is not None and eff not in reps:
+        # prefer the assignment whose knob says what its pin does (a pad tuple's knob is what the engine's
+        # probe then proves: pin and knob must agree for the tuple to stay legal there)
+        if eff is not None and (eff not in reps or (_knob_matches_pin(result.family, a)
+                                                    and not _knob_matches_pin(result.family, reps[eff]))):
             reps[eff] = a
     cur = _effective(result.family, current, device)
     if cur is None or cur not in reps:
@@ -94,11 +97,15 @@ def family_grid(result: SolveResult, current: dict, device: str = "cpu") -> tupl
     return grid, by_row
 
 
+def _knob_matches_pin(family: str, a: dict) -> bool:
+    return a.get(f"{family}.chunk_rows") == a.get("chunk_rows")
+
+
 def _row(family: str, eff: Any) -> dict:
     if eff == GPU_SAME_KERNEL:
         return {"tile": eff}
     if isinstance(eff, GemmParams):
-        return {"chunk_rows": eff.chunk_rows}
+        return {"chunk_rows": eff.chunk_rows, "form": eff.form}
     return {"kv_tile": eff.kv_tile, "split_stride": eff.split_stride}
 
 
@@ -143,7 +150,7 @@ class Oracle:
             m, n, k, dtype = call
             x = torch.randn(m, k, generator=g).to(getattr(torch, dtype.split(".")[-1]))
             w = torch.randn(n, k, generator=g).to(x.dtype)
-            p = GemmParams(chunk_rows=a["chunk_rows"])
+            p = GemmParams(a["chunk_rows"], a["form"])
             return lambda: gemm_ops.linear(x, w, params=p)
         if family == "embedded.moe":
             m, e, h, i, top_k, renorm, dtype = call

@@ -35,6 +35,7 @@ from detent_audit.atomic import write_atomically
 from detent_audit.engine.llm import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine_api import Engine
+from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.manifests.dsse import Envelope, read_envelope_bytes
 from detent_audit.manifests.encoding import facts_hash, tuple_hash
@@ -60,7 +61,7 @@ RECEIPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a plain file nam
 class StorageFailed(DetentError):
     """A receipt or manifest could not be written (a full disk, an I/O error): the response must not leave."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
     remedy = "free space on (or repair) the --manifest-out file system; the server answers 507 until then"
 
 

@@ -3,8 +3,11 @@
 These describe what the embedded engine chooses for its own kernels (`kernels/`), written the way a stock
 engine would choose them, so the solver finds what to pin:
 
-- GEMM: a row chunk per matmul call. Stock: one call over the whole batch (chunk = M), so a row's bits may
-  depend on M; a pinned chunk makes every call the same shape (the last chunk padded).
+- GEMM: a form and a row count per matmul call. Stock: one call over the whole batch (chunk = M), so a row's
+  bits may depend on M; a pinned chunk makes every call the same shape (the last chunk padded). Two forms
+  are legal only where the deployment's facts say a probe proved them on the running CPU (`gemm_pad_rows`,
+  `gemm_row_form`): "pad" (one product over the batch, padded to at least the pinned rows) and "row" (each
+  row its own product).
 - Attention: a KV tile and a split of each sequence's KV. Stock: split the KV into as many pieces as keep
   the cores busy given the batch (a count, as FA3's heuristic does), so split boundaries move with the batch;
   the `split_stride` knob cuts at fixed multiples instead.
@@ -29,11 +32,14 @@ class EmbeddedFacts:
     max_model_len: int
     num_kv_heads: int    # per device
     max_splits: int
+    gemm_pad_rows: int   # the pad form's proven least rows (0: not proven)
+    gemm_row_form: bool  # the row form proven
 
 
 @record
 class EmbeddedGemmChoice:
-    chunk_rows: int      # rows per matmul call
+    form: str            # chunk | pad | row
+    chunk_rows: int      # rows per matmul call (pad: at least; row: 1)
 
 
 @record
@@ -54,15 +60,30 @@ def facts(dep: Deployment) -> EmbeddedFacts:
     e = dep.engine
     return EmbeddedFacts(num_cores=dep.gpu.num_sms, max_num_batched_tokens=e.max_num_batched_tokens,
                          max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len,
-                         num_kv_heads=dep.num_kv_heads_per_rank, max_splits=MAX_SPLITS)
+                         num_kv_heads=dep.num_kv_heads_per_rank, max_splits=MAX_SPLITS,
+                         gemm_pad_rows=e.gemm_pad_rows, gemm_row_form=e.gemm_row_form)
 
 
 @program(family="embedded.gemm")
 def embedded_gemm(d: EmbeddedFacts, num_tokens: Runtime[int]) -> EmbeddedGemmChoice:
     assume(1 <= num_tokens <= d.max_num_batched_tokens, "a step holds at most max_num_batched_tokens tokens")
-    chunk = knob("embedded.gemm.chunk_rows", (0, 1, 2, 4, 8, 16, 32, 64), 0)
-    chunk_rows = num_tokens if chunk == 0 else chunk     # stock: the whole batch in one call
-    return EmbeddedGemmChoice(chunk_rows=chunk_rows)
+    form = knob("embedded.gemm.form", ("chunk", "pad", "row"), "chunk")
+    chunk = knob("embedded.gemm.chunk_rows", (0, 1, 2, 4, 8, 12, 16, 32, 64), 0)
+    if form == "pad":
+        require(d.gemm_pad_rows > 0, "the pad form only where a probe proved it on this CPU")
+        require(chunk >= d.gemm_pad_rows, "pad to at least the rows the probe proved")
+        chunk_rows = chunk
+    elif form == "row":
+        require(d.gemm_row_form, "the row form only where a probe proved it on this CPU")
+        require(chunk == 1, "the row form: one row per product")
+        chunk_rows = 1
+    else:
+        require(chunk != 12, "a chunk of 12 rows is a pad size only")
+        chunk_rows = num_tokens if chunk == 0 else chunk     # stock: the whole batch in one call
+    # what the kernel runs with (a pin fixes chunk_rows itself): the pad form's rows as proven, the row form's 1
+    require(form != "pad" or chunk_rows >= d.gemm_pad_rows, "the pad form pads to at least the proven rows")
+    require(form != "row" or chunk_rows == 1, "the row form: one row per product")
+    return EmbeddedGemmChoice(form=form, chunk_rows=chunk_rows)
 
 
 @program(family="embedded.attention")

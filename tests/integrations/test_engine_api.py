@@ -68,7 +68,7 @@ def _with_engine(served: dict, name: str, version: str = "9.9.9"):
     return r, facts
 
 
-@pytest.mark.parametrize("name", ["sglang", "", "vllm"])
+@pytest.mark.parametrize("name", ["tgi", "", "vllm"])  # SGLang is known: its receipts are rebuilt
 def test_verify_refuses_an_engine_it_cannot_rebuild(served, monkeypatch, tmp_path, name: str) -> None:
     import detent_audit.integrations.vllm as vllm_pkg
     from detent_audit.manifests.encoding import facts_hash
@@ -93,3 +93,51 @@ def test_embedded_engine_version_differs_is_not_comparable(served, llm: LLM) -> 
     with pytest.raises(NotComparable) as err:
         reconstruct(facts, r.tuple_values, llm.config.model, llm.config.cache_dir)
     assert err.value.fields == ["engine.version"]
+
+
+class _Stalling:
+    """An engine whose scheduler gives up with a request still live (the shared loop must say so, not spin)."""
+
+    name = "stalling"
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def add_request(self, prompt, params, request_id=None):
+        return dataclasses.make_dataclass("H", ["seq_id", "request_id"])(0, "r")
+
+    def has_unfinished(self) -> bool:
+        return self.steps < 3
+
+    def step(self) -> list:
+        self.steps += 1
+        return []
+
+
+def test_run_and_generate_are_one_implementation_over_the_boundary(llm: LLM) -> None:
+    """Both engines' run/generate are the boundary's functions: the embedded engine's outputs through
+    engine_api.generate equal LLM.generate's, a parameter count mismatch is BadInput, a stalled engine raises."""
+    from detent_audit import engine_api
+    from detent_audit.errors import BadInput
+
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    params = [SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(temperature=0.8, seed=3, max_tokens=4)]
+    direct = llm.generate(prompts, params)
+    shared = engine_api.generate(llm, prompts, params, default=SamplingParams(temperature=0.0))
+    for a, b in zip(direct, shared, strict=True):
+        assert a.token_ids == b.token_ids and torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+    one = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
+    assert one[0].token_ids == direct[0].token_ids and len(one) == 2
+    with pytest.raises(BadInput, match="2 prompts but 1"):
+        llm.generate(prompts, params[:1])
+    with pytest.raises(RuntimeError, match="stalling engine stopped"):
+        engine_api.generate(_Stalling(), [[1]], None, default=None)
+    import inspect
+
+    from detent_audit.engine import llm as llm_module
+    for module in (llm_module,):
+        source = inspect.getsource(module)
+        assert "pending.discard" not in source and "engine_api.generate(" in source
+    vllm_engine = pytest.importorskip("detent_audit.integrations.vllm.engine", exc_type=ImportError)
+    source = inspect.getsource(vllm_engine)
+    assert "pending.discard" not in source and "engine_api.run_to_completion(" in source

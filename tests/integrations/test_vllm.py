@@ -65,6 +65,9 @@ def test_the_engine_implements_the_boundary(engine) -> None:
     assert facts["engine"]["name"] == "vllm" and facts["engine"]["version"] == vllm.__version__
     assert facts["engine"]["plugin"]["name"] == "detent-audit"
     assert facts["scheduler"]["cascade_attention"] is False and facts["runtime"]["num_threads"] == 1
+    assert facts["engine"]["plugin"]["attention"] in ("c-fixed-order-v1", "torch-tiled")
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=1))
+    assert torch.get_num_threads() == 1  # the count the facts record (vLLM replaces torch.set_num_threads)
     assert engine.tuple_values()["mode"] == {"name": "detent"}
 
 
@@ -153,7 +156,7 @@ def _verify(served: dict, *paths: Path, extra: tuple[str, ...] = ()) -> tuple[in
 def test_served_receipts_verify_in_vllm(served) -> None:
     for mode in ("rescore", "replay"):
         code, report = _verify(served, served["out"], extra=("--mode", mode))
-        assert code == 0, report
+        assert code == 0, report["outcomes"][:2]
         assert report["counts"] == {"OK": 34, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}  # 32 receipts, 2 manifests
 
 
@@ -210,3 +213,64 @@ def test_another_vllm_version_or_thread_count_is_not_comparable(served, tmp_path
     assert outcome["status"] == "NOT_COMPARABLE" and expected & set(outcome["fields"]), outcome
     code, report = _verify(served, served["out"] / "receipts" / "r1.receipt", extra=("--threads", "2"))
     assert code == 3 and report["outcomes"][0]["fields"] == ["runtime.num_threads"]
+
+
+def test_http_serve_then_verify_in_vllm(engine, checkpoint, tmp_path) -> None:
+    """The HTTP path on vLLM: the OpenAI-compatible server over the module's vLLM engine, 12 concurrent
+    completions and chats (greedy and seeded, prompts of 3-300 tokens), each answered with a receipt; echo is
+    refused with 400; after shutdown every receipt and the run manifest verify in vLLM, by rescore and replay."""
+    import socket
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import uvicorn
+
+    from detent_audit.server.app import create_app
+    from detent_audit.server.async_engine import AsyncEngine
+    from detent_audit.server.node import ServingNode
+
+    key = generate_key(tmp_path / "node.key")
+    engine.reset()
+    node = ServingNode(engine, load_private_key(key.private_path), tmp_path / "out")
+    async_engine = AsyncEngine(engine)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(async_engine, node, "tiny"), log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    rng = random.Random(8)
+
+    def body(i: int) -> tuple[str, dict]:
+        common = {"model": "tiny", "max_tokens": 5, "temperature": [0.0, 0.8][i % 2], "seed": 40 + i,
+                  "ignore_eos": True}
+        if i % 3 == 2:
+            return "/v1/chat/completions", common | {"messages": [{"role": "user", "content": f"question {i}?"}]}
+        return "/v1/completions", common | {"prompt": _prompt(rng, rng.choice((3, 40, 300)))}
+
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.01)
+        bodies = [body(i) for i in range(12)]
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda rb: httpx.post(url + rb[0], json=rb[1], timeout=300), bodies))
+        assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers if a.status_code != 200]
+        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True,
+                                                            "max_tokens": 2}, timeout=60)
+        assert refused.status_code == 400 and "echo" in refused.text
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+        async_engine.shutdown(drain=False)
+        engine.reset(drop_unfinished=True)
+    receipts = sorted((tmp_path / "out" / "receipts").glob("*.receipt"))
+    assert {p.stem for p in receipts} == {a.json()["receipt_id"] for a in answers}
+    for mode in ("rescore", "replay"):
+        code, report = _verify({"key": key, "ckpt": checkpoint}, tmp_path / "out", extra=("--mode", mode))
+        assert code == 0 and report["counts"] == {"OK": 13, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}, report

@@ -10,7 +10,9 @@ from detent_audit.kernels.params import (
     ATTENTION_KV_TILE_SPACE,
     ATTENTION_SPLIT_STRIDE_SPACE,
     GEMM_CHUNK_ROWS_SPACE,
+    GEMM_FORMS,
     GEMM_GRID,
+    GEMM_PAD_ROWS_SPACE,
     MOE_GRID,
     AttentionParams,
     BadParams,
@@ -23,7 +25,9 @@ def test_spaces_are_the_documented_ranges():
     assert GEMM_CHUNK_ROWS_SPACE == tuple(2**i for i in range(9))
     assert ATTENTION_KV_TILE_SPACE == (16, 32, 64, 128, 256, 512)
     assert ATTENTION_SPLIT_STRIDE_SPACE[0] == 0
-    assert len(GEMM_GRID) == 9 and len(MOE_GRID) == 9
+    assert GEMM_FORMS == ("chunk", "pad", "row")
+    assert len(GEMM_GRID) == 9 + len(GEMM_PAD_ROWS_SPACE) + 1 and len(MOE_GRID) == 9
+    assert {g.gemm.form for g in MOE_GRID} == {"chunk"}  # the expert GEMMs keep the chunk form
     assert len(ATTENTION_GRID) == len(ATTENTION_KV_TILE_SPACE) * len(ATTENTION_SPLIT_STRIDE_SPACE)
 
 
@@ -32,6 +36,20 @@ def test_bad_chunk_rows(chunk_rows):
     with pytest.raises(BadParams) as err:
         GemmParams(chunk_rows)
     assert isinstance(err.value, DetentError) and err.value.remedy
+
+
+@pytest.mark.parametrize("chunk_rows, form", [(3, "pad"), (0, "pad"), (256, "pad"), (2, "row"), (4, "Pad"),
+                                             (4, None), (4, "")])
+def test_bad_gemm_forms(chunk_rows, form):
+    with pytest.raises(BadParams) as err:
+        GemmParams(chunk_rows, form)
+    assert err.value.remedy
+
+
+def test_gemm_form_labels():
+    assert [GemmParams(16).label, GemmParams(4, "pad").label, GemmParams(1, "row").label] == \
+        ["chunk:16", "pad:4", "row"]
+    assert GemmParams(12, "pad").chunk_rows == 12  # a pad size that is no chunk size
 
 
 @pytest.mark.parametrize(

@@ -310,7 +310,10 @@ def test_10_claims_the_bits_cannot_confirm_are_refused_against_the_published_dep
     for name, path in forgeries.items():
         code, report = _verify(node_run, path)
         o = _receipt_outcome(report)
-        assert (code == 0 and report["facts_self_asserted"] is True) or (code == 1 and "bits" in o["message"]), \
+        # passes as self-asserted, or the bits refute it, or (the GEMM's pad form) the fact its probe proved
+        # for the signed rows differs
+        assert ((code == 0 and report["facts_self_asserted"] is True) or (code == 1 and "bits" in o["message"])
+                or (code == 3 and o["fields"] and all(f.startswith("deployment.engine.gemm_") for f in o["fields"]))), \
             (name, o)
         code, report = _verify(node_run, path, extra=published)
         o = _receipt_outcome(report)

@@ -154,7 +154,24 @@ def test_other_tuple_is_not_comparable(served, tmp_path) -> None:
                            extra=("--tuple", str(tmp_path / "other.tuple")))
     assert code == 3
     # the knob a pinned chunk overrides is not signed; the params the kernels get are
-    assert set(report["outcomes"][0]["fields"]) == {"tuple.embedded.gemm.chunk_rows", "kernel_params.gemm"}
+    fields = {"tuple.embedded.gemm.chunk_rows", "kernel_params.gemm"}
+    if r.tuple_values["embedded.gemm"].get("embedded.gemm.form") == "pad":  # what the probe proved differs too
+        fields.add("deployment.engine.gemm_pad_rows")
+    assert set(report["outcomes"][0]["fields"]) == fields
+
+
+def test_another_gemm_form_is_not_comparable(served, tmp_path) -> None:
+    """The same rows in another form (pad against chunk) is another tuple: verify names the form."""
+    r = _receipt(served, "r1")
+    values = {k: dict(v) for k, v in r.tuple_values.items() if k != "mode"}
+    form = values["embedded.gemm"].get("embedded.gemm.form", "chunk")
+    values["embedded.gemm"] = {**values["embedded.gemm"], "chunk_rows": 4, "embedded.gemm.chunk_rows": 4,
+                               "embedded.gemm.form": "chunk" if form == "pad" else "pad"}
+    save_tuple(values, tmp_path / "other-form.tuple")
+    code, report = _verify(served, served["out"] / "receipts" / "r1.receipt",
+                           extra=("--tuple", str(tmp_path / "other-form.tuple")))
+    assert code == 3
+    assert "tuple.embedded.gemm.embedded.gemm.form" in report["outcomes"][0]["fields"]
 
 
 def test_untrusted_key_and_garbage_are_refused(served, tmp_path) -> None:

@@ -10,6 +10,8 @@ query count past ~256 context tokens at 1 thread.
 KV layout: vLLM hands each layer one contiguous tensor `[num_blocks, Hkv, block_size, 2*D]`; only this impl
 reads or writes it, so it is taken as `[2, num_blocks, block_size, Hkv, D]` (K then V), the layout of
 `kernels.attention_metadata`. Block ids and slots are vLLM's.
+The attention itself is the C form (`kernels/attention_c.py`: every operation's order written out, compiled
+here) unless the engine asked for the torch form (`kernels/attention.py`); the facts name which.
 Supported: decoder self-attention, no ALiBi, sliding window, soft cap, sinks or fp8 KV (refused otherwise).
 """
 
@@ -48,6 +50,12 @@ class DetentCPUAttentionImpl(CPUAttentionBackendImpl):
         if unsupported:
             raise NotImplementedError(f"the detent CPU attention does not support {', '.join(unsupported)}")
         self.kernels = plugin.kernel_set()
+        self.c_attention = None
+        if plugin.attention_choice() == "c":
+            from detent_audit.kernels import attention_c
+
+            attention_c.library()  # built (or refused, with the compiler's message) before the first step
+            self.c_attention = attention_c.paged_attention
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if not self.detent:
@@ -76,7 +84,12 @@ class DetentCPUAttentionImpl(CPUAttentionBackendImpl):
             max_seqlen_q=attn_metadata.max_query_len, max_seqlen_k=attn_metadata.max_seq_len)
         k_cache, v_cache = kv_views(kv_cache)
         q = query[:n].reshape(n, self.num_heads, self.head_size)
-        out = self.kernels.attention(q, k_cache, v_cache, meta, scale=self.scale)
+        if self.c_attention is None:
+            out = self.kernels.attention(q, k_cache, v_cache, meta, scale=self.scale)
+        else:
+            params = self.kernels.select_attention(num_seqs=meta.num_seqs, max_seqlen_q=meta.max_seqlen_q,
+                                                   max_seqlen_k=meta.max_seqlen_k)
+            out = self.c_attention(q, k_cache, v_cache, meta, scale=self.scale, params=params)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
 

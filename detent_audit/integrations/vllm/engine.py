@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from detent_audit import __version__
+from detent_audit import __version__, engine_api
 from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.facts import checkpoint_hashes, source_hash
 from detent_audit.engine.kernel_select import engine_deployment, select_kernels
@@ -33,6 +33,7 @@ from detent_audit.engine.llm import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import Rescored
+from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.integrations.vllm import plugin
 
@@ -41,10 +42,58 @@ _SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrati
             "selection_programs": "detent_audit.selection.programs"}
 
 
+def _set_threads(n: int) -> None:
+    """torch's intra-op thread count of the calling thread, through `torch._C.set_num_threads` (vLLM's CPU worker
+    replaces `torch.set_num_threads` with a function that only logs)."""
+    torch._C.set_num_threads(n)
+    if torch.get_num_threads() != n:
+        raise RuntimeError(f"torch runs {torch.get_num_threads()} threads after asking for {n}")
+
+
+def _attention_forms() -> dict[str, str]:
+    from detent_audit.kernels import attention_c
+
+    return {"c": attention_c.IMPLEMENTATION, "torch": "torch-tiled"}
+
+
+ATTENTION_FORMS = _attention_forms()  # the attention form -> what the facts record
+
+
+def attention_of_facts(recorded: str | None) -> str:
+    """The form a receipt's `engine.plugin.attention` names (receipts from before the C form ran the torch one)."""
+    for form, name in ATTENTION_FORMS.items():
+        if recorded == name:
+            return form
+    if recorded is None:
+        return "torch"
+    raise BadInput(f"the receipt's attention {recorded!r} is not one this detent-audit runs "
+                   f"({', '.join(ATTENTION_FORMS.values())})")
+
+
+def _attention_form(asked: str) -> str:
+    """`auto`: the C form where this machine builds it, else the torch form (said on stderr); `c` where it does
+    not build raises with the compiler's message."""
+    if asked == "torch":
+        return asked
+    from detent_audit.kernels import attention_c
+
+    try:
+        attention_c.library()
+    except attention_c.Unavailable as exc:
+        if asked == "c":
+            raise
+        import sys
+
+        print(f"detent-audit: the C attention does not build here ({exc}); running the torch form, whose bits "
+              "differ (the facts say which)", file=sys.stderr)
+        return "torch"
+    return "c"
+
+
 class VllmUnavailable(DetentError):
     """vLLM cannot run here in the mode asked for."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 @dataclass(frozen=True)
@@ -64,10 +113,13 @@ class VllmConfig:
     tuple: dict | None = None
     cache_dir: str | None = None
     gemm: str = "onednn"               # detent: onednn (measured row-invariant) | chunked (the tuple's GEMM)
+    attention: str = "auto"            # detent: c (kernels/attention_c.py) | torch | auto (c where it builds)
 
     def __post_init__(self) -> None:
         if self.gemm not in plugin.GEMMS:
             raise BadInput(f"gemm must be one of {', '.join(plugin.GEMMS)}, got {self.gemm!r}")
+        if self.attention not in (*plugin.ATTENTIONS, "auto"):
+            raise BadInput(f"attention must be one of {', '.join(plugin.ATTENTIONS)} or auto, got {self.attention!r}")
         if self.mode not in ("detent", "stock", "det"):
             raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
         if self.dtype != "float32":
@@ -151,12 +203,17 @@ class VllmEngine:
             batch_invariant=config.mode == "detent")
         self.selection = (select_kernels("detent", self.deployment, config.tuple, config.cache_dir)
                           if config.mode == "detent" else None)
+        self.attention = _attention_form(config.attention) if config.mode == "detent" else None
         self._environment()
+        # before the build too: vLLM's oneDNN GEMM primitives are made at load time for the thread count then
+        # (made at one count and run at another, their bits differ from an engine made at the run's count)
+        _set_threads(config.num_threads)
         self.llm = self._build()
         self.engine = self.llm.llm_engine
-        # vLLM's CPU worker (in this process) sets torch's threads from its own rule ("reducing torch threads
-        # from 2 to 1 for serving"): the count the facts record is the one that runs
-        torch.set_num_threads(config.num_threads)
+        # vLLM's CPU worker (in this process) leaves torch at its import-time count (the machine's cores) when
+        # OMP_NUM_THREADS is set, then replaces `torch.set_num_threads` by a no-op: the count the facts record
+        # is set through torch's own function, which it does not replace
+        _set_threads(config.num_threads)
         self._ids = itertools.count()
         self._live: dict[str, VllmRequest] = {}
 
@@ -170,6 +227,7 @@ class VllmEngine:
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if cfg.mode == "det" else "0"
         os.environ[plugin.ENV_MODE] = cfg.mode
         os.environ[plugin.ENV_GEMM] = cfg.gemm
+        os.environ[plugin.ENV_ATTENTION] = self.attention or "c"
         if self.selection is not None:
             os.environ[plugin.ENV_DEPLOYMENT] = json.dumps(self.deployment.to_canonical(), sort_keys=True)
             os.environ[plugin.ENV_TUPLE] = json.dumps(self.selection.tuple, sort_keys=True)
@@ -228,6 +286,7 @@ class VllmEngine:
 
         cfg = self.config
         plugin_facts = ({"name": "detent-audit", "version": __version__, "gemm": cfg.gemm,
+                         "attention": ATTENTION_FORMS[self.attention or "c"],
                          "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
                         if cfg.mode == "detent" else None)
         return {
@@ -249,7 +308,10 @@ class VllmEngine:
         return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
 
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
-                    *, prompt_logprobs: int | None = None) -> VllmRequest:
+                    *, prompt_logprobs: int | None = None, score_prompt: bool = False) -> VllmRequest:
+        if score_prompt:
+            raise BadInput("echo (the prompt's logprobs with the answer) is not served on the vLLM engine",
+                           remedy="drop echo, or serve with the embedded engine")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise BadInput("the prompt is empty", remedy="pass at least one prompt token")
@@ -267,7 +329,7 @@ class VllmEngine:
 
     def step(self) -> list[VllmRequest]:
         if torch.get_num_threads() != self.config.num_threads:  # a caller's thread (the HTTP server's) differs
-            torch.set_num_threads(self.config.num_threads)
+            _set_threads(self.config.num_threads)
         finished = []
         for out in self.engine.step():
             seq = self._live.get(out.request_id)
@@ -332,23 +394,11 @@ class VllmEngine:
             raise RuntimeError("vLLM did not reset its prefix cache")
 
     def run(self, seqs: list[VllmRequest]) -> None:
-        pending = {s.seq_id for s in seqs}
-        while pending:
-            if not self.has_unfinished():
-                raise RuntimeError("vLLM stopped with requests unfinished")
-            for seq in self.step():
-                pending.discard(seq.seq_id)
+        engine_api.run_to_completion(self, seqs)
 
     def generate(self, prompts: Iterable[str | SequenceOf[int]],
                  params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams(temperature=0.0)] * len(prompts)
-        if len(params) != len(prompts):
-            raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        self.run(seqs)
-        return [self.output_of(s) for s in seqs]
+        return engine_api.generate(self, prompts, params, default=SamplingParams(temperature=0.0))
 
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
                       params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:

@@ -5,6 +5,7 @@ the model is built. It installs, without a monkeypatch of any kernel:
 - the CPU attention backend (`AttentionBackendEnum.CPU_ATTN`, through vLLM's own `register_backend`) replaced by
   `attention.DetentCPUAttentionBackend`, whose impl runs the project's paged attention (KV tiles and splits on
   absolute positions: prefill, chunked prefill, decode and prefix hits reduce in the same order);
+  that attention is the C form (`kernels/attention_c.py`, `ENV_ATTENTION=c`, the default) or the torch form;
 - the unquantized CPU GEMM dispatch (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`, which
   sets `layer.cpu_linear` at load time) wrapped, per `ENV_GEMM`: `onednn` (the default) keeps vLLM's fp32
   oneDNN GEMM (`torch.ops._C.onednn_mm`), which tests/integrations/test_vllm_gemm.py measures row-invariant
@@ -37,6 +38,8 @@ ENV_TUPLE = "DETENT_VLLM_TUPLE"            # the committed tuple: family -> axis
 ENV_CACHE_DIR = "DETENT_VLLM_CACHE_DIR"    # the JIT cache of the compiled selectors
 ENV_GEMM = "DETENT_VLLM_GEMM"              # onednn (default) | chunked
 GEMMS = ("onednn", "chunked")
+ENV_ATTENTION = "DETENT_VLLM_ATTENTION"    # c (default) | torch
+ATTENTIONS = ("c", "torch")
 
 _installed = False
 
@@ -68,6 +71,16 @@ def gemm_choice() -> str:
     choice = os.environ.get(ENV_GEMM) or "onednn"
     if choice not in GEMMS:
         raise RuntimeError(f"{ENV_GEMM}={choice!r}: use one of {', '.join(GEMMS)}")
+    return choice
+
+
+def attention_choice() -> str:
+    """Which form of the batch-invariant attention the engine runs: `c` (kernels/attention_c.py, compiled here,
+    fixed order by construction) or `torch` (kernels/attention.py). VllmEngine resolves it and the facts record
+    it: the two forms reduce in different orders, so their bits differ."""
+    choice = os.environ.get(ENV_ATTENTION) or "c"
+    if choice not in ATTENTIONS:
+        raise RuntimeError(f"{ENV_ATTENTION}={choice!r}: use one of {', '.join(ATTENTIONS)}")
     return choice
 
 

@@ -1,0 +1,83 @@
+"""SGLang on this CPU, stock and detent (the plugin through its entry point): the 35-cell battery per mode,
+then output tokens/s of the same requests, the modes interleaved, median of repeats.
+
+    python benchmarks/sglang_cpu.py --json benchmarks/results/sglang-cpu/battery_and_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from detent_audit.engine.battery import run_battery
+from detent_audit.engine.named_models import resolve_model
+from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine
+
+
+def _speed(engine: SglangEngine, prompts: list[list[int]], tokens: int) -> float:
+    engine.reset()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--skip-battery", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    resolve_model(args.model)  # a wheel model is imported before any timing
+    started = time.perf_counter()
+    report = {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch threads "
+                         f"available, {args.threads} used", "model": args.model, "modes": {}}
+    engines = {}
+    for mode in ("detent", "stock"):
+        t = time.perf_counter()
+        engines[mode] = SglangEngine(SglangConfig(model=args.model, mode=mode, num_threads=args.threads))
+        report["modes"][mode] = {"start_s": round(time.perf_counter() - t, 1),
+                                 "start_profile": engines[mode].start_profile}
+        if not args.skip_battery:
+            t = time.perf_counter()
+            cells = run_battery(engines[mode], progress=lambda name, m=mode: print(m, name, file=sys.stderr, flush=True))
+            report["modes"][mode].update(
+                battery_s=round(time.perf_counter() - t, 1), passed=sum(c.passed for c in cells),
+                cells=[c.to_json() for c in cells], failing=[c.name for c in cells if not c.passed])
+            print(mode, report["modes"][mode]["passed"], "/", len(cells), "failing:", report["modes"][mode]["failing"],
+                  file=sys.stderr, flush=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 256) for _ in range(rng.randint(16, 64))] for _ in range(args.batch)]
+    rates = {m: [] for m in engines}
+    for _ in range(args.repeats):
+        for mode, engine in engines.items():  # interleaved: both modes see the same machine load
+            rates[mode].append(_speed(engine, prompts, args.tokens))
+    for mode in engines:
+        report["modes"][mode]["tokens_per_s"] = [round(r, 2) for r in rates[mode]]
+        report["modes"][mode]["tokens_per_s_median"] = round(statistics.median(rates[mode]), 2)
+    report["detent_over_stock"] = round(report["modes"]["detent"]["tokens_per_s_median"]
+                                        / report["modes"]["stock"]["tokens_per_s_median"], 3)
+    report["total_s"] = round(time.perf_counter() - started, 1)
+    for engine in engines.values():
+        engine.shutdown()
+    text = json.dumps(report, indent=1, sort_keys=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

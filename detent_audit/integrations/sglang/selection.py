@@ -1,0 +1,38 @@
+"""The CPU kernels' selection for an SGLang deployment: the embedded SelIR programs solved for this model
+on this CPU, compiled with the committed tuple (the same selectors the embedded engine runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from detent_audit.engine.config import ModelConfig
+from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
+from detent_audit.kernels import KernelSet
+from detent_audit.manifests.deployment import Deployment
+
+# SGLang's KV pool on a CPU: one token per page; the limits the selection is solved for
+PAGE_SIZE = 1
+MAX_MODEL_LEN = 2048
+MAX_NUM_SEQS = 64
+MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def cpu_deployment(model_path: str | Path, num_threads: int) -> Deployment:
+    """The deployment the CPU kernels are solved for: the model's shape, fp32, this thread count."""
+    config = ModelConfig.from_pretrained(model_path)
+    return engine_deployment(config, dtype="float32", num_threads=num_threads, block_size=PAGE_SIZE,
+                             max_model_len=min(MAX_MODEL_LEN, config.max_position_embeddings),
+                             max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                             prefix_caching=True, name="sglang-cpu")
+
+
+def cpu_selection(model_path: str | Path, num_threads: int,
+                  committed: Mapping[str, Mapping[str, Any]] | None = None) -> Selection:
+    """Solved selectors and the tuple (the committed one, checked legal, or the preferred legal one)."""
+    return select_kernels("detent", cpu_deployment(model_path, num_threads), committed)
+
+
+def cpu_kernel_set(config: Any) -> KernelSet:
+    return cpu_selection(config.model_path, config.num_threads, config.tuple).kernels

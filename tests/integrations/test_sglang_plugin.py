@@ -1,0 +1,160 @@
+"""The SGLang plugin's parts that need no running SGLang: its configuration, the entry point, the stand-in,
+the torchvision fix, what verify refuses before SGLang starts (the real server: test_sglang_server.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from detent_audit.errors import BadInput
+from detent_audit.integrations.sglang.config import ENV, PluginConfig
+
+pytest.importorskip("sglang")
+
+
+def test_config_round_trips_through_the_environment():
+    config = PluginConfig(mode="detent", model_path="/m", num_threads=2,
+                          tuple={"embedded.gemm": {"chunk_rows": 16}}, report_dir="/r")
+    assert PluginConfig.from_env({ENV: config.to_env()}) == config
+    assert PluginConfig.from_env({}) is None  # unset: stock SGLang
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "is not JSON"), ("[1]", "must be a JSON object"),
+    (json.dumps({"mode": "det", "model_path": "/m"}), "is not one of"),
+    (json.dumps({"mode": "detent", "model_path": "/m", "num_threads": 0}), "positive integer"),
+    (json.dumps({"mode": "detent", "model_path": "/m", "extra": 1}), "unknown or missing fields"),
+])
+def test_bad_configuration_is_refused(text, message):
+    with pytest.raises(BadInput, match=message):
+        PluginConfig.from_env({ENV: text})
+
+
+def test_entry_point_names_the_plugin():
+    names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert names.get("detent") == "detent_audit.integrations.sglang.plugin:register"
+
+
+@pytest.mark.parametrize("shadow_real", [False, True])
+def test_stand_in_where_vllm_is_missing_or_shadowed_and_raises_if_called(shadow_real):
+    """Without `shadow_real` (the launcher) an installed vLLM is left alone; with it (SGLang's children) the
+    stand-in is what `vllm._custom_ops` is, and its kernel raises."""
+    code = ("import importlib.util, sys\n"
+            "from detent_audit.integrations.sglang.stand_ins import install_stand_ins\n"
+            "real = importlib.util.find_spec('vllm') is not None\n"
+            f"installed = install_stand_ins(shadow_real={shadow_real})\n"
+            f"expect_stand_in = {shadow_real} or not real\n"
+            "assert (installed != []) == expect_stand_in, installed\n"
+            "from vllm._custom_ops import rotary_embedding\n"
+            "assert install_stand_ins(shadow_real=True) == []  # idempotent, and never over an imported vLLM\n"
+            "if expect_stand_in:\n"
+            "    try:\n"
+            "        rotary_embedding()\n"
+            "    except RuntimeError as e:\n"
+            "        assert 'stand-in' in str(e)\n"
+            "    else:\n"
+            "        raise SystemExit('the stand-in ran')\n"
+            "else:\n"
+            "    assert not getattr(sys.modules['vllm'], '__detent_stand_in__', False)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_torchvision_imports_beside_cpu_torch():
+    """PyPI's torchvision (a CUDA build) fails to import beside the CPU torch without the hook, and imports
+    with it, its C++ ops reported absent."""
+    code = "import torchvision, torchvision.transforms; print(torchvision.extension._has_ops())"
+    unhook = ("import sys\nfrom detent_audit.integrations.sglang import torchvision_cpu as t\n"
+              "sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, t._Finder)]\n")
+    bare = subprocess.run([sys.executable, "-c", unhook + code], capture_output=True, text=True)
+    hooked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert hooked.returncode == 0, hooked.stderr[-800:]
+    assert hooked.stdout.strip() == "False"
+    assert bare.returncode != 0 and "torchvision::nms does not exist" in bare.stderr
+
+
+def _served_facts(**over) -> dict:
+    """An SGLang receipt's facts as far as verify reads them before SGLang starts."""
+    from detent_audit.integrations.sglang import sglang_version
+
+    facts = {"engine": {"name": "sglang", "version": sglang_version()}, "runtime": {"num_threads": 1},
+             "scheduler": {"max_model_len": 2048, "max_num_seqs": 64, "chunked_prefill_size": 8192,
+                           "prefix_caching": True},
+             "checkpoint": {"name": "random-20m", "source": "generated:default-20m", "config": "0" * 64, "tokenizer": "", "weights": "0" * 64}}
+    for path, value in over.items():
+        node = facts
+        *parents, leaf = path.split("__")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return facts
+
+
+@pytest.mark.parametrize("over, tuple_mode, kwargs, error, fields_or_message", [
+    ({"engine__version": "0.0.1"}, "detent", {}, "NotComparable", ["engine.version"]),
+    ({}, "stock", {}, "NotComparable", ["tuple.mode.name"]),
+    ({}, "detent", {"threads": 2}, "NotComparable", ["runtime.num_threads"]),
+    ({"runtime__num_threads": True}, "detent", {}, "BadInput", "not a thread count"),
+    ({"scheduler__max_num_seqs": 1 << 30}, "detent", {}, "BadInput", "scheduler.max_num_seqs is 1073741824"),
+    ({"scheduler__chunked_prefill_size": 0}, "detent", {}, "BadInput", "chunked_prefill_size is 0"),
+    ({"scheduler__prefix_caching": "yes"}, "detent", {}, "BadInput", "not a boolean"),
+    # other weights: refused from the file hashes, before SGLang starts, with the --model to pass
+    ({}, "detent", {}, "NotComparable", ["checkpoint.config", "checkpoint.tokenizer", "checkpoint.weights"]),
+])
+def test_verify_refuses_before_sglang_starts(over, tuple_mode, kwargs, error, fields_or_message, monkeypatch):
+    from detent_audit.integrations.sglang import engine
+    from detent_audit.verifier.reconstruct import NotComparable
+    from detent_audit.verifier.reconstruct_sglang import reconstruct_sglang
+
+    def never(*args, **kwargs):
+        raise AssertionError("SGLang was started for a receipt refused from its facts")
+
+    monkeypatch.setattr(engine.SglangEngine, "__init__", never)
+    with pytest.raises(NotComparable if error == "NotComparable" else BadInput) as exc:
+        reconstruct_sglang(_served_facts(**over), {"mode": {"name": tuple_mode}}, None, **kwargs)
+    if isinstance(fields_or_message, list):
+        assert exc.value.fields == fields_or_message
+        if fields_or_message[0].startswith("checkpoint."):
+            assert "pass --model random-20m" in exc.value.message
+    else:
+        assert fields_or_message in exc.value.message
+
+
+def test_launcher_gets_no_hook_and_the_scheduler_control_sets_the_chunk_size(tmp_path):
+    """register() in the launcher applies nothing; in SGLang's own process (stock mode) only the scheduler
+    control, whose `set_internal_state` sets the chunked-prefill size, refuses it while a chunked prefill is
+    in flight or for a non-positive size, and leaves every other request to SGLang."""
+    code = f"""
+import json, os, types
+from detent_audit.integrations.sglang import control, plugin
+from detent_audit.integrations.sglang.config import ENV, PluginConfig
+
+os.environ[ENV] = PluginConfig(mode="stock", model_path="/m", report_dir={str(tmp_path)!r},
+                               launcher_pid=os.getpid()).to_env()
+plugin.register()
+report = json.load(open(os.path.join({str(tmp_path)!r}, f"{{os.getpid()}}.json")))
+assert report["hooks"] == [] and report["error"] is None, report
+
+os.environ[ENV] = PluginConfig(mode="stock", model_path="/m", launcher_pid=os.getpid() + 1).to_env()
+plugin.register()
+assert plugin.REPORT["hooks"] == [control.TARGET] and plugin.REPORT["error"] is None, plugin.REPORT
+from sglang.srt.managers.io_struct import SetInternalStateReq
+from sglang.srt.managers.scheduler import Scheduler
+
+sched = types.SimpleNamespace(chunked_prefill_size=8192, chunked_req=None)
+def ask(value):
+    return Scheduler.set_internal_state(sched, SetInternalStateReq(server_args={{control.CHUNK_KEY: value}})).updated
+assert ask(7) and sched.chunked_prefill_size == 7
+assert not ask(0) and not ask(True) and sched.chunked_prefill_size == 7
+sched.chunked_req = object()
+assert not ask(64) and sched.chunked_prefill_size == 7
+called = []
+res = control.set_internal_state(lambda s, r: called.append(r) or "sglang's", sched,
+                                 SetInternalStateReq(server_args={{"pp_max_micro_batch_size": 2}}))
+assert res == "sglang's" and called, res
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-1500:]
