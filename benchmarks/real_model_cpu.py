@@ -29,8 +29,8 @@ from detent_audit.engine.named_models import REAL_MODEL
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tune import tune_engine
 from detent_audit.engine.tuples import load_tuple
-from detent_audit.manifests.encoding import tuple_hash
 from detent_audit.kernels import GemmParams, KernelSet, gemm
+from detent_audit.manifests.encoding import tuple_hash
 
 QUESTIONS = ["What is 2 + 2?", "Name a colour.", "What is the capital of Peru?", "Tell me a joke.",
              "What is a prime number?", "Count to five.", "Say hello in French.", "Why is the sky blue?"]
