@@ -7,7 +7,9 @@ num_concurrent 1 and 8 (batch size 1), on a detent server and on a stock server,
 compared bit for bit between the two concurrencies. Raw outputs (lm-eval's folders, verify-eval's JSON, the
 comparison) go under --out; a summary JSON is printed and written there.
 
-    python benchmarks/eval_audit.py --model /path/to/checkpoint --out benchmarks/results/eval-audit-smollm2
+    python benchmarks/eval_audit.py --model smollm2-135m-instruct --out benchmarks/results/eval-smollm2
+    python benchmarks/eval_audit.py --model smollm2-135m-instruct --only-concurrency \
+        --out benchmarks/results/eval-smollm2-concurrency     # (3) alone, detent then stock
 """
 
 from __future__ import annotations
@@ -69,65 +71,86 @@ def per_sample(run: Path, task: str) -> dict[str, list]:
     return {f"{json.loads(line)['doc_id']}": json.loads(line)["resps"] for line in path.read_text().splitlines()}
 
 
+def concurrency_runs(spec: str, model: str, name: str, key: Path, out: Path, mode: str, limit: int,
+                     url: str | None = None) -> dict:
+    """The multiple-choice task at num_concurrent 1 and 8 (batch size 1) on one server of `mode` (started here
+    unless `url`): the per-sample responses compared between the two, and each run's wall time."""
+    seconds = {}
+    proc = None
+    if url is None:
+        proc, url = serve(spec, key, out / f"{mode}-node", mode, name)
+    try:
+        for c in (1, 8):
+            seconds[c] = lm_eval(url, model, name, out / f"{mode}-c{c}", "detent_qa_mc", limit=limit, batch_size=1,
+                                 concurrent=c)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(120)
+    one, eight = (per_sample(out / f"{mode}-c{c}", "detent_qa_mc") for c in (1, 8))
+    requests = [(doc, i) for doc in sorted(one, key=int) for i in range(len(one[doc]))]
+    differ = [{"doc": int(doc), "choice": i, "c1": one[doc][i], "c8": eight[doc][i]} for doc, i in requests
+              if one[doc][i] != eight[doc][i]]
+    return {"requests": len(requests), "differ": len(differ), "docs_differing": len({d["doc"] for d in differ}),
+            "where": differ, "seconds": {f"c{c}": s for c, s in seconds.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="checkpoint folder the server and lm-eval's tokenizer read")
+    ap.add_argument("--model", required=True, help="checkpoint folder, or a `--model` name of the project "
+                    "(smollm2-135m-instruct: its imported folder is lm-eval's tokenizer)")
     ap.add_argument("--name", default="model", help="served model name")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batch-size", type=int, default=4, help="lm-eval's batch (prompts per request)")
     ap.add_argument("--concurrency-limit", type=int, default=20, help="documents of the 1-vs-8 comparison")
+    ap.add_argument("--only-concurrency", action="store_true", help="run only (3), the 1-vs-8 comparison")
+    ap.add_argument("--modes", default="detent,stock", help="modes of the 1-vs-8 comparison, in run order")
     args = ap.parse_args()
+    from detent_audit.engine.named_models import resolve_model
+
+    model = str(resolve_model(args.model).path)  # the folder lm-eval's tokenizer reads
     out = args.out
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     key = out / "node.key"
     subprocess.run([*CLI, "keygen", "--out", str(key)], env=ENV, check=True, stdout=subprocess.DEVNULL)
-    summary: dict = {"model": args.model, "machine": os.uname().nodename, "cpus": os.cpu_count()}
+    summary: dict = {"model": args.model, "folder": model, "machine": os.uname().nodename, "cpus": os.cpu_count(),
+                     "load_average_at_start": os.getloadavg()}
+    modes = [m for m in args.modes.split(",") if m]
 
-    # (1) and (3, detent): one detent server
-    proc, url = serve(args.model, key, out / "detent-node", "detent", args.name)
-    try:
-        summary["lm_eval_seconds"] = lm_eval(url, args.model, args.name, out / "lm-eval", "detent_qa_gen,detent_qa_mc",
-                                             limit=None, batch_size=args.batch_size, concurrent=1)
-        runs = {}
-        for c in (1, 8):
-            runs[c] = out / f"detent-c{c}"
-            lm_eval(url, args.model, args.name, runs[c], "detent_qa_mc", limit=args.concurrency_limit,
-                    batch_size=1, concurrent=c)
-    finally:
-        proc.terminate()
-        proc.wait(120)
-    # (2): verify-eval on the full run
-    start = time.perf_counter()
-    done = subprocess.run([*CLI, "verify-eval", str(out / "lm-eval"), "--receipts", str(out / "detent-node"),
-                           "--key", f"{key}.pub", "--model", args.model, "--include-path", str(TASKS), "--json"],
-                          env=ENV, capture_output=True, text=True)
-    summary["verify_eval_seconds"] = time.perf_counter() - start
-    summary["verify_eval_exit"] = done.returncode
-    (out / "verify-eval.json").write_text(done.stdout)
-    (out / "verify-eval.stderr").write_text(done.stderr[-20000:])
-    report = json.loads(done.stdout) if done.stdout.strip() else {}
-    summary["verify_eval"] = {k: report.get(k) for k in ("scores", "coverage", "receipts", "seconds")}
-    samples = report.get("coverage", {}).get("total") or 100
-    summary["seconds_per_sample"] = {"lm_eval": summary["lm_eval_seconds"] / samples,
-                                     "verify_eval": summary["verify_eval_seconds"] / samples}
-    summary["verify_over_serving"] = summary["verify_eval_seconds"] / summary["lm_eval_seconds"]
-    # (3, stock): the same comparison on a stock server
-    proc, url = serve(args.model, key, out / "stock-node", "stock", args.name)
-    try:
-        for c in (1, 8):
-            lm_eval(url, args.model, args.name, out / f"stock-c{c}", "detent_qa_mc", limit=args.concurrency_limit,
-                    batch_size=1, concurrent=c)
-    finally:
-        proc.terminate()
-        proc.wait(120)
-    for mode in ("detent", "stock"):
-        one, eight = (per_sample(out / f"{mode}-c{c}", "detent_qa_mc") for c in (1, 8))
-        requests = [(doc, i) for doc in one for i in range(len(one[doc]))]
-        differ = [f"doc {doc} choice {i}: {one[doc][i][0]} vs {eight[doc][i][0]}" for doc, i in requests
-                  if one[doc][i] != eight[doc][i]]
-        summary[f"concurrency_1_vs_8_{mode}"] = {"requests": len(requests), "differ": len(differ),
-                                                  "examples": differ[:5]}
+    if not args.only_concurrency:
+        # (1) and (3, detent): one detent server
+        proc, url = serve(args.model, key, out / "detent-node", "detent", args.name)
+        try:
+            summary["lm_eval_seconds"] = lm_eval(url, model, args.name, out / "lm-eval", "detent_qa_gen,detent_qa_mc",
+                                                 limit=None, batch_size=args.batch_size, concurrent=1)
+            if "detent" in modes:
+                summary["concurrency_1_vs_8_detent"] = concurrency_runs(args.model, model, args.name, key, out, "detent",
+                                                                        args.concurrency_limit, url)
+        finally:
+            proc.terminate()
+            proc.wait(120)
+        # (2): verify-eval on the full run
+        start = time.perf_counter()
+        done = subprocess.run([*CLI, "verify-eval", str(out / "lm-eval"), "--receipts", str(out / "detent-node"),
+                               "--key", f"{key}.pub", "--model", args.model, "--include-path", str(TASKS), "--json"],
+                              env=ENV, capture_output=True, text=True)
+        summary["verify_eval_seconds"] = time.perf_counter() - start
+        summary["verify_eval_exit"] = done.returncode
+        (out / "verify-eval.json").write_text(done.stdout)
+        (out / "verify-eval.stderr").write_text(done.stderr[-20000:])
+        report = json.loads(done.stdout) if done.stdout.strip() else {}
+        summary["verify_eval"] = {k: report.get(k) for k in ("scores", "coverage", "receipts", "seconds")}
+        samples = report.get("coverage", {}).get("total") or 100
+        summary["seconds_per_sample"] = {"lm_eval": summary["lm_eval_seconds"] / samples,
+                                         "verify_eval": summary["verify_eval_seconds"] / samples}
+        summary["verify_over_serving"] = summary["verify_eval_seconds"] / summary["lm_eval_seconds"]
+    # (3): the comparison on a server of each remaining mode
+    for mode in modes:
+        if f"concurrency_1_vs_8_{mode}" not in summary:
+            summary[f"concurrency_1_vs_8_{mode}"] = concurrency_runs(args.model, model, args.name, key, out, mode,
+                                                                     args.concurrency_limit)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
 

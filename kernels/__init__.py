@@ -16,7 +16,7 @@ select_moe(num_tokens=).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -39,6 +39,12 @@ class SelectorError(DetentError):
     """A selector returned params the family cannot use (or none, outside stock mode)."""
 
     remedy = "check the compiled selector for this family; stock mode is the only one without params"
+
+
+def params_list(values) -> list[dict]:
+    """Params objects as plain dicts (nested params as nested dicts), sorted, without repeats."""
+    out = {repr(sorted(asdict(v).items())): asdict(v) for v in values}
+    return [out[k] for k in sorted(out)]
 
 
 def _constant(value):
@@ -77,6 +83,8 @@ class KernelSet:
     select_gemm: Callable[..., GemmParams | None]
     select_attention: Callable[..., AttentionParams | None]
     select_moe: Callable[..., MoeParams | None]
+    # family -> the params its kernels were called with so far (what the kernels report, not a configuration)
+    called: dict[str, set] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -109,7 +117,14 @@ class KernelSet:
             raise SelectorError(f"the {family} selector returned no params in {self.mode} mode")
         if params is not None and not isinstance(params, kind):
             raise SelectorError(f"the {family} selector returned {type(params).__name__}, not {kind.__name__}")
+        if params is not None:
+            self.called.setdefault(family, set()).add(params)
         return params
+
+    def params_called(self) -> dict[str, list[dict]]:
+        """family -> the params its kernels were called with so far, as sorted plain dicts."""
+        # copies first: the engine thread may add to these while a signing thread reads them
+        return {family: params_list(tuple(values)) for family, values in sorted(list(self.called.items()))}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0

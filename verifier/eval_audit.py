@@ -97,6 +97,7 @@ class EvalReport:
     receipts_unmatched: int
     receipt_counts: dict[str, int]
     seconds: dict[str, float] = field(default_factory=dict)
+    published: list[str] = field(default_factory=list)  # deployment hashes the facts were checked against
 
     @property
     def exit_code(self) -> int:
@@ -109,6 +110,7 @@ class EvalReport:
                 "coverage": {"covered": covered, "total": len(self.docs)},
                 "differing": [d.to_json() for d in self.docs if not d.covered],
                 "receipts": {**self.receipt_counts, "unmatched": self.receipts_unmatched},
+                "published_deployments": self.published, "facts_self_asserted": not self.published,
                 "seconds": self.seconds, "exit_code": self.exit_code}
 
 
@@ -377,8 +379,11 @@ def recompute(task_obj: Any, task: str, docs: list[dict], responses: dict[int, l
 
 def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | None = None,
                 include_path: list[str] | None = None, workers: int | str = 1, cache_dir: str | None = None,
-                progress: Callable[[int, int], None] | None = None) -> EvalReport:
-    """The audit's steps (a)-(f) of the module docstring."""
+                progress: Callable[[int, int], None] | None = None,
+                deployments: dict[str, dict | None] | None = None) -> EvalReport:
+    """The audit's steps (a)-(f) of the module docstring. `deployments`: the published ones
+    (`load_deployments`), as `verify` takes them: a receipt whose facts are not among them fails, and so does
+    its sample's coverage (None: the facts are self-asserted, and the report says so)."""
     import time
 
     from detent_audit.engine.tokenizer import Tokenizer
@@ -434,7 +439,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     # (d): verify the matched receipts, in batches
     start = time.perf_counter()
     report = verify(sorted(set(matched.values())), trusted, model=model, workers=workers, cache_dir=cache_dir,
-                    progress=progress)
+                    progress=progress, deployments=deployments)
     seconds["verify"] = time.perf_counter() - start
     status = {Path(o.path): o for o in report.outcomes if o.kind == "receipt"}
     # (e): each document's responses from its verified receipts, against what lm-eval logged
@@ -476,7 +481,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
             scores.append(Score(t, key, reported[t][key], value, n, len(samples[t])))
     counts = report.counts()
     counts["not_opened"] = len(failed_open)
-    return EvalReport(scores, docs, unmatched, counts, seconds)
+    return EvalReport(scores, docs, unmatched, counts, seconds, sorted(deployments or {}))
 
 
 def _checkpoint(model: str | None) -> Path:

@@ -107,6 +107,7 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
 
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.verifier.receipt_file import CLOCK_SKEW_NS, EARLIEST_UNIX_NS
     from detent_audit.verifier.verify import load_deployments
     from detent_audit.verifier.verify import verify as run_verify
 
@@ -143,13 +144,17 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
             from detent_audit.verifier.client import verify_response as run_verify_response
 
             report = run_verify_response(response[0], response[1], paths[0], trusted, progress=show, **options)
-    facts_note = (f"facts checked against {len(report.published)} published deployment(s)" if report.published
-                  else "facts are self-asserted by the node (no --deployment given)")
+    facts_note = ((f"facts checked against {len(report.published)} published deployment(s)" if report.published
+                   else "facts are self-asserted by the node (no --deployment given): its limits and the tuple's "
+                        "values where the bits do not refute them")
+                  + f"; signing times are the node's clock, bounded to [2020-01-01, now + {CLOCK_SKEW_NS // 10**9} s]")
     cov = report.coverage
     if as_json:
         typer.echo(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
                                "sample_seed": report.sample_seed, "published_deployments": report.published,
-                               "facts_self_asserted": not report.published, "coverage": cov.to_json(),
+                               "facts_self_asserted": not report.published,
+                               "times_self_asserted": {"earliest_unix_ns": EARLIEST_UNIX_NS,
+                                                       "skew_ns": CLOCK_SKEW_NS}, "coverage": cov.to_json(),
                                "trusted_key_problems": key_problems,
                                "outcomes": [o.to_json() for o in report.outcomes]}, indent=2))
     else:
@@ -173,9 +178,10 @@ def verify_eval(
     key: Path = TRUSTED_KEY, trusted_keys: Path = TRUSTED_KEYS, model: str = MODEL,
     include_path: list[Path] = typer.Option(None, "--include-path", help="Folder of the run's task YAML (as "
                                                                           "lm-eval's --include_path)."),
-    cache_dir: Path = CACHE_DIR, workers: str = WORKERS, as_json: bool = JSON,
+    cache_dir: Path = CACHE_DIR, workers: str = WORKERS, deployment: list[str] = DEPLOYMENTS,
+    as_json: bool = JSON,
 ) -> None:
-    """Audit an lm-eval run: match every request it logged to its receipt, verify them, recompute each
+    """Audit an lm-eval run (against the published deployment with --deployment, as verify): match every request it logged to its receipt, verify them, recompute each
     sample's metric from the verified outputs with lm-eval's own task code; print the reported score, the
     recomputed one and the coverage, and name every sample that differs and why. Exit 0 when every sample is
     covered and every score equal, 1 otherwise, 2 bad input."""
@@ -185,6 +191,7 @@ def verify_eval(
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_trusted_keys
     from detent_audit.verifier.eval_audit import verify_eval as run_verify_eval
+    from detent_audit.verifier.verify import load_deployments
 
     key_source = one_key_source(key, trusted_keys)
     worker_count = workers_count(workers)
@@ -194,9 +201,10 @@ def verify_eval(
         raise BadInput("verify-eval recomputes scores with lm-eval's own task code, and lm-eval is not installed",
                        remedy="pip install 'lm-eval[api]'") from None
     trusted = load_trusted_keys(key_source)
+    deployments = load_deployments(deployment) if deployment else None
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("verifying receipts", total=None)
-        report = run_verify_eval(run, receipts, trusted, model=model or None,
+        report = run_verify_eval(run, receipts, trusted, model=model or None, deployments=deployments,
                                  include_path=[str(p) for p in include_path or []], workers=worker_count,
                                  cache_dir=str(cache_dir) if cache_dir else None,
                                  progress=lambda done, total: progress.update(task, completed=done, total=total))
@@ -213,5 +221,7 @@ def verify_eval(
     covered = sum(d.covered for d in report.docs)
     c = report.receipt_counts
     typer.echo(f"{covered}/{len(report.docs)} samples covered; receipts: {c['OK']} ok, {c['FAIL']} failed, "
-               f"{c['BAD'] + c['not_opened']} bad, {report.receipts_unmatched} matching no logged request")
+               f"{c['BAD'] + c['not_opened']} bad, {report.receipts_unmatched} matching no logged request; "
+               + (f"facts checked against {len(report.published)} published deployment(s)" if report.published
+                  else "facts are self-asserted by the node (no --deployment given)"))
     raise typer.Exit(report.exit_code)

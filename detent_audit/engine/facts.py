@@ -4,7 +4,8 @@ Collected automatically: engine version and mode, source hashes of the kernels a
 deployment the selection was solved for (model shape, limits, page size, chunking), checkpoint hashes
 (config, weights, tokenizer), the model's name and source (what `--model` to pass: descriptive, the hashes are
 its identity) and its EOS ids, dtype, device and its properties, torch version, the CPU thread count (fixed
-at start: it changes BLAS bits) and the committed tuple. Weight hashes are cached by (path, device, inode,
+at start: it changes BLAS bits), the tuple as the kernels read it (the axes of the committed assignment that
+change a kernel's params: `kernel_select.used_axes`) and the params the kernels get with it. Weight hashes are cached by (path, device, inode,
 size, mtime, ctime): a write with the mtime set back still changes the ctime (which no user call can set), and
 a file replaced by another has another inode. Settings that change no bit (the prefill chunk, which batch
 invariance makes irrelevant) are not facts: a receipt signs only what a verifier's bits can confirm or what
@@ -130,5 +131,6 @@ def collect_facts(llm: LLM) -> dict[str, Any]:
         "deployment": llm.deployment.to_canonical(),
         "scheduler": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                       "prefix_caching": cfg.prefix_caching},
-        "tuple": llm.selection.tuple,
+        "tuple": llm.selection.used_tuple,
+        "kernel_params": llm.selection.kernel_params,
     }

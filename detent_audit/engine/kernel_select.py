@@ -13,6 +13,14 @@ probe proved (`engine.gemm_pad_rows`, `engine.gemm_row_form`), so a verifier's f
 own probe proved the same form. Without a tuple the engine commits the pad form at the fewest rows the probe
 proves (4 at one thread on the CPU of benchmarks/RESULTS.md), else the 16-row chunk. A tuple written before
 the forms existed names no form: it means the chunk form, as it did.
+
+What a receipt signs of the tuple is what the kernels use (`Selection.used_tuple`): an axis of a family's
+assignment is kept only where another legal value of it changes the params the KernelSet gives its kernels
+over a probe of the deployment's runtime inputs (`used_axes`). An axis no kernel reads (a knob whose result a
+pin overrides, a split stride the pinned tiles per split replace) changes no bit, so it is not signed, and a
+receipt that names one is not comparable. `Selection.kernel_params` are the params the kernels get over the
+probe; the node checks before each signature that the kernels were called with none other
+(`KernelSet.params_called`).
 """
 
 from __future__ import annotations
@@ -20,14 +28,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 from detent_audit import __version__
 from detent_audit.engine.config import ModelConfig
-from detent_audit.errors import BadInput
-from detent_audit.kernels import AttentionParams, GemmParams, Kernels, KernelSet, MoeParams, gemm_probe
+from detent_audit.errors import BadInput, DetentError
+from detent_audit.kernels import (
+    AttentionParams,
+    GemmParams,
+    Kernels,
+    KernelSet,
+    MoeParams,
+    gemm_probe,
+    params_list,
+)
 from detent_audit.kernels.params import BadParams
 from detent_audit.manifests.deployment import Deployment
 from detent_audit.selection.cache import JitCache
@@ -83,22 +99,29 @@ class Selection:
     """The solved families, the committed tuple and the KernelSet built from them."""
 
     kernels: Kernels
-    tuple: dict[str, dict[str, Any]]          # family -> axis -> value ({} outside detent mode)
+    tuple: dict[str, dict[str, Any]]          # family -> axis -> value ({} outside detent mode): what was loaded
     results: dict[str, SolveResult]
     deployment: Deployment | None = None      # the facts selection was solved for (with the GEMM probe's)
+    used_tuple: dict[str, dict[str, Any]] = field(default_factory=dict)  # the axes the kernels read: signed
+    kernel_params: dict[str, list[dict]] = field(default_factory=dict)   # kernel family -> params over the probe
 
 
 def nearest_legal(result: SolveResult, preferences: Mapping[str, Any]) -> dict[str, Any]:
     """The legal assignment matching most preferences, then closest to them (ties: the first)."""
+    return nearest_legal_of(result.legal_assignments(), preferences, result.program)
+
+
+def nearest_legal_of(assignments: Any, preferences: Mapping[str, Any], program: str) -> dict[str, Any]:
+    """Of `assignments`, the one matching most preferences, then closest to them (ties: the first)."""
     def score(assignment: dict) -> tuple:
         matches = sum(assignment.get(k) == v for k, v in preferences.items())
         distance = sum(abs(assignment[k] - v) for k, v in preferences.items()
                        if k in assignment and isinstance(v, (int, float)) and isinstance(assignment[k], (int, float)))
         return (-matches, distance)
 
-    best = min(result.legal_assignments(), key=score, default=None)
+    best = min(assignments, key=score, default=None)
     if best is None:
-        raise BadInput(f"{result.program}: no legal assignment for this deployment")
+        raise BadInput(f"{program}: no legal assignment for this deployment")
     return best
 
 
@@ -157,7 +180,8 @@ def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Ma
     if mode == "stock":
         return Selection(KernelSet.stock(), {}, {}, deployment)
     if mode == "det":
-        return Selection(KernelSet.det(), {}, {}, deployment)
+        det = KernelSet.det()
+        return Selection(det, {}, {}, deployment, {}, probe_params(det, probe_inputs(deployment)))
     if mode != "detent":
         raise BadInput(f"unknown mode {mode!r}", remedy="choose detent, stock or det")
     committed = dict(committed or {})
@@ -176,14 +200,104 @@ def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Ma
     chosen: dict[str, dict[str, Any]] = {}
     for family, result in results.items():
         if family in committed:
-            chosen[family] = dict(committed[family])
-            if not result.is_legal(chosen[family]):
-                raise BadInput(f"the tuple's {family} assignment {chosen[family]} is not legal",
-                               remedy="run `detent-audit solve` for the legal values")
+            chosen[family] = _complete(result, family, dict(committed[family]))
         else:
             chosen[family] = nearest_legal(result, EMBEDDED_PREFERENCES.get(family, {}))
     selectors = {family: results[family].selector(chosen[family]) for family in results}
-    return Selection(_kernel_set(selectors), chosen, results, deployment)
+    probe = probe_inputs(deployment)
+    used = used_axes(results, chosen, selectors, probe)
+    return Selection(_kernel_set(selectors), chosen, results, deployment, used,
+                     probe_params(_kernel_set(selectors), probe))
+
+
+def _complete(result: SolveResult, family: str, given: dict[str, Any]) -> dict[str, Any]:
+    """A committed assignment made whole: as given when it names every axis, else the legal assignment that
+    agrees with every axis given and is nearest the preferences on the others (a receipt's tuple names only
+    the axes the kernels read); `BadInput` when none is legal."""
+    unknown = sorted(set(given) - set(result.axes))
+    if not unknown:
+        if set(given) == set(result.axes):
+            if result.is_legal(given):
+                return given
+        else:
+            prefs = {**EMBEDDED_PREFERENCES.get(family, {}), **given}
+            matching = [a for a in result.legal_assignments() if all(a[k] == v and type(a[k]) is type(v)
+                                                                      for k, v in given.items())]
+            if matching:
+                return nearest_legal_of(matching, prefs, result.program)
+    raise BadInput(f"the tuple's {family} assignment {given} is not legal" +
+                   (f" (no axes {unknown})" if unknown else ""),
+                   remedy="run `detent-audit solve` for the legal values")
+
+
+def probe_inputs(deployment: Deployment) -> dict[str, list[dict[str, int]]]:
+    """Runtime inputs of each kernel family's selector that `used_axes` tries: a step's token counts, a
+    batch's sequence counts and KV lengths, around the powers of two (where tiles and chunks change) and at
+    the deployment's limits."""
+    e = deployment.engine
+
+    def around(top: int) -> list[int]:
+        points = {1, top}
+        for k in range(1, top.bit_length() + 1):
+            points |= {(1 << k) - 1, 1 << k, (1 << k) + 1}
+        return sorted(x for x in points if 1 <= x <= top)
+
+    tokens, seqs, lens = around(e.max_num_batched_tokens), around(e.max_num_seqs), around(e.max_model_len)
+    moe = {"moe": [{"num_tokens": n} for n in tokens]} if deployment.model.num_experts else {}
+    return {"gemm": [{"num_tokens": n} for n in tokens], **moe,
+            "attention": [{"num_seqs": s, "max_seqlen_q": 1, "max_seqlen_k": k}
+                          for s in (seqs[0], seqs[len(seqs) // 2], seqs[-1]) for k in lens]}
+
+
+def probe_params(kernels: KernelSet, probe: Mapping[str, list[dict[str, int]]]) -> dict[str, list[dict]]:
+    """kernel family -> the params its selector gives over `probe` (sorted dicts; none in stock mode)."""
+    select = {"gemm": kernels.select_gemm, "attention": kernels.select_attention, "moe": kernels.select_moe}
+    out = {}
+    for family, inputs in probe.items():
+        values = {select[family](**x) for x in inputs} - {None}
+        if values:
+            out[family] = params_list(values)
+    return out
+
+
+def used_axes(results: Mapping[str, SolveResult], chosen: Mapping[str, Mapping[str, Any]],
+              selectors: Mapping[str, Any], probe: Mapping[str, list[dict[str, int]]], tries: int = 12
+              ) -> dict[str, dict[str, Any]]:
+    """Per family, the axes of its chosen assignment that some other legal value of changes what the kernels
+    are called with over `probe`. Tried: every other legal value of an axis with few, else up to `tries`
+    spread over them (the ends, the middle, the neighbours); a value the kernels refuse (a chunk that is not
+    a power of two) is no alternative. An axis with no alternative is kept (no tuple can change it)."""
+    base = probe_params(_kernel_set(dict(selectors)), probe)
+    used: dict[str, dict[str, Any]] = {}
+    for family, assignment in chosen.items():
+        result = results[family]
+        legal = {**{p["name"]: p["legal_values"] for p in result.pins},
+                 **{k["name"]: k["legal_values"] for k in result.knobs}}
+        used[family] = {}
+        for axis in result.axes:
+            others = [v for v in legal.get(axis) or [] if v != assignment[axis]]
+            if len(others) > tries:
+                at = next((i for i, v in enumerate(others) if isinstance(v, (int, float))
+                           and v > assignment[axis]), len(others))
+                picks = [0, len(others) - 1, at - 1, at, *(len(others) * j // (tries - 3) for j in range(1, tries - 3))]
+                others = [others[i] for i in dict.fromkeys(i for i in picks if 0 <= i < len(others))]
+            alternatives = 0
+            for value in others:
+                candidate = {**assignment, axis: value}
+                if not result.is_legal(candidate):
+                    continue
+                try:
+                    got = probe_params(_kernel_set({**selectors, family: result.selector(candidate)}), probe)
+                except DetentError:
+                    continue  # the kernels refuse it: a tuple cannot name it either
+                alternatives += 1
+                if got != base:
+                    break
+            else:
+                if alternatives:
+                    continue  # no alternative changes a kernel's params: the axis is not read
+            used[family][axis] = assignment[axis]
+    return used
 
 
 def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir: Any) -> Selection:
@@ -202,11 +316,14 @@ def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir:
         return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), streaming),
                          {}, {}, deployment)
     # detent's MoE tile follows M as stock's does (kernels.gpu.moe_tile): the tile does not change the bits
+    # the GPU kernels read the attention selector alone (GEMM and MoE tiles by shape): only its axes are signed
     cpu = select_kernels("detent", deployment, committed, cache_dir)
+    used = {f: a for f, a in cpu.used_tuple.items() if f == "embedded.attention"}
+    params = {f: p for f, p in cpu.kernel_params.items() if f == "attention"}
     # detent's compiled selector always returns params (only stock's may return none)
     select = cast(Callable[..., AttentionParams], cast(KernelSet, cpu.kernels).select_attention)
     return Selection(GpuKernelSet("detent", select, None, streaming),
-                     cpu.tuple, cpu.results, cpu.deployment)
+                     cpu.tuple, cpu.results, cpu.deployment, used, params)
 
 
 STOCK_TILE = 64  # stock's Triton attention tile on a GPU: BLOCK_M and the KV tile

@@ -201,8 +201,15 @@ class LLM:
         return collect_facts(self)
 
     def tuple_values(self) -> dict[str, dict[str, Any]]:
-        """What a receipt commits to as the tuple: the per-family pins and knobs, and the mode (`mode.name`)."""
-        return {"mode": {"name": self.config.mode}, **self.selection.tuple}
+        """What a receipt commits to as the tuple: the mode (`mode.name`) and the per-family pins and knobs the
+        kernels read (`Selection.used_tuple`: an axis that changes no kernel's params is not signed)."""
+        return {"mode": {"name": self.config.mode}, **self.selection.used_tuple}
+
+    def kernel_params_called(self) -> dict[str, list[dict]] | None:
+        """kernel family -> the params the kernels were called with so far (what they report); None where the
+        kernels do not report (the GPU KernelSet)."""
+        report = getattr(self.selection.kernels, "params_called", None)
+        return report() if report is not None else None
 
     # ---- requests
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,

@@ -150,6 +150,7 @@ class ServingNode:
         out = OutputRecord.from_floats(output.token_ids, output.logprobs, output.finish_reason or "length",
                                        output.text, output.top_logprobs if params.logprobs else ())
         scoring = scoring_record(output, params)
+        self._check_kernel_params()
         path = self.receipt_path(receipt_id)
         with self._lock:
             if self._lock_fd is None:
@@ -167,6 +168,22 @@ class ServingNode:
             if self.rotate and len(self._pending) >= self.rotate:
                 self._write_manifest("rotation")
         return SignedReceipt(receipt_id, path, receipt, envelope)
+
+    def _check_kernel_params(self) -> None:
+        """The kernels report the params they were called with: every one must be among those the signed
+        facts state (`kernel_params`), or the facts do not describe what ran and nothing is signed."""
+        report = getattr(self.llm, "kernel_params_called", None)
+        called = report() if report is not None else None
+        stated = self.facts.get("kernel_params")
+        if called is None or stated is None:
+            return  # an engine whose kernels do not report (vLLM's, the GPU KernelSet)
+        extra = {family: [p for p in params if p not in stated.get(family, [])]
+                 for family, params in called.items()}
+        extra = {family: params for family, params in extra.items() if params}
+        if extra:
+            raise DetentError(f"the kernels were called with params the signed facts do not state: {extra}",
+                              remedy="a selector gave params outside the probe of kernel_select.probe_inputs; "
+                                     "report this as a bug")
 
     def receipt_path(self, receipt_id: str) -> Path:
         return self.out / "receipts" / f"{receipt_id}{RECEIPT_SUFFIX}"

@@ -90,7 +90,11 @@ def test_each_form_serves_a_row_alone_as_in_a_batch(tmp_path, assignment):
     alone = llm.generate([prompts[3]], sp)[0]
     assert alone.token_ids == batched[3].token_ids
     assert torch.equal(torch.tensor(alone.logprobs), torch.tensor(batched[3].logprobs))
-    assert collect_facts(llm)["tuple"]["embedded.gemm"] == assignment
+    # signed: the committed form and rows as the kernels read them (the chunk knob a pinned chunk overrides is not)
+    signed = collect_facts(llm)["tuple"]["embedded.gemm"]
+    assert signed == llm.selection.used_tuple["embedded.gemm"]
+    assert signed.items() <= assignment.items() and {"chunk_rows", "embedded.gemm.form"} <= set(signed), \
+        (signed, assignment)
 
 
 def test_the_form_is_in_the_tuple_hash():

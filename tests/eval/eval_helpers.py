@@ -18,7 +18,7 @@ from detent_audit.server.app import create_app
 from detent_audit.server.async_engine import AsyncEngine
 from detent_audit.server.node import ServingNode
 
-MODEL_NAME = "tiny-llama"
+MODEL_NAME = "smollm2-135m-instruct"
 TASKS = Path(__file__).resolve().parents[2] / "examples" / "eval"
 
 
@@ -28,6 +28,7 @@ class Served:
     out: Path          # receipts/ and manifests/
     checkpoint: Path
     key: GeneratedKey
+    node: ServingNode
 
     @property
     def trusted(self) -> dict:
@@ -42,7 +43,7 @@ def serving(checkpoint: Path, key: GeneratedKey, out: Path, cache_dir: Path, mod
     engine = AsyncEngine(llm)
     try:
         with threaded_server(create_app(engine, node, MODEL_NAME), start_timeout=60) as url:
-            yield Served(url, out, checkpoint, key)
+            yield Served(url, out, checkpoint, key, node)
     finally:
         engine.shutdown(drain=False)
 

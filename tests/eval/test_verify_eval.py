@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from eval_helpers import run_lm_eval, serving
 
+from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.keys import load_private_key
 from detent_audit.manifests.receipt import OutputRecord, Receipt, ScoringRecord, sign_receipt, verify_envelope
@@ -124,12 +125,65 @@ def _logprobs(run: Path) -> dict[tuple[int, int], list]:
 @pytest.mark.parametrize("mode", ["detent", "stock"])
 def test_concurrency_1_and_8_give_the_same_logprob_bits_in_detent_mode_only(
         mode: str, eval_checkpoint: Path, node_key, tmp_path: Path) -> None:
+    """The multiple-choice task's logged [logprob, is_greedy] per request, served at num_concurrent 1 and 8:
+    equal in detent mode; in stock mode some differ, and the test prints where (document, choice, both
+    values)."""
     with serving(eval_checkpoint, node_key, tmp_path / "node", tmp_path / "jit", mode=mode) as served:
-        one = _logprobs(run_lm_eval(served, tmp_path / "c1", "detent_qa_mc", limit=8, batch_size=1, concurrent=1))
-        eight = _logprobs(run_lm_eval(served, tmp_path / "c8", "detent_qa_mc", limit=8, batch_size=1, concurrent=8))
-    assert one.keys() == eight.keys() and len(one) == 32
-    differ = [k for k in one if json.dumps(one[k]) != json.dumps(eight[k])]
+        one = _logprobs(run_lm_eval(served, tmp_path / "c1", "detent_qa_mc", limit=6, batch_size=1, concurrent=1))
+        eight = _logprobs(run_lm_eval(served, tmp_path / "c8", "detent_qa_mc", limit=6, batch_size=1, concurrent=8))
+    assert one.keys() == eight.keys() and len(one) == 24
+    differ = [f"doc {d} choice {c}: {one[d, c][0]} at concurrency 1, {eight[d, c][0]} at 8"
+              for d, c in sorted(one) if json.dumps(one[d, c]) != json.dumps(eight[d, c])]
+    print(f"{mode}: {len(differ)} of {len(one)} logged responses differ", *differ, sep="\n  ")
     if mode == "detent":
         assert differ == []
-    else:
-        assert differ, "stock mode gave the same bits at concurrency 1 and 8"
+        return
+    # Stock on this model at one thread: lm-eval's one-prompt requests of about a dozen tokens each, served at
+    # concurrency 8, were measured to give the same logged values as at 1 (benchmarks/RESULTS.md, Evaluation),
+    # so `differ` is reported, not asserted. What stock does not do is hold a request's bits when its prefill
+    # shares a step: the same prompts lm-eval sent (from the stock receipts), scored alone and then all in one
+    # batch, differ in stock mode and not in detent mode.
+    prompts = [verify_envelope(read_envelope_bytes(p), served.trusted).receipt.request.prompt_token_ids
+               for p in sorted((tmp_path / "node" / "receipts").iterdir())]
+    pairs = [(list(p[:-1]), list(p[-1:])) for p in prompts]
+    for engine_mode in ("stock", "detent"):
+        llm = LLM(EngineConfig(model=str(eval_checkpoint), mode=engine_mode, cache_dir=str(tmp_path / "jit")))
+        alone = [llm.rescore_batch([pair])[0].logprobs for pair in pairs]
+        together = [r.logprobs for r in llm.rescore_batch(pairs)]
+        batched = [i for i in range(len(pairs)) if alone[i] != together[i]]
+        print(f"{engine_mode}: {len(batched)} of {len(pairs)} prompts' logprob bits change when batched")
+        assert bool(batched) == (engine_mode == "stock"), (engine_mode, batched)
+
+
+def test_verify_eval_checks_the_facts_against_the_published_deployment(served_run, tmp_path: Path) -> None:
+    """`--deployment` as verify takes it: the honest run is covered against it; a receipt re-signed with facts
+    that are not the published ones (a max_num_seqs no bit depends on) fails, and its sample's coverage with
+    it, while without the published deployment the same receipt verifies and the report says the facts are
+    self-asserted."""
+    from detent_audit.manifests.encoding import facts_hash
+    from detent_audit.verifier.verify import load_deployments
+
+    served, completions, _ = served_run
+    published = load_deployments([str(served.out.parent / "deployment.json")])
+    report = _audit(completions, served.out / "receipts", served, deployments=published)
+    assert report.exit_code == 0 and report.to_json()["facts_self_asserted"] is False, report.to_json()
+    receipts = tmp_path / "receipts"
+    shutil.copytree(served.out / "receipts", receipts)
+    scoring = sorted(p for p in receipts.iterdir()
+                     if verify_envelope(read_envelope_bytes(p), served.trusted).receipt.scoring is not None)
+    target = random.Random(14).choice(scoring)
+
+    def other_facts(r: Receipt) -> Receipt:
+        facts = json.loads(json.dumps(r.deployment_facts, default=dict))
+        facts["deployment"]["engine"]["max_num_seqs"] = 1
+        return dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts))
+
+    _tamper(target, served, other_facts)
+    forged_id = verify_envelope(read_envelope_bytes(target), served.trusted).receipt.request.request_id
+    report = _audit(completions, receipts, served, deployments=published)
+    bad = [d for d in report.docs if not d.covered]
+    assert report.exit_code == 1 and len(bad) == 1, report.to_json()
+    assert bad[0].task == "detent_qa_mc" and "not among the 1 published deployment" in " ".join(bad[0].reasons)
+    assert forged_id in target.name
+    report = _audit(completions, receipts, served)
+    assert report.exit_code == 0 and report.to_json()["facts_self_asserted"] is True, report.to_json()

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from detent_audit.cli import app
 from detent_audit.engine.facts import collect_facts
+from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
@@ -24,6 +25,7 @@ from detent_audit.manifests.receipt import (
     verify_envelope,
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
+from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline
 
 runner = CliRunner()
@@ -220,6 +222,137 @@ def test_10_claims_no_bit_can_confirm_are_bounded_or_not_signed(node_run, tmp_pa
     code, report = _verify(node_run, path)
     o = _receipt_outcome(report)
     assert code == 3 and o["fields"] == ["scheduler.max_prefill_chunk"], o
+
+
+def _forged_tuple(run: dict, folder: Path, r, change_tuple=None, change_facts=None) -> Path:
+    """`r` with its tuple (in the facts and as signed) and facts changed, hashes recomputed, re-signed: what a
+    node holding the key can sign."""
+    from detent_audit.manifests.encoding import tuple_hash
+
+    facts = json.loads(json.dumps(r.deployment_facts, default=dict))
+    values = {k: dict(v) for k, v in r.tuple_values.items()}
+    if change_tuple:
+        change_tuple(values)
+        facts["tuple"] = {k: v for k, v in values.items() if k != "mode"}
+    if change_facts:
+        change_facts(facts)
+    return _save(run, folder, dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts),
+                                                  tuple_values=values, tuple_hash=tuple_hash(values)))
+
+
+def test_10_a_tuple_axis_no_kernel_reads_is_not_signed_and_a_receipt_naming_one_is_not_comparable(
+        node_run, tmp_path) -> None:
+    """The receipt's tuple is what the kernels read: each axis of the loaded assignment that changes no
+    kernel's params (every legal value of it tried over the probe, and the bits of a forward pass compared)
+    is left out of what is signed, and a receipt that names one, with any value, is refused."""
+    import torch
+
+    from detent_audit.engine.kernel_select import _kernel_set, probe_inputs, probe_params
+
+    llm = node_run["llm"]
+    selection = llm.selection
+    r = _receipt(node_run, "long")
+    signed = {k: dict(v) for k, v in r.tuple_values.items() if k != "mode"}
+    assert signed == selection.used_tuple
+    assert json.loads(json.dumps(r.deployment_facts["kernel_params"], default=dict)) == selection.kernel_params
+    dead = [(f, a) for f, axes in selection.tuple.items() for a in axes if a not in signed[f]]
+    assert dead, "the default assignment has axes a pin overrides (the GEMM chunk knob at least)"
+    selectors = {f: res.selector(selection.tuple[f]) for f, res in selection.results.items()}
+    base = probe_params(_kernel_set(selectors), probe_inputs(llm.deployment))
+    for family, axis in dead:
+        result = selection.results[family]
+        values = next(x["legal_values"] for x in result.pins + result.knobs if x["name"] == axis)
+        legal = [v for v in values if result.is_legal({**selection.tuple[family], axis: v})]
+        assert len(legal) > 1
+        for v in legal:  # every legal value: the kernels get the same params
+            other = result.selector({**selection.tuple[family], axis: v})
+            assert probe_params(_kernel_set({**selectors, family: other}), probe_inputs(llm.deployment)) == base
+        v = next(v for v in legal if v != selection.tuple[family][axis])
+        path = _forged_tuple(node_run, tmp_path / f"{family}-{axis}", r,
+                             lambda t, f=family, a=axis, v=v: t[f].__setitem__(a, v))
+        code, report = _verify(node_run, path)
+        o = _receipt_outcome(report)
+        assert code == 3 and o["fields"] == [f"tuple.{family}.{axis}"], o
+    # and the bits: an engine loaded with every such axis changed computes the same logits, bit for bit
+    changed = {f: dict(a) for f, a in selection.tuple.items()}
+    for family, axis in dead:
+        result = selection.results[family]
+        values = next(x["legal_values"] for x in result.pins + result.knobs if x["name"] == axis)
+        changed[family][axis] = next(v for v in values if v != changed[family][axis]
+                                     and result.is_legal({**changed[family], axis: v}))
+    other = LLM(EngineConfig(model=str(node_run["ckpt"]), mode="detent", cache_dir=str(node_run["root"] / "jit"),
+                             tuple=changed))
+    assert other.selection.used_tuple == selection.used_tuple
+    prompt = torch.randint(0, 256, (23,)).tolist()
+    output = list(torch.randint(0, 256, (9,)).tolist())
+    assert torch.equal(torch.tensor(llm.rescore(prompt, output)), torch.tensor(other.rescore(prompt, output)))
+
+
+def test_10_claims_the_bits_cannot_confirm_are_refused_against_the_published_deployment(node_run, tmp_path) -> None:
+    """A GEMM chunk the node did not use, the params the kernels got, and the scheduler's max_num_seqs, each
+    re-signed with the trusted key: where the bits do not refute them (a chunk of 8 or 16 rows gives the same
+    bits on some CPUs; max_num_seqs changes none), `verify` says the facts are self-asserted, and against the
+    published deployment each is refused."""
+    r = _receipt(node_run, "long")
+    published = ("--deployment", str(node_run["root"] / "deployment.json"))
+    chunk = r.tuple_values["embedded.gemm"]["chunk_rows"]
+    other = 8 if chunk != 8 else 16
+
+    def chunk_everywhere(facts):
+        facts["kernel_params"]["gemm"] = [{**p, "chunk_rows": other} for p in facts["kernel_params"]["gemm"]]
+
+    forgeries = {
+        "chunk": _forged_tuple(node_run, tmp_path / "chunk", r,
+                               lambda t: t["embedded.gemm"].__setitem__("chunk_rows", other), chunk_everywhere),
+        "seqs": _forged_tuple(node_run, tmp_path / "seqs", r, change_facts=lambda f: f["deployment"]["engine"]
+                              .__setitem__("max_num_seqs", 1)),
+    }
+    for name, path in forgeries.items():
+        code, report = _verify(node_run, path)
+        o = _receipt_outcome(report)
+        # passes as self-asserted, or the bits refute it, or (the GEMM's pad form) the fact its probe proved
+        # for the signed rows differs
+        assert ((code == 0 and report["facts_self_asserted"] is True) or (code == 1 and "bits" in o["message"])
+                or (code == 3 and o["fields"] and all(f.startswith("deployment.engine.gemm_") for f in o["fields"]))), \
+            (name, o)
+        code, report = _verify(node_run, path, extra=published)
+        o = _receipt_outcome(report)
+        assert code == 1 and "not among the 1 published deployment" in o["message"], (name, o)
+    # the params the kernels got, changed alone (the tuple left as signed): the rebuilt engine's kernels get the
+    # tuple's, so the receipt is not comparable
+    path = _forged_tuple(node_run, tmp_path / "params", r, change_facts=chunk_everywhere)
+    code, report = _verify(node_run, path)
+    o = _receipt_outcome(report)
+    assert code == 3 and o["fields"] == ["kernel_params.gemm"], o
+    # the text report names what no bit confirms
+    res = runner.invoke(app, ["verify", str(forgeries["seqs"]), "--key", str(node_run["key"].public_path),
+                              "--model", str(node_run["ckpt"]), "--cache-dir", str(node_run["root"] / "jit")])
+    assert "facts are self-asserted" in res.stdout and "signing times" in res.stdout, res.stdout
+
+
+def test_10_the_node_signs_nothing_when_its_kernels_ran_with_params_its_facts_do_not_state(node_run, tmp_path
+                                                                                          ) -> None:
+    from detent_audit.errors import DetentError
+    from detent_audit.kernels import GemmParams
+
+    llm = node_run["llm"]
+    node = ServingNode(llm, node_run["private"], tmp_path / "out")
+    params = SamplingParams(max_tokens=2, seed=1, ignore_eos=True)
+    (output,) = llm.generate([[5, 6, 7]], params)
+    from detent_audit.manifests.receipt import ClientRequest
+
+    client = ClientRequest.of(API, {"prompt_token_ids": [5, 6, 7], "max_tokens": 2, "seed": 1, "ignore_eos": True})
+    node.sign(output, params, "fine", client)
+    stated = {p["chunk_rows"] for p in node.facts["kernel_params"]["gemm"]}
+    stray = GemmParams(chunk_rows=next(c for c in (8, 16, 32) if c not in stated))
+    llm.selection.kernels.called["gemm"].add(stray)
+    try:
+        with pytest.raises(DetentError, match="params the signed facts do not state"):
+            node.sign(output, params, "stray", client)
+    finally:
+        llm.selection.kernels.called["gemm"].discard(stray)
+    assert not (tmp_path / "out" / "receipts" / "stray.receipt").exists()
+    node.close()
 
 
 def test_11_a_flipped_weight_byte_changes_the_weights_hash_even_with_its_mtime_restored(make_checkpoint, tmp_path,
