@@ -271,8 +271,7 @@ def used_axes(results: Mapping[str, SolveResult], chosen: Mapping[str, Mapping[s
     used: dict[str, dict[str, Any]] = {}
     for family, assignment in chosen.items():
         result = results[family]
-        legal = {**{p["name"]: p["legal_values"] for p in result.pins},
-                 **{k["name"]: k["legal_values"] for k in result.knobs}}
+        legal = {**{p.name: p.legal_values for p in result.pins}, **{k.name: k.legal_values for k in result.knobs}}
         used[family] = {}
         for axis in result.axes:
             others = [v for v in legal.get(axis) or [] if v != assignment[axis]]

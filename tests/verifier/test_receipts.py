@@ -261,7 +261,7 @@ def test_10_a_tuple_axis_no_kernel_reads_is_not_signed_and_a_receipt_naming_one_
     base = probe_params(_kernel_set(selectors), probe_inputs(llm.deployment))
     for family, axis in dead:
         result = selection.results[family]
-        values = next(x["legal_values"] for x in result.pins + result.knobs if x["name"] == axis)
+        values = next(x.legal_values for x in (*result.pins, *result.knobs) if x.name == axis)
         legal = [v for v in values if result.is_legal({**selection.tuple[family], axis: v})]
         assert len(legal) > 1
         for v in legal:  # every legal value: the kernels get the same params
@@ -277,7 +277,7 @@ def test_10_a_tuple_axis_no_kernel_reads_is_not_signed_and_a_receipt_naming_one_
     changed = {f: dict(a) for f, a in selection.tuple.items()}
     for family, axis in dead:
         result = selection.results[family]
-        values = next(x["legal_values"] for x in result.pins + result.knobs if x["name"] == axis)
+        values = next(x.legal_values for x in (*result.pins, *result.knobs) if x.name == axis)
         changed[family][axis] = next(v for v in values if v != changed[family][axis]
                                      and result.is_legal({**changed[family], axis: v}))
     other = LLM(EngineConfig(model=str(node_run["ckpt"]), mode="detent", cache_dir=str(node_run["root"] / "jit"),
