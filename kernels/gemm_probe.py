@@ -38,6 +38,11 @@ ROW_FORM_MACS_PER_SHAPE = 3e8   # the row form reads the whole weight once per r
 _DENSE_UP_TO = 24
 _DENSE_FLOOR = {"pad": 12, "chunk": 12, "row": 8}   # every M up to this is tried whatever the budget
 _MEMO: dict[tuple, ProbeReport] = {}
+# With more than one thread the BLAS splits an unpadded product's rows between threads by M, and how it splits
+# was seen to vary between runs on one machine (the least proven rows 12 in one run, 4 in another): a sample
+# cannot prove that, so the pad form is offered and accepted at one thread only.
+PAD_ONE_THREAD = ("the pad form is proven at one thread only (with more, the rows' split between threads "
+                  "varies between runs); use the chunk or row form, or one thread")
 
 
 class GemmFormNotInvariant(DetentError):
@@ -155,6 +160,9 @@ def require(params: GemmParams, shapes: Iterable[tuple[int, int]], dtype: torch.
     raises `GemmFormNotInvariant`, naming `what` and the failing M, where it fails."""
     if params.form == "chunk":
         return None
+    if params.form == "pad" and torch.get_num_threads() > 1:
+        raise GemmFormNotInvariant(f"{what} embedded.gemm form: {params.label} with "
+                                   f"{torch.get_num_threads()} threads: {PAD_ONE_THREAD}")
     report = check(params, shapes, dtype)
     if not report.ok:
         raise GemmFormNotInvariant(f"{what} embedded.gemm form: {report.describe()}")
@@ -165,6 +173,8 @@ def least_pad_rows(shapes: Iterable[tuple[int, int]], dtype: torch.dtype = torch
     """The fewest rows the pad form can pad to on this CPU and thread count (0: no row count in
     GEMM_PAD_ROWS_SPACE passed). Each failure at M rules out every count up to M."""
     shapes = tuple(shapes)
+    if torch.get_num_threads() > 1:
+        return 0  # PAD_ONE_THREAD
     floor = 0
     for rows in GEMM_PAD_ROWS_SPACE:
         if rows <= floor:

@@ -77,6 +77,7 @@ def test_least_pad_rows_walks_up_past_the_failures(monkeypatch):
         blas_m = max(x.shape[0], params.chunk_rows) if params is not None and params.form == "pad" else x.shape[0]
         return out + 1e-3 if blas_m < 9 else out
     monkeypatch.setattr(gemm, "linear", linear)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the pad form is walked at one thread only
     gemm_probe._MEMO.clear()
     try:
         assert gemm_probe.least_pad_rows(SHAPES) == 12
@@ -122,10 +123,15 @@ def test_pad_is_stocks_product_from_its_rows_and_row_is_the_lone_product(randn):
 
 
 def test_the_pad_form_at_four_rows_on_this_cpu(threads):
-    """What the module docstring records: at one thread pad:4 holds on the model-like shapes, at two threads
-    rows in a remainder block (M 5..11) change bits, so the probe walks up to 12. A CPU where this differs
-    fails this test, not the engine: the engine asks the probe."""
+    """What the module docstring records: at one thread pad:4 holds on the model-like shapes (an AVX2 CPU
+    with MKL; a CPU where this differs fails this test, not the engine: the engine asks the probe). With two
+    threads the pad form is never proven, nor accepted when a tuple commits it."""
     rows = gemm_probe.least_pad_rows([(576, 576), (960, 576)])
+    if threads > 1:
+        assert rows == 0
+        with pytest.raises(gemm_probe.GemmFormNotInvariant, match="one thread only"):
+            gemm_probe.require(GemmParams(4, "pad"), [(576, 576)], torch.float32)
+        return
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         pytest.skip("measured on an AVX2 CPU")
-    assert rows == (4 if threads == 1 else 12)
+    assert rows == 4
