@@ -17,8 +17,8 @@ CPU build, MKL 2024.2 for fp32, oneDNN for bf16; the model's shapes 576x960, 576
   same, for EVERY M >= 4, whatever the row's position or neighbours: the pad form at 4 rows holds, and a
   batch of 4 or more rows needs neither padding nor chunks (detent's product is stock's).
 - At 2 threads the rows are split between the threads and M in 5..11 gave other bits (rows in a remainder
-  block) in one run and not in another: the split varies between runs, so the pad form is used at one
-  thread only (kernels/gemm_probe.py refuses it at more).
+  block; the probe proved pad at 12 there), so the pad form is used at one thread only
+  (kernels/gemm_probe.py refuses it at more).
 - torch.bmm over [M, 1, K] x an expanded weight [M, K, N] (stride 0, MKL batch gemm) gives every row exactly
   F.linear's M=1 (gemv) bits, at 1 and 2 threads: the row form. It reads the weight once per row: at batch 1
   it costs what stock's gemv costs, at batch 8 about twice stock's one product (RESULTS.md).

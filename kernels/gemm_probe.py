@@ -38,11 +38,11 @@ ROW_FORM_MACS_PER_SHAPE = 3e8   # the row form reads the whole weight once per r
 _DENSE_UP_TO = 24
 _DENSE_FLOOR = {"pad": 12, "chunk": 12, "row": 8}   # every M up to this is tried whatever the budget
 _MEMO: dict[tuple, ProbeReport] = {}
-# With more than one thread the BLAS splits an unpadded product's rows between threads by M, and how it splits
-# was seen to vary between runs on one machine (the least proven rows 12 in one run, 4 in another): a sample
-# cannot prove that, so the pad form is offered and accepted at one thread only.
-PAD_ONE_THREAD = ("the pad form is proven at one thread only (with more, the rows' split between threads "
-                  "varies between runs); use the chunk or row form, or one thread")
+# With more than one thread the BLAS splits an unpadded product's rows between threads by M (M 5..11 gave
+# rows in a remainder block other bits at 2 threads); the pad form is offered and accepted at one thread only,
+# where no split exists.
+PAD_ONE_THREAD = ("the pad form is used at one thread only (with more, the BLAS splits rows between threads "
+                  "by M); use the chunk or row form, or one thread")
 
 
 class GemmFormNotInvariant(DetentError):

@@ -12,13 +12,14 @@ import torch
 
 @contextmanager
 def thread_count(n: int) -> Iterator[None]:
-    """Run the body with torch.set_num_threads(n); the previous count is restored even on failure."""
+    """Run the body at n threads; the previous count is restored even on failure. Through torch._C: vLLM's CPU
+    worker, once imported in this process, makes torch.set_num_threads a no-op."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(n)
+    torch._C.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        torch._C.set_num_threads(previous)
 
 
 @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
