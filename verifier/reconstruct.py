@@ -37,6 +37,18 @@ class NotComparable(DeploymentError):
                          fields=fields)
 
 
+def served_thread_count(facts: Mapping[str, Any], threads: int | None) -> int:
+    """The receipt's `runtime.num_threads`, checked as a thread count; not comparable where `threads` (the
+    verifier's --threads) differs, since the count changes the bits."""
+    served_threads = _get(facts, "runtime", "num_threads")
+    if isinstance(served_threads, bool) or not isinstance(served_threads, int) or not 1 <= served_threads <= 4096:
+        raise BadInput(f"the receipt's runtime.num_threads is {served_threads!r}, not a thread count")
+    if threads is not None and threads != served_threads:
+        raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
+                                                     f"--threads {threads} changes the bits")
+    return served_threads
+
+
 def _get(facts: Mapping[str, Any], *path: str) -> Any:
     node: Any = facts
     for key in path:
@@ -191,12 +203,7 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
     if served != vllm.__version__:
         raise NotComparable(["engine.version"], f"the receipt was served by vLLM {served}; this verifier has "
                                                 f"vLLM {vllm.__version__}")
-    served_threads = _get(facts, "runtime", "num_threads")
-    if isinstance(served_threads, bool) or not isinstance(served_threads, int) or not 1 <= served_threads <= 4096:
-        raise BadInput(f"the receipt's runtime.num_threads is {served_threads!r}, not a thread count")
-    if threads is not None and threads != served_threads:
-        raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
-                                                     f"--threads {threads} changes the bits")
+    served_threads = served_thread_count(facts, threads)
     from detent_audit.engine.facts import checkpoint_hashes
     from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine, attention_of_facts
 

@@ -20,6 +20,7 @@ from detent_audit.verifier.reconstruct import (
     _get,
     differing_fields,
     served_from,
+    served_thread_count,
 )
 
 # signed facts that size the engine, bounded before SGLang is started (no receipt sizes the verifier's memory)
@@ -44,12 +45,7 @@ def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any]
     if served != local:
         raise NotComparable(["engine.version"], f"the receipt was served by SGLang {served}; this verifier has "
                                                 f"SGLang {local}")
-    served_threads = _get(facts, "runtime", "num_threads")
-    if isinstance(served_threads, bool) or not isinstance(served_threads, int) or not 1 <= served_threads <= 4096:
-        raise BadInput(f"the receipt's runtime.num_threads is {served_threads!r}, not a thread count")
-    if threads is not None and threads != served_threads:
-        raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
-                                                     f"--threads {threads} changes the bits")
+    served_threads = served_thread_count(facts, threads)
     sched = _get(facts, "scheduler")
     for what, top in _LIMITS:
         value = sched.get(what.split(".")[1])
