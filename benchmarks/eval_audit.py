@@ -10,6 +10,12 @@ comparison) go under --out; a summary JSON is printed and written there.
     python benchmarks/eval_audit.py --model smollm2-135m-instruct --out benchmarks/results/eval-smollm2
     python benchmarks/eval_audit.py --model smollm2-135m-instruct --only-concurrency \
         --out benchmarks/results/eval-smollm2-concurrency     # (3) alone, detent then stock
+    python benchmarks/eval_audit.py --model smollm2-135m-instruct --only-concurrency --modes stock,detent \
+        --threads 2 --concurrency-limit 10 --out benchmarks/results/eval-smollm2-concurrency-2-threads
+    python benchmarks/eval_audit.py --model smollm2-135m-instruct --limit 8 --modes "" \
+        --out benchmarks/results/eval-smollm2-verify-time     # (1) and (2) only: verify-eval over serving time
+
+Each concurrency run also records the server's steps by how many sequences shared each (from /health).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,10 +43,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model: str, key: Path, out: Path, mode: str, name: str) -> tuple[subprocess.Popen, str]:
+def serve(model: str, key: Path, out: Path, mode: str, name: str, threads: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([*CLI, "serve", "--model", model, "--key", str(key), "--manifest-out", str(out),
-                             "--mode", mode, "--port", str(port), "--served-model-name", name],
+                             "--mode", mode, "--port", str(port), "--served-model-name", name,
+                             "--threads", str(threads)],
                             env=ENV, stdout=subprocess.DEVNULL, stderr=open(out.parent / f"serve-{mode}.log", "w"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -66,23 +74,68 @@ def lm_eval(url: str, model: str, name: str, out: Path, tasks: str, *, limit: in
     return time.perf_counter() - start
 
 
+def step_batch_sizes(url: str) -> dict[int, int]:
+    """The server's steps so far by how many sequences shared each (its /health counts them)."""
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as answer:
+        return {int(n): c for n, c in json.load(answer).get("step_batch_sizes", {}).items()}
+
+
+def steps_between(before: dict[int, int], after: dict[int, int]) -> dict[str, int]:
+    return {str(n): after[n] - before.get(n, 0) for n in sorted(after) if after[n] - before.get(n, 0)}
+
+
 def per_sample(run: Path, task: str) -> dict[str, list]:
     [path] = run.rglob(f"samples_{task}_*.jsonl")
     return {f"{json.loads(line)['doc_id']}": json.loads(line)["resps"] for line in path.read_text().splitlines()}
 
 
-def concurrency_runs(spec: str, model: str, name: str, key: Path, out: Path, mode: str, limit: int,
+def new_receipts(node: Path, before: set[str]) -> list[Path]:
+    folder = node / "receipts"
+    return sorted(p for p in folder.iterdir() if p.name not in before) if folder.is_dir() else []
+
+
+def receipt_names(node: Path) -> set[str]:
+    folder = node / "receipts"
+    return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+
+
+def receipts_by_prompt(paths: list[Path], key: Path) -> tuple[dict[tuple, dict], list[int]]:
+    """The generations among `paths` by prompt ids (tokens and fp32 logprob bits), and every prompt's length."""
+    from detent_audit.manifests.dsse import read_envelope_bytes
+    from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.manifests.receipt import verify_envelope
+
+    trusted = load_trusted_keys(Path(f"{key}.pub"))
+    generations, lengths = {}, []
+    for p in paths:
+        r = verify_envelope(read_envelope_bytes(p), trusted).receipt
+        lengths.append(len(r.request.prompt_token_ids))
+        if r.scoring is None:
+            generations[tuple(r.request.prompt_token_ids)] = {
+                "tokens": list(r.output.token_ids), "logprob_bits": r.output.logprobs_f32le.hex(),
+                "text": r.output.text}
+    return generations, lengths
+
+
+def concurrency_runs(spec: str, model: str, name: str, key: Path, out: Path, mode: str, limit: int, threads: int,
                      url: str | None = None) -> dict:
-    """The multiple-choice task at num_concurrent 1 and 8 (batch size 1) on one server of `mode` (started here
-    unless `url`): the per-sample responses compared between the two, and each run's wall time."""
-    seconds = {}
+    """Both tasks at num_concurrent 1 and 8 (batch size 1) on one server of `mode` (started here unless `url`):
+    the multiple-choice task's logged per-sample responses compared between the two, the generate task's
+    per-sample output tokens and logprob bits compared from the receipts (lm-eval logs only a generation's
+    text), each run's wall time, and how many sequences shared each of the engine's steps in each run (whether
+    concurrency 8 co-batched at all: prefills of the scored prompts, decode steps of the generations)."""
+    seconds, steps, receipts = {}, {}, {}
+    node = out / f"{mode}-node"
     proc = None
     if url is None:
-        proc, url = serve(spec, key, out / f"{mode}-node", mode, name)
+        proc, url = serve(spec, key, node, mode, name, threads)
     try:
         for c in (1, 8):
-            seconds[c] = lm_eval(url, model, name, out / f"{mode}-c{c}", "detent_qa_mc", limit=limit, batch_size=1,
-                                 concurrent=c)
+            before, names = step_batch_sizes(url), receipt_names(node)
+            seconds[c] = lm_eval(url, model, name, out / f"{mode}-c{c}", "detent_qa_mc,detent_qa_gen", limit=limit,
+                                 batch_size=1, concurrent=c)
+            steps[c] = steps_between(before, step_batch_sizes(url))
+            receipts[c] = new_receipts(node, names)
     finally:
         if proc is not None:
             proc.terminate()
@@ -91,8 +144,38 @@ def concurrency_runs(spec: str, model: str, name: str, key: Path, out: Path, mod
     requests = [(doc, i) for doc in sorted(one, key=int) for i in range(len(one[doc]))]
     differ = [{"doc": int(doc), "choice": i, "c1": one[doc][i], "c8": eight[doc][i]} for doc, i in requests
               if one[doc][i] != eight[doc][i]]
+    (gen1, lengths), (gen8, _) = (receipts_by_prompt(receipts[c], key) for c in (1, 8))
+    gen_differ = [{"prompt_tokens": len(p), "c1": gen1[p], "c8": gen8.get(p)} for p in gen1 if gen1[p] != gen8.get(p)]
     return {"requests": len(requests), "differ": len(differ), "docs_differing": len({d["doc"] for d in differ}),
-            "where": differ, "seconds": {f"c{c}": s for c, s in seconds.items()}}
+            "where": differ, "generations": len(gen1), "generations_differing": len(gen_differ),
+            "generations_differing_text": sum(d["c8"] is None or d["c1"]["text"] != d["c8"]["text"] for d in gen_differ),
+            "generations_where": gen_differ, "receipts": {f"c{c}": len(r) for c, r in receipts.items()},
+            "prompt_tokens": {"min": min(lengths), "max": max(lengths)}, "seconds": {f"c{c}": s for c, s in seconds.items()},
+            "step_batch_sizes": {f"c{c}": s for c, s in steps.items()}, "threads": threads}
+
+
+def gemm_invariant_rows(model: str) -> dict[str, int]:
+    """Per thread count (1, 2): the fewest rows from which torch's fp32 F.linear gives a row the same bits at
+    every M tried, on the model's GEMM shapes (the engine's own probe, kernels/gemm_probe.py)."""
+    import torch
+
+    from detent_audit.engine.llm import LLM, EngineConfig
+    from detent_audit.kernels.gemm_probe import check
+    from detent_audit.kernels.params import GEMM_PAD_ROWS_SPACE, GemmParams
+
+    shapes = tuple(LLM(EngineConfig(model=model, mode="stock")).model.gemm_shapes())
+    found = {}
+    for threads in (1, 2):  # the probe's walk (least_pad_rows), also at two threads, where the engine refuses pad
+        torch.set_num_threads(threads)
+        floor, found[str(threads)] = 0, 0
+        for rows in GEMM_PAD_ROWS_SPACE:
+            if rows > floor:
+                failure = check(GemmParams(rows, "pad"), shapes).failure
+                if failure is None:
+                    found[str(threads)] = rows
+                    break
+                floor = failure[1]
+    return found
 
 
 def main() -> None:
@@ -105,6 +188,8 @@ def main() -> None:
     ap.add_argument("--concurrency-limit", type=int, default=20, help="documents of the 1-vs-8 comparison")
     ap.add_argument("--only-concurrency", action="store_true", help="run only (3), the 1-vs-8 comparison")
     ap.add_argument("--modes", default="detent,stock", help="modes of the 1-vs-8 comparison, in run order")
+    ap.add_argument("--threads", type=int, default=1, help="engine threads of every server (a bit-relevant fact)")
+    ap.add_argument("--limit", type=int, default=None, help="documents per task of the full run (1); all if unset")
     args = ap.parse_args()
     from detent_audit.engine.named_models import resolve_model
 
@@ -115,18 +200,19 @@ def main() -> None:
     key = out / "node.key"
     subprocess.run([*CLI, "keygen", "--out", str(key)], env=ENV, check=True, stdout=subprocess.DEVNULL)
     summary: dict = {"model": args.model, "folder": model, "machine": os.uname().nodename, "cpus": os.cpu_count(),
+                     "threads": args.threads, "limit": args.limit,
                      "load_average_at_start": os.getloadavg()}
     modes = [m for m in args.modes.split(",") if m]
 
     if not args.only_concurrency:
         # (1) and (3, detent): one detent server
-        proc, url = serve(args.model, key, out / "detent-node", "detent", args.name)
+        proc, url = serve(args.model, key, out / "detent-node", "detent", args.name, args.threads)
         try:
             summary["lm_eval_seconds"] = lm_eval(url, model, args.name, out / "lm-eval", "detent_qa_gen,detent_qa_mc",
-                                                 limit=None, batch_size=args.batch_size, concurrent=1)
+                                                 limit=args.limit, batch_size=args.batch_size, concurrent=1)
             if "detent" in modes:
                 summary["concurrency_1_vs_8_detent"] = concurrency_runs(args.model, model, args.name, key, out, "detent",
-                                                                        args.concurrency_limit, url)
+                                                                        args.concurrency_limit, args.threads, url)
         finally:
             proc.terminate()
             proc.wait(120)
@@ -149,8 +235,10 @@ def main() -> None:
     for mode in modes:
         if f"concurrency_1_vs_8_{mode}" not in summary:
             summary[f"concurrency_1_vs_8_{mode}"] = concurrency_runs(args.model, model, args.name, key, out, mode,
-                                                                     args.concurrency_limit)
+                                                                     args.concurrency_limit, args.threads)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if modes:
+        summary["gemm_invariant_from_rows_by_threads"] = gemm_invariant_rows(args.model)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
 

@@ -8,6 +8,7 @@ CPU thread count is fixed when the engine starts (it changes BLAS bits) and reco
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -148,6 +149,8 @@ class LLM:
         self._score_from: dict[int, ScoreSpec] = {}
         self._scores: dict[int, Rescored] = {}
         self._tops: dict[int, list[list[tuple[int, float]]]] = {}
+        # steps run, by how many sequences shared them (how much co-batching a workload really got)
+        self.step_batch_sizes: Counter[int] = Counter()
 
     @staticmethod
     def _max_model_len(config: EngineConfig, positions: int) -> int:
@@ -246,6 +249,7 @@ class LLM:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        self.step_batch_sizes[len(out.scheduled)] += 1
         bm = self.scheduler.block_manager
         slots = {e.seq.seq_id: bm.slot_mapping(e.seq, e.start_pos, e.end_pos) for e in out.scheduled}
         results = self.runner.execute(out, slots, self._score_from)
