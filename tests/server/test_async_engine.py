@@ -204,3 +204,25 @@ def test_a_response_finished_as_its_client_left_is_not_answered() -> None:
         assert await _result_unless_gone(Request(False), stayed) == "output" and not stayed.cancelled
 
     asyncio.run(main())
+
+
+def test_stats_count_the_steps_by_the_sequences_that_shared_them(env: Env) -> None:
+    """Each request is in exactly two steps (its prefill, then the decode of its second token): with the first
+    request held at the gate while two more arrive, the first step runs it alone, the second its decode with
+    the others' prefills, the third their decodes."""
+    llm = LLM(env.engine_config())
+    engine = AsyncEngine(llm)
+    gate = _gate(llm)
+    try:
+        assert engine.stats()["step_batch_sizes"] == {}
+        first = engine.submit([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), "s0")
+        first.admitted_future.result(30)  # the engine thread now waits at the gate, before its first step
+        rest = [engine.submit([4, 5, 6, 7][: i + 2], SamplingParams(max_tokens=2, ignore_eos=True), f"s{i + 1}")
+                for i in range(2)]
+        gate.set()
+        for h in [first, *rest]:
+            assert len(h.future.result(60).token_ids) == 2
+    finally:
+        gate.set()
+        engine.shutdown()
+    assert engine.stats()["step_batch_sizes"] == {"1": 1, "2": 1, "3": 1}
