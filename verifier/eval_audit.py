@@ -336,7 +336,12 @@ def _same(logged: Any, rebuilt: Any) -> bool:
 def load_tasks(names: list[str], include_path: list[str]) -> dict[str, Any]:
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    manager = TaskManager(include_path=include_path or None)
+    manager = None
+    if include_path:  # the include path alone first: indexing lm-eval's thousands of own tasks takes minutes
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        if any(n not in manager.all_tasks for n in names):
+            manager = None
+    manager = manager or TaskManager(include_path=include_path or None)  # a task of the path takes precedence
     missing = [n for n in names if n not in manager.all_tasks]
     if missing:
         raise BadInput(f"lm-eval does not know the task(s) {', '.join(missing)}",
