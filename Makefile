@@ -66,7 +66,7 @@ demo-vllm: $(VENV)/.installed
 solve: $(VENV)/.installed
 	$(CLI) solve --deployment $(DEPLOYMENT)
 
-# CI's tier: everything but the tests marked slow (the real model's battery, lm-eval end to end, SIGKILL
+# CI's tier: everything but the tests marked slow (the real model's battery, the bigger lm-eval runs, SIGKILL
 # under load); `make test-slow` runs those
 test: $(VENV)/.installed lint typecheck
 	$(PY) -m pytest -p no:cacheprovider -m "not slow" tests
