@@ -1,10 +1,10 @@
-"""The evaluation tests' helpers: a live server of `detent-audit serve`'s app, and lm-eval's command line on it."""
+"""The evaluation tests' helpers: a live server of `detent-audit serve`'s app, and lm-eval run on it in this
+process (imported once per test process) as its command line runs, writing the folder
+`lm_eval --output_path ... --log_samples` writes."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,13 +13,19 @@ from pathlib import Path
 from threaded_server import threaded_server
 
 from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.keys import GeneratedKey, load_private_key, load_trusted_keys
+from detent_audit.manifests.receipt import verify_envelope
 from detent_audit.server.app import create_app
 from detent_audit.server.async_engine import AsyncEngine
 from detent_audit.server.node import ServingNode
 
 MODEL_NAME = "smollm2-135m-instruct"
 TASKS = Path(__file__).resolve().parents[2] / "examples" / "eval"
+# the shipped tasks read a jsonl of the repository: nothing of the hub is needed, and nothing may be fetched
+for _name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+    os.environ.setdefault(_name, "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @dataclass
@@ -29,39 +35,74 @@ class Served:
     checkpoint: Path
     key: GeneratedKey
     node: ServingNode
+    llm: LLM
 
     @property
     def trusted(self) -> dict:
         return load_trusted_keys(self.key.public_path)
 
+    def steps(self) -> dict[int, int]:
+        """The engine's steps so far by how many sequences shared each."""
+        return dict(self.llm.step_batch_sizes)
+
 
 @contextmanager
-def serving(checkpoint: Path, key: GeneratedKey, out: Path, cache_dir: Path, mode: str = "detent") -> Iterator[Served]:
+def serving(checkpoint: Path, key: GeneratedKey, out: Path, cache_dir: Path, mode: str = "detent",
+            threads: int = 1) -> Iterator[Served]:
     """`detent-audit serve`'s app on 127.0.0.1 in a thread; on exit it shuts down and writes its run manifest."""
-    llm = LLM(EngineConfig(model=str(checkpoint), mode=mode, cache_dir=str(cache_dir)))
+    llm = LLM(EngineConfig(model=str(checkpoint), mode=mode, cache_dir=str(cache_dir), num_threads=threads))
     node = ServingNode(llm, load_private_key(key.private_path), out)
     engine = AsyncEngine(llm)
     try:
         with threaded_server(create_app(engine, node, MODEL_NAME), start_timeout=60) as url:
-            yield Served(url, out, checkpoint, key, node)
+            yield Served(url, out, checkpoint, key, node, llm)
     finally:
         engine.shutdown(drain=False)
 
 
-def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 6, chat: bool = False, batch_size: int = 4,
-                concurrent: int = 1) -> Path:
-    """lm-eval's own command line against the server, with --log_samples; returns its output folder."""
+def lm_eval_argv(served: Served, out: Path, tasks: str, *, limit: int, chat: bool, batch_size: int,
+                 concurrent: int) -> list[str]:
+    """lm-eval's command line (after `lm_eval`) for the shipped tasks against the server, with --log_samples."""
     if chat:
         model, args = "local-chat-completions", f"base_url={served.url}/v1/chat/completions"
     else:
         model, args = "local-completions", (f"base_url={served.url}/v1/completions,tokenizer={served.checkpoint},"
                                             "tokenizer_backend=huggingface")
-    cmd = [sys.executable, "-m", "lm_eval", "--model", model,
-           "--model_args", f"model={MODEL_NAME},{args},num_concurrent={concurrent},max_retries=1",
-           "--include_path", str(TASKS), "--tasks", tasks, "--limit", str(limit), "--batch_size", str(batch_size),
-           "--output_path", str(out), "--log_samples"] + (["--apply_chat_template"] if chat else [])
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise AssertionError(f"lm-eval failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return ["--model", model, "--model_args", f"model={MODEL_NAME},{args},num_concurrent={concurrent},max_retries=1",
+            "--include_path", str(TASKS), "--tasks", tasks, "--limit", str(limit), "--batch_size", str(batch_size),
+            "--output_path", str(out), "--log_samples"] + (["--apply_chat_template"] if chat else [])
+
+
+def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 4, chat: bool = False, batch_size: int = 4,
+                concurrent: int = 1) -> Path:
+    """lm-eval against the server, in this process, as its CLI runs (`lm_eval_argv`): `simple_evaluate`, then its
+    tracker writes the output folder (results_*.json, samples_*.jsonl). The one difference: the task manager
+    indexes only the shipped tasks' folder (lm-eval's own thousands of tasks take minutes to index, and no test
+    uses them). Raises what lm-eval raised (a request the server refused fails the run: max_retries=1)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.tasks import TaskManager
+
+    argv = lm_eval_argv(served, out, tasks, limit=limit, chat=chat, batch_size=batch_size, concurrent=concurrent)
+    tracker = EvaluationTracker(output_path=str(out))
+    results = simple_evaluate(model=argv[argv.index("--model") + 1], model_args=argv[argv.index("--model_args") + 1],
+                              tasks=tasks.split(","), batch_size=batch_size, limit=limit, log_samples=True,
+                              evaluation_tracker=tracker, apply_chat_template=chat,
+                              task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
+    samples = results.pop("samples")
+    tracker.save_results_aggregated(results=results, samples=samples)
+    for task in results["configs"]:
+        tracker.save_results_samples(task_name=task, samples=samples[task])
+    if not any(out.rglob("results_*.json")):
+        raise AssertionError(f"lm-eval wrote no results under {out}")
     return out
+
+
+def generations_of(paths, trusted: dict) -> dict[tuple[int, ...], tuple[tuple[int, ...], bytes]]:
+    """The generations among the receipts `paths`, by prompt ids: their output tokens and fp32 logprob bits."""
+    found = {}
+    for p in paths:
+        r = verify_envelope(read_envelope_bytes(p), trusted).receipt
+        if r.scoring is None:
+            found[tuple(r.request.prompt_token_ids)] = (tuple(r.output.token_ids), bytes(r.output.logprobs_f32le))
+    return found

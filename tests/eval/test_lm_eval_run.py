@@ -1,0 +1,221 @@
+"""lm-eval against the server on a handful of items, end to end (CI's tier; the bigger runs are in
+test_lm_eval_slow.py, stock's side in test_lm_eval_stock.py): both task kinds through /v1/completions, every
+request has a receipt and every receipt answers a request; verify-eval recomputes the reported score exactly
+with full coverage against the published deployment; a tampered receipt (a logprob bit, a token), a removed
+one, a logged response that is not the receipt's, or facts that are not the published ones: the score is
+recomputed from what verifies, coverage drops, and the sample is named; served at concurrency 1 and 8 (steps
+really shared), the per-sample logprobs are bit-identical in detent mode. One server and one lm-eval (in this
+process) for the module."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from eval_helpers import TASKS, Served, generations_of, run_lm_eval, serving
+
+from detent_audit.engine.tokenizer import Tokenizer
+from detent_audit.manifests.dsse import read_envelope_bytes
+from detent_audit.manifests.encoding import facts_hash
+from detent_audit.manifests.keys import load_private_key
+from detent_audit.manifests.receipt import OutputRecord, Receipt, ScoringRecord, sign_receipt, verify_envelope
+from detent_audit.verifier.eval_audit import EvalReport, find_run, read_samples, verify_eval
+from detent_audit.verifier.verify import load_deployments
+
+LIMIT = 4               # documents per task of the main run: 4 generations, 16 scored prompts in 4 requests
+CONCURRENCY_LIMIT = 2   # documents of the multiple-choice task served one prompt per request at 1 and at 8
+MAIN_RECEIPTS = LIMIT + 4 * LIMIT
+
+
+@dataclass
+class Run:
+    served: Served
+    root: Path
+    main: Path                  # lm-eval's output of both tasks (batch size 4, concurrency 1)
+    main_receipts: list[Path]   # the receipts the server wrote during it
+    c1: Path
+    c8: Path
+    steps: dict[int, dict[int, int]]  # concurrency -> the engine's steps during that run, by sequences per step
+    generations: dict[int, dict[tuple[int, ...], tuple]]  # concurrency -> prompt ids -> (tokens, logprob bits)
+
+    @property
+    def receipts(self) -> Path:
+        return self.served.out / "receipts"
+
+    def main_receipts_copy(self, to: Path) -> Path:
+        to.mkdir()
+        for p in self.main_receipts:
+            shutil.copy2(p, to / p.name)
+        return to
+
+
+def _steps_between(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
+    return {n: after[n] - before.get(n, 0) for n in after if after[n] - before.get(n, 0)}
+
+
+@pytest.fixture(scope="module")
+def run(eval_checkpoint: Path, node_key, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    root = tmp_path_factory.mktemp("eval-run")
+    with serving(eval_checkpoint, node_key, root / "node", root / "jit") as served:
+        served.node.publish(root / "deployment.json")
+        main = run_lm_eval(served, root / "lm-eval", "detent_qa_mc,detent_qa_gen", limit=LIMIT, batch_size=4)
+        main_receipts = sorted((served.out / "receipts").iterdir())
+        steps, outs, generations = {}, {}, {}
+        for c in (1, 8):
+            before, names = served.steps(), set((served.out / "receipts").iterdir())
+            outs[c] = run_lm_eval(served, root / f"c{c}", "detent_qa_mc,detent_qa_gen", limit=CONCURRENCY_LIMIT,
+                                  batch_size=1, concurrent=c)
+            steps[c] = _steps_between(before, served.steps())
+            generations[c] = generations_of(set((served.out / "receipts").iterdir()) - names, served.trusted)
+    return Run(served, root, main, main_receipts, outs[1], outs[8], steps, generations)
+
+
+def _audit(run_dir: Path, receipts: Path, served: Served, **kw) -> EvalReport:
+    return verify_eval(run_dir, [receipts], served.trusted, model=str(served.checkpoint), include_path=[str(TASKS)],
+                       cache_dir=str(served.out.parent / "jit"), **kw)
+
+
+def _logged(run_dir: Path) -> dict[str, list[dict]]:
+    _, samples = find_run(run_dir)
+    return {task: read_samples(p) for task, p in samples.items()}
+
+
+def _open(path: Path, served: Served) -> Receipt:
+    return verify_envelope(read_envelope_bytes(path), served.trusted).receipt
+
+
+def _resign(path: Path, served: Served, edit) -> None:
+    path.write_bytes(sign_receipt(edit(_open(path, served)), load_private_key(served.key.private_path)))
+
+
+def test_every_request_has_a_receipt_and_the_score_is_recomputed_exactly(run: Run, tmp_path: Path) -> None:
+    served = run.served
+    assert len(run.main_receipts) == MAIN_RECEIPTS  # one per prompt: 4 per multiple-choice request
+    published = load_deployments([str(run.root / "deployment.json")])
+    report = _audit(run.main, run.main_receipts_copy(tmp_path / "receipts"), served, deployments=published)
+    got = report.to_json()
+    assert report.exit_code == 0, got
+    assert {s.task for s in report.scores} == {"detent_qa_mc", "detent_qa_gen"}
+    assert {s.metric.split(",")[0] for s in report.scores} == {"acc", "acc_norm", "exact_match"}
+    for s in report.scores:
+        assert s.covered == s.total == LIMIT and s.recomputed is not None
+        assert json.dumps(s.recomputed) == json.dumps(s.reported), s  # bit for bit, not approximately
+    assert len(report.docs) == 2 * LIMIT and all(d.covered for d in report.docs)
+    # every request lm-eval sent has a receipt, and every receipt of the run answers one of them
+    assert report.receipt_counts["OK"] == MAIN_RECEIPTS and report.receipts_unmatched == 0
+    assert got["facts_self_asserted"] is False
+    # the task really ran both request kinds: echo scoring, and generations cut at a stop string
+    opened = [_open(p, served) for p in run.main_receipts]
+    assert sum(r.scoring is not None for r in opened) == 4 * LIMIT
+    generations = [r for r in opened if r.scoring is None]
+    assert all({"\n", "Question:"} <= set(r.request.sampling.stop) for r in generations)  # lm-eval may add its EOS
+    assert any(r.output.finish_reason == "stop" for r in generations), [r.output.text for r in generations]
+
+
+def _flip_prompt_bit(r: Receipt) -> Receipt:
+    sc = r.scoring
+    raw = bytearray(sc.logprobs_f32le)
+    raw[-4] ^= 1  # the last prompt position's lowest mantissa bit: the continuation lm-eval sums
+    return dataclasses.replace(r, scoring=ScoringRecord(bytes(raw), sc.top_n, sc.top_ids, sc.top_logprobs_f32le))
+
+
+def _other_first_token(r: Receipt) -> Receipt:
+    ids = list(r.output.token_ids)
+    ids[0] = (ids[0] + 1) % 256
+    return dataclasses.replace(r, output=OutputRecord.from_floats(ids, r.output.logprobs, r.output.finish_reason,
+                                                                  r.output.text, r.output.top_logprobs))
+
+
+def _question(r: Receipt, tokenizer: Tokenizer) -> str:
+    """The document's own question in a request's prompt (after the few-shot examples, if any)."""
+    return tokenizer.decode(list(r.request.prompt_token_ids)).rsplit("Question: ", 1)[1].split("\n", 1)[0]
+
+
+def _other_facts(r: Receipt) -> Receipt:
+    """Facts that are not the published ones: a max_num_seqs no bit depends on."""
+    facts = json.loads(json.dumps(r.deployment_facts, default=dict))
+    facts["deployment"]["engine"]["max_num_seqs"] = 1
+    return dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts))
+
+
+def _flip_logged_sum(path: Path, doc_id: int) -> None:
+    """The lowest bit of the double lm-eval logged as a document's first log-likelihood (it logs the str())."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        sample = json.loads(line)
+        if int(sample["doc_id"]) == doc_id:
+            ll, greedy = sample["resps"][0][0]
+            bits = struct.unpack("<Q", struct.pack("<d", float(ll)))[0] ^ 1
+            sample["resps"][0][0] = [str(struct.unpack("<d", struct.pack("<Q", bits))[0]), greedy]
+            lines[i] = json.dumps(sample)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_tampered_removed_or_misreported_requests_drop_coverage_and_name_the_sample(run: Run, tmp_path: Path) -> None:
+    """Each in a document of its own, chosen afresh: a scored prompt's logprob bit flipped, a generation's token
+    changed (both re-signed: only re-execution finds them), a generation's receipt removed, a scoring receipt
+    re-signed with facts that are not the published ones, and one log-likelihood lm-eval logged changed. The
+    audit against the published deployment names exactly those five documents, each with its reason, and
+    recomputes every score from the documents that verified; without the published deployment the re-signed
+    facts are self-asserted, so that document is covered again and the report says so."""
+    served = run.served
+    receipts = run.main_receipts_copy(tmp_path / "receipts")
+    shutil.copytree(run.main, tmp_path / "run")
+    tokenizer = Tokenizer.from_pretrained(served.checkpoint)
+    docs = {t: {x["doc"]["question"]: int(x["doc_id"]) for x in xs} for t, xs in _logged(run.main).items()}
+    by_doc: dict[tuple[str, int], list[Path]] = {}
+    for p in sorted(receipts.iterdir()):
+        r = _open(p, served)
+        task = "detent_qa_mc" if r.scoring is not None else "detent_qa_gen"
+        by_doc.setdefault((task, docs[task][_question(r, tokenizer)]), []).append(p)
+    rng = random.Random()  # fresh choices each run: any document must do
+    mc = rng.sample(sorted(k for k in by_doc if k[0] == "detent_qa_mc"), 3)
+    gen = rng.sample(sorted(k for k in by_doc if k[0] == "detent_qa_gen"), 2)
+    _resign(rng.choice(by_doc[mc[0]]), served, _flip_prompt_bit)
+    _resign(rng.choice(by_doc[mc[1]]), served, _other_facts)
+    _flip_logged_sum(find_run(tmp_path / "run")[1]["detent_qa_mc"], mc[2][1])
+    _resign(by_doc[gen[0]][0], served, _other_first_token)
+    by_doc[gen[1]][0].unlink()
+    expected = {mc[0]: ["did not verify", "prompt token"], mc[1]: ["not among the 1 published deployment"],
+                mc[2]: ["lm-eval logged"], gen[0]: ["did not verify"], gen[1]: ["no receipt of this request"]}
+    logged = _logged(run.main)
+    published = load_deployments([str(run.root / "deployment.json")])
+    for deployments, named_now in ((published, expected), (None, {k: v for k, v in expected.items() if k != mc[1]})):
+        report = _audit(tmp_path / "run", receipts, served, deployments=deployments)
+        assert report.exit_code == 1
+        named = {(d.task, d.doc_id): " ".join(d.reasons) for d in report.docs if not d.covered}
+        assert named.keys() == named_now.keys(), (named, named_now)
+        for sample, whys in named_now.items():
+            assert all(why in named[sample] for why in whys), (sample, named[sample])
+        assert report.to_json()["facts_self_asserted"] is (deployments is None)
+        assert report.to_json()["coverage"]["covered"] == 2 * LIMIT - len(named_now)
+        # the score is still recomputed, from the documents that verified: the mean of their logged metrics
+        for s in report.scores:
+            kept = [x[s.metric.split(",")[0]] for x in logged[s.task] if (s.task, int(x["doc_id"])) not in named]
+            assert s.covered == len(kept) < s.total == LIMIT
+            assert s.recomputed == sum(kept) / len(kept)
+
+
+def _responses(run_dir: Path) -> dict[tuple[int, int], str]:
+    """Per (document, choice) the logged [logprob, is_greedy], as lm-eval wrote it (the str() of the sum)."""
+    return {(int(x["doc_id"]), i): json.dumps(r) for x in _logged(run_dir)["detent_qa_mc"]
+            for i, r in enumerate(x["resps"])}
+
+
+def test_concurrency_1_and_8_give_bit_identical_logprobs_in_detent_mode(run: Run) -> None:
+    """The multiple-choice task's logged [logprob, is_greedy] per request, and the generate task's output
+    tokens and logprob bits per sample (from its receipts: lm-eval logs only the text), equal at 1 and 8."""
+    one, eight = _responses(run.c1), _responses(run.c8)
+    assert one.keys() == eight.keys() and len(one) == 4 * CONCURRENCY_LIMIT
+    assert max(run.steps[1]) == 1, run.steps  # one request at a time: every step ran one sequence
+    assert max(run.steps[8]) > 1, run.steps   # at 8, requests really shared steps
+    differ = [k for k in one if one[k] != eight[k]]
+    assert differ == [], [(k, one[k], eight[k]) for k in differ]
+    assert run.generations[1].keys() == run.generations[8].keys() and len(run.generations[1]) == CONCURRENCY_LIMIT
+    assert run.generations[1] == run.generations[8]
