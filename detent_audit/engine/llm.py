@@ -15,8 +15,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from detent_audit import engine_api
 from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.engine.generated import generate_model, is_generated
@@ -28,6 +26,7 @@ from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
 from detent_audit.engine.sequence import Sequence
 from detent_audit.engine.stop_strings import output_text
+from detent_audit.engine.threads import set_threads
 from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.enums import Mode
@@ -107,7 +106,7 @@ class LLM:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
-        torch.set_num_threads(config.num_threads)
+        set_threads(config.num_threads)
         self.tokenizer = Tokenizer.from_pretrained(config.model_path)
         if is_generated(config.model):
             self.model = generate_model(config.model, DTYPES[config.dtype], config.device)

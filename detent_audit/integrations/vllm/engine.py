@@ -31,6 +31,7 @@ from detent_audit.engine.facts import checkpoint_hashes, source_hash
 from detent_audit.engine.kernel_select import engine_deployment, select_kernels
 from detent_audit.engine.llm import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.threads import set_threads
 from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import Rescored
 from detent_audit.enums import ExitCode
@@ -40,14 +41,6 @@ from detent_audit.integrations.vllm import plugin
 NAME = "vllm"
 _SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrations.vllm",
             "selection_programs": "detent_audit.selection.programs"}
-
-
-def _set_threads(n: int) -> None:
-    """torch's intra-op thread count of the calling thread, through `torch._C.set_num_threads` (vLLM's CPU worker
-    replaces `torch.set_num_threads` with a function that only logs)."""
-    torch._C.set_num_threads(n)
-    if torch.get_num_threads() != n:
-        raise RuntimeError(f"torch runs {torch.get_num_threads()} threads after asking for {n}")
 
 
 def _attention_forms() -> dict[str, str]:
@@ -207,13 +200,13 @@ class VllmEngine:
         self._environment()
         # before the build too: vLLM's oneDNN GEMM primitives are made at load time for the thread count then
         # (made at one count and run at another, their bits differ from an engine made at the run's count)
-        _set_threads(config.num_threads)
+        set_threads(config.num_threads)
         self.llm = self._build()
         self.engine = self.llm.llm_engine
         # vLLM's CPU worker (in this process) leaves torch at its import-time count (the machine's cores) when
         # OMP_NUM_THREADS is set, then replaces `torch.set_num_threads` by a no-op: the count the facts record
         # is set through torch's own function, which it does not replace
-        _set_threads(config.num_threads)
+        set_threads(config.num_threads)
         self._ids = itertools.count()
         self._live: dict[str, VllmRequest] = {}
 
@@ -329,7 +322,7 @@ class VllmEngine:
 
     def step(self) -> list[VllmRequest]:
         if torch.get_num_threads() != self.config.num_threads:  # a caller's thread (the HTTP server's) differs
-            _set_threads(self.config.num_threads)
+            set_threads(self.config.num_threads)
         finished = []
         for out in self.engine.step():
             seq = self._live.get(out.request_id)
