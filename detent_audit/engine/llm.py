@@ -8,14 +8,13 @@ CPU thread count is fixed when the engine starts (it changes BLAS bits) and reco
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from detent_audit import engine_api
+from detent_audit.engine.base import EngineBase, RequestOutput
 from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.engine.generated import generate_model, is_generated
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
@@ -81,27 +80,13 @@ class EngineConfig:
         return self.resolved_model.path
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]                                   # fp32 values, one per output token
-    finish_reason: str | None
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    # echo: the fp32 logprob of every prompt token after the first, and their top-n (None: not asked)
-    prompt_logprobs: list[float] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-class LLM:
+class LLM(EngineBase[Sequence]):
     """Offline engine. `generate` runs prompts to completion; requests are batched as the scheduler sees fit,
     and (batch invariance) every request's bits are what it would get alone. The embedded implementation of
     `detent_audit.engine_api.Engine`."""
 
     name = EMBEDDED
+    config: EngineConfig
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         config = config or EngineConfig(**overrides)
@@ -185,14 +170,6 @@ class LLM:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    @property
-    def num_threads(self) -> int:
-        return self.config.num_threads
-
-    @property
-    def mode(self) -> str:
-        return self.config.mode
-
     def facts(self) -> dict[str, Any]:
         """The bit-relevant facts a receipt records (`detent_audit.engine.facts.collect_facts`)."""
         from detent_audit.engine.facts import collect_facts
@@ -269,15 +246,7 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def run(self, seqs: list[Sequence]) -> None:
-        engine_api.run_to_completion(self, seqs)
-
-    # ---- offline API
-    def generate(self, prompts: Iterable[str | SequenceOf[int]],
-                 params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion, submitted together in order; outputs in the same order."""
-        return engine_api.generate(self, prompts, params, default=SamplingParams(temperature=0.0))
-
+    # ---- offline API (`generate`: EngineBase's)
     def rescore(self, prompt_ids: SequenceOf[int], output_ids: SequenceOf[int]) -> list[float]:
         """Teacher-forced logprobs of `output_ids` after `prompt_ids`, in one prefill (fp32 values)."""
         return self.rescore_batch([(prompt_ids, output_ids)])[0].logprobs

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from detent_audit.engine.llm import RequestOutput
+from detent_audit.engine.base import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.sequence import Sequence as EngineSequence
 from detent_audit.engine.threads import set_threads

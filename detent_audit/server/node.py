@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.atomic import write_atomically
-from detent_audit.engine.llm import RequestOutput
+from detent_audit.engine.base import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine_api import Engine
 from detent_audit.enums import ExitCode
