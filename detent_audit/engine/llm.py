@@ -8,11 +8,12 @@ CPU thread count is fixed when the engine starts (it changes BLAS bits) and reco
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from detent_audit.engine.base import EngineBase, RequestOutput
 from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
@@ -30,6 +31,14 @@ from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
+
+T = TypeVar("T")
+
+
+def _replace_from(kept: list[T], keep: int, new: Iterable[T]) -> None:
+    """`kept` cut to its first `keep` items, then `new` appended."""
+    del kept[keep:]
+    kept.extend(new)
 
 
 @dataclass(frozen=True)
@@ -149,7 +158,10 @@ class LLM(EngineBase[Sequence]):
         if self.scheduler.has_unfinished() and not drop_unfinished:
             raise RuntimeError("reset() with requests still running")
         cfg = self._scheduler_config
-        if max_prefill_chunk != "configured" and max_prefill_chunk != cfg.max_prefill_chunk:
+        if isinstance(max_prefill_chunk, str):
+            if max_prefill_chunk != "configured":
+                raise BadInput(f"max_prefill_chunk is a token count, None or 'configured', got {max_prefill_chunk!r}")
+        elif max_prefill_chunk != cfg.max_prefill_chunk:
             cfg = SchedulerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                                   max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -232,9 +244,10 @@ class LLM(EngineBase[Sequence]):
             if sid in self._scores:
                 # a recompute after preemption scores its rows again: keep each position's score once
                 keep = max(0, starts[sid] - (self._score_from[sid].first - 1))
-                for scores, new in zip(self._scores[sid], (r.scored, r.scored_samples, r.scored_tops)):
-                    del scores[keep:]
-                    scores.extend(new)
+                scores = self._scores[sid]
+                _replace_from(scores.logprobs, keep, r.scored)
+                _replace_from(scores.tokens, keep, r.scored_samples)
+                _replace_from(scores.tops, keep, r.scored_tops)
             if r.top is not None:
                 self._tops[sid].append(r.top)
         return self.scheduler.update(out, tokens, logprobs)
