@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from detent_audit.engine.threads import set_threads
 from detent_audit.kernels.gemm import _chunked_matmul
 
 CHUNKS = (4, 8, 16, 32, 64, 128, 256)
@@ -33,14 +34,14 @@ def main() -> None:
     print(f"CPU: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}, "
           f"fp32\n")
     for threads in (1, 2):
-        torch.set_num_threads(threads)
+        set_threads(threads)
         differ = []
         for k, n in MODEL_SHAPES + OTHER_SHAPES:
             w, x = torch.randn(n, k, generator=gen), torch.randn(512, k, generator=gen)
             ref = _chunked_matmul(x, w, 16)
             differ += [(k, n, c) for c in CHUNKS if not torch.equal(_chunked_matmul(x, w, c), ref)]
         print(f"{threads} thread(s): (K, N, chunk) whose rows differ from chunk 16's: {differ or 'none'}")
-    torch.set_num_threads(1)
+    set_threads(1)
     print("\nGFLOP/s on 4096 rows, 1 thread, median of", args.repeats)
     print("| K x N | " + " | ".join(f"chunk {c}" for c in CHUNKS) + " |\n|---|" + "---|" * len(CHUNKS))
     for k, n in dict.fromkeys(MODEL_SHAPES):

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from detent_audit.engine.threads import set_threads
 from detent_audit.kernels import gemm
 from detent_audit.kernels.params import GemmParams
 
@@ -42,7 +43,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     params = GemmParams(chunk_rows=args.chunk)
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -12,7 +12,6 @@ writes: counts per outcome (error class), time per case (p50, p99, max), peak RS
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import resource
@@ -36,43 +35,14 @@ from detent_audit.manifests.dsse import (
     sign_envelope,
 )
 from detent_audit.manifests.keys import keyid
-from detent_audit.manifests.receipt import (
-    CLIENT_APIS,
-    ClientRequest,
-    OutputRecord,
-    Receipt,
-    RequestRecord,
-    RunRecord,
-    SamplingRecord,
-    sign_receipt,
-    verify_envelope,
-)
+from detent_audit.manifests.receipt import sign_receipt, verify_envelope
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest, verify_run_manifest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' random receipts
+import receipt_samples  # noqa: E402
 
 KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
 TRUSTED = {keyid(KEY.public_key()): KEY.public_key()}
-
-
-def random_receipt(rng: random.Random, run_id: str = "run", seq: int = 0) -> Receipt:
-    n_out, k = rng.randint(1, 40), rng.choice([0, 0, 2, 5])
-    sampling = SamplingRecord(rng.choice([0.0, rng.uniform(0.1, 2)]), rng.randint(0, 50), rng.uniform(0.1, 1.0),
-                              n_out + rng.randint(0, 8), tuple(rng.getrandbits(16) for _ in range(rng.randint(0, 3))),
-                              rng.random() < 0.5, k or rng.choice([None, 0]))
-    body = {"model": "m", "prompt": "".join(chr(rng.randint(32, 0x2FFF)) for _ in range(rng.randint(1, 80))),
-            "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "seed": rng.getrandbits(64)}
-    request = RequestRecord(f"cmpl-{rng.getrandbits(64):x}", ClientRequest.of(rng.choice(CLIENT_APIS), body),
-                            tuple(rng.getrandbits(17) for _ in range(rng.randint(1, 200))), sampling,
-                            rng.getrandbits(64))
-    output = OutputRecord(tuple(rng.getrandbits(17) for _ in range(n_out)), rng.randbytes(4 * n_out),
-                          rng.choice(["stop", "length"]), "".join(chr(rng.randint(32, 0x2FFF)) for _ in range(n_out)),
-                          tuple(rng.getrandbits(17) for _ in range(k * n_out)), rng.randbytes(4 * k * n_out))
-    facts = {"engine": {"name": "detent-audit", "version": "0.1", "mode": "detent",
-                        "sources": {"kernels": rng.randbytes(32).hex()}},
-             "deployment": {"engine": {"max_model_len": 2048, "max_num_seqs": 32}},
-             "checkpoint": {"weights": rng.randbytes(32).hex(), "eos_token_ids": [2]},
-             "runtime": {"num_threads": 1, "dtype": "float32", "device": "cpu"}}
-    return Receipt(facts, rng.randbytes(32).hex(), {"mode": {"name": "detent"}}, rng.randbytes(32).hex(), request,
-                   output, RunRecord(run_id, seq), keyid(KEY.public_key()), 1_700_000_000 * 10**9 + rng.getrandbits(40))
 
 
 def _flip(data: bytes, rng: random.Random, n: int) -> bytes:
@@ -138,7 +108,7 @@ def bomb(rng: random.Random, max_size: int = 60 << 20) -> tuple[str, bytes]:
         name, body = "wide-map", b"\xdf" + struct.pack(">I", n) + b"".join(
             b"\xa2" + struct.pack(">H", i & 0xFFFF) + b"\xc0" for i in range(min(n, 1 << 16)))
     elif kind == 7:  # a receipt whose client body is a JSON bomb
-        r = random_receipt(rng)
+        r = receipt_samples.random_receipt(rng, KEY)
         json_bomb = rng.choice([b"[" * (1 << 16) + b"]" * (1 << 16), b"[" + b"[]," * ((8 << 20) // 3) + b"[]]",
                                 b'{"a":' * 5000 + b"1" + b"}" * 5000])
         w = msgpack.unpackb(r.to_bytes(), raw=False)
@@ -151,7 +121,7 @@ def bomb(rng: random.Random, max_size: int = 60 << 20) -> tuple[str, bytes]:
         name, body = "many-strings", b"\xdd" + struct.pack(">I", (size - 5)) + b"\xa0" * (size - 5)
     else:
         name, body = "deep-in-facts", None
-        r = random_receipt(rng)
+        r = receipt_samples.random_receipt(rng, KEY)
         w = msgpack.unpackb(r.to_bytes(), raw=False)
         deep: Any = 1
         for _ in range(rng.choice([40, 1000])):
@@ -165,10 +135,7 @@ def bomb(rng: random.Random, max_size: int = 60 << 20) -> tuple[str, bytes]:
 
 
 def corpus(rng: random.Random) -> dict[str, list[bytes]]:
-    receipts = [random_receipt(rng, "run", i) for i in range(16)]
-    first = receipts[0]
-    receipts = [dataclasses.replace(r, deployment_hash=first.deployment_hash, tuple_hash=first.tuple_hash)
-                for r in receipts]
+    receipts = receipt_samples.random_run(rng, 16, KEY, run_id="run")
     manifest = RunManifest.for_receipts(receipts, run_id="run", node_keyid=receipts[0].node_keyid,
                                         deployment_hash=receipts[0].deployment_hash,
                                         tuple_hash=receipts[0].tuple_hash, time_unix_ns=receipts[0].time_unix_ns)

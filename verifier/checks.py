@@ -112,7 +112,8 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
             chat = client.api.endswith("/chat/completions")
             if not rid.startswith("chatcmpl-" if chat else "cmpl-"):
                 return f"request id {rid!r} is not one the server gives a {client.api} response"
-            name = body.get("model") if isinstance(body.get("model"), str) else ""
+            model = body.get("model")
+            name = model if isinstance(model, str) else ""
             parsed = parse_request(body, chat, Limits(name, max_len, vocab, max_prompt_chars), llm.tokenizer)
             ids, params, asked_max, echo = parsed.prompt_ids, parsed.params, parsed.max_tokens, parsed.echo
             if parsed.batched:  # a batch: the receipt of prompt i is named <response id>-<i>

@@ -118,6 +118,8 @@ def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[
     # prefill (from its second token on, with its top-n), its output with it (rescore) or after it (replay)
     scored = {p: _score_prompt(r) for p, r in usable}
     prompt_scores: dict[Path, Any] = {}
+    # path -> the re-execution's tokens, logprobs, finish reason (replay only) and top-n
+    results: dict[Path, tuple[list[int], list[float], str | None, list[list[tuple[int, float]]]]]
     if mode == "rescore":
         jobs = [(p, r) for p, r in usable if scored[p] or r.output.token_ids]
         got = llm.rescore_batch([_rescore_pair(r, scored[p]) for p, r in jobs], [_params(r) for _, r in jobs])
@@ -155,6 +157,7 @@ def _bits_error(r: Receipt, result: tuple, prompt_scores: tuple | None) -> BitsE
     replayed, the finish reason), against the re-execution's."""
     rid = r.request.request_id
     if prompt_scores is not None:
+        assert r.scoring is not None, "a prompt is rescored for a receipt with a scoring record only"
         lps, tops = prompt_scores
         problem = prompt_divergence(list(r.request.prompt_token_ids), list(r.scoring.logprobs), lps,
                                     r.scoring.tops, tops if r.scoring.top_n else [])

@@ -79,12 +79,12 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
     groups: dict[tuple[str, str], list[Path]] = {}
     for p in chosen:
         groups.setdefault((opened[p].deployment_hash, opened[p].tuple_hash), []).append(p)
-    if workers == "auto":
-        workers = plan.auto_workers(len(chosen), [opened[g[0]].deployment_facts for g in groups.values()], threads)
-    batches = plan.batches(groups, workers)
+    count = (plan.auto_workers(len(chosen), [opened[g[0]].deployment_facts for g in groups.values()], threads)
+             if workers == "auto" else int(workers))
+    batches = plan.batches(groups, count)
     kv_tokens = {key: max(plan.kv_tokens(opened[p], mode) for p in group) for key, group in groups.items()}
     options = Options(None if model is None else str(model), mode, cache_dir, threads, tuple_override, kv_tokens)
-    outcomes += _run_batches(batches, opened, options, workers, progress)
+    outcomes += _run_batches(batches, opened, options, count, progress)
     order = {str(p): i for i, p in enumerate([*files.receipts, *files.manifests])}
     outcomes.sort(key=lambda o: (order.get(o.path, -1), o.path))
     return Report(outcomes, mode, seed if sample is not None else None, sorted(deployments or {}), coverage)

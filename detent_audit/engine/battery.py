@@ -10,7 +10,7 @@ target's row moved and half of the neighbours joining while it decodes.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -66,7 +66,7 @@ def _neighbours(rng: random.Random, k: int, kind: str) -> list[list[int]]:
 
 
 def _run_batch(llm: LLM, target: list[int], others: list[list[int]], row: int,
-               late: list[list[int]] = (), late_after: int = 4) -> tuple[list[int], list[float]]:
+               late: Sequence[list[int]] = (), late_after: int = 4) -> tuple[list[int], list[float]]:
     """Submit `others` with the target at `row`; `late` ones join after `late_after` steps."""
     prompts = others[:row] + [target] + others[row:]
     seqs = [llm.add_request(p, _greedy(NUM_TOKENS if p is target else 8)) for p in prompts]

@@ -252,6 +252,7 @@ class BlockManager:
         else:
             block_id, _ = self._lru.popitem(last=False)
             block = self._blocks[block_id]
+            assert block.hash is not None, "a block in the LRU is a cached (hashed) one"
             del self._hash_to_block[block.hash]
             block.hash = block.token_ids = None
             self._num_evictions += 1

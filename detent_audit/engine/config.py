@@ -167,7 +167,7 @@ class ModelConfig:
         for key in _REQUIRED_KEYS:
             need(key)
         moe = {key: need(key) for key in _MOE_KEYS} if arch == "Qwen3MoeForCausalLM" else {}
-        rope = dict(d.get("rope_parameters") or {})
+        rope: dict[str, Any] = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or rope
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         rope_scaling = None

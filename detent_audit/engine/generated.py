@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 
@@ -22,7 +23,7 @@ PREFIX = "random:"
 SEED = 0
 
 
-def is_generated(model: str | None) -> bool:
+def is_generated(model: str | None) -> TypeGuard[str]:
     return model is not None and model.startswith(PREFIX)
 
 

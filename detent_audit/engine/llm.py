@@ -11,14 +11,12 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
-
-from detent_audit import engine_api
+from detent_audit.engine.base import EngineBase, RequestOutput
 from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.engine.generated import generate_model, is_generated
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
@@ -29,10 +27,19 @@ from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
 from detent_audit.engine.sequence import Sequence
 from detent_audit.engine.stop_strings import output_text
+from detent_audit.engine.threads import set_threads
 from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
+
+T = TypeVar("T")
+
+
+def _replace_from(kept: list[T], keep: int, new: Iterable[T]) -> None:
+    """`kept` cut to its first `keep` items, then `new` appended."""
+    del kept[keep:]
+    kept.extend(new)
 
 
 @dataclass(frozen=True)
@@ -83,32 +90,18 @@ class EngineConfig:
         return self.resolved_model.path
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]                                   # fp32 values, one per output token
-    finish_reason: str | None
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    # echo: the fp32 logprob of every prompt token after the first, and their top-n (None: not asked)
-    prompt_logprobs: list[float] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-class LLM:
+class LLM(EngineBase[Sequence]):
     """Offline engine. `generate` runs prompts to completion; requests are batched as the scheduler sees fit,
     and (batch invariance) every request's bits are what it would get alone. The embedded implementation of
     `detent_audit.engine_api.Engine`."""
 
     name = EMBEDDED
+    config: EngineConfig
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
-        torch.set_num_threads(config.num_threads)
+        set_threads(config.num_threads)
         self.tokenizer = Tokenizer.from_pretrained(config.model_path)
         if is_generated(config.model):
             self.model = generate_model(config.model, DTYPES[config.dtype], config.device)
@@ -168,7 +161,10 @@ class LLM:
         if self.scheduler.has_unfinished() and not drop_unfinished:
             raise RuntimeError("reset() with requests still running")
         cfg = self._scheduler_config
-        if max_prefill_chunk != "configured" and max_prefill_chunk != cfg.max_prefill_chunk:
+        if isinstance(max_prefill_chunk, str):
+            if max_prefill_chunk != "configured":
+                raise BadInput(f"max_prefill_chunk is a token count, None or 'configured', got {max_prefill_chunk!r}")
+        elif max_prefill_chunk != cfg.max_prefill_chunk:
             cfg = SchedulerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                                   max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -188,14 +184,6 @@ class LLM:
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
-
-    @property
-    def num_threads(self) -> int:
-        return self.config.num_threads
-
-    @property
-    def mode(self) -> str:
-        return self.config.mode
 
     def facts(self) -> dict[str, Any]:
         """The bit-relevant facts a receipt records (`detent_audit.engine.facts.collect_facts`)."""
@@ -260,9 +248,10 @@ class LLM:
             if sid in self._scores:
                 # a recompute after preemption scores its rows again: keep each position's score once
                 keep = max(0, starts[sid] - (self._score_from[sid].first - 1))
-                for scores, new in zip(self._scores[sid], (r.scored, r.scored_samples, r.scored_tops)):
-                    del scores[keep:]
-                    scores.extend(new)
+                scores = self._scores[sid]
+                _replace_from(scores.logprobs, keep, r.scored)
+                _replace_from(scores.tokens, keep, r.scored_samples)
+                _replace_from(scores.tops, keep, r.scored_tops)
             if r.top is not None:
                 self._tops[sid].append(r.top)
         return self.scheduler.update(out, tokens, logprobs)
@@ -274,15 +263,7 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def run(self, seqs: list[Sequence]) -> None:
-        engine_api.run_to_completion(self, seqs)
-
-    # ---- offline API
-    def generate(self, prompts: Iterable[str | SequenceOf[int]],
-                 params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion, submitted together in order; outputs in the same order."""
-        return engine_api.generate(self, prompts, params, default=SamplingParams(temperature=0.0))
-
+    # ---- offline API (`generate`: EngineBase's)
     def rescore(self, prompt_ids: SequenceOf[int], output_ids: SequenceOf[int]) -> list[float]:
         """Teacher-forced logprobs of `output_ids` after `prompt_ids`, in one prefill (fp32 values)."""
         return self.rescore_batch([(prompt_ids, output_ids)])[0].logprobs

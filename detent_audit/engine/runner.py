@@ -9,6 +9,7 @@ The LM head is a gemm like any other, so a row's logits do not depend on how man
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import SchedulerOutput
 from detent_audit.kernels import AttentionMetadata, Kernels
 from detent_audit.kernels import sampling as sampling_ops
+
+if TYPE_CHECKING:
+    from detent_audit.engine.cuda_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class ModelRunner:
     """Owns the paged KV cache of every layer. `execute` runs one scheduled step."""
 
     def __init__(self, model: CausalLM, kernels: Kernels, num_blocks: int, block_size: int,
-                 device: str = "cpu", graphs: object | None = None) -> None:
+                 device: str = "cpu", graphs: DecodeGraphs | None = None) -> None:
         c = model.config
         self.model, self.kernels, self.block_size, self.device = model, kernels, block_size, device
         dtype = model.embed_tokens.weight.dtype
@@ -90,7 +94,7 @@ class ModelRunner:
         graph_logits = self._graph_logits(entries, slots, score_from)
         if graph_logits is not None:  # a decode-only step, replayed: the same kernels, the same bits
             results = {e.seq.seq_id: SeqResult() for e in entries}
-            owners = [(e.seq.seq_id, "sample") for e in entries]
+            owners: list[tuple[int, str]] = [(e.seq.seq_id, "sample") for e in entries]
             self._sample(entries, owners, list(range(len(entries))), graph_logits, results)
             return results
         ids: list[int] = []
@@ -117,7 +121,7 @@ class ModelRunner:
 
         rows: list[int] = []          # hidden rows whose logits are needed
         teacher: list[int] = []       # for scored rows: the known next token
-        owners: list[tuple[int, str]] = []
+        owners = []
         for i, e in enumerate(entries):
             sid = e.seq.seq_id
             if sid in score_from:

@@ -13,6 +13,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from detent_audit.engine.stop_strings import check_stop_strings
 from detent_audit.errors import BadInput
@@ -22,7 +23,7 @@ MAX_SEED = 2**64 - 1  # the seed travels in receipts as an unsigned 64-bit integ
 MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as unsigned 32-bit integers (block_manager)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """True for a Python int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -32,6 +32,12 @@ from detent_audit.engine.stop_strings import find_stop
 from detent_audit.errors import BadInput
 
 
+def _arrival(seq: Sequence) -> int:
+    """When `add` took the sequence (every sequence the scheduler holds has one)."""
+    assert seq.arrival is not None, f"sequence {seq.seq_id} was never added"
+    return seq.arrival
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """max_num_batched_tokens: tokens computed per step at most (the budget); max_prefill_chunk: tokens one
@@ -163,7 +169,7 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget, cfg.chunk_size)
             while not blocks.can_append(seq, num_new):
-                victim = max(self.running, key=lambda s: s.arrival)
+                victim = max(self.running, key=_arrival)
                 entry = scheduled.pop(victim.seq_id, None)
                 if entry is not None:
                     budget += entry.num_new_tokens

@@ -161,7 +161,7 @@ class Tokenizer:
             raise BadCheckpoint(f"cannot read {path / 'tokenizer.json'}: {exc}") from exc
         tok_config = _read_json(path / "tokenizer_config.json")
         bos, eos = _token_text(tok_config.get("bos_token")), _token_text(tok_config.get("eos_token"))
-        eos_ids = [i for i in [tokenizer.token_to_id(eos)] if eos is not None and i is not None]
+        eos_ids = [i for i in ([tokenizer.token_to_id(eos)] if eos is not None else []) if i is not None]
         for extra in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
             value = extra.get("eos_token_id")
             eos_ids += value if isinstance(value, list) else [] if value is None else [value]

@@ -10,13 +10,13 @@ from typing import Any
 
 from detent_audit.engine.llm import LLM
 from detent_audit.errors import BadInput
-from detent_audit.kernels import AttentionMetadata, KernelSet
+from detent_audit.kernels import AttentionMetadata, Kernels
 
 
 class RecordingKernels:
-    """Delegates to a KernelSet and counts each family's calls by shape."""
+    """Delegates to a kernel set and counts each family's calls by shape."""
 
-    def __init__(self, inner: KernelSet) -> None:
+    def __init__(self, inner: Kernels) -> None:
         self.inner = inner
         self.calls: dict[str, Counter] = {"embedded.gemm": Counter(), "embedded.attention": Counter(),
                                           "embedded.moe": Counter()}

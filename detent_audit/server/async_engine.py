@@ -25,11 +25,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from detent_audit.engine.llm import RequestOutput
+from detent_audit.engine.base import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.sequence import Sequence as EngineSequence
+from detent_audit.engine.threads import set_threads
 from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
 
@@ -222,7 +221,7 @@ class AsyncEngine:
 
     # ---- the engine thread
     def _run(self) -> None:
-        torch.set_num_threads(self.llm.num_threads)  # the count the deployment facts record
+        set_threads(self.llm.num_threads)  # the count the deployment facts record
         try:
             while True:
                 with self._cv:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.atomic import write_atomically
-from detent_audit.engine.llm import RequestOutput
+from detent_audit.engine.base import RequestOutput
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine_api import Engine
 from detent_audit.enums import ExitCode
@@ -75,7 +75,7 @@ def scoring_record(output: RequestOutput, params: SamplingParams) -> ScoringReco
     if output.prompt_logprobs is None:
         return None
     top_n = params.logprobs or 0
-    return ScoringRecord.from_floats(output.prompt_logprobs, output.prompt_top_logprobs if top_n else [], top_n)
+    return ScoringRecord.from_floats(output.prompt_logprobs, (output.prompt_top_logprobs or []) if top_n else [], top_n)
 def published_deployment(facts: dict[str, Any]) -> bytes:
     """The file `serve --publish-deployment` writes: the facts and their hash, as canonical JSON."""
     doc = {"format": "detent-audit published deployment v1", "facts": facts, "hash": facts_hash(facts)}
@@ -109,7 +109,7 @@ class ServingNode:
         try:
             (self.out / "receipts").mkdir(parents=True, exist_ok=True)
             (self.out / "manifests").mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_fd: int | None = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise BadInput(f"{self.out}: cannot make the receipts and manifests folders ({exc.strerror})",
                            remedy="give --manifest-out a folder this user can write") from None
@@ -230,7 +230,7 @@ class ServingNode:
                         ) -> Path:
         """Sign and write the manifest of `receipts` (default: the pending ones of this run)."""
         own = receipts is None
-        receipts = self._pending if own else receipts
+        receipts = self._pending if receipts is None else receipts
         first = receipts[0]
         manifest = RunManifest.for_receipts(receipts, run_id=run_id or self.run_id, node_keyid=self.keyid,
                                             deployment_hash=first.deployment_hash, tuple_hash=first.tuple_hash,

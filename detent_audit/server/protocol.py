@@ -81,8 +81,10 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
-        repeated = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"the key {repeated!r} appears more than once in one object")
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the key {key!r} appears more than once in one object")
+            seen.add(key)
     return out
 
 
@@ -207,7 +209,8 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
         want_logprobs = _get(body, "logprobs", bool, False)
         if top_n is not None and not want_logprobs:
             raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        prompts, texts, batched = [prompt_ids], (None,), False
+        texts: tuple[str | None, ...] = (None,)
+        prompts, batched = [prompt_ids], False
         echo = False
     else:
         prompts, texts, batched = _prompts(body.get("prompt"), limits, tokenizer)
@@ -286,7 +289,8 @@ def _prompts(prompt: Any, limits: Limits, tokenizer: Any) -> tuple[list[list[int
     if isinstance(prompt, list) and 0 < len(prompt) <= MAX_BATCH:
         _fits([p for p in prompt if isinstance(p, str)], "prompt", limits)
         items = [one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-        if all(item is not None for item in items):
-            return [ids for ids, _ in items], tuple(text for _, text in items), True
+        present = [item for item in items if item is not None]
+        if len(present) == len(items):
+            return [ids for ids, _ in present], tuple(text for _, text in present), True
     raise InvalidRequest(f"'prompt' must be a string, a non-empty list of token ids, or a list of 1-{MAX_BATCH} "
                          "of those (a batch: one choice and one receipt each)", param="prompt", code="invalid_type")

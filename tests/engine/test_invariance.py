@@ -11,6 +11,7 @@ import torch
 from detent_audit.engine.battery import run_battery
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.threads import set_threads
 
 
 def _engine(path, mode="detent", dtype="float32", **kw) -> LLM:
@@ -115,6 +116,6 @@ def test_detent_bits_do_not_depend_on_the_thread_count(make_checkpoint, tmp_path
         scorer = _engine(path, dtype=dtype, cache_dir=str(tmp_path), num_threads=2)
         scores = scorer.rescore_batch([(o.prompt_token_ids, o.token_ids) for o in outs], params)
     finally:
-        torch.set_num_threads(1)
+        set_threads(1)
     for o, s in zip(outs, scores):
         assert torch.equal(_bits(s.logprobs), _bits(o.logprobs)) and s.tokens == o.token_ids

@@ -11,6 +11,8 @@ pytest.importorskip("vllm")
 
 from vllm import _custom_ops as ops  # noqa: E402
 
+from detent_audit.engine.threads import thread_count  # noqa: E402
+
 SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 49152 // 8), (96, 192)]  # (K, N)
 ROWS = [1, 2, 3, 4, 5, 7, 8, 11, 16, 33, 64, 100, 257, 600]
 
@@ -18,9 +20,7 @@ ROWS = [1, 2, 3, 4, 5, 7, 8, 11, 16, 33, 64, 100, 257, 600]
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("k, n", SHAPES)
 def test_onednn_rows_do_not_depend_on_the_batch(threads: int, k: int, n: int) -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with thread_count(threads):
         gen = torch.Generator().manual_seed(k * 7 + n + threads)
         weight = torch.randn(n, k, generator=gen)
         bias = torch.randn(n, generator=gen) if n == 192 else None
@@ -32,5 +32,3 @@ def test_onednn_rows_do_not_depend_on_the_batch(threads: int, k: int, n: int) ->
             # the same rows after other data: row bits depend on the row only
             other = torch.cat([torch.randn(5, k, generator=gen), x[:m]])
             assert torch.equal(ops.onednn_mm(handler, other, bias)[5:], full[:m]), (m, k, n)
-    finally:
-        torch.set_num_threads(before)

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
 
-
-@contextmanager
-def thread_count(n: int) -> Iterator[None]:
-    """Run the body at n threads; the previous count is restored even on failure. Through torch._C: vLLM's CPU
-    worker, once imported in this process, makes torch.set_num_threads a no-op."""
-    previous = torch.get_num_threads()
-    torch._C.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch._C.set_num_threads(previous)
+from detent_audit.engine.threads import thread_count
 
 
 @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")

@@ -64,15 +64,23 @@ class World:
         slots = torch.tensor([self.tables[name][p // BLOCK] * BLOCK + p % BLOCK for p in range(upto)], dtype=torch.int64)
         write_kv(seq.k[:upto], seq.v[:upto], self.k_cache, self.v_cache, slots)
 
-    def step(self, entries: list[tuple[str, Seq, int, int]], params=None) -> list[torch.Tensor]:
-        """entries: (name, seq, start, length) -> each entry's attention output [length, Hq, D]."""
+    def batch(self, entries: list[tuple[str, Seq, int, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """entries: (name, seq, start, length) -> the step's queries and metadata, its KV written."""
         width = max(len(self.tables[name]) for name, *_ in entries)
         tables = torch.tensor([self.tables[n] + [-1] * (width - len(self.tables[n])) for n, *_ in entries])
         meta = AttentionMetadata.from_lengths([e[2] for e in entries], [e[3] for e in entries], tables, BLOCK)
         rows = lambda t: torch.cat([getattr(s, t)[a : a + n] for _, s, a, n in entries])  # noqa: E731
         write_kv(rows("k"), rows("v"), self.k_cache, self.v_cache, meta.slot_mapping)
-        out = paged_attention(rows("q"), self.k_cache, self.v_cache, meta, scale=self.dim**-0.5,
-                              params=self.params if params is None else params)
+        return rows("q"), meta
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, params: AttentionParams) -> torch.Tensor:
+        """The attention under test (the torch one here)."""
+        return paged_attention(q, self.k_cache, self.v_cache, meta, scale=self.dim**-0.5, params=params)
+
+    def step(self, entries: list[tuple[str, Seq, int, int]], params=None) -> list[torch.Tensor]:
+        """entries: (name, seq, start, length) -> each entry's attention output [length, Hq, D]."""
+        q, meta = self.batch(entries)
+        out = self.attend(q, meta, self.params if params is None else params)
         return list(out.split([e[3] for e in entries]))
 
 
@@ -87,6 +95,33 @@ def _neighbours(world: World, gen, count: int) -> list[tuple[str, Seq, int, int]
         world.cache_prefix(name, seq, context)
         entries.append((name, seq, context, qlen))
     return entries
+
+
+def outputs_per_schedule(world_type: type[World], gen, heads, dtype, params, *, length: int,
+                         hit: int) -> dict[str, torch.Tensor]:
+    """One prompt of `length` tokens in every schedule (`_schedules`), alone and among random neighbours at a
+    random row of each step, and after a prefix-cache hit of `hit` tokens: schedule -> its outputs."""
+    outputs: dict[str, torch.Tensor] = {}
+    template = World(gen, heads, dtype, params).seq("t", length)
+    for label, schedule in _schedules(gen, length).items():
+        for crowded in (False, True):
+            world = world_type(gen, heads, dtype, params)
+            seq = world.seq("t", length)._replace(**template._asdict())
+            got = []
+            for start, end in schedule:
+                others = _neighbours(world, gen, int(torch.randint(1, 5, (1,), generator=gen))) if crowded else []
+                at = int(torch.randint(0, len(others) + 1, (1,), generator=gen))
+                entries = others[:at] + [("t", seq, start, end - start)] + others[at:]
+                got.append(world.step(entries)[at])
+            outputs[f"{label}{'+neighbours' if crowded else ''}"] = torch.cat(got)
+    for crowded in (False, True):
+        world = world_type(gen, heads, dtype, params)
+        seq = world.seq("t", length)._replace(**template._asdict())
+        world.cache_prefix("t", seq, hit)
+        others = _neighbours(world, gen, 3) if crowded else []
+        after = world.step(others + [("t", seq, hit, length - hit)])[-1]
+        outputs[f"prefix_hit{'+neighbours' if crowded else ''}"] = torch.cat([outputs["one_chunk"][:hit], after])
+    return outputs
 
 
 def _schedules(gen, length: int) -> dict[str, list[list[int]]]:
@@ -115,28 +150,7 @@ def test_token_bits_do_not_depend_on_scheduling_or_neighbours(threads, gen, case
     """One chunk, random chunks, token-by-token decode, a prefix-cache hit; each alone and among random
     neighbours (prefills and decodes) at a random row of the varlen batch: every token's bits agree."""
     dtype, heads, params = case
-    length = 50
-    outputs: dict[str, torch.Tensor] = {}
-    template = World(gen, heads, dtype, params).seq("t", length)
-    for label, schedule in _schedules(gen, length).items():
-        for crowded in (False, True):
-            world = World(gen, heads, dtype, params)
-            seq = world.seq("t", length)._replace(**template._asdict())
-            got = []
-            for start, end in schedule:
-                others = _neighbours(world, gen, int(torch.randint(1, 5, (1,), generator=gen))) if crowded else []
-                at = int(torch.randint(0, len(others) + 1, (1,), generator=gen))
-                entries = others[:at] + [("t", seq, start, end - start)] + others[at:]
-                got.append(world.step(entries)[at])
-            outputs[f"{label}{'+neighbours' if crowded else ''}"] = torch.cat(got)
-    # after a prefix-cache hit of 37 tokens, alone and crowded
-    for crowded in (False, True):
-        world = World(gen, heads, dtype, params)
-        seq = world.seq("t", length)._replace(**template._asdict())
-        world.cache_prefix("t", seq, 29)
-        others = _neighbours(world, gen, 3) if crowded else []
-        hit = world.step(others + [("t", seq, 29, length - 29)])[-1]
-        outputs[f"prefix_hit{'+neighbours' if crowded else ''}"] = torch.cat([outputs["one_chunk"][:29], hit])
+    outputs = outputs_per_schedule(World, gen, heads, dtype, params, length=50, hit=29)
     first = outputs["one_chunk"]
     assert not first.isnan().any()
     for label, out in outputs.items():

@@ -11,9 +11,9 @@ import torch
 
 from detent_audit.errors import BadInput
 from detent_audit.kernels import attention_c, reference
-from detent_audit.kernels.attention import AttentionMetadata, write_kv
+from detent_audit.kernels.attention import AttentionMetadata
 from detent_audit.kernels.params import AttentionParams
-from tests.kernels.test_kernel_attention import BLOCK, HEADS, World, _neighbours, _schedules
+from tests.kernels.test_kernel_attention import BLOCK, HEADS, World, _neighbours, outputs_per_schedule
 
 pytestmark = pytest.mark.skipif(not attention_c.available(), reason="no C compiler builds the C attention here")
 PARAMS = [AttentionParams(16), AttentionParams(16, split_stride=32), AttentionParams(32, split_stride=64),
@@ -25,16 +25,9 @@ class CWorld(World):
 
     arch_flags: tuple[str, ...] | None = None
 
-    def step(self, entries, params=None):
-        width = max(len(self.tables[name]) for name, *_ in entries)
-        tables = torch.tensor([self.tables[n] + [-1] * (width - len(self.tables[n])) for n, *_ in entries])
-        meta = AttentionMetadata.from_lengths([e[2] for e in entries], [e[3] for e in entries], tables, BLOCK)
-        rows = lambda t: torch.cat([getattr(s, t)[a : a + n] for _, s, a, n in entries])  # noqa: E731
-        write_kv(rows("k"), rows("v"), self.k_cache, self.v_cache, meta.slot_mapping)
-        out = attention_c.paged_attention(rows("q"), self.k_cache, self.v_cache, meta, scale=self.dim**-0.5,
-                                          params=self.params if params is None else params,
-                                          arch_flags=self.arch_flags)
-        return list(out.split([e[3] for e in entries]))
+    def attend(self, q, meta, params):
+        return attention_c.paged_attention(q, self.k_cache, self.v_cache, meta, scale=self.dim**-0.5, params=params,
+                                           arch_flags=self.arch_flags)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
@@ -42,27 +35,7 @@ class CWorld(World):
 def test_token_bits_do_not_depend_on_scheduling_or_neighbours(threads, gen, heads, params):
     """One chunk, random chunks, token-by-token decode, a prefix-cache hit; each alone and among random
     neighbours at a random row: every token's bits agree (torch.equal), and none reads a NaN slot."""
-    length = 70
-    template = World(gen, heads, torch.float32, params).seq("t", length)
-    outputs: dict[str, torch.Tensor] = {}
-    for label, schedule in _schedules(gen, length).items():
-        for crowded in (False, True):
-            world = CWorld(gen, heads, torch.float32, params)
-            seq = world.seq("t", length)._replace(**template._asdict())
-            got = []
-            for start, end in schedule:
-                others = _neighbours(world, gen, int(torch.randint(1, 5, (1,), generator=gen))) if crowded else []
-                at = int(torch.randint(0, len(others) + 1, (1,), generator=gen))
-                entries = others[:at] + [("t", seq, start, end - start)] + others[at:]
-                got.append(world.step(entries)[at])
-            outputs[f"{label}{'+neighbours' if crowded else ''}"] = torch.cat(got)
-    for crowded in (False, True):
-        world = CWorld(gen, heads, torch.float32, params)
-        seq = world.seq("t", length)._replace(**template._asdict())
-        world.cache_prefix("t", seq, 41)
-        others = _neighbours(world, gen, 3) if crowded else []
-        hit = world.step(others + [("t", seq, 41, length - 41)])[-1]
-        outputs[f"prefix_hit{'+neighbours' if crowded else ''}"] = torch.cat([outputs["one_chunk"][:41], hit])
+    outputs = outputs_per_schedule(CWorld, gen, heads, torch.float32, params, length=70, hit=41)
     first = outputs["one_chunk"]
     assert not first.isnan().any()
     for label, out in outputs.items():
@@ -71,14 +44,7 @@ def test_token_bits_do_not_depend_on_scheduling_or_neighbours(threads, gen, head
 
 def _random_step(gen, params, heads=(9, 3, 64), count=8):
     world = CWorld(gen, heads, torch.float32, params)
-    entries = _neighbours(world, gen, count)
-    width = max(len(t) for t in world.tables.values())
-    tables = torch.tensor([world.tables[e[0]] + [-1] * (width - len(world.tables[e[0]])) for e in entries])
-    meta = AttentionMetadata.from_lengths([e[2] for e in entries], [e[3] for e in entries], tables, BLOCK)
-    q = torch.cat([s.q[a : a + n] for _, s, a, n in entries])
-    k = torch.cat([s.k[a : a + n] for _, s, a, n in entries])
-    v = torch.cat([s.v[a : a + n] for _, s, a, n in entries])
-    write_kv(k, v, world.k_cache, world.v_cache, meta.slot_mapping)
+    q, meta = world.batch(_neighbours(world, gen, count))
     return q, world, meta
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ from collections import Counter
 
 import msgpack
 import pytest
+import receipt_samples
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,13 +35,10 @@ from detent_audit.manifests.dsse import (
 from detent_audit.manifests.errors import BadSignature, InvalidReceipt, UntrustedKey
 from detent_audit.manifests.keys import keyid
 from detent_audit.manifests.receipt import (
-    CLIENT_APIS,
     OUTPUT_DIGEST_TAG,
-    ClientRequest,
     OutputRecord,
     Receipt,
     RequestRecord,
-    RunRecord,
     SamplingRecord,
     sign_receipt,
     verify_envelope,
@@ -49,32 +48,8 @@ KEY = Ed25519PrivateKey.generate()
 TRUSTED = {keyid(KEY.public_key()): KEY.public_key()}
 
 
-def random_receipt(rng: random.Random, key: Ed25519PrivateKey = KEY, max_prompt: int = 40) -> Receipt:
-    """A receipt of fresh random content: token ids, raw fp32 logprob bits (any pattern), facts, tuple, floats."""
-    n_out = rng.randint(1, 24)
-    facts = {"model": {"name": f"m-{rng.getrandbits(32):x}", "num_layers": rng.randint(1, 128),
-                       "shape": [rng.getrandbits(40) for _ in range(rng.randint(1, 4))]},
-             "gpu": {"arch": rng.choice(["sm90", "sm100", "cpu"]), "uuid": rng.randbytes(16).hex()},
-             "engine": {"cuda_graphs": rng.random() < 0.5, "offset": -rng.getrandbits(20), "note": None}}
-    values = {"attention.num_splits": rng.randint(1, 64), "gemm.block_k": rng.choice([32, 64, 128]),
-              "all_reduce.algo": rng.choice(["ring", "tree"])}
-    sampling = SamplingRecord(temperature=rng.choice([0.0, -0.0, rng.uniform(1e-3, 2.0)]), top_k=rng.randint(0, 100),
-                              top_p=rng.uniform(1e-3, 1.0), max_tokens=n_out + rng.randint(0, 8),
-                              stop_token_ids=tuple(rng.getrandbits(32) for _ in range(rng.randint(0, 3))),
-                              ignore_eos=rng.random() < 0.5, logprobs=rng.choice([None, rng.randint(0, 20)]))
-    body = {"model": "m", "prompt": "".join(chr(rng.randint(32, 0x2FFF)) for _ in range(rng.randint(1, 30))),
-            "temperature": rng.uniform(0, 2), "seed": rng.getrandbits(64)}
-    client = ClientRequest.of(rng.choice(CLIENT_APIS), body)
-    request = RequestRecord(f"req-{rng.getrandbits(48):x}", client,
-                            tuple(rng.getrandbits(32) for _ in range(rng.randint(1, max_prompt))),
-                            sampling, rng.getrandbits(64))
-    k = sampling.logprobs or 0
-    output = OutputRecord(tuple(rng.getrandbits(17) for _ in range(n_out)), rng.randbytes(4 * n_out),
-                          rng.choice(["stop", "length"]), "".join(chr(rng.randint(32, 0x2FFF)) for _ in range(n_out)),
-                          tuple(rng.getrandbits(17) for _ in range(k * n_out)), rng.randbytes(4 * k * n_out))
-    return Receipt(facts, rng.randbytes(32).hex(), values, rng.randbytes(32).hex(), request, output,
-                   RunRecord(rng.randbytes(16).hex(), rng.getrandbits(20)), keyid(key.public_key()),
-                   rng.getrandbits(63))
+# a receipt of fresh random content that KEY signs
+random_receipt = functools.partial(receipt_samples.random_receipt, key=KEY)
 
 
 def wire(receipt: Receipt) -> dict:

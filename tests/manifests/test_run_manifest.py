@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 
 import msgpack
 import pytest
+import receipt_samples
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,12 +23,7 @@ from detent_audit.manifests.errors import (
 )
 from detent_audit.manifests.keys import keyid
 from detent_audit.manifests.receipt import (
-    ClientRequest,
-    OutputRecord,
     Receipt,
-    RequestRecord,
-    RunRecord,
-    SamplingRecord,
     sign_receipt,
     verify_envelope,
 )
@@ -55,27 +52,14 @@ def rfc6962_root(leaves: list[bytes]) -> bytes:
     return hashlib.sha256(b"\x01" + rfc6962_root(leaves[:k]) + rfc6962_root(leaves[k:])).digest()
 
 
-def random_run(rng: random.Random, n: int, deployment: str, tuple_hash: str, run_id: str = "eval",
-               first: int = 0) -> list[Receipt]:
-    receipts = []
-    for i in range(n):
-        n_out = rng.randint(1, 12)
-        client = ClientRequest.of("openai/v1/completions", {"prompt": f"p{rng.getrandbits(32)}"})
-        request = RequestRecord(f"run-{i}-{rng.getrandbits(32):x}", client,
-                                tuple(rng.getrandbits(32) for _ in range(rng.randint(1, 30))),
-                                SamplingRecord(rng.uniform(0, 1.5), rng.randint(0, 50), rng.uniform(0.1, 1), n_out),
-                                rng.getrandbits(64))
-        output = OutputRecord(tuple(rng.getrandbits(16) for _ in range(n_out)), rng.randbytes(4 * n_out), "length")
-        receipts.append(Receipt({"model": {"name": "tiny", "layers": rng.randint(1, 9)}}, deployment,
-                                {"gemm.block_k": rng.choice([32, 64])}, tuple_hash, request, output,
-                                RunRecord(run_id, first + i), NODE, rng.getrandbits(63)))
-    return receipts
+# receipts of one run that KEY signs
+random_run = functools.partial(receipt_samples.random_run, key=KEY)
 
 
 def make_run(seed: int, n: int) -> tuple[RunManifest, list[Receipt]]:
     rng = random.Random(seed)
     deployment, tuple_hash = rng.randbytes(32).hex(), rng.randbytes(32).hex()
-    receipts = random_run(rng, n, deployment, tuple_hash, f"eval-{seed}")
+    receipts = random_run(rng, n, run_id=f"eval-{seed}", deployment_hash=deployment, tuple_hash=tuple_hash)
     manifest = RunManifest.for_receipts(receipts, run_id=f"eval-{seed}", node_keyid=NODE,
                                         deployment_hash=deployment, tuple_hash=tuple_hash,
                                         time_unix_ns=rng.getrandbits(63))
@@ -110,19 +94,21 @@ def test_check_run_recomputes_the_root_from_the_receipts_present() -> None:
     rng = random.Random(8)
     rng.shuffle(receipts)
     check_run(manifest, receipts)
+    hashes = {"deployment_hash": manifest.deployment_hash, "tuple_hash": manifest.tuple_hash}
     with pytest.raises(ManifestMismatch, match="1 missing, 0 not in the manifest") as err:
         check_run(manifest, receipts[1:])
     assert err.value.missing == (receipts[0].digest,) and err.value.extra == ()
-    stranger = random_run(rng, 1, manifest.deployment_hash, manifest.tuple_hash, manifest.run_id, first=3)[0]
+    stranger = random_run(rng, 1, run_id=manifest.run_id, first=3, **hashes)[0]
     with pytest.raises(ManifestMismatch, match="0 missing, 1 not in the manifest") as err:
         check_run(manifest, receipts + [stranger])
     assert err.value.extra == (stranger.digest,)
     with pytest.raises(ManifestMismatch, match="given twice"):
         check_run(manifest, receipts + receipts[:1])
-    other = random_run(rng, 1, "0" * 64, manifest.tuple_hash, manifest.run_id)[0]
+    other = random_run(rng, 1, run_id=manifest.run_id, deployment_hash="0" * 64,
+                       tuple_hash=manifest.tuple_hash)[0]
     with pytest.raises(ManifestMismatch, match="deployment_hash"):
         check_run(manifest, receipts[1:] + [other])
-    outside = random_run(rng, 1, manifest.deployment_hash, manifest.tuple_hash, manifest.run_id, first=9)[0]
+    outside = random_run(rng, 1, run_id=manifest.run_id, first=9, **hashes)[0]
     with pytest.raises(ManifestMismatch, match="outside this manifest's 0-8"):
         check_run(manifest, receipts + [outside])
     with pytest.raises(InvalidManifest, match="a rotation manifest of 2 receipts cannot cover"):

