@@ -110,6 +110,29 @@ def test_rescore_equals_generation(engine) -> None:
         assert torch.equal(_fp32(score.logprobs), _fp32(out.logprobs))
 
 
+def test_sampled_rescore_draws_every_position_from_the_one_prefill(engine) -> None:
+    """A sampled request's tokens in rescore are the counter-hash draws from the teacher-forced prefill's logits
+    at each position (not a replay): the output rescored with its prefill cut into 50-token steps draws the
+    same; a token forged at position 3 is refuted there (the draw gives the served token), and the draws after
+    it follow the forged history, which a replay from the prompt could not."""
+    rng = random.Random(13)
+    prompts = [_prompt(rng, n) for n in (7, 90, 330)]
+    params = [SamplingParams(temperature=t, top_p=tp, top_k=tk, seed=s, max_tokens=10, ignore_eos=True)
+              for t, tp, tk, s in ((0.9, 0.95, 0, 2**64 - 3), (1.3, 1.0, 40, 17), (0.7, 0.8, 20, 5))]
+    engine.reset()
+    outs = engine.generate(prompts, params)
+    engine.reset(max_prefill_chunk=50)
+    scored = engine.rescore_batch([(p, o.token_ids) for p, o in zip(prompts, outs)], params)
+    engine.reset()
+    for out, score in zip(outs, scored):
+        assert score.tokens == out.token_ids and torch.equal(_fp32(score.logprobs), _fp32(out.logprobs))
+    served = list(outs[1].token_ids)
+    forged = served[:3] + [(served[3] + 1) % 256] + served[4:]
+    got = engine.rescore_batch([(prompts[1], forged)], [params[1]])[0]
+    assert got.tokens[:4] == served[:4] and got.tokens[3] != forged[3]
+    assert got.tokens[4:] != served[4:]  # drawn on the forged history
+
+
 def test_a_long_prompt_is_the_same_after_a_prefix_hit_and_in_chunks(engine) -> None:
     """600 tokens: several KV tiles, a prefill split over steps of 512 tokens; then 384 of them cached first,
     and a prefill capped at 100 tokens a step."""

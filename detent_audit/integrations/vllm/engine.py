@@ -166,18 +166,24 @@ class VllmRequest:
         return len(self.token_ids)
 
 
-def _vllm_params(params: SamplingParams, mode: str, *, prompt_logprobs: int | None = None) -> Any:
+def _sampling_extra(params: SamplingParams) -> dict[str, Any]:
+    return {"seed": params.seed, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+
+
+def _vllm_params(params: SamplingParams, mode: str, *, prompt_logprobs: int | None = None,
+                 rescore: dict[str, Any] | None = None) -> Any:
     from vllm import SamplingParams as VSamplingParams
 
-    from detent_audit.integrations.vllm.sampler import EXTRA_KEY
+    from detent_audit.integrations.vllm.sampler import EXTRA_KEY, RESCORE_KEY
 
     common = dict(max_tokens=params.max_tokens, logprobs=params.logprobs or 0, ignore_eos=params.ignore_eos,
                   stop_token_ids=list(params.stop_token_ids), prompt_logprobs=prompt_logprobs, detokenize=False,
                   skip_special_tokens=False)
     if mode == "detent":  # vLLM sees a greedy request; the draw is DetentSampler's
-        extra = {"seed": params.seed, "temperature": params.temperature, "top_k": params.top_k,
-                 "top_p": params.top_p}
-        return VSamplingParams(temperature=0.0, extra_args={EXTRA_KEY: extra}, **common)
+        extra = {EXTRA_KEY: _sampling_extra(params)}
+        if rescore is not None:  # the draws at its prompt positions (sampler.draw_prompt_positions)
+            extra[RESCORE_KEY] = rescore
+        return VSamplingParams(temperature=0.0, extra_args=extra, **common)
     if params.temperature == 0:
         return VSamplingParams(temperature=0.0, **common)
     return VSamplingParams(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p,
@@ -270,6 +276,11 @@ class VllmEngine:
         return self.model_config.vocab_size
 
     @property
+    def block_size(self) -> int:
+        """vLLM's KV page in tokens (the prefix cache hits whole pages)."""
+        return self.config.block_size
+
+    @property
     def num_threads(self) -> int:
         return self.config.num_threads
 
@@ -308,7 +319,8 @@ class VllmEngine:
         return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
 
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
-                    *, prompt_logprobs: int | None = None, score_prompt: bool = False) -> VllmRequest:
+                    *, prompt_logprobs: int | None = None, score_prompt: bool = False,
+                    rescore: dict[str, Any] | None = None) -> VllmRequest:
         if score_prompt:
             raise BadInput("echo (the prompt's logprobs with the answer) is not served on the vLLM engine",
                            remedy="drop echo, or serve with the embedded engine")
@@ -322,8 +334,11 @@ class VllmEngine:
             seq.request_id = str(seq.seq_id)
         # vLLM appends a suffix of its own internally; outputs and aborts use this external id
         seq.vllm_id = f"detent-{seq.seq_id}"
+        if rescore is not None:
+            rescore = {**rescore, "tag": seq.vllm_id}
         self.engine.add_request(seq.vllm_id, {"prompt_token_ids": ids},
-                                _vllm_params(params, self.config.mode, prompt_logprobs=prompt_logprobs))
+                                _vllm_params(params, self.config.mode, prompt_logprobs=prompt_logprobs,
+                                             rescore=rescore))
         self._live[seq.vllm_id] = seq
         return seq
 
@@ -404,24 +419,38 @@ class VllmEngine:
                       params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
         """Teacher-forced logprobs through vLLM's prompt logprobs (one prefill of prompt + output per pair,
         batched). The token drawn at each position: for greedy requests the argmax (rank 1 of the prompt
-        logprobs); for sampled ones (their draw needs the whole logits row, which prompt logprobs do not
-        return) the tokens of a seeded replay, which batch invariance makes the same as generation's."""
+        logprobs); for sampled ones in detent mode the counter-hash draw from the same prefill's logits at that
+        position (`sampler.draw_prompt_positions`, in the model runner), which batch invariance makes the
+        generation's draw. Stock vLLM's seeded sampling draws from a per-request generator that advances once
+        per generated token (its draw at a position depends on the steps before it, not on that position's
+        logits alone), so a stock sampled request is replayed by generation instead."""
+        from detent_audit.integrations.vllm import sampler
+
         params = list(params) if params is not None else [SamplingParams(temperature=0.0)] * len(pairs)
         greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        drawn_here = self.config.mode == "detent"
         seqs = []
         for (prompt, output), p in zip(pairs, params):
             if not output:
                 raise BadInput("rescore needs at least one output token")
+            rescore = ({**_sampling_extra(p), "prompt_len": len(prompt)}
+                       if drawn_here and p.temperature > 0 else None)
             seqs.append(self.add_request(list(prompt) + list(output), greedy,
-                                         prompt_logprobs=max(1, p.logprobs or 0)))
+                                         prompt_logprobs=max(1, p.logprobs or 0), rescore=rescore))
         sampled = [i for i, p in enumerate(params) if p.temperature > 0]
-        replays = {i: self.add_request(list(pairs[i][0]), params[i]) for i in sampled}
-        self.run(seqs + list(replays.values()))
+        replays = {} if drawn_here else {i: self.add_request(list(pairs[i][0]), params[i]) for i in sampled}
+        try:
+            self.run(seqs + list(replays.values()))
+            draws = {i: sampler.take_draws(seqs[i].vllm_id) for i in sampled} if drawn_here else {}
+        finally:
+            for seq in seqs:
+                sampler.take_draws(seq.vllm_id)
         out = []
         for i, (seq, (prompt, output)) in enumerate(zip(seqs, pairs)):
             lps, firsts, tops = [], [], []
             n = params[i].logprobs or 0
-            for pos in range(len(prompt), len(prompt) + len(output)):
+            positions = range(len(prompt), len(prompt) + len(output))
+            for pos in positions:
                 entry = seq.prompt_logprobs[pos]
                 lps.append(float(entry[output[pos - len(prompt)]].logprob))
                 firsts.append(next(t for t, lp in entry.items() if lp.rank == 1))
@@ -429,6 +458,13 @@ class VllmEngine:
                     ranked = sorted((lp.rank, t, float(lp.logprob)) for t, lp in entry.items()
                                     if lp.rank is not None and lp.rank <= n)
                     tops.append([(t, v) for _, t, v in ranked])
-            tokens = replays[i].token_ids if i in replays else firsts
+            if i in draws:
+                missing = [pos for pos in positions if pos not in draws[i]]
+                if missing:
+                    raise RuntimeError(f"the rescore's counter-hash draws did not come back for positions "
+                                       f"{missing[:5]} (vLLM's engine core must run in this process)")
+                tokens = [draws[i][pos] for pos in positions]
+            else:
+                tokens = replays[i].token_ids if i in replays else firsts
             out.append(Rescored(lps, list(tokens), tops))
         return out

@@ -8,6 +8,17 @@ argmax-invariant, runs before vLLM's sampler: for each such row it draws the tok
 (counter-hash Gumbel over the raw logits at the absolute position of the token drawn) and leaves that
 token the only finite logit, so vLLM's greedy argmax returns it. vLLM computes the logprobs it returns
 (`raw_logprobs`: fp32 log-softmax of the raw logits) before any logits processor runs, so they are untouched.
+
+Teacher-forced rescore checks the same draw at every output position from the one prefill of prompt + output:
+a rescore request carries `RESCORE_KEY` (its sampling, the original prompt's length, a tag), and
+`draw_prompt_positions`, which the plugin runs in the model runner just before vLLM's own prompt-logprobs
+computation (`GPUModelRunner._get_prompt_logprobs_dict`, a wrapper; the CPU runner inherits it), computes the
+logits of those rows with the model's own `compute_logits` and draws each position with `kernels.sampling`,
+exactly as `DetentSampler` does during generation: the same hidden state (batch invariance), the same LM head
+(row-invariant), the same raw fp32 logits, the same (seed, position, vocabulary index). vLLM returns only
+top-n prompt logprobs, never a whole logits row, so the draws come back to `VllmEngine` through this module
+(`take_draws`): that needs vLLM's engine core in the engine's process, which `VllmEngine` sets
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`); a rescore whose draws did not come back is an error, never a pass.
 """
 
 from __future__ import annotations
@@ -21,6 +32,9 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from detent_audit.kernels import sampling
 
 EXTRA_KEY = "detent_sampling"  # extra_args entry: {"seed", "temperature", "top_k", "top_p"}
+RESCORE_KEY = "detent_rescore"  # extra_args entry of a rescore: EXTRA_KEY's fields, "prompt_len", "tag"
+
+_draws: dict[str, dict[int, int]] = {}  # tag -> absolute position -> the token drawn there (this process)
 
 
 class _Row(NamedTuple):
@@ -32,13 +46,59 @@ class _Row(NamedTuple):
     output: list[int]   # vLLM's live list of the request's output tokens
 
 
+def _signed_seed(seed: int) -> int:
+    """A u64 seed as its two's-complement int64, as the embedded engine draws it."""
+    seed = int(seed)
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 def _row(params: Any, prompt: list[int] | None, output: list[int]) -> _Row | None:
     extra = (params.extra_args or {}).get(EXTRA_KEY) if params is not None else None
     if not extra or extra["temperature"] == 0:
         return None
-    seed = int(extra["seed"])  # a u64 seed as its two's-complement int64, as the embedded engine draws it
-    return _Row(seed - (1 << 64) if seed >= 1 << 63 else seed, float(extra["temperature"]), int(extra["top_k"]),
+    return _Row(_signed_seed(extra["seed"]), float(extra["temperature"]), int(extra["top_k"]),
                 float(extra["top_p"]), len(prompt or ()), output)
+
+
+def _draw(logits: torch.Tensor, spec: dict, positions: torch.Tensor) -> torch.Tensor:
+    """The counter-hash draw of rows of raw logits for one request's sampling at absolute `positions`."""
+    n = positions.shape[0]
+    return sampling.sample(logits.float(), torch.full((n,), float(spec["temperature"]), dtype=torch.float32),
+                           torch.full((n,), int(spec["top_k"]), dtype=torch.int64),
+                           torch.full((n,), float(spec["top_p"]), dtype=torch.float32),
+                           torch.full((n,), _signed_seed(spec["seed"]), dtype=torch.int64), positions)
+
+
+def draw_prompt_positions(runner: Any, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]) -> None:
+    """In vLLM's model runner, for this step's prompt-logprobs requests that carry `RESCORE_KEY`: the token the
+    request's sampling draws at each of its output positions (from `prompt_len` on) that this step's rows
+    predict. Row j of a request is its token at absolute position `num_computed_tokens + j`, whose hidden
+    state predicts position + 1 (vLLM's own prompt-logprobs indexing)."""
+    for req_id in list(runner.num_prompt_logprobs):
+        scheduled = num_scheduled_tokens.get(req_id)
+        state = runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        spec = (params.extra_args or {}).get(RESCORE_KEY) if params is not None else None
+        if not scheduled or not spec or state.prompt_token_ids is None:
+            continue
+        start = state.num_computed_tokens
+        first = max(start, int(spec["prompt_len"]) - 1)  # the first row predicting an output position
+        stop = min(start + scheduled, len(state.prompt_token_ids) - 1)  # the last one predicts the last output
+        if first >= stop:
+            continue
+        offset = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]]) - start
+        logits = runner.model.compute_logits(hidden_states[offset + first: offset + stop])
+        tokens = _draw(logits, spec, torch.arange(first + 1, stop + 1, dtype=torch.int64))
+        _draws.setdefault(str(spec["tag"]), {}).update(zip(range(first + 1, stop + 1), tokens.tolist()))
+
+
+def take_draws(tag: str) -> dict[int, int]:
+    """The draws `draw_prompt_positions` made for a rescore request (absolute position -> token), forgotten."""
+    return _draws.pop(tag, {})
+
+
+def forget_draws() -> None:
+    _draws.clear()
 
 
 class DetentSampler(LogitsProcessor):
