@@ -99,8 +99,8 @@ def test_seeded_request_alone_equals_in_a_mixed_batch_of_16(engine) -> None:
 def test_rescore_equals_generation(engine) -> None:
     rng = random.Random(8)
     prompts = [_prompt(rng, n) for n in (3, 30, 200)]
-    params = [SamplingParams(temperature=t, seed=90 + i, max_tokens=9, ignore_eos=True)
-              for i, t in enumerate((0.0, 0.0, 0.8))]
+    params = [SamplingParams(temperature=t, seed=90 + i, max_tokens=9, ignore_eos=True, logprobs=n)
+              for i, (t, n) in enumerate(((0.0, 0), (0.0, 3), (0.8, 5)))]
     engine.reset()
     outs = engine.generate(prompts, params)
     engine.reset()
@@ -108,6 +108,10 @@ def test_rescore_equals_generation(engine) -> None:
     for out, score in zip(outs, scored):
         assert score.tokens == out.token_ids
         assert torch.equal(_fp32(score.logprobs), _fp32(out.logprobs))
+        assert [[t for t, _ in top] for top in score.tops] == [[t for t, _ in top] for top in out.top_logprobs]
+        assert all(torch.equal(_fp32([v for _, v in a]), _fp32([v for _, v in b]))
+                   for a, b in zip(score.tops, out.top_logprobs))
+    assert len(scored[1].tops) == 9 and all(len(top) == 3 for top in scored[1].tops)
 
 
 def test_sampled_rescore_draws_every_position_from_the_one_prefill(engine) -> None:

@@ -12,11 +12,11 @@ the model is built. It installs, without a monkeypatch of any kernel:
   (a row's bits do not depend on M or on the other rows, 1 and 2 threads); `chunked` runs every linear layer
   and the LM head through the tuple's fixed-row-chunk GEMM (`kernels.gemm`, chosen by the compiled
   `embedded.gemm` selector), invariant by construction and several times slower at decode (M padded).
-Seeded sampling is the `sampler.DetentSampler` logits processor, which `VllmEngine` passes to vLLM; the
-same draw is checked at every position of a teacher-forced rescore by `sampler.draw_prompt_positions`, which
-the plugin runs just before vLLM's prompt-logprobs computation (a wrapper of the model runner's
-`_get_prompt_logprobs_dict`, the one method of vLLM the plugin wraps; it adds a computation beside vLLM's
-and changes nothing of it).
+Seeded sampling is the `sampler.DetentSampler` logits processor, which `VllmEngine` passes to vLLM; a
+teacher-forced rescore's output positions (logprob, top-n and the draw) are scored by
+`sampler.score_rescore_rows`, which the plugin runs at every step just before vLLM's prompt-logprobs point (a
+wrapper of the model runner's `_get_prompt_logprobs_dict`, the one method of vLLM the plugin wraps; it adds a
+computation beside vLLM's, on rows of the step's hidden states, and changes nothing of vLLM's).
 
 What the kernels are is decided per engine, not per process: the engine that vLLM builds reads `ENV_MODE`,
 `ENV_DEPLOYMENT` and `ENV_TUPLE` (set by `VllmEngine` before it builds vLLM) when its layers are made. With
@@ -111,14 +111,13 @@ def _detent_gemm_dispatch(original: Any) -> Any:
     return dispatch
 
 
-def _with_rescore_draws(original: Any) -> Any:
+def _with_rescore_scores(original: Any) -> Any:
+    from detent_audit.integrations.vllm import sampler
+
     @functools.wraps(original)
     def prompt_logprobs(runner: Any, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]) -> Any:
-        # per request, not per process: only a request that VllmEngine's detent rescore marked is drawn
-        if runner.num_prompt_logprobs:
-            from detent_audit.integrations.vllm import sampler
-
-            sampler.draw_prompt_positions(runner, hidden_states, num_scheduled_tokens)
+        # per request, not per process: only a request that VllmEngine's detent rescore marked is scored
+        sampler.score_rescore_rows(runner, hidden_states, num_scheduled_tokens)
         return original(runner, hidden_states, num_scheduled_tokens)
     prompt_logprobs.detent_original = original  # type: ignore[attr-defined]
     return prompt_logprobs
@@ -139,7 +138,7 @@ def register() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if not hasattr(GPUModelRunner._get_prompt_logprobs_dict, "detent_original"):
-        GPUModelRunner._get_prompt_logprobs_dict = _with_rescore_draws(GPUModelRunner._get_prompt_logprobs_dict)
+        GPUModelRunner._get_prompt_logprobs_dict = _with_rescore_scores(GPUModelRunner._get_prompt_logprobs_dict)
     from vllm.platforms import current_platform
 
     if active() and current_platform.is_cuda():  # written for vLLM 0.33 on CUDA; not run here (cuda.py)

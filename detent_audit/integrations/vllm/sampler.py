@@ -9,16 +9,19 @@ argmax-invariant, runs before vLLM's sampler: for each such row it draws the tok
 token the only finite logit, so vLLM's greedy argmax returns it. vLLM computes the logprobs it returns
 (`raw_logprobs`: fp32 log-softmax of the raw logits) before any logits processor runs, so they are untouched.
 
-Teacher-forced rescore checks the same draw at every output position from the one prefill of prompt + output:
-a rescore request carries `RESCORE_KEY` (its sampling, the original prompt's length, a tag), and
-`draw_prompt_positions`, which the plugin runs in the model runner just before vLLM's own prompt-logprobs
-computation (`GPUModelRunner._get_prompt_logprobs_dict`, a wrapper; the CPU runner inherits it), computes the
-logits of those rows with the model's own `compute_logits` and draws each position with `kernels.sampling`,
-exactly as `DetentSampler` does during generation: the same hidden state (batch invariance), the same LM head
-(row-invariant), the same raw fp32 logits, the same (seed, position, vocabulary index). vLLM returns only
-top-n prompt logprobs, never a whole logits row, so the draws come back to `VllmEngine` through this module
-(`take_draws`): that needs vLLM's engine core in the engine's process, which `VllmEngine` sets
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`); a rescore whose draws did not come back is an error, never a pass.
+Teacher-forced rescore (detent mode) scores the output positions of one prefill of prompt + output in the
+model runner itself: a rescore request carries `RESCORE_KEY` (its sampling, the original prompt's length, the
+top-n asked, a tag), and `score_rescore_rows`, which the plugin runs at every step just before vLLM's own
+prompt-logprobs point (`GPUModelRunner._get_prompt_logprobs_dict`, a wrapper; the CPU runner inherits it),
+takes the hidden states of the rows predicting output positions and computes, with vLLM's own functions,
+what generation computed there: the raw logits (`model.compute_logits`, row-invariant), the fp32 logprobs
+(`sampler.compute_logprobs`), the served token's logprob and the top-n (`sampler.gather_logprobs`), and the
+token drawn (greedy: the argmax of the logits, as vLLM's greedy sampler; sampled: the counter-hash draw of
+`DetentSampler`), so the draw is checked at every output position. Only those rows go through the LM head:
+vLLM's prompt logprobs would run it, a log-softmax and a top-k over every prompt position, and return no
+logits row to draw from. The scores come back to `VllmEngine` through this module (`take_scores`), which needs
+vLLM's engine core in the engine's process (`VllmEngine` sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`); a rescore
+whose scores did not come back is an error, never a pass.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def _row(params: Any, prompt: list[int] | None, output: list[int]) -> _Row | Non
 
 
 def _draw(logits: torch.Tensor, spec: dict, positions: torch.Tensor) -> torch.Tensor:
-    """The counter-hash draw of rows of raw logits for one request's sampling at absolute `positions`."""
+    """The draw of rows of raw logits for one request's sampling at absolute `positions` (temperature 0: the
+    argmax, as vLLM's greedy sampler takes it)."""
     n = positions.shape[0]
     return sampling.sample(logits.float(), torch.full((n,), float(spec["temperature"]), dtype=torch.float32),
                            torch.full((n,), int(spec["top_k"]), dtype=torch.int64),
@@ -69,17 +73,27 @@ def _draw(logits: torch.Tensor, spec: dict, positions: torch.Tensor) -> torch.Te
                            torch.full((n,), _signed_seed(spec["seed"]), dtype=torch.int64), positions)
 
 
-def draw_prompt_positions(runner: Any, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]) -> None:
-    """In vLLM's model runner, for this step's prompt-logprobs requests that carry `RESCORE_KEY`: the token the
-    request's sampling draws at each of its output positions (from `prompt_len` on) that this step's rows
-    predict. Row j of a request is its token at absolute position `num_computed_tokens + j`, whose hidden
-    state predicts position + 1 (vLLM's own prompt-logprobs indexing)."""
-    for req_id in list(runner.num_prompt_logprobs):
-        scheduled = num_scheduled_tokens.get(req_id)
+class Scored(NamedTuple):
+    """One output position of a rescore, as generation's step would have returned it."""
+    drawn: int                 # the token the request's sampling draws there
+    token_ids: list[int]       # vLLM's gathered row: the served token, then the top-n
+    logprobs: list[float]
+    rank: int                  # the served token's rank
+
+
+_scores: dict[str, dict[int, Scored]] = {}  # tag -> absolute position -> its score (this process)
+
+
+def score_rescore_rows(runner: Any, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]) -> None:
+    """In vLLM's model runner, for this step's requests that carry `RESCORE_KEY`: each output position (from
+    `prompt_len` on) that this step's rows predict, scored. Row j of a request is its token at absolute
+    position `num_computed_tokens + j`, whose hidden state predicts position + 1 (vLLM's own prompt-logprobs
+    indexing)."""
+    for req_id, scheduled in num_scheduled_tokens.items():
         state = runner.requests.get(req_id)
         params = getattr(state, "sampling_params", None)
-        spec = (params.extra_args or {}).get(RESCORE_KEY) if params is not None else None
-        if not scheduled or not spec or state.prompt_token_ids is None:
+        spec = (params.extra_args or {}).get(RESCORE_KEY) if params is not None and scheduled else None
+        if not spec or state.prompt_token_ids is None:
             continue
         start = state.num_computed_tokens
         first = max(start, int(spec["prompt_len"]) - 1)  # the first row predicting an output position
@@ -88,17 +102,19 @@ def draw_prompt_positions(runner: Any, hidden_states: torch.Tensor, num_schedule
             continue
         offset = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]]) - start
         logits = runner.model.compute_logits(hidden_states[offset + first: offset + stop])
-        tokens = _draw(logits, spec, torch.arange(first + 1, stop + 1, dtype=torch.int64))
-        _draws.setdefault(str(spec["tag"]), {}).update(zip(range(first + 1, stop + 1), tokens.tolist()))
+        positions = torch.arange(first + 1, stop + 1, dtype=torch.int64)
+        drawn = _draw(logits, spec, positions).tolist()
+        served = torch.tensor(state.prompt_token_ids[first + 1: stop + 1], dtype=torch.int64)
+        ids, lps, ranks, *_ = runner.sampler.gather_logprobs(runner.sampler.compute_logprobs(logits),
+                                                             max(1, int(spec["top_n"])), served)
+        rows = zip(positions.tolist(), drawn, ids.tolist(), lps.tolist(), ranks.tolist())
+        _scores.setdefault(str(spec["tag"]), {}).update(
+            (pos, Scored(d, i, lp, int(r))) for pos, d, i, lp, r in rows)
 
 
-def take_draws(tag: str) -> dict[int, int]:
-    """The draws `draw_prompt_positions` made for a rescore request (absolute position -> token), forgotten."""
-    return _draws.pop(tag, {})
-
-
-def forget_draws() -> None:
-    _draws.clear()
+def take_scores(tag: str) -> dict[int, Scored]:
+    """The scores `score_rescore_rows` made for a rescore request (absolute position -> score), forgotten."""
+    return _scores.pop(tag, {})
 
 
 class DetentSampler(LogitsProcessor):
