@@ -137,6 +137,19 @@ def test_sampled_rescore_draws_every_position_from_the_one_prefill(engine) -> No
     assert got.tokens[4:] != served[4:]  # drawn on the forged history
 
 
+def test_an_output_up_to_the_context_limit_rescores(engine) -> None:
+    """Prompt + output filling the whole context (1024 tokens) rescores: the rescore prefills all but the last
+    output token, which vLLM's limit (a prompt shorter than the context) allows."""
+    target = _prompt(random.Random(17), 1019)
+    params = SamplingParams(temperature=0.6, seed=9, max_tokens=5, ignore_eos=True)
+    engine.reset()
+    out = engine.generate([target], params)[0]
+    assert len(target) + len(out.token_ids) == engine.max_model_len
+    score = engine.rescore_batch([(target, out.token_ids)], [params])[0]
+    engine.reset()
+    assert score.tokens == out.token_ids and torch.equal(_fp32(score.logprobs), _fp32(out.logprobs))
+
+
 def test_a_long_prompt_is_the_same_after_a_prefix_hit_and_in_chunks(engine) -> None:
     """600 tokens: several KV tiles, a prefill split over steps of 512 tokens; then 384 of them cached first,
     and a prefill capped at 100 tokens a step."""

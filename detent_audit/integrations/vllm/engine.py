@@ -461,8 +461,10 @@ class VllmEngine:
         from detent_audit.integrations.vllm import sampler
 
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        seqs = [self.add_request(list(prompt) + list(output), one,
-                                 rescore={**_sampling_extra(p), "prompt_len": len(prompt), "top_n": p.logprobs or 0})
+        # prompt + output but its last token (a whole context's output stays within vLLM's limit)
+        seqs = [self.add_request(list(prompt) + list(output)[:-1], one,
+                                 rescore={**_sampling_extra(p), "prompt_len": len(prompt), "top_n": p.logprobs or 0,
+                                          "last": int(output[-1])})
                 for (prompt, output), p in zip(pairs, params)]
         try:
             self.run(seqs)

@@ -10,18 +10,19 @@ token the only finite logit, so vLLM's greedy argmax returns it. vLLM computes t
 (`raw_logprobs`: fp32 log-softmax of the raw logits) before any logits processor runs, so they are untouched.
 
 Teacher-forced rescore (detent mode) scores the output positions of one prefill of prompt + output in the
-model runner itself: a rescore request carries `RESCORE_KEY` (its sampling, the original prompt's length, the
-top-n asked, a tag), and `score_rescore_rows`, which the plugin runs at every step just before vLLM's own
-prompt-logprobs point (`GPUModelRunner._get_prompt_logprobs_dict`, a wrapper; the CPU runner inherits it),
-takes the hidden states of the rows predicting output positions and computes, with vLLM's own functions,
-what generation computed there: the raw logits (`model.compute_logits`, row-invariant), the fp32 logprobs
-(`sampler.compute_logprobs`), the served token's logprob and the top-n (`sampler.gather_logprobs`), and the
-token drawn (greedy: the argmax of the logits, as vLLM's greedy sampler; sampled: the counter-hash draw of
-`DetentSampler`), so the draw is checked at every output position. Only those rows go through the LM head:
-vLLM's prompt logprobs would run it, a log-softmax and a top-k over every prompt position, and return no
-logits row to draw from. The scores come back to `VllmEngine` through this module (`take_scores`), which needs
-vLLM's engine core in the engine's process (`VllmEngine` sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`); a rescore
-whose scores did not come back is an error, never a pass.
+model runner itself. A rescore request (prompt + output but its last token, the target of its last row)
+carries `RESCORE_KEY` (its sampling, the original prompt's length, the top-n asked, that last token, a tag);
+`score_rescore_rows`, which the plugin runs at every step just before vLLM's own prompt-logprobs point
+(`GPUModelRunner._get_prompt_logprobs_dict`, a wrapper; the CPU runner inherits it), takes the hidden states
+of the rows predicting output positions and computes, with vLLM's own functions, what generation computed
+there: the raw logits (`model.compute_logits`, row-invariant), the fp32 logprobs (`sampler.compute_logprobs`),
+the served token's logprob and the top-n (`sampler.gather_logprobs`), and the token drawn (greedy: the argmax
+of the logits, as vLLM's greedy sampler; sampled: the counter-hash draw of `DetentSampler`), so the draw is
+checked at every output position. Only those rows go through the LM head: vLLM's prompt logprobs would run
+it, a log-softmax and a top-k over every prompt position, and return no logits row to draw from. The scores
+come back to `VllmEngine` through this module (`take_scores`), which needs vLLM's engine core in the
+engine's process (`VllmEngine` sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`); a rescore whose scores did not come
+back is an error, never a pass.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from detent_audit.kernels import sampling
 
 EXTRA_KEY = "detent_sampling"  # extra_args entry: {"seed", "temperature", "top_k", "top_p"}
-RESCORE_KEY = "detent_rescore"  # extra_args entry of a rescore: EXTRA_KEY's fields, "prompt_len", "tag"
+RESCORE_KEY = "detent_rescore"  # a rescore's extra_args: EXTRA_KEY's, "prompt_len", "top_n", "last", "tag"
 
 _draws: dict[str, dict[int, int]] = {}  # tag -> absolute position -> the token drawn there (this process)
 
@@ -95,16 +96,17 @@ def score_rescore_rows(runner: Any, hidden_states: torch.Tensor, num_scheduled_t
         spec = (params.extra_args or {}).get(RESCORE_KEY) if params is not None and scheduled else None
         if not spec or state.prompt_token_ids is None:
             continue
-        start = state.num_computed_tokens
-        first = max(start, int(spec["prompt_len"]) - 1)  # the first row predicting an output position
-        stop = min(start + scheduled, len(state.prompt_token_ids) - 1)  # the last one predicts the last output
+        # the request is prompt + output but its last token: its rows from prompt_len - 1 on predict the output
+        start, ids = state.num_computed_tokens, list(state.prompt_token_ids) + [int(spec["last"])]
+        first = max(start, int(spec["prompt_len"]) - 1)
+        stop = min(start + scheduled, len(ids) - 1)
         if first >= stop:
             continue
         offset = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]]) - start
         logits = runner.model.compute_logits(hidden_states[offset + first: offset + stop])
         positions = torch.arange(first + 1, stop + 1, dtype=torch.int64)
         drawn = _draw(logits, spec, positions).tolist()
-        served = torch.tensor(state.prompt_token_ids[first + 1: stop + 1], dtype=torch.int64)
+        served = torch.tensor(ids[first + 1: stop + 1], dtype=torch.int64)
         ids, lps, ranks, *_ = runner.sampler.gather_logprobs(runner.sampler.compute_logprobs(logits),
                                                              max(1, int(spec["top_n"])), served)
         rows = zip(positions.tolist(), drawn, ids.tolist(), lps.tolist(), ranks.tolist())
