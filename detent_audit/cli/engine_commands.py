@@ -42,22 +42,30 @@ def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int 
 def battery(
     model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
     seed: int = typer.Option(0, "--seed", help="Seed of the target and neighbour prompts."),
+    target_len: int = typer.Option(None, "--target-len", min=3, show_default=False,
+                                   help="Tokens of the target prompt [default: 40 with 16-token KV pages, "
+                                        "600 with larger ones (vLLM CPU), which crosses its KV splits]."),
     engine: str = ENGINE, as_json: bool = JSON,
 ) -> None:
-    """Run the 35-cell invariance battery; exit 1 if any cell fails."""
+    """Run the 35-cell invariance battery; exit 1 if any cell fails. The prefix cells share whole KV pages of
+    the engine (16 tokens on the embedded engine, 32 on vLLM CPU)."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
-    from detent_audit.engine.battery import cells, run_battery
+    from detent_audit.engine.battery import cells, default_target_len, prefix_block, run_battery
 
     llm = open_engine(model, mode, dtype, threads, device=device, engine=engine)
+    block = prefix_block(llm)
+    target_len = default_target_len(block) if target_len is None else target_len
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-        task = progress.add_task("battery", total=len(cells()))
-        results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task))
+        task = progress.add_task("battery", total=len(cells(block)))
+        results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task), target_len=target_len,
+                              block=block)
     failed = [r for r in results if not r.passed]
     if as_json:
         typer.echo(json.dumps({"engine": engine, "mode": mode, "dtype": dtype, "threads": threads,
+                               "target_len": target_len, "prefix_block": block,
                                "passed": len(results) - len(failed), "total": len(results),
                                "cells": [r.to_json() for r in results]}, indent=2))
     else:

@@ -5,6 +5,11 @@ again under other batch conditions and compares the bits of its first 16 output 
 tokens with the reference. 26 cells: 2 rerun the same batch, 14 change the co-batched requests, 4 move the
 target's row, 6 change its prefix-cache hit; 9 strong cells: 1, 8 or 32 short, long or mixed neighbours, the
 target's row moved and half of the neighbours joining while it decodes.
+
+The target's length and the prefix cells' share unit are parameters: by default a 40-token target and
+16-token shares (the embedded engine's KV page); an engine with larger pages (vLLM CPU: 32 tokens) shares in
+its own pages (`prefix_block`), and a long target (`target_len`, e.g. 600) crosses the context lengths
+where an engine's attention changes how it splits the KV (vLLM CPU: past about 256 context tokens).
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import torch
 
 from detent_audit.engine.llm import LLM
 from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.errors import BadInput
 
 NUM_TOKENS = 16
-TARGET_LEN = 40
+TARGET_LEN = 40        # the target with 16-token pages (the embedded engine)
+LONG_TARGET_LEN = 600  # with larger pages: past the context where vLLM CPU's attention splits KV differently
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,16 @@ def _row(row: int) -> Callable:
     return lambda llm, target, rng: _run_batch(llm, target, _neighbours(rng, 7, "mixed"), row)
 
 
+def prefix_block(llm: object) -> int:
+    """The prefix cells' share unit for `llm`: its KV page (`block_size`) where it names one of 16 tokens or more,
+    else 16 (the embedded engine's page; an engine paging by token shares in 16-token units)."""
+    return max(16, int(getattr(llm, "block_size", 16)))
+
+
+def default_target_len(block: int) -> int:
+    return TARGET_LEN if block <= 16 else LONG_TARGET_LEN
+
+
 def _warm_then(shared: Callable[[list[int]], list[int]], chunk: int | None = None) -> Callable:
     """Finish a request sharing a prefix with the target first (it fills the prefix cache), then the target."""
     def run(llm: LLM, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
@@ -102,9 +119,11 @@ def _warm_then(shared: Callable[[list[int]], list[int]], chunk: int | None = Non
     return run
 
 
-def _concurrent_prefix(llm: LLM, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
-    twin = target[:32] + _prompt(rng, 20)  # shares two blocks, submitted in the same batch, first
-    return _run_batch(llm, target, [twin], 1)
+def _concurrent_prefix(block: int) -> Callable:
+    def run(llm: LLM, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
+        twin = target[:2 * block] + _prompt(rng, 20)  # shares two blocks, submitted in the same batch, first
+        return _run_batch(llm, target, [twin], 1)
+    return run
 
 
 def _rerun_batch(llm: LLM, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
@@ -126,7 +145,9 @@ def _strong(k: int, kind: str, seed: int) -> Callable:
     return run
 
 
-def cells() -> list[Cell]:
+def cells(block: int = 16) -> list[Cell]:
+    """The 35 cells; the prefix cells share whole `block`-token pages of the target (16: the embedded engine's)."""
+    b = block
     out = [Cell("rerun-alone", "rerun", "the target alone again", _alone),
            Cell("rerun-batch", "rerun", "the same 4-request batch twice", _rerun_batch)]
     for kind in ("short", "long"):
@@ -136,15 +157,16 @@ def cells() -> list[Cell]:
         out.append(Cell(f"row-{row}", "row", f"target at row {row} of 8", _row(row)))
     out += [
         Cell("prefix-full", "prefix", "the same prompt cached first (all full blocks hit)", _warm_then(lambda t: t)),
-        Cell("prefix-1-block", "prefix", "a prompt sharing 16 tokens cached first",
-             _warm_then(lambda t: t[:16] + [7] * 9)),
-        Cell("prefix-2-blocks", "prefix", "a prompt sharing 32 tokens cached first",
-             _warm_then(lambda t: t[:32] + [9] * 5)),
-        Cell("prefix-partial", "prefix", "a prompt sharing 15 tokens cached first (no whole block)",
-             _warm_then(lambda t: t[:15] + [11] * 12)),
-        Cell("prefix-concurrent", "prefix", "a prompt sharing 32 tokens in the same batch", _concurrent_prefix),
+        Cell("prefix-1-block", "prefix", f"a prompt sharing {b} tokens cached first",
+             _warm_then(lambda t: t[:b] + [7] * 9)),
+        Cell("prefix-2-blocks", "prefix", f"a prompt sharing {2 * b} tokens cached first",
+             _warm_then(lambda t: t[:2 * b] + [9] * 5)),
+        Cell("prefix-partial", "prefix", f"a prompt sharing {b - 1} tokens cached first (no whole block)",
+             _warm_then(lambda t: t[:b - 1] + [11] * 12)),
+        Cell("prefix-concurrent", "prefix", f"a prompt sharing {2 * b} tokens in the same batch",
+             _concurrent_prefix(b)),
         Cell("prefix-chunked", "prefix", "1-block hit, then the rest prefilled in chunks of 7 tokens",
-             _warm_then(lambda t: t[:16] + [5] * 3, chunk=7)),
+             _warm_then(lambda t: t[:b] + [5] * 3, chunk=7)),
     ]
     for k in (1, 8, 32):
         for kind in ("short", "long", "mixed"):
@@ -153,14 +175,21 @@ def cells() -> list[Cell]:
     return out
 
 
-def run_battery(llm: LLM, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[CellResult]:
-    """Run all 35 cells on `llm` (reset between cells); the target is a seeded random prompt."""
+def run_battery(llm: LLM, seed: int = 0, progress: Callable[[str], None] | None = None, *,
+                target_len: int | None = None, block: int = 16) -> list[CellResult]:
+    """Run all 35 cells on `llm` (reset between cells); the target is a seeded random prompt of `target_len`
+    tokens (default: `TARGET_LEN` with 16-token blocks, `LONG_TARGET_LEN` with larger ones), the prefix cells
+    share `block`-token pages of it."""
+    target_len = default_target_len(block) if target_len is None else target_len
+    if block < 2 or target_len < 2 * block + 1:
+        raise BadInput(f"the battery's target of {target_len} tokens must be longer than two {block}-token blocks",
+                       remedy=f"use a target of at least {2 * block + 1} tokens, or a smaller block")
     rng = random.Random(seed)
-    target = _prompt(rng, TARGET_LEN)
+    target = _prompt(rng, target_len)
     llm.reset()
     ref_tokens, ref_lps = _alone(llm, target, rng)
     results = []
-    for i, cell in enumerate(cells()):
+    for i, cell in enumerate(cells(block)):
         llm.reset()
         tokens, lps = cell.run(llm, target, random.Random(seed * 1000 + i))
         llm.reset()

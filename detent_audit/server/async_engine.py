@@ -177,7 +177,7 @@ class AsyncEngine:
         them, its steps by how many sequences shared each (`{"3": 12}`: 12 steps ran 3 sequences together)."""
         sizes = getattr(self.llm, "step_batch_sizes", None)
         with self._cv:
-            stats = {"outstanding": self._outstanding, "max_queued": self.max_queued, "closed": self._closed,
+            stats: dict[str, Any] = {"outstanding": self._outstanding, "max_queued": self.max_queued, "closed": self._closed,
                      "error": None if self.error is None else repr(self.error)}
         if sizes is not None:  # written by the engine thread only; a copy of a dict of ints is safe to take
             stats["step_batch_sizes"] = {str(n): c for n, c in sorted(dict(sizes).items())}

@@ -99,8 +99,8 @@ def test_seeded_request_alone_equals_in_a_mixed_batch_of_16(engine) -> None:
 def test_rescore_equals_generation(engine) -> None:
     rng = random.Random(8)
     prompts = [_prompt(rng, n) for n in (3, 30, 200)]
-    params = [SamplingParams(temperature=t, seed=90 + i, max_tokens=9, ignore_eos=True)
-              for i, t in enumerate((0.0, 0.0, 0.8))]
+    params = [SamplingParams(temperature=t, seed=90 + i, max_tokens=9, ignore_eos=True, logprobs=n)
+              for i, (t, n) in enumerate(((0.0, 0), (0.0, 3), (0.8, 5)))]
     engine.reset()
     outs = engine.generate(prompts, params)
     engine.reset()
@@ -108,6 +108,46 @@ def test_rescore_equals_generation(engine) -> None:
     for out, score in zip(outs, scored):
         assert score.tokens == out.token_ids
         assert torch.equal(_fp32(score.logprobs), _fp32(out.logprobs))
+        assert [[t for t, _ in top] for top in score.tops] == [[t for t, _ in top] for top in out.top_logprobs]
+        assert all(torch.equal(_fp32([v for _, v in a]), _fp32([v for _, v in b]))
+                   for a, b in zip(score.tops, out.top_logprobs))
+    assert len(scored[1].tops) == 9 and all(len(top) == 3 for top in scored[1].tops)
+
+
+def test_sampled_rescore_draws_every_position_from_the_one_prefill(engine) -> None:
+    """A sampled request's tokens in rescore are the counter-hash draws from the teacher-forced prefill's logits
+    at each position (not a replay): the output rescored with its prefill cut into 50-token steps draws the
+    same; a token forged at position 3 is refuted there (the draw gives the served token), and the draws after
+    it follow the forged history, which a replay from the prompt could not."""
+    rng = random.Random(13)
+    prompts = [_prompt(rng, n) for n in (7, 90, 330)]
+    params = [SamplingParams(temperature=t, top_p=tp, top_k=tk, seed=s, max_tokens=10, ignore_eos=True)
+              for t, tp, tk, s in ((0.9, 0.95, 0, 2**64 - 3), (1.3, 1.0, 40, 17), (0.7, 0.8, 20, 5))]
+    engine.reset()
+    outs = engine.generate(prompts, params)
+    engine.reset(max_prefill_chunk=50)
+    scored = engine.rescore_batch([(p, o.token_ids) for p, o in zip(prompts, outs)], params)
+    engine.reset()
+    for out, score in zip(outs, scored):
+        assert score.tokens == out.token_ids and torch.equal(_fp32(score.logprobs), _fp32(out.logprobs))
+    served = list(outs[1].token_ids)
+    forged = served[:3] + [(served[3] + 1) % 256] + served[4:]
+    got = engine.rescore_batch([(prompts[1], forged)], [params[1]])[0]
+    assert got.tokens[:4] == served[:4] and got.tokens[3] != forged[3]
+    assert got.tokens[4:] != served[4:]  # drawn on the forged history
+
+
+def test_an_output_up_to_the_context_limit_rescores(engine) -> None:
+    """Prompt + output filling the whole context (1024 tokens) rescores: the rescore prefills all but the last
+    output token, which vLLM's limit (a prompt shorter than the context) allows."""
+    target = _prompt(random.Random(17), 1019)
+    params = SamplingParams(temperature=0.6, seed=9, max_tokens=5, ignore_eos=True)
+    engine.reset()
+    out = engine.generate([target], params)[0]
+    assert len(target) + len(out.token_ids) == engine.max_model_len
+    score = engine.rescore_batch([(target, out.token_ids)], [params])[0]
+    engine.reset()
+    assert score.tokens == out.token_ids and torch.equal(_fp32(score.logprobs), _fp32(out.logprobs))
 
 
 def test_a_long_prompt_is_the_same_after_a_prefix_hit_and_in_chunks(engine) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from functools import cached_property
@@ -136,22 +137,43 @@ class VllmRequest(HostedRequest):
         self.vllm_id = ""
 
 
-def _vllm_params(params: SamplingParams, mode: str, *, prompt_logprobs: int | None = None) -> Any:
+def _sampling_extra(params: SamplingParams) -> dict[str, Any]:
+    return {"seed": params.seed, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+
+
+def _vllm_params(params: SamplingParams, mode: str, *, prompt_logprobs: int | None = None,
+                 rescore: dict[str, Any] | None = None) -> Any:
     from vllm import SamplingParams as VSamplingParams
 
-    from detent_audit.integrations.vllm.sampler import EXTRA_KEY
+    from detent_audit.integrations.vllm.sampler import EXTRA_KEY, RESCORE_KEY
 
     common = dict(max_tokens=params.max_tokens, logprobs=params.logprobs or 0, ignore_eos=params.ignore_eos,
                   stop_token_ids=list(params.stop_token_ids), prompt_logprobs=prompt_logprobs, detokenize=False,
                   skip_special_tokens=False)
+    if mode == "detent" and rescore is not None:  # scored in the model runner (sampler.score_rescore_rows)
+        # no prompt logprobs from vLLM, and no prefix-cache read: every output position's row is computed
+        return VSamplingParams(temperature=0.0, extra_args={RESCORE_KEY: rescore}, skip_reading_prefix_cache=True,
+                               **common)
     if mode == "detent":  # vLLM sees a greedy request; the draw is DetentSampler's
-        extra = {"seed": params.seed, "temperature": params.temperature, "top_k": params.top_k,
-                 "top_p": params.top_p}
-        return VSamplingParams(temperature=0.0, extra_args={EXTRA_KEY: extra}, **common)
+        return VSamplingParams(temperature=0.0, extra_args={EXTRA_KEY: _sampling_extra(params)}, **common)
     if params.temperature == 0:
         return VSamplingParams(temperature=0.0, **common)
     return VSamplingParams(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p,
                            seed=params.seed % (1 << 63), **common)
+
+
+def _top_n(entries: Iterable[tuple[int, int | None, float]], n: int) -> list[tuple[int, float]]:
+    """The top-n of one position from vLLM's entries (token, rank, logprob), by rank."""
+    ranked = sorted((rank, t, float(lp)) for t, rank, lp in entries if rank is not None and rank <= n)
+    return [(t, lp) for _, t, lp in ranked]
+
+
+def _gathered_entries(token_ids: list[int], logprobs: list[float], rank: int) -> dict[int, tuple[int, float]]:
+    """vLLM's gathered row of one position (the token, then the top-n) as its output processor makes the
+    position's entry: a dict by token, the token's own rank first, the top-n ranked 1..n (a top-n token that is
+    the token itself keeps its top-n rank, as the dict's later key wins)."""
+    ranks = [rank, *range(1, len(token_ids))]
+    return {t: (r, lp) for t, r, lp in zip(token_ids, ranks, logprobs)}
 
 
 class VllmEngine(HostedEngine[VllmRequest]):
@@ -228,7 +250,12 @@ class VllmEngine(HostedEngine[VllmRequest]):
                                       remedy="it needs Triton's GPU backend; use --mode detent on a CPU") from exc
             raise
 
-    # ---- the engine boundary (its read-only properties: HostedEngine's)
+    # ---- the engine boundary (its other read-only properties: HostedEngine's)
+    @property
+    def block_size(self) -> int:
+        """vLLM's KV page in tokens (the prefix cache hits whole pages)."""
+        return self.config.block_size
+
     def facts(self) -> dict[str, Any]:
         import vllm
 
@@ -248,7 +275,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
         }
 
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
-                    *, prompt_logprobs: int | None = None, score_prompt: bool = False) -> VllmRequest:
+                    *, prompt_logprobs: int | None = None, score_prompt: bool = False,
+                    rescore: dict[str, Any] | None = None) -> VllmRequest:
         if score_prompt:
             raise BadInput("echo (the prompt's logprobs with the answer) is not served on the vLLM engine",
                            remedy="drop echo, or serve with the embedded engine")
@@ -262,8 +290,13 @@ class VllmEngine(HostedEngine[VllmRequest]):
             seq.request_id = str(seq.seq_id)
         # vLLM appends a suffix of its own internally; outputs and aborts use this external id
         seq.vllm_id = f"detent-{seq.seq_id}"
+        if rescore is not None:
+            if self.config.mode != "detent":
+                raise BadInput("a rescore scored in the model runner needs the detent plugin (mode detent)")
+            rescore = {**rescore, "tag": seq.vllm_id}
         self.engine.add_request(seq.vllm_id, {"prompt_token_ids": ids},
-                                _vllm_params(params, self.config.mode, prompt_logprobs=prompt_logprobs))
+                                _vllm_params(params, self.config.mode, prompt_logprobs=prompt_logprobs,
+                                             rescore=rescore))
         self._live[seq.vllm_id] = seq
         return seq
 
@@ -284,9 +317,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
                     raise RuntimeError(f"vLLM returned no logprob for output token {i} of {seq.request_id}")
                 seq.output_logprobs.append(float(entry[new[i]].logprob))
                 if seq.params.logprobs:
-                    ranked = sorted(((lp.rank, t, float(lp.logprob)) for t, lp in entry.items()
-                                     if lp.rank is not None and lp.rank <= seq.params.logprobs))
-                    seq.top.append([(t, lp) for _, t, lp in ranked])
+                    seq.top.append(_top_n(((t, lp.rank, lp.logprob) for t, lp in entry.items()),
+                                          seq.params.logprobs))
             seq.token_ids = new
             seq.num_cached_tokens = out.num_cached_tokens or 0
             if out.prompt_logprobs is not None:
@@ -331,19 +363,69 @@ class VllmEngine(HostedEngine[VllmRequest]):
             raise RuntimeError("vLLM did not reset its prefix cache")
 
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
-                      params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
-        """Teacher-forced logprobs through vLLM's prompt logprobs (one prefill of prompt + output per pair,
-        batched). The token drawn at each position: for greedy requests the argmax (rank 1 of the prompt
-        logprobs); for sampled ones (their draw needs the whole logits row, which prompt logprobs do not
-        return) the tokens of a seeded replay, which batch invariance makes the same as generation's."""
+                      params: SequenceOf[SamplingParams] | None = None, *, via: str | None = None) -> list[Rescored]:
+        """Teacher-forced: one prefill of prompt + output per pair, batched.
+
+        Detent mode: each output position is scored in vLLM's model runner from that prefill's hidden state
+        (`sampler.score_rescore_rows`: the logits of those rows only, the fp32 logprob, the top-n and the token
+        the request's sampling draws there, greedy or the counter-hash draw), which batch invariance makes
+        generation's. Stock mode: vLLM's prompt logprobs, the greedy token as their rank 1; stock's seeded
+        sampling draws from a per-request generator that advances once per generated token (its draw at a
+        position depends on the steps before it, not on that position's logits alone), so a stock sampled
+        request is replayed by generation instead. `via` picks the path (`runner` or `prompt_logprobs`; by
+        default the mode's), which benchmarks/vllm_cpu.py times side by side."""
         params = list(params) if params is not None else [SamplingParams(temperature=0.0)] * len(pairs)
-        greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        seqs = []
-        for (prompt, output), p in zip(pairs, params):
+        for _, output in pairs:
             if not output:
                 raise BadInput("rescore needs at least one output token")
-            seqs.append(self.add_request(list(prompt) + list(output), greedy,
-                                         prompt_logprobs=max(1, p.logprobs or 0)))
+        via = via or ("runner" if self.config.mode == "detent" else "prompt_logprobs")
+        if via not in ("runner", "prompt_logprobs"):
+            raise BadInput(f"rescore via must be runner or prompt_logprobs, got {via!r}")
+        if via == "runner":
+            if self.config.mode != "detent":
+                raise BadInput("a rescore scored in the model runner needs the detent plugin (mode detent)")
+            return self._rescore_in_runner(pairs, params)
+        return self._rescore_by_prompt_logprobs(pairs, params)
+
+    def _rescore_in_runner(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
+                           params: list[SamplingParams]) -> list[Rescored]:
+        from detent_audit.integrations.vllm import sampler
+
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        # prompt + output but its last token (a whole context's output stays within vLLM's limit)
+        seqs = [self.add_request(list(prompt) + list(output)[:-1], one,
+                                 rescore={**_sampling_extra(p), "prompt_len": len(prompt), "top_n": p.logprobs or 0,
+                                          "last": int(output[-1])})
+                for (prompt, output), p in zip(pairs, params)]
+        try:
+            self.run(seqs)
+            scores = [sampler.take_scores(seq.vllm_id) for seq in seqs]
+        finally:
+            for seq in seqs:
+                sampler.take_scores(seq.vllm_id)
+        out = []
+        for (prompt, output), p, got in zip(pairs, params, scores):
+            positions = range(len(prompt), len(prompt) + len(output))
+            missing = [pos for pos in positions if pos not in got]
+            if missing:
+                raise RuntimeError(f"the rescore's scores did not come back for positions {missing[:5]} (vLLM's "
+                                   "engine core must run in this process, with the detent plugin registered)")
+            lps, tokens, tops = [], [], []
+            for pos in positions:
+                score = got[pos]
+                entries = _gathered_entries(score.token_ids, score.logprobs, score.rank)
+                lps.append(float(entries[output[pos - len(prompt)]][1]))
+                tokens.append(score.drawn)
+                if p.logprobs:
+                    tops.append(_top_n(((t, r, lp) for t, (r, lp) in entries.items()), p.logprobs))
+            out.append(Rescored(lps, tokens, tops))
+        return out
+
+    def _rescore_by_prompt_logprobs(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
+                                    params: list[SamplingParams]) -> list[Rescored]:
+        greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        seqs = [self.add_request(list(prompt) + list(output), greedy, prompt_logprobs=max(1, p.logprobs or 0))
+                for (prompt, output), p in zip(pairs, params)]
         sampled = [i for i, p in enumerate(params) if p.temperature > 0]
         replays = {i: self.add_request(list(pairs[i][0]), params[i]) for i in sampled}
         self.run(seqs + list(replays.values()))
@@ -356,9 +438,7 @@ class VllmEngine(HostedEngine[VllmRequest]):
                 lps.append(float(entry[output[pos - len(prompt)]].logprob))
                 firsts.append(next(t for t, lp in entry.items() if lp.rank == 1))
                 if n:
-                    ranked = sorted((lp.rank, t, float(lp.logprob)) for t, lp in entry.items()
-                                    if lp.rank is not None and lp.rank <= n)
-                    tops.append([(t, v) for _, t, v in ranked])
+                    tops.append(_top_n(((t, lp.rank, lp.logprob) for t, lp in entry.items()), n))
             tokens = replays[i].token_ids if i in replays else firsts
             out.append(Rescored(lps, list(tokens), tops))
         return out

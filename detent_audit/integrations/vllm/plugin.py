@@ -12,7 +12,11 @@ the model is built. It installs, without a monkeypatch of any kernel:
   (a row's bits do not depend on M or on the other rows, 1 and 2 threads); `chunked` runs every linear layer
   and the LM head through the tuple's fixed-row-chunk GEMM (`kernels.gemm`, chosen by the compiled
   `embedded.gemm` selector), invariant by construction and several times slower at decode (M padded).
-Seeded sampling is the `sampler.DetentSampler` logits processor, which `VllmEngine` passes to vLLM.
+Seeded sampling is the `sampler.DetentSampler` logits processor, which `VllmEngine` passes to vLLM; a
+teacher-forced rescore's output positions (logprob, top-n and the draw) are scored by
+`sampler.score_rescore_rows`, which the plugin runs at every step just before vLLM's prompt-logprobs point (a
+wrapper of the model runner's `_get_prompt_logprobs_dict`, the one method of vLLM the plugin wraps; it adds a
+computation beside vLLM's, on rows of the step's hidden states, and changes nothing of vLLM's).
 
 What the kernels are is decided per engine, not per process: the engine that vLLM builds reads `ENV_MODE`,
 `ENV_DEPLOYMENT` and `ENV_TUPLE` (set by `VllmEngine` before it builds vLLM) when its layers are made. With
@@ -107,6 +111,18 @@ def _detent_gemm_dispatch(original: Any) -> Any:
     return dispatch
 
 
+def _with_rescore_scores(original: Any) -> Any:
+    from detent_audit.integrations.vllm import sampler
+
+    @functools.wraps(original)
+    def prompt_logprobs(runner: Any, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]) -> Any:
+        # per request, not per process: only a request that VllmEngine's detent rescore marked is scored
+        sampler.score_rescore_rows(runner, hidden_states, num_scheduled_tokens)
+        return original(runner, hidden_states, num_scheduled_tokens)
+    prompt_logprobs.detent_original = original  # type: ignore[attr-defined]
+    return prompt_logprobs
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point; re-entrant (vLLM may call it more than once per process)."""
     global _installed
@@ -119,6 +135,10 @@ def register() -> None:
                      "detent_audit.integrations.vllm.attention.DetentCPUAttentionBackend")
     if not hasattr(layer_utils.dispatch_cpu_unquantized_gemm, "detent_original"):
         layer_utils.dispatch_cpu_unquantized_gemm = _detent_gemm_dispatch(layer_utils.dispatch_cpu_unquantized_gemm)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not hasattr(GPUModelRunner._get_prompt_logprobs_dict, "detent_original"):
+        GPUModelRunner._get_prompt_logprobs_dict = _with_rescore_scores(GPUModelRunner._get_prompt_logprobs_dict)
     from vllm.platforms import current_platform
 
     if active() and current_platform.is_cuda():  # written for vLLM 0.33 on CUDA; not run here (cuda.py)

@@ -8,6 +8,21 @@ argmax-invariant, runs before vLLM's sampler: for each such row it draws the tok
 (counter-hash Gumbel over the raw logits at the absolute position of the token drawn) and leaves that
 token the only finite logit, so vLLM's greedy argmax returns it. vLLM computes the logprobs it returns
 (`raw_logprobs`: fp32 log-softmax of the raw logits) before any logits processor runs, so they are untouched.
+
+Teacher-forced rescore (detent mode) scores the output positions of one prefill of prompt + output in the
+model runner itself. A rescore request (prompt + output but its last token, the target of its last row)
+carries `RESCORE_KEY` (its sampling, the original prompt's length, the top-n asked, that last token, a tag);
+`score_rescore_rows`, which the plugin runs at every step just before vLLM's own prompt-logprobs point
+(`GPUModelRunner._get_prompt_logprobs_dict`, a wrapper; the CPU runner inherits it), takes the hidden states
+of the rows predicting output positions and computes, with vLLM's own functions, what generation computed
+there: the raw logits (`model.compute_logits`, row-invariant), the fp32 logprobs (`sampler.compute_logprobs`),
+the served token's logprob and the top-n (`sampler.gather_logprobs`), and the token drawn (greedy: the argmax
+of the logits, as vLLM's greedy sampler; sampled: the counter-hash draw of `DetentSampler`), so the draw is
+checked at every output position. Only those rows go through the LM head: vLLM's prompt logprobs would run
+it, a log-softmax and a top-k over every prompt position, and return no logits row to draw from. The scores
+come back to `VllmEngine` through this module (`take_scores`), which needs vLLM's engine core in the
+engine's process (`VllmEngine` sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`); a rescore whose scores did not come
+back is an error, never a pass.
 """
 
 from __future__ import annotations
@@ -21,6 +36,9 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from detent_audit.kernels import sampling
 
 EXTRA_KEY = "detent_sampling"  # extra_args entry: {"seed", "temperature", "top_k", "top_p"}
+RESCORE_KEY = "detent_rescore"  # a rescore's extra_args: EXTRA_KEY's, "prompt_len", "top_n", "last", "tag"
+
+_draws: dict[str, dict[int, int]] = {}  # tag -> absolute position -> the token drawn there (this process)
 
 
 class _Row(NamedTuple):
@@ -32,13 +50,73 @@ class _Row(NamedTuple):
     output: list[int]   # vLLM's live list of the request's output tokens
 
 
+def _signed_seed(seed: int) -> int:
+    """A u64 seed as its two's-complement int64, as the embedded engine draws it."""
+    seed = int(seed)
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 def _row(params: Any, prompt: list[int] | None, output: list[int]) -> _Row | None:
     extra = (params.extra_args or {}).get(EXTRA_KEY) if params is not None else None
     if not extra or extra["temperature"] == 0:
         return None
-    seed = int(extra["seed"])  # a u64 seed as its two's-complement int64, as the embedded engine draws it
-    return _Row(seed - (1 << 64) if seed >= 1 << 63 else seed, float(extra["temperature"]), int(extra["top_k"]),
+    return _Row(_signed_seed(extra["seed"]), float(extra["temperature"]), int(extra["top_k"]),
                 float(extra["top_p"]), len(prompt or ()), output)
+
+
+def _draw(logits: torch.Tensor, spec: dict, positions: torch.Tensor) -> torch.Tensor:
+    """The draw of rows of raw logits for one request's sampling at absolute `positions` (temperature 0: the
+    argmax, as vLLM's greedy sampler takes it)."""
+    n = positions.shape[0]
+    return sampling.sample(logits.float(), torch.full((n,), float(spec["temperature"]), dtype=torch.float32),
+                           torch.full((n,), int(spec["top_k"]), dtype=torch.int64),
+                           torch.full((n,), float(spec["top_p"]), dtype=torch.float32),
+                           torch.full((n,), _signed_seed(spec["seed"]), dtype=torch.int64), positions)
+
+
+class Scored(NamedTuple):
+    """One output position of a rescore, as generation's step would have returned it."""
+    drawn: int                 # the token the request's sampling draws there
+    token_ids: list[int]       # vLLM's gathered row: the served token, then the top-n
+    logprobs: list[float]
+    rank: int                  # the served token's rank
+
+
+_scores: dict[str, dict[int, Scored]] = {}  # tag -> absolute position -> its score (this process)
+
+
+def score_rescore_rows(runner: Any, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]) -> None:
+    """In vLLM's model runner, for this step's requests that carry `RESCORE_KEY`: each output position (from
+    `prompt_len` on) that this step's rows predict, scored. Row j of a request is its token at absolute
+    position `num_computed_tokens + j`, whose hidden state predicts position + 1 (vLLM's own prompt-logprobs
+    indexing)."""
+    for req_id, scheduled in num_scheduled_tokens.items():
+        state = runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        spec = (params.extra_args or {}).get(RESCORE_KEY) if params is not None and scheduled else None
+        if not spec or state.prompt_token_ids is None:
+            continue
+        # the request is prompt + output but its last token: its rows from prompt_len - 1 on predict the output
+        start, ids = state.num_computed_tokens, list(state.prompt_token_ids) + [int(spec["last"])]
+        first = max(start, int(spec["prompt_len"]) - 1)
+        stop = min(start + scheduled, len(ids) - 1)
+        if first >= stop:
+            continue
+        offset = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]]) - start
+        logits = runner.model.compute_logits(hidden_states[offset + first: offset + stop])
+        positions = torch.arange(first + 1, stop + 1, dtype=torch.int64)
+        drawn = _draw(logits, spec, positions).tolist()
+        served = torch.tensor(ids[first + 1: stop + 1], dtype=torch.int64)
+        ids, lps, ranks, *_ = runner.sampler.gather_logprobs(runner.sampler.compute_logprobs(logits),
+                                                             max(1, int(spec["top_n"])), served)
+        rows = zip(positions.tolist(), drawn, ids.tolist(), lps.tolist(), ranks.tolist())
+        _scores.setdefault(str(spec["tag"]), {}).update(
+            (pos, Scored(d, i, lp, int(r))) for pos, d, i, lp, r in rows)
+
+
+def take_scores(tag: str) -> dict[int, Scored]:
+    """The scores `score_rescore_rows` made for a rescore request (absolute position -> score), forgotten."""
+    return _scores.pop(tag, {})
 
 
 class DetentSampler(LogitsProcessor):
