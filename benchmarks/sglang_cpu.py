@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 from detent_audit.engine.battery import run_battery
 from detent_audit.engine.named_models import resolve_model
@@ -30,6 +29,16 @@ def _speed(engine: SglangEngine, prompts: list[list[int]], tokens: int) -> float
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -42,8 +51,10 @@ def main() -> None:
     args = ap.parse_args()
     resolve_model(args.model)  # a wheel model is imported before any timing
     started = time.perf_counter()
-    report = {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch threads "
-                         f"available, {args.threads} used", "model": args.model, "modes": {}}
+    report = {"machine": f"{_cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, {args.threads} thread(s) used",
+              "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "model": args.model,
+              "workload": f"{args.batch} greedy requests of 16-64 random byte tokens, {args.tokens} output tokens each, "
+                          "submitted together", "modes": {}}
     engines = {}
     for mode in ("detent", "stock"):
         t = time.perf_counter()
@@ -60,10 +71,14 @@ def main() -> None:
                   file=sys.stderr, flush=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(0, 256) for _ in range(rng.randint(16, 64))] for _ in range(args.batch)]
-    rates = {m: [] for m in engines}
+    rates: dict[str, list[float]] = {m: [] for m in engines}
+    report["load_average_per_round"] = []
     for _ in range(args.repeats):
         for mode, engine in engines.items():  # interleaved: both modes see the same machine load
             rates[mode].append(_speed(engine, prompts, args.tokens))
+            print(mode, "tokens/s", round(rates[mode][-1], 2), file=sys.stderr, flush=True)
+        report["load_average_per_round"].append([round(x, 2) for x in os.getloadavg()])
+    report["detent_over_stock_per_round"] = [round(d / s, 3) for d, s in zip(rates["detent"], rates["stock"], strict=True)]
     for mode in engines:
         report["modes"][mode]["tokens_per_s"] = [round(r, 2) for r in rates[mode]]
         report["modes"][mode]["tokens_per_s_median"] = round(statistics.median(rates[mode]), 2)

@@ -41,7 +41,12 @@ def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any]
                        threads: int | None = None, tuple_override: Mapping[str, Any] | None = None) -> Any:
     """The local `SglangEngine` for these facts; raises `NotComparable` (exit 3) or `BadInput` (exit 2)."""
     from detent_audit.engine.facts import checkpoint_hashes
-    from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine, attention_of_facts, sglang_version
+    from detent_audit.integrations.sglang.engine import (
+        SglangConfig,
+        SglangEngine,
+        attention_of_facts,
+        sglang_version,
+    )
     from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
 
     # (7), first: what the receipt's facts alone refuse

@@ -501,10 +501,11 @@ class SglangEngine:
         for i, (future, (_, output)) in enumerate(zip(scored, pairs, strict=True)):
             n = params[i].logprobs or 0
             logprobs, tops = _scored_positions(future.result()["meta_info"], max(1, n))
-            expected = len(output) + (len(pairs[i][0]) > 1)  # and the last prompt token's, unless it is the first
+            # SGLang leaves the first position of the range unscored (its logprob is None: here the last prompt
+            # token's), so the positions scored are the output's
+            expected = len(output)
             if len(logprobs) != expected:
                 raise RuntimeError(f"SGLang scored {len(logprobs)} positions, expected {expected}")
-            logprobs, tops = logprobs[-len(output):], tops[-len(output):]
             tokens = replays[i].output_token_ids if i in replays else [row[0][0] if row else -1 for row in tops]
             out.append(Rescored(logprobs, tokens, [row[:n] for row in tops] if n else []))
         return out
