@@ -146,10 +146,14 @@ def test_served_receipts_verify_by_rescore_and_forgeries_fail_at_their_position(
     # the receipts without their run's manifests (a forged receipt is not in them: replay checks the run whole)
     code, report = _verify(served, served["out"] / "receipts", *forged, mode="rescore")
     assert code == 1, report
-    assert report["counts"] == {"OK": 16, "FAIL": 2, "BAD": 0, "NOT_COMPARABLE": 0}, report
+    assert report["counts"] == {"OK": 16, "FAIL": 4, "BAD": 0, "NOT_COMPARABLE": 0}, report
     failed = [o for o in report["outcomes"] if o["status"] == "FAIL"]
-    assert sorted(Path(o["path"]).parent.name for o in failed) == ["logprob", "token"]
-    assert all(o["divergence"]["position"] == 3 for o in failed), failed
+    bits = [o for o in failed if o["kind"] == "receipt"]
+    assert sorted(Path(o["path"]).parent.name for o in bits) == ["logprob", "token"]
+    assert all(o["divergence"]["position"] == 3 for o in bits), bits
+    # a forgery keeps its run's sequence number and request id: the run then holds each twice, refused too
+    twice = sorted(o["message"].split(" appear")[0].split(" ", 1)[1] for o in failed if o["kind"] == "coverage")
+    assert twice == ["request id(s)", "sequence number(s)"], failed
 
 
 def test_served_receipts_verify_by_replay(served) -> None:
