@@ -55,7 +55,7 @@ class CpuHooks:
 
             attention_c.library()  # built (or refused, with the compiler's message) before the first step
             self.attention = attention_c.paged_attention
-        self._proven: set[tuple] = set()  # (params, N, K, dtype) the GEMM probe proved in this process
+        self._proven: set[tuple] = set()  # (params, N, K, dtype, threads) the GEMM probe proved here
 
     def hooks(self) -> dict[str, tuple[str, Any]]:
         """target -> (hook type name, hook)."""
