@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -245,13 +246,36 @@ def available() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class TokenPositions:
+    """Each query token's sequence and absolute position, and the int32 block tables: one batch's, the same
+    for every layer of a step (an engine prepares them once per step)."""
+
+    tok_seq: torch.Tensor
+    tok_pos: torch.Tensor
+    tables: torch.Tensor
+    block_size: int
+
+
+def token_positions(meta: AttentionMetadata, block_size: int) -> TokenPositions:
+    q_lens = meta.cu_seqlens_q.diff()
+    tokens = meta.num_tokens
+    tok_seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens).contiguous()
+    tok_pos = (meta.context_lens[tok_seq] + torch.arange(tokens) - meta.cu_seqlens_q[tok_seq]).to(torch.int64)
+    if tokens and int(tok_pos.max()) >= meta.block_tables.shape[1] * block_size:
+        raise BadInput("a query position lies past its block table")
+    return TokenPositions(tok_seq, tok_pos.contiguous(), meta.block_tables.to(torch.int32).contiguous(), block_size)
+
+
 @torch.no_grad()
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
                     scale: float, params: AttentionParams, threads: int | None = None,
-                    arch_flags: tuple[str, ...] | None = None) -> torch.Tensor:
+                    arch_flags: tuple[str, ...] | None = None,
+                    positions: TokenPositions | None = None) -> torch.Tensor:
     """Causal GQA attention of q: [T, Hq, D] fp32 over the paged fp32 caches [num_blocks, block_size, Hkv, D].
 
-    Same arguments and meaning as `attention.paged_attention` with params; `threads` defaults to torch's."""
+    Same arguments and meaning as `attention.paged_attention` with params; `threads` defaults to torch's;
+    `positions`, `token_positions(meta, block_size)` computed once for all the layers of a step."""
     if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
         raise BadInput("the C attention runs float32 q and caches only")
     if q.dim() != 3 or k_cache.dim() != 4 or q.shape[-1] != k_cache.shape[-1] or k_cache.shape != v_cache.shape:
@@ -268,15 +292,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if tokens == 0:
         return out
     q = q.contiguous()
-    q_lens = meta.cu_seqlens_q.diff()
-    tok_seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens).contiguous()
-    tok_pos = (meta.context_lens[tok_seq] + torch.arange(tokens) - meta.cu_seqlens_q[tok_seq]).to(torch.int64)
-    if int(tok_pos.max()) >= meta.block_tables.shape[1] * block_size:
-        raise BadInput("a query position lies past its block table")
-    tables = meta.block_tables.to(torch.int32).contiguous()
+    if positions is None:
+        positions = token_positions(meta, block_size)
+    elif positions.tok_seq.shape[0] != tokens or positions.block_size != block_size:
+        raise BadInput("the token positions were prepared for another batch")
+    tok_seq, tok_pos, tables = positions.tok_seq, positions.tok_pos, positions.tables
     rc = library(arch_flags).detent_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tok_seq.data_ptr(),
-        tok_pos.contiguous().data_ptr(), out.data_ptr(), tokens, q_heads, kv_heads, dim, block_size,
+        tok_pos.data_ptr(), out.data_ptr(), tokens, q_heads, kv_heads, dim, block_size,
         tables.shape[1], params.kv_tile, params.split_stride, float(scale),
         torch.get_num_threads() if threads is None else threads)
     if rc:

@@ -76,22 +76,42 @@ class DetentCPUAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:  # warm-up
             return output
         n = attn_metadata.num_actual_tokens
+        k_cache, v_cache = kv_views(kv_cache)
+        meta, params, positions = self._step(attn_metadata, k_cache.shape[1])
+        q = query[:n].reshape(n, self.num_heads, self.head_size)
+        if self.c_attention is None:
+            out = self.kernels.attention(q, k_cache, v_cache, meta, scale=self.scale)
+        else:
+            out = self.c_attention(q, k_cache, v_cache, meta, scale=self.scale, params=params, positions=positions)
+        output[:n].copy_(out.reshape(output[:n].shape))
+        return output
+
+    def _step(self, attn_metadata, block_size: int) -> tuple:
+        """The step's batch as the kernels read it, its selected params and token positions: built by the
+        first layer of a step and reused by the others (vLLM passes every layer the same metadata object)."""
+        cached = _STEP[0]
+        if cached is not None and cached[0] is attn_metadata and cached[1] == block_size:
+            return cached[2]
+        n = attn_metadata.num_actual_tokens
         seq_lens = attn_metadata.seq_lens.to(torch.int64)
         cu = attn_metadata.query_start_loc[: seq_lens.shape[0] + 1].to(torch.int64)
         meta = AttentionMetadata(
             cu_seqlens_q=cu, context_lens=seq_lens - cu.diff(), seq_lens=seq_lens,
             block_tables=attn_metadata.block_table, slot_mapping=attn_metadata.slot_mapping[:n],
             max_seqlen_q=attn_metadata.max_query_len, max_seqlen_k=attn_metadata.max_seq_len)
-        k_cache, v_cache = kv_views(kv_cache)
-        q = query[:n].reshape(n, self.num_heads, self.head_size)
-        if self.c_attention is None:
-            out = self.kernels.attention(q, k_cache, v_cache, meta, scale=self.scale)
-        else:
+        params = positions = None
+        if self.c_attention is not None:
+            from detent_audit.kernels import attention_c
+
             params = self.kernels.select_attention(num_seqs=meta.num_seqs, max_seqlen_q=meta.max_seqlen_q,
                                                    max_seqlen_k=meta.max_seqlen_k)
-            out = self.c_attention(q, k_cache, v_cache, meta, scale=self.scale, params=params)
-        output[:n].copy_(out.reshape(output[:n].shape))
-        return output
+            positions = attention_c.token_positions(meta, block_size)
+        # the metadata object is held with its derived values, so its id cannot be reused while cached
+        _STEP[0] = (attn_metadata, block_size, (meta, params, positions))
+        return meta, params, positions
+
+
+_STEP: list = [None]  # (vLLM's metadata object, block size, what `_step` derived from it)
 
 
 class DetentCPUAttentionBackend(CPUAttentionBackend):
