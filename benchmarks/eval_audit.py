@@ -157,16 +157,16 @@ def concurrency_runs(spec: str, model: str, name: str, key: Path, out: Path, mod
 def gemm_invariant_rows(model: str) -> dict[str, int]:
     """Per thread count (1, 2): the fewest rows from which torch's fp32 F.linear gives a row the same bits at
     every M tried, on the model's GEMM shapes (the engine's own probe, kernels/gemm_probe.py)."""
-    import torch
 
     from detent_audit.engine.llm import LLM, EngineConfig
+    from detent_audit.engine.threads import set_threads
     from detent_audit.kernels.gemm_probe import check
     from detent_audit.kernels.params import GEMM_PAD_ROWS_SPACE, GemmParams
 
     shapes = tuple(LLM(EngineConfig(model=model, mode="stock")).model.gemm_shapes())
     found = {}
     for threads in (1, 2):  # the probe's walk (least_pad_rows), also at two threads, where the engine refuses pad
-        torch.set_num_threads(threads)
+        set_threads(threads)
         floor, found[str(threads)] = 0, 0
         for rows in GEMM_PAD_ROWS_SPACE:
             if rows > floor:

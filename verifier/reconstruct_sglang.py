@@ -28,11 +28,26 @@ _LIMITS = (("scheduler.max_model_len", 1 << 20), ("scheduler.max_num_seqs", 1024
            ("scheduler.chunked_prefill_size", 1 << 16))
 
 
+def _plugin_attention(facts: Mapping[str, Any]) -> Any:
+    """The attention form the receipt's plugin ran (none named: the torch form; the facts are compared whole
+    once SGLang runs)."""
+    plugin = _get(facts, "engine").get("plugin") or {}
+    if not isinstance(plugin, Mapping):
+        raise BadInput(f"the receipt's engine.plugin is {plugin!r}, not an object")
+    return plugin.get("attention")
+
+
 def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                        threads: int | None = None, tuple_override: Mapping[str, Any] | None = None) -> Any:
     """The local `SglangEngine` for these facts; raises `NotComparable` (exit 3) or `BadInput` (exit 2)."""
     from detent_audit.engine.facts import checkpoint_hashes
-    from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine, sglang_version
+    from detent_audit.integrations.sglang.engine import (
+        SglangConfig,
+        SglangEngine,
+        attention_of_facts,
+        sglang_version,
+    )
+    from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
 
     # (7), first: what the receipt's facts alone refuse
     mode = _get(tuple_values, "mode", "name")
@@ -61,7 +76,7 @@ def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any]
     config = SglangConfig(model=str(model) if model else "", mode=mode, num_threads=served_threads,
                           max_model_len=sched["max_model_len"], max_num_seqs=sched["max_num_seqs"],
                           chunked_prefill_size=sched["chunked_prefill_size"], prefix_caching=sched["prefix_caching"],
-                          tuple=families)
+                          tuple=families, attention=attention_of_facts(_plugin_attention(facts)))
     resolved = config.resolved_model
     expected = {k: v for k, v in dict(_get(facts, "checkpoint")).items() if k in ("config", "tokenizer", "weights")}
     fields = [f"checkpoint.{f}" for f in differing_fields(expected, checkpoint_hashes(resolved.path))]
@@ -70,13 +85,15 @@ def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any]
                                     + served_from(facts, {"checkpoint": {"name": resolved.name}}))
 
     # (7), last: SGLang started with the plugin and the receipt's tuple, its facts compared field by field
+    whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
     try:
         engine = SglangEngine(config)  # the CPU selection refuses a tuple not legal for the solved pins
     except BadInput as exc:
         if "is not legal" in exc.message or "does not run" in exc.message:
-            whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
             raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
         raise
+    except GemmFormNotInvariant as exc:  # its GEMM form is not proven on this machine: these bits cannot be had
+        raise NotComparable(["tuple"], f"{whose} cannot run here: {exc.message}") from None
     fields = [f for f in differing_fields(dict(facts), engine.facts()) if f not in DESCRIPTIVE_FIELDS]
     if fields:
         engine.shutdown()

@@ -47,12 +47,22 @@ def run_batch(batch: list[tuple[Path, Receipt]], options: Options, engines: dict
     first = batch[0][1]
     key = (first.deployment_hash, first.tuple_hash)
     if key not in engines:
-        engines.clear()
+        release(engines)
         engines[key] = _rebuild(first, options, key)
     llm = engines[key]
     if isinstance(llm, VerificationError):
         return [Outcome.refuted(str(p), "receipt", llm, r.request.request_id) for p, r in batch]
     return _reexecute_isolating(llm, batch, options.mode, set(llm.tokenizer.eos_token_ids))
+
+
+def release(engines: dict) -> None:
+    """Stop and forget the engines kept: one with processes of its own (SGLang's) stops them now, not whenever
+    it is collected, so that the next group's engine never runs beside it."""
+    for engine in engines.values():
+        stop = getattr(engine, "shutdown", None)
+        if callable(stop):
+            stop()
+    engines.clear()
 
 
 def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Any:

@@ -27,7 +27,7 @@ from detent_audit.manifests.receipt import Receipt
 from detent_audit.manifests.run_manifest import RunManifest
 from detent_audit.verifier import plan
 from detent_audit.verifier.receipt_file import check_claims, open_receipt
-from detent_audit.verifier.reexecute import Options, run_batch, worker_batch
+from detent_audit.verifier.reexecute import Options, release, run_batch, worker_batch
 from detent_audit.verifier.report import Coverage, Outcome, Report
 from detent_audit.verifier.runs import check_coverage, check_manifest
 from detent_audit.verifier.steps import PayloadError, VerificationError
@@ -97,11 +97,14 @@ def _run_batches(batches: list[list[Path]], opened: dict[Path, Receipt], options
     done, total = 0, sum(map(len, batches))
     if workers == 1 or len(batches) <= 1:
         engines: dict = {}
-        for batch in batches:
-            outcomes += run_batch([(p, opened[p]) for p in batch], options, engines)
-            done += len(batch)
-            if progress:
-                progress(done, total)
+        try:
+            for batch in batches:
+                outcomes += run_batch([(p, opened[p]) for p in batch], options, engines)
+                done += len(batch)
+                if progress:
+                    progress(done, total)
+        finally:
+            release(engines)
         return outcomes
     spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds torch's threads
     with ProcessPoolExecutor(min(workers, len(batches)), mp_context=spawn) as pool:

@@ -9,7 +9,9 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
+import torch
 
+from detent_audit.engine.threads import set_threads
 from detent_audit.errors import BadInput
 from detent_audit.integrations.sglang.config import ENV, PluginConfig
 
@@ -158,3 +160,83 @@ assert res == "sglang's" and called, res
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-1500:]
+
+
+def test_the_gemm_shapes_are_the_products_sglang_fuses(tmp_path):
+    """The shapes the GEMM form is proven on at start: the checkpoint's weights as SGLang's Llama multiplies
+    them (q, k, v stacked into one QKV projection, gate and up into one), the output and down projections and
+    the LM head (the embedding where it is tied)."""
+    from safetensors import safe_open
+
+    from detent_audit.engine.checkpoint import write_random_checkpoint
+    from detent_audit.engine.config import ModelConfig
+    from detent_audit.integrations.sglang.selection import sglang_gemm_shapes
+
+    write_random_checkpoint(tmp_path, "default-20m", 0)
+    weights = {}
+    for file in tmp_path.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            weights.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+
+    def rows(*names):
+        shapes = [weights[f"model.layers.0.{n}.weight"] for n in names]
+        assert len({k for _, k in shapes}) == 1
+        return sum(n for n, _ in shapes), shapes[0][1]
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    expected = {rows("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), rows("self_attn.o_proj"),
+                rows("mlp.gate_proj", "mlp.up_proj"), rows("mlp.down_proj"), head}
+    assert sglang_gemm_shapes(ModelConfig.from_pretrained(tmp_path)) == sorted(expected)
+
+
+def test_the_hook_proves_a_gemm_shape_on_first_use_and_anew_at_another_thread_count(monkeypatch):
+    """A pad-form product of a shape the start did not prove is proven on its first call: it then has the pad
+    form's bits; a BLAS whose rows change bits at some M is refused; at two threads the pad form is refused."""
+    from detent_audit.integrations.sglang.cpu_kernels import CpuHooks
+    from detent_audit.kernels import gemm, gemm_probe
+    from detent_audit.kernels.params import GemmParams
+
+    pad = GemmParams(4, "pad")
+
+    class Kernels:
+        def select_gemm(self, num_tokens: int) -> GemmParams:
+            return pad
+
+    threads = torch.get_num_threads()
+    set_threads(1)
+    try:
+        if not gemm_probe.check(pad, [(40, 24)]).ok:
+            pytest.skip("pad:4 does not hold on this CPU")
+        hooks = CpuHooks(Kernels(), attention="torch")
+        x, w, b = torch.randn(3, 24), torch.randn(40, 24), torch.randn(40)
+        assert torch.equal(hooks._linear(x, w, b), gemm.linear(x, w, b, params=pad))
+        assert (pad, 40, 24, torch.float32, 1) in hooks._proven
+        real = gemm.linear
+
+        def linear(x, w, bias=None, *, params=None):  # a BLAS whose rows change bits at 33 rows
+            out = real(x, w, bias, params=params)
+            return out + 1 if x.shape[0] == 33 else out
+        monkeypatch.setattr(gemm, "linear", linear)
+        monkeypatch.setattr(gemm_probe, "_MEMO", {})
+        with pytest.raises(gemm_probe.GemmFormNotInvariant, match="M=33"):
+            hooks._linear(torch.randn(3, 32), torch.randn(48, 32), None)
+        monkeypatch.undo()
+        set_threads(2)
+        with pytest.raises(gemm_probe.GemmFormNotInvariant, match="2 threads"):
+            hooks._linear(x, w, b)
+    finally:
+        set_threads(threads)
+
+
+def test_the_attention_form_a_receipt_names():
+    from detent_audit.integrations.sglang.engine import SglangConfig, attention_names, attention_of_facts
+    from detent_audit.kernels import attention_c
+
+    assert attention_of_facts(attention_c.IMPLEMENTATION) == "c" and attention_of_facts("torch-tiled") == "torch"
+    assert attention_of_facts(None) == "torch"  # receipts from before the C form ran the torch one
+    assert set(attention_names()) == {"c", "torch"}
+    with pytest.raises(BadInput, match="is not one this detent-audit runs"):
+        attention_of_facts("c-fixed-order-v0")
+    with pytest.raises(BadInput, match="attention must be one of"):
+        SglangConfig(model="m", attention="fast")
+    with pytest.raises(BadInput, match="attention"):
+        PluginConfig(mode="detent", model_path="/m", attention="fast")

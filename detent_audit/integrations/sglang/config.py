@@ -17,6 +17,7 @@ from detent_audit.errors import BadInput
 
 ENV = "DETENT_SGLANG"
 MODES = ("detent", "stock")
+ATTENTIONS = ("c", "torch")  # detent's attention: kernels/attention_c.py or kernels/attention.py
 
 # Settings of SGLang itself that change bits, fixed by detent mode (exported before SGLang starts):
 # the fused input-logprob path normalises with a logsumexp whose reduction order differs from the
@@ -33,7 +34,8 @@ class PluginConfig:
     one); deployment: a deployment TOML whose SGLang selection points (FA3 splits, MoE row, all-reduce) are
     pinned (CUDA only; None on a CPU); cuda_tuple: that deployment's committed tuple ({} = its default);
     report_dir: where each process writes which hooks it applied (None: nowhere); launcher_pid: the process
-    that starts SGLang (its hooks go only into SGLang's own processes; None: every process)."""
+    that starts SGLang (its hooks go only into SGLang's own processes; None: every process); attention: the
+    form of detent's attention (`c`, built on this machine, or `torch`: their bits differ, the facts say which)."""
 
     mode: str
     model_path: str
@@ -43,11 +45,14 @@ class PluginConfig:
     cuda_tuple: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     report_dir: str | None = None
     launcher_pid: int | None = None
+    attention: str = "c"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise BadInput(f"SGLang plugin mode {self.mode!r} is not one of {MODES}",
                            remedy="serve SGLang in detent or stock mode")
+        if self.attention not in ATTENTIONS:
+            raise BadInput(f"the plugin's attention {self.attention!r} is not one of {ATTENTIONS}")
         if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 1:
             raise BadInput(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if self.launcher_pid is not None and (isinstance(self.launcher_pid, bool) or not isinstance(self.launcher_pid, int)):

@@ -5,10 +5,13 @@ torch.matmul LM head on the whole batch, per-request SDPA over gathered KV, fp32
 temperature-scaled probabilities with the global generator. Measured on SmolLM2-135M (benchmarks/RESULTS.md,
 "SGLang"): co-batching and prefix hits change greedy logprob bits. The hooks (targets in `TARGETS`):
 
-- every unquantized linear and the LM head: detent's fixed-row-chunk GEMM (kernels/gemm.py), the chunk from
-  the compiled `embedded.gemm` selector; the LM head in fp32;
-- attention of the torch_native backend: detent's paged attention (kernels/attention.py), whose KV tiles and
-  splits sit at absolute positions, so prefill, chunked prefill, decode and a prefix hit reduce in one order;
+- every unquantized linear and the LM head: detent's GEMM (kernels/gemm.py) in the form and rows of the
+  compiled `embedded.gemm` selector (the pad or row form only where `kernels/gemm_probe.py` proved it on this
+  CPU, `selection.py`; a product of a shape not proven at start is proven on its first call); the LM head
+  in fp32;
+- attention of the torch_native backend: detent's paged attention, in C (kernels/attention_c.py) or in torch
+  (kernels/attention.py), whose KV tiles and splits sit at absolute positions, so prefill, chunked prefill,
+  decode and a prefix hit reduce in one order;
   SGLang's KV pool has one token per page, so its `req_to_token` rows are the block tables of 1-token blocks;
 - SiLU-and-mul: detent's row-local form (fp32 F.silu's bits depend on the tensor's size, kernels/rowlocal.py);
 - the sampler: counter-hash sampling (kernels/sampling.py: the draw depends on seed, position and vocabulary
@@ -22,9 +25,10 @@ from typing import Any
 
 import torch
 
-from detent_audit.kernels import KernelSet
+from detent_audit.kernels import KernelSet, SelectorError, gemm_probe
 from detent_audit.kernels.attention import AttentionMetadata, paged_attention
 from detent_audit.kernels.gemm import linear
+from detent_audit.kernels.params import GemmParams
 from detent_audit.kernels.rowlocal import log_softmax, silu_and_mul
 from detent_audit.kernels.sampling import sample
 
@@ -43,8 +47,15 @@ TARGETS = (
 class CpuHooks:
     """The hook functions, closed over one KernelSet (the compiled selectors with the committed tuple)."""
 
-    def __init__(self, kernels: KernelSet) -> None:
+    def __init__(self, kernels: KernelSet, attention: str = "c") -> None:
         self.kernels = kernels
+        self.attention = paged_attention
+        if attention == "c":
+            from detent_audit.kernels import attention_c
+
+            attention_c.library()  # built (or refused, with the compiler's message) before the first step
+            self.attention = attention_c.paged_attention
+        self._proven: set[tuple] = set()  # (params, N, K, dtype, threads) the GEMM probe proved here
 
     def hooks(self) -> dict[str, tuple[str, Any]]:
         """target -> (hook type name, hook)."""
@@ -56,7 +67,20 @@ class CpuHooks:
     # ---- GEMM
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).shape[0]
-        return linear(x, weight, bias, params=self.kernels.select_gemm(num_tokens=max(rows, 1)))
+        params = self.kernels.select_gemm(num_tokens=max(rows, 1))
+        if params is None:  # detent's selectors always return params (the kernel set refuses otherwise)
+            raise SelectorError("the GEMM selector returned no params in the SGLang plugin")
+        if params.form != "chunk":
+            self._prove(params, weight)
+        return linear(x, weight, bias, params=params)
+
+    def _prove(self, params: GemmParams, weight: torch.Tensor) -> None:
+        """The pad and row forms rest on the BLAS: a weight shape they were not proven on at start is proven
+        now, once (`GemmFormNotInvariant` where it fails: SGLang's scheduler then stops, serving nothing)."""
+        key = (params, *weight.shape, weight.dtype, torch.get_num_threads())  # a new thread count is proven anew
+        if key not in self._proven:
+            gemm_probe.require(params, [tuple(weight.shape)], weight.dtype, what=f"the tuple's ({params.label})")
+            self._proven.add(key)
 
     def linear_apply(self, method: Any, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None):
         return self._linear(x, layer.weight, bias)
@@ -99,8 +123,8 @@ class CpuHooks:
         v_cache = pool.get_value_buffer(layer.layer_id)
         params = self.kernels.select_attention(num_seqs=meta.num_seqs, max_seqlen_q=meta.max_seqlen_q,
                                                max_seqlen_k=meta.max_seqlen_k)
-        out = paged_attention(q.reshape(-1, heads, dim), k_cache.unsqueeze(1), v_cache.unsqueeze(1), meta,
-                              scale=layer.scaling, params=params)
+        out = self.attention(q.reshape(-1, heads, dim).float(), k_cache.unsqueeze(1), v_cache.unsqueeze(1), meta,
+                             scale=layer.scaling, params=params)
         return out.reshape(-1, heads * dim).to(q.dtype)
 
     # ---- sampling

@@ -40,13 +40,52 @@ from detent_audit.engine_api import Rescored
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.integrations.hosted import HostedEngine, HostedRequest, checkpoint_folder
 from detent_audit.integrations.sglang import INSTALL_REMEDY, sglang_version
-from detent_audit.integrations.sglang.config import DETENT_SGLANG_ENV, ENV, PluginConfig
+from detent_audit.integrations.sglang.config import ATTENTIONS, DETENT_SGLANG_ENV, ENV, PluginConfig
 
 NAME = "sglang"
 SUPPORTED_VERSION = "0.5.21"   # the release whose wheel pins torch 2.13.0
 STEP_SLICE_S = 0.05            # how long step() waits for a request to finish before it returns
 _SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrations.sglang",
             "selection_programs": "detent_audit.selection.programs"}
+
+
+def attention_names() -> dict[str, str]:
+    """detent's attention form -> what the facts record (`engine.plugin.attention`)."""
+    from detent_audit.kernels import attention_c
+
+    return {"c": attention_c.IMPLEMENTATION, "torch": "torch-tiled"}
+
+
+def attention_of_facts(recorded: Any) -> str:
+    """The form a receipt's `engine.plugin.attention` names (receipts from before the C form ran the torch one);
+    `BadInput` for a name this detent-audit does not run."""
+    if recorded is None:
+        return "torch"
+    for form, name in attention_names().items():
+        if recorded == name:
+            return form
+    raise BadInput(f"the receipt's attention {recorded!r} is not one this detent-audit runs "
+                   f"({', '.join(attention_names().values())})")
+
+
+def _attention_form(asked: str) -> str:
+    """`auto`: the C form where this machine builds it, else the torch form (said on stderr); `c` where it does
+    not build raises with the compiler's message."""
+    if asked == "torch":
+        return asked
+    from detent_audit.kernels import attention_c
+
+    try:
+        attention_c.library()
+    except attention_c.Unavailable as exc:
+        if asked == "c":
+            raise
+        import sys
+
+        print(f"detent-audit: the C attention does not build here ({exc}); running the torch form, whose bits "
+              "differ (the facts say which)", file=sys.stderr)
+        return "torch"
+    return "c"
 
 
 class SglangUnavailable(DetentError):
@@ -69,8 +108,11 @@ class SglangConfig:
     max_total_tokens: int = 32768      # the KV pool (not a bit-relevant fact)
     tuple: dict | None = None
     cache_dir: str | None = None
+    attention: str = "auto"            # detent: c (kernels/attention_c.py) | torch | auto (c where it builds)
 
     def __post_init__(self) -> None:
+        if self.attention not in (*ATTENTIONS, "auto"):
+            raise BadInput(f"attention must be one of {', '.join(ATTENTIONS)} or auto, got {self.attention!r}")
         if self.mode not in ("detent", "stock"):
             raise BadInput(f"--engine sglang runs mode detent or stock, got {self.mode!r}",
                            remedy="SGLang's deterministic mode refuses its CPU backends; use detent")
@@ -141,6 +183,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
         began = time.perf_counter()
         self._load_model()
         self.selection = None
+        self.attention = _attention_form(config.attention) if config.mode == "detent" else None
         if config.mode == "detent":
             from detent_audit.integrations.sglang.selection import cpu_selection
 
@@ -161,7 +204,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
         cfg = self.config
         return PluginConfig(mode=cfg.mode, model_path=self.model_path, num_threads=cfg.num_threads,
                             tuple=self.selection.tuple if self.selection else {}, report_dir=str(self._report_dir),
-                            launcher_pid=os.getpid())
+                            launcher_pid=os.getpid(), attention=self.attention or "c")
 
     def _build(self) -> Any:
         cfg = self.config
@@ -220,6 +263,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
     def facts(self) -> dict[str, Any]:
         cfg = self.config
         plugin_facts = ({"name": "detent-audit", "version": __version__, "hooks": sorted(self.plugin_report[0]["hooks"]),
+                         "attention": attention_names()[self.attention or "c"],
                          "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
                         if cfg.mode == "detent" else {})
         settings = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "device": "cpu",
@@ -236,9 +280,8 @@ class SglangEngine(HostedEngine[SglangRequest]):
         }
 
     def selection_deployment(self) -> dict:
-        from detent_audit.integrations.sglang.selection import cpu_deployment
-
-        return cpu_deployment(self.model_path, self.config.num_threads).to_canonical()
+        """The deployment the CPU selection was solved for, with what the GEMM probe proved here."""
+        return self.selection.deployment.to_canonical()
 
     def _submit(self, coro: Any) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -385,10 +428,11 @@ class SglangEngine(HostedEngine[SglangRequest]):
         for i, (future, (_, output)) in enumerate(zip(scored, pairs, strict=True)):
             n = params[i].logprobs or 0
             logprobs, tops = _scored_positions(future.result()["meta_info"], max(1, n))
-            expected = len(output) + (len(pairs[i][0]) > 1)  # and the last prompt token's, unless it is the first
+            # SGLang leaves the first position of the range unscored (its logprob is None: here the last prompt
+            # token's), so the positions scored are the output's
+            expected = len(output)
             if len(logprobs) != expected:
                 raise RuntimeError(f"SGLang scored {len(logprobs)} positions, expected {expected}")
-            logprobs, tops = logprobs[-len(output):], tops[-len(output):]
             tokens = replays[i].output_token_ids if i in replays else [row[0][0] if row else -1 for row in tops]
             out.append(Rescored(logprobs, tokens, [row[:n] for row in tops] if n else []))
         return out

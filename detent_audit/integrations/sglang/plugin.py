@@ -72,7 +72,7 @@ def hooks_for(config: PluginConfig) -> dict[str, tuple[str, Any]]:
     from detent_audit.integrations.sglang.selection import cpu_kernel_set
 
     set_threads(config.num_threads)
-    out.update(CpuHooks(cpu_kernel_set(config)).hooks())
+    out.update(CpuHooks(cpu_kernel_set(config), config.attention).hooks())
     if config.deployment:
         from detent_audit.integrations.sglang.cuda_selection import CudaHooks
 

@@ -1,5 +1,11 @@
 """The CPU kernels' selection for an SGLang deployment: the embedded SelIR programs solved for this model
-on this CPU, compiled with the committed tuple (the same selectors the embedded engine runs)."""
+on this CPU, compiled with the committed tuple (the same selectors the embedded engine runs).
+
+The GEMM's form is proven where it runs, as in the embedded engine (`kernels/gemm_probe.py`): on the products
+SGLang's model makes (its fused QKV and gate-up projections, `sglang_gemm_shapes`), at the engine's thread
+count, in the launcher (which commits the tuple: without one, the pad form at the fewest proven rows) and again
+in the scheduler (which requires the committed form before it serves); a product of any other shape is proven
+on its first call (`cpu_kernels.CpuHooks`)."""
 
 from __future__ import annotations
 
@@ -28,10 +34,24 @@ def cpu_deployment(model_path: str | Path, num_threads: int) -> Deployment:
                              prefix_caching=True, name="sglang-cpu")
 
 
+def sglang_gemm_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(N, K) of every unquantized product SGLang's decoder runs: the fused QKV projection, the output
+    projection, the fused gate-up projection, the down projection and the LM head."""
+    hidden, head = config.hidden_size, config.head_dim
+    q, kv, inter = config.num_attention_heads * head, config.num_key_value_heads * head, config.intermediate_size
+    return sorted({(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter),
+                   (config.vocab_size, hidden)})
+
+
 def cpu_selection(model_path: str | Path, num_threads: int,
                   committed: Mapping[str, Mapping[str, Any]] | None = None) -> Selection:
-    """Solved selectors and the tuple (the committed one, checked legal, or the preferred legal one)."""
-    return select_kernels("detent", cpu_deployment(model_path, num_threads), committed)
+    """Solved selectors and the tuple (the committed one, checked legal and its GEMM form proven here, or the
+    preferred legal one with the GEMM form the probe proves); its `deployment` carries the probe's facts."""
+    from detent_audit.engine.threads import set_threads
+
+    set_threads(num_threads)  # the probe proves the form at the thread count the engine runs
+    shapes = sglang_gemm_shapes(ModelConfig.from_pretrained(model_path))
+    return select_kernels("detent", cpu_deployment(model_path, num_threads), committed, gemm_shapes=shapes)
 
 
 def cpu_kernel_set(config: Any) -> KernelSet:
