@@ -2,7 +2,7 @@
 behind `detent_audit.engine_api.Engine`.
 
 SGLang runs its own continuous-batching loop in the scheduler process; this class submits requests to it
-(`async_generate` on one event loop thread) and `step()` waits a short slice for requests to finish, so the
+(`async_generate` on one event loop thread) and `step()` waits a few milliseconds for requests to finish, so the
 step-based protocol holds: requests added between steps join a running batch. Modes: `detent` (the plugin's
 kernels through its entry point, the committed tuple, counter-hash sampling, fp32 raw logprobs) and `stock`
 (SGLang as shipped). SGLang's own `--enable-deterministic-inference` refuses the CPU backends.
