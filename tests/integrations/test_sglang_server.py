@@ -127,8 +127,8 @@ def _forged(served: dict, folder: Path, what: str) -> Path:
     from detent_audit.integrations.sglang.engine import SglangConfig
 
     tokenizer = Tokenizer.from_pretrained(SglangConfig(model=MODEL).resolved_model.path)
-    r = dataclasses.replace(r, output=OutputRecord.from_floats(tokens, lps, r.output.finish_reason,
-                                                               tokenizer.decode(tokens)))  # the text kept consistent
+    r = dataclasses.replace(r, output=OutputRecord.from_floats(  # the text and the alternatives kept consistent
+        tokens, lps, r.output.finish_reason, tokenizer.decode(tokens), top_logprobs=r.output.top_logprobs))
     (folder / what).mkdir(parents=True)
     path = folder / what / "r6.receipt"
     path.write_bytes(sign_receipt(r, load_private_key(served["key"].private_path)))
