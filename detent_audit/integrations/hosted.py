@@ -114,3 +114,42 @@ class HostedEngine(EngineBase[Request]):
                         "num_threads": self.config.num_threads, "dtype": dtype},
             "tuple": dict(self.selection.tuple) if self.selection is not None else {},
         }
+
+
+def attention_names() -> dict[str, str]:
+    """A hosted engine's attention form -> what its facts record."""
+    from detent_audit.kernels import attention_c
+
+    return {"c": attention_c.IMPLEMENTATION, "torch": "torch-tiled"}
+
+
+def attention_of_facts(recorded: Any) -> str:
+    """The form a receipt's `engine.plugin.attention` names (receipts from before the C form ran the torch one);
+    `BadInput` for a name this detent-audit does not run."""
+    if recorded is None:
+        return "torch"
+    for form, name in attention_names().items():
+        if recorded == name:
+            return form
+    raise BadInput(f"the receipt's attention {recorded!r} is not one this detent-audit runs "
+                   f"({', '.join(attention_names().values())})")
+
+
+def attention_form(asked: str) -> str:
+    """`auto`: the C form where this machine builds it, else the torch form (said on stderr); `c` where it does
+    not build raises with the compiler's message."""
+    if asked == "torch":
+        return asked
+    from detent_audit.kernels import attention_c
+
+    try:
+        attention_c.library()
+    except attention_c.Unavailable as exc:
+        if asked == "c":
+            raise
+        import sys
+
+        print(f"detent-audit: the C attention does not build here ({exc}); running the torch form, whose bits "
+              "differ (the facts say which)", file=sys.stderr)
+        return "torch"
+    return "c"

@@ -38,7 +38,14 @@ from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.stop_strings import find_stop, output_text
 from detent_audit.engine_api import Rescored
 from detent_audit.errors import BadInput, DetentError
-from detent_audit.integrations.hosted import HostedEngine, HostedRequest, checkpoint_folder
+from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
+    HostedEngine,
+    HostedRequest,
+    attention_names,
+    attention_of_facts,
+    checkpoint_folder,
+)
+from detent_audit.integrations.hosted import attention_form as _attention_form
 from detent_audit.integrations.sglang import INSTALL_REMEDY, sglang_version
 from detent_audit.integrations.sglang.config import ATTENTIONS, DETENT_SGLANG_ENV, ENV, PluginConfig
 
@@ -47,45 +54,6 @@ SUPPORTED_VERSION = "0.5.21"   # the release whose wheel pins torch 2.13.0
 STEP_SLICE_S = 0.05            # how long step() waits for a request to finish before it returns
 _SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrations.sglang",
             "selection_programs": "detent_audit.selection.programs"}
-
-
-def attention_names() -> dict[str, str]:
-    """detent's attention form -> what the facts record (`engine.plugin.attention`)."""
-    from detent_audit.kernels import attention_c
-
-    return {"c": attention_c.IMPLEMENTATION, "torch": "torch-tiled"}
-
-
-def attention_of_facts(recorded: Any) -> str:
-    """The form a receipt's `engine.plugin.attention` names (receipts from before the C form ran the torch one);
-    `BadInput` for a name this detent-audit does not run."""
-    if recorded is None:
-        return "torch"
-    for form, name in attention_names().items():
-        if recorded == name:
-            return form
-    raise BadInput(f"the receipt's attention {recorded!r} is not one this detent-audit runs "
-                   f"({', '.join(attention_names().values())})")
-
-
-def _attention_form(asked: str) -> str:
-    """`auto`: the C form where this machine builds it, else the torch form (said on stderr); `c` where it does
-    not build raises with the compiler's message."""
-    if asked == "torch":
-        return asked
-    from detent_audit.kernels import attention_c
-
-    try:
-        attention_c.library()
-    except attention_c.Unavailable as exc:
-        if asked == "c":
-            raise
-        import sys
-
-        print(f"detent-audit: the C attention does not build here ({exc}); running the torch form, whose bits "
-              "differ (the facts say which)", file=sys.stderr)
-        return "torch"
-    return "c"
 
 
 class SglangUnavailable(DetentError):

@@ -34,7 +34,14 @@ from detent_audit.engine.threads import set_threads
 from detent_audit.engine_api import Rescored
 from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
-from detent_audit.integrations.hosted import HostedEngine, HostedRequest, checkpoint_folder
+from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
+    HostedEngine,
+    HostedRequest,
+    attention_names,
+    attention_of_facts,
+    checkpoint_folder,
+)
+from detent_audit.integrations.hosted import attention_form as _attention_form
 from detent_audit.integrations.vllm import plugin
 
 NAME = "vllm"
@@ -42,44 +49,7 @@ _SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrati
             "selection_programs": "detent_audit.selection.programs"}
 
 
-def _attention_forms() -> dict[str, str]:
-    from detent_audit.kernels import attention_c
-
-    return {"c": attention_c.IMPLEMENTATION, "torch": "torch-tiled"}
-
-
-ATTENTION_FORMS = _attention_forms()  # the attention form -> what the facts record
-
-
-def attention_of_facts(recorded: str | None) -> str:
-    """The form a receipt's `engine.plugin.attention` names (receipts from before the C form ran the torch one)."""
-    for form, name in ATTENTION_FORMS.items():
-        if recorded == name:
-            return form
-    if recorded is None:
-        return "torch"
-    raise BadInput(f"the receipt's attention {recorded!r} is not one this detent-audit runs "
-                   f"({', '.join(ATTENTION_FORMS.values())})")
-
-
-def _attention_form(asked: str) -> str:
-    """`auto`: the C form where this machine builds it, else the torch form (said on stderr); `c` where it does
-    not build raises with the compiler's message."""
-    if asked == "torch":
-        return asked
-    from detent_audit.kernels import attention_c
-
-    try:
-        attention_c.library()
-    except attention_c.Unavailable as exc:
-        if asked == "c":
-            raise
-        import sys
-
-        print(f"detent-audit: the C attention does not build here ({exc}); running the torch form, whose bits "
-              "differ (the facts say which)", file=sys.stderr)
-        return "torch"
-    return "c"
+ATTENTION_FORMS = attention_names()  # the attention form -> what the facts record
 
 
 class VllmUnavailable(DetentError):
