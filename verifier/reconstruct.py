@@ -181,18 +181,25 @@ def served_from(facts: Mapping[str, Any], local: Mapping[str, Any]) -> str:
             "that checkpoint folder")
 
 
+def _hosted_mode(tuple_values: Mapping[str, Any], tuple_override: Mapping[str, Any] | None, engine: str) -> str:
+    """A hosted engine's receipt mode, refused where it cannot be re-executed: stock (the engine's kernels read
+    the batch) is not comparable, and `--tuple` applies to detent receipts only."""
+    mode = _get(tuple_values, "mode", "name")
+    if mode == "stock":
+        raise NotComparable(["tuple.mode.name"], f"stock {engine} is not batch-invariant: its bits depend on the "
+                                                 "batch the request was served in, which no verifier can rebuild")
+    if tuple_override is not None and mode != "detent":
+        raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
+    return mode
+
+
 def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                      threads: int | None = None, tuple_override: Mapping[str, Any] | None = None, *,
                      kv_tokens: int = 0) -> Any:
     """Step (7) for a vLLM receipt: the vLLM engine its facts describe (settings from the facts, the checkpoint
     local), compared field by field; a different vLLM version or thread count is refused before an engine is
     built (a build takes most of a minute), stock receipts are not comparable (vLLM's kernels read the batch)."""
-    mode = _get(tuple_values, "mode", "name")
-    if mode == "stock":
-        raise NotComparable(["tuple.mode.name"], "stock vLLM is not batch-invariant: its bits depend on the batch "
-                                                 "the request was served in, which no verifier can rebuild")
-    if tuple_override is not None and mode != "detent":
-        raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
+    mode = _hosted_mode(tuple_values, tuple_override, "vLLM")
     if model is None:
         model = _get(facts, "checkpoint").get("name")  # a named model (the wheel's) is found by its name
     if not model:

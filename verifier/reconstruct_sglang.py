@@ -18,6 +18,7 @@ from detent_audit.verifier.reconstruct import (
     DESCRIPTIVE_FIELDS,
     NotComparable,
     _get,
+    _hosted_mode,
     differing_fields,
     served_from,
     served_thread_count,
@@ -50,12 +51,7 @@ def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any]
     from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
 
     # (7), first: what the receipt's facts alone refuse
-    mode = _get(tuple_values, "mode", "name")
-    if mode == "stock":
-        raise NotComparable(["tuple.mode.name"], "stock SGLang is not batch-invariant: its bits depend on the "
-                                                 "batch the request was served in, which no verifier can rebuild")
-    if tuple_override is not None and mode != "detent":
-        raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
+    mode = _hosted_mode(tuple_values, tuple_override, "SGLang")
     served, local = _get(facts, "engine", "version"), sglang_version()
     if served != local:
         raise NotComparable(["engine.version"], f"the receipt was served by SGLang {served}; this verifier has "
