@@ -42,7 +42,8 @@ ENDPOINTS = tuple(API_OF)
 
 
 def read_json_document(path: str | Path, what: str) -> Any:
-    """A JSON file (a request or a response), or a response saved as a server-sent-event stream."""
+    """A JSON object (a request or a response), or a response saved as a server-sent-event stream (the list of
+    its chunks). Raises `BadInput` for anything else."""
     try:
         text = dec.read_bounded(path, MAX_DOCUMENT_BYTES, what=what).decode("utf-8")
     except DetentError as exc:
@@ -53,9 +54,13 @@ def read_json_document(path: str | Path, what: str) -> Any:
         if text.lstrip().startswith("data:"):
             return [json.loads(line[5:]) for line in text.splitlines()
                     if line.startswith("data:") and line[5:].strip() != "[DONE]"]
-        return json.loads(text)
+        document = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise BadInput(f"{path}: the {what} is not JSON ({str(exc)[:200]})") from None
+    if not isinstance(document, dict):
+        raise BadInput(f"{path}: the {what} is a JSON {type(document).__name__}, not an object",
+                       remedy="pass the body as sent or received (a stream: its server-sent events, as received)")
+    return document
 
 
 class Signed(NamedTuple):
@@ -199,7 +204,7 @@ def check_response(request: Any, response: Any, signed: Sequence[Signed], *, end
     endpoint = endpoint_of(request, endpoint)
     body_sha = enc.sha256_hex(body_json(request))
     view = response_view(response, endpoint)
-    problems, notes = list(view.problems), []
+    problems, notes = list(view.problems), list[str]()
     prompts, batched = _prompts(request, endpoint)
     rid = view.one("id")
     if not isinstance(rid, str):
@@ -296,7 +301,7 @@ def _check_head(view: ResponseView, request: dict[str, Any], endpoint: str, batc
         problems.append(f"response.seed {seed!r} is not the receipt's seed")
     prompt_tokens = sum(len(r.request.prompt_token_ids) for r in receipts)
     completion_tokens = sum(len(r.output.token_ids) for r in receipts)
-    want_usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+    want_usage: dict[str, int] | None = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens}
     options = request.get("stream_options")
     if view.stream and not (isinstance(options, dict) and options.get("include_usage") is True):

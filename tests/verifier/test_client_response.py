@@ -332,8 +332,8 @@ def test_a_malformed_input_to_verify_response_is_a_fail_with_exit_2(served, tmp_
     x = served["exchanges"]["completion"]
     request, response, receipts = x.request, copy.deepcopy(x.response), x.receipts
     raw_request = None
-    if kind == "response-a-list":
-        response = [1, [2]]
+    if kind == "response-a-list":  # a JSON file is one response (a stream is its server-sent events)
+        response = [response]
     elif kind == "choices-not-a-list":
         response["choices"] = {"0": response["choices"][0]}
     elif kind == "choice-a-string":
