@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import json
-import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,6 +25,13 @@ from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.dsse import Envelope, read_envelope_bytes
 from detent_audit.manifests.receipt import Receipt, body_json, verify_envelope
+from detent_audit.verifier.expected_response import (
+    Expected,
+    first_difference,
+    legacy_pairs,
+    model_tokenizer,
+    no_tokenizer,
+)
 from detent_audit.verifier.report import Outcome, Report
 from detent_audit.verifier.response_view import (
     API_OF,
@@ -102,98 +108,6 @@ def _prompts(request: dict[str, Any], endpoint: str) -> tuple[list[str | None], 
     return [prompt if isinstance(prompt, str) else None], False
 
 
-def _f32(value: Any, where: str) -> bytes:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadInput(f"the response's {where} must be a number, got {type(value).__name__}")
-    try:
-        return struct.pack("<f", value)
-    except OverflowError:  # beyond fp32: no fp32 logprob has these bits
-        return struct.pack("<d", value)
-
-
-def first_difference(expected: Any, got: Any, where: str) -> str | None:
-    """The first place where `got` (parsed JSON) differs from `expected` (as the server writes it): fields,
-    lengths, order, strings and ints exactly, floats (logprobs) as fp32 bits; a field `got` adds is a difference
-    unless null (an SDK's dump adds those)."""
-    if isinstance(expected, dict):
-        if not isinstance(got, dict):
-            return f"{where}: expected an object"
-        extra = sorted(k for k, v in got.items() if k not in expected and v is not None)
-        missing = sorted(k for k in expected if k not in got)
-        if extra or missing:
-            return f"{where}: " + (f"fields {extra} the server never sends" if extra else f"no field {missing}")
-        return next((d for k in expected if (d := first_difference(expected[k], got[k], f"{where}.{k}"))), None)
-    if isinstance(expected, list):
-        if not isinstance(got, list):
-            return f"{where}: expected a list"
-        if len(got) != len(expected):
-            return f"{where}: {len(got)} entries, the receipt's {len(expected)}"
-        return next((d for i, (e, g) in enumerate(zip(expected, got))
-                     if (d := first_difference(e, g, f"{where}[{i}]"))), None)
-    if isinstance(expected, float):
-        if _f32(got, where) != struct.pack("<f", expected):
-            return f"{where}: {got!r}, the receipt's {expected!r} (fp32 bits differ)"
-        return None
-    if got != expected or type(got) is not type(expected):
-        return f"{where}: {json.dumps(got)[:80]}, the receipt's {json.dumps(expected)[:80]}"
-    return None
-
-
-def _legacy_pairs(block: Any) -> Any:
-    """A legacy logprobs block with each position's top_logprobs as [token, logprob] pairs, in order (a JSON
-    object's order is the server's, most likely first)."""
-    if not isinstance(block, dict) or not isinstance(block.get("top_logprobs"), list):
-        return block
-    tops = [list(map(list, t.items())) if isinstance(t, dict) else t for t in block["top_logprobs"]]
-    return {**block, "top_logprobs": tops}
-
-
-class _Expected:
-    """What the server writes for one receipt (its text, logprobs block and stop reason), with the deployment's
-    tokenizer where token strings are needed."""
-
-    def __init__(self, tokenizer: Callable[[], Any]) -> None:
-        self._get, self._tokenizer = tokenizer, None
-
-    @property
-    def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            self._tokenizer = self._get()
-        return self._tokenizer
-
-    def prompt_text(self, r: Receipt, given: str | None) -> str:
-        return self.tokenizer.decode(list(r.request.prompt_token_ids)) if given is None else given
-
-    def logprobs(self, r: Receipt, endpoint: str, echo: bool, prompt_text: str, as_ids: bool) -> Any:
-        from detent_audit.server.responses import (
-            TextStream,
-            TokenFormatter,
-            chat_logprobs,
-            completion_logprobs,
-            echo_logprobs,
-        )
-
-        s, out = r.request.sampling, r.output
-        if s.logprobs is None:
-            return None
-        fmt, ids, tops = TokenFormatter(self.tokenizer), list(out.token_ids), out.top_logprobs
-        if endpoint == CHAT:
-            return chat_logprobs(fmt, ids, out.logprobs, tops, as_ids)["content"]
-        if not echo:
-            return completion_logprobs(fmt, ids, out.logprobs, tops, TextStream(self.tokenizer).offsets(ids), as_ids)
-        assert r.scoring is not None
-        prompt_tops = r.scoring.tops if r.scoring.top_n else [[] for _ in range(r.scoring.num_positions)]
-        return echo_logprobs(fmt, list(r.request.prompt_token_ids), ids, r.scoring.logprobs, out.logprobs,
-                             prompt_tops, tops, prompt_text, as_ids)
-
-    def stop_reason(self, r: Receipt) -> Any:
-        from detent_audit.server.responses import stop_reason
-
-        s = r.request.sampling
-        decode = (lambda ids: self.tokenizer.decode(ids)) if s.stop else None
-        return stop_reason(list(r.output.token_ids), r.output.finish_reason, s.stop_token_ids, s.stop, decode)
-
-
 def check_response(request: Any, response: Any, signed: Sequence[Signed], *, endpoint: str | None = None,
                    tokenizer: Callable[[], Any] | None = None) -> ResponseCheck:
     """The differences between what the client sent and received and what the receipts (one per prompt) bind.
@@ -237,7 +151,7 @@ def check_response(request: Any, response: Any, signed: Sequence[Signed], *, end
     for index in sorted(set(view.choices) - set(by_index)):
         problems.append(f"choices[{index}]: the request has {len(prompts)} prompt(s), so no choice {index}: text "
                         "there is text no receipt holds")
-    expected = _Expected(tokenizer or _no_tokenizer)
+    expected = Expected(tokenizer or no_tokenizer)
     echo = endpoint == COMPLETIONS and request.get("echo") is True
     as_ids = request.get("return_tokens_as_token_ids") is True
     for index, r in enumerate(receipts):
@@ -268,7 +182,7 @@ def check_response(request: Any, response: Any, signed: Sequence[Signed], *, end
             problems.append(f"{where}.logprobs: returned for a request that asked for none")
         elif want is not None:
             if endpoint == COMPLETIONS:
-                want, have = _legacy_pairs(want), _legacy_pairs(got.logprobs)
+                want, have = legacy_pairs(want), legacy_pairs(got.logprobs)
             else:
                 have = got.logprobs
             difference = first_difference(want, have, f"{where}.logprobs" + (".content" if endpoint == CHAT else ""))
@@ -318,9 +232,12 @@ def _check_head(view: ResponseView, request: dict[str, Any], endpoint: str, batc
         got_ids = view.one("receipt_ids")
         if got_ids is not None and got_ids != ids:
             problems.append(f"response.receipt_ids {str(got_ids)[:200]} are not the receipts' {ids}")
-        if view.one("receipt") is not None:
-            problems.append("response.receipt: a batch's proofs are in its choices")
+        for name in ("receipt", "receipt_id"):
+            if view.one(name) is not None:
+                problems.append(f"response.{name}: a batch's receipts are named in its choices")
         return problems
+    if view.one("receipt_ids") is not None:
+        problems.append("response.receipt_ids: a response of one prompt names its receipt in receipt_id")
     got_id = view.one("receipt_id")
     if got_id is not None and got_id != ids[0]:
         problems.append(f"response.receipt_id {got_id!r} is not the receipt's {ids[0]!r}")
@@ -340,22 +257,6 @@ def _proof_problems(proof: Any, signed: Signed, where: str) -> list[str]:
     if proof.get("keyid") != signed.envelope.keyid:
         problems.append(f"{where}.keyid is not this receipt's signer")
     return problems
-
-
-def _no_tokenizer() -> Any:
-    raise BadInput("the response's token strings and offsets are checked with the deployment's tokenizer, and "
-                   "none was given")
-
-
-def model_tokenizer(model: str | Path | None, cache_dir: str | None) -> Callable[[], Any]:
-    """The tokenizer of the verifier's `--model` (the receipts' checkpoint, whose tokenizer hash verify compares),
-    loaded when first needed."""
-    def load() -> Any:
-        from detent_audit.engine.named_models import resolve_model
-        from detent_audit.engine.tokenizer import Tokenizer
-
-        return Tokenizer.from_pretrained(resolve_model(model, cache_dir).path)
-    return load
 
 
 def verify_response(request: Any, response: Any, receipt_paths: str | Path | Sequence[str | Path], trusted: dict,

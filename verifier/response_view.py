@@ -97,6 +97,9 @@ def response_view(response: Any, endpoint: str) -> ResponseView:
         for key in _TOP - {"choices"}:
             if key in chunk:
                 view.heads.setdefault(key, []).append(chunk[key])
+        created = chunk.get("created")
+        if created is not None and (isinstance(created, bool) or not isinstance(created, int)):
+            view.problems.append(f"{where}.created: {str(created)[:40]!r} is not a time (whole seconds)")
         choices = chunk.get("choices")
         if not isinstance(choices, list):
             raise BadInput(f"the response's {where}.choices must be a list, got {type(choices).__name__}")
@@ -126,6 +129,8 @@ def _read_choice(view: ResponseView, choice: dict[str, Any], position: int, wher
         if message is not None:
             message = _object(message, f"{here}.{holder}")
             _extra(message, _MESSAGE, f"{here}.{holder}", view.problems, shows)
+            if message.get("role") not in (None, "assistant"):
+                view.problems.append(f"{here}.{holder}.role: {str(message['role'])[:40]!r}, not 'assistant'")
         piece = None if message is None else message.get("content")
     else:
         piece = choice.get("text")

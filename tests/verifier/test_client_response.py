@@ -32,7 +32,8 @@ from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import API as OFFLINE_API
 from detent_audit.server.offline import parse_line, serve_offline
 from detent_audit.server.protocol import Limits, parse_request
-from detent_audit.verifier.client import Signed, check_response, model_tokenizer, verify_response
+from detent_audit.verifier.client import Signed, check_response, verify_response
+from detent_audit.verifier.expected_response import model_tokenizer
 from detent_audit.verifier.response_view import CHAT, COMPLETIONS
 
 runner = CliRunner()
