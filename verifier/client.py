@@ -5,11 +5,11 @@ First each receipt's steps (1)-(3) (read, signature by a trusted key, payload); 
 binds this exact body (its canonical JSON's SHA-256, `receipt.body_json`) as a request to the endpoint the
 client called (`request.client.api`); then the response, as the client's OpenAI SDK shows it
 (`response_view.py`): its id is the receipts' request ids, the proof it carries (`receipt`: digest, keyid,
-signature) is the receipt's, its `system_fingerprint` the receipt's deployment, its `model` the one the request
-named, its `usage` the receipt's token counts, and each choice (one per prompt: choice i is the receipt of
-prompt i) holds the receipt's text, finish reason and, per output position, the token string, logprob bits
-and the top alternatives in order; last, `verify` of the receipts, steps (1)-(10). Any difference between
-request, response and receipt is a FAIL that names the field; a malformed document is bad input.
+signature) is the receipt's, its `system_fingerprint` the receipt's deployment, its `model` the one the
+request named, its `usage` the receipt's token counts, and each choice (one per prompt: choice i is the
+receipt of prompt i) holds the receipt's text, finish reason and, per output position, the token string,
+logprob bits and the top alternatives in order; last, `verify` of the receipts, steps (1)-(10). Any difference
+between request, response and receipt is a FAIL that names the field; a malformed document is bad input.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def read_json_document(path: str | Path, what: str) -> Any:
         raise BadInput(f"{path}: the {what} is not JSON ({str(exc)[:200]})") from None
     if not isinstance(document, dict):
         raise BadInput(f"{path}: the {what} is a JSON {type(document).__name__}, not an object",
-                       remedy="pass the body as sent or received (a stream: its server-sent events, as received)")
+                       remedy="pass the body as sent or received (a stream: its server-sent events, as "
+                              "received)")
     return document
 
 
@@ -129,11 +130,12 @@ def check_response(request: Any, response: Any, signed: Sequence[Signed], *, end
         r = item.receipt
         name = r.request.request_id
         if r.request.client.api != API_OF[endpoint]:
-            problems.append(f"receipt {name}: the node signed the request as one to {r.request.client.api}; the "
-                            f"client called {endpoint}")
+            problems.append(f"receipt {name}: the node signed the request as one to {r.request.client.api}; "
+                            f"the client called {endpoint}")
         if r.request.client.body_sha256 != body_sha:
             problems.append(f"receipt {name}: it binds another request body than this one (SHA-256 of its "
-                            f"canonical JSON {body_sha[:16]}..., the receipt's {r.request.client.body_sha256[:16]}...)")
+                            f"canonical JSON {body_sha[:16]}..., the receipt's "
+                            f"{r.request.client.body_sha256[:16]}...)")
         index = int(name.rsplit("-", 1)[1]) if batched and name.rsplit("-", 1)[-1].isdigit() else 0
         if name != (f"{rid}-{index}" if batched else rid):
             problems.append(f"response.id {rid!r} is not the id of receipt {name!r}"
@@ -146,11 +148,12 @@ def check_response(request: Any, response: Any, signed: Sequence[Signed], *, end
         raise BadInput(f"the request has {len(prompts)} prompt(s) and {len(by_index)} receipt(s) were given",
                        remedy="give the receipt of every prompt of the request (the response's receipt_ids)")
     receipts = [by_index[i].receipt for i in range(len(prompts))]
-    problems += _check_head(view, request, endpoint, batched, [by_index[i] for i in range(len(prompts))], notes)
+    problems += _check_head(view, request, endpoint, batched, [by_index[i] for i in range(len(prompts))],
+                            notes)
     # the choices: choice i holds receipt i's answer
     for index in sorted(set(view.choices) - set(by_index)):
-        problems.append(f"choices[{index}]: the request has {len(prompts)} prompt(s), so no choice {index}: text "
-                        "there is text no receipt holds")
+        problems.append(f"choices[{index}]: the request has {len(prompts)} prompt(s), so no choice {index}: "
+                        "text there is text no receipt holds")
     expected = Expected(tokenizer or no_tokenizer)
     echo = endpoint == COMPLETIONS and request.get("echo") is True
     as_ids = request.get("return_tokens_as_token_ids") is True
@@ -168,11 +171,14 @@ def check_response(request: Any, response: Any, signed: Sequence[Signed], *, end
             problems.append(f"{where}: the text received is not the text the receipt holds"
                             + (" (after the echoed prompt)" if echo else ""))
         if got.finish_reason != r.output.finish_reason:
-            problems.append(f"{where}.finish_reason {got.finish_reason!r}, the receipt's is {r.output.finish_reason!r}")
+            problems.append(f"{where}.finish_reason {got.finish_reason!r}, the receipt's is "
+                            f"{r.output.finish_reason!r}")
         if got.stop_reason is not None and got.stop_reason != expected.stop_reason(r):
-            problems.append(f"{where}.stop_reason {got.stop_reason!r} is not what stopped the receipt's output")
+            problems.append(f"{where}.stop_reason {got.stop_reason!r} is not what stopped the receipt's "
+                            "output")
         if got.receipt_id is not None and got.receipt_id != r.request.request_id:
-            problems.append(f"{where}.receipt_id {got.receipt_id!r} is not the receipt's {r.request.request_id!r}")
+            problems.append(f"{where}.receipt_id {got.receipt_id!r} is not the receipt's "
+                            f"{r.request.request_id!r}")
         if batched:
             problems += _proof_problems(got.proof, by_index[index], f"{where}.receipt")
         elif got.proof is not None:
@@ -185,14 +191,15 @@ def check_response(request: Any, response: Any, signed: Sequence[Signed], *, end
                 want, have = legacy_pairs(want), legacy_pairs(got.logprobs)
             else:
                 have = got.logprobs
-            difference = first_difference(want, have, f"{where}.logprobs" + (".content" if endpoint == CHAT else ""))
+            block = f"{where}.logprobs" + (".content" if endpoint == CHAT else "")
+            difference = first_difference(want, have, block)
             if difference is not None:
                 problems.append(f"the logprobs received are not the receipt's: {difference}")
     return ResponseCheck(problems, notes)
 
 
-def _check_head(view: ResponseView, request: dict[str, Any], endpoint: str, batched: bool, signed: list[Signed],
-                notes: list[str]) -> list[str]:
+def _check_head(view: ResponseView, request: dict[str, Any], endpoint: str, batched: bool,
+                signed: list[Signed], notes: list[str]) -> list[str]:
     """The response's own fields: object, fingerprint, model, seed, usage, receipt ids and proof."""
     problems, receipts = [], [s.receipt for s in signed]
     first = receipts[0]
@@ -202,12 +209,13 @@ def _check_head(view: ResponseView, request: dict[str, Any], endpoint: str, batc
                         f"({OBJECT_OF[(endpoint, view.stream)]!r})")
     fingerprint = view.one("system_fingerprint")
     if any(fingerprint != r.deployment_hash for r in receipts):
-        problems.append(f"response.system_fingerprint {str(fingerprint)[:16]}... is not the receipt's deployment "
-                        f"{first.deployment_hash[:16]}...")
+        problems.append(f"response.system_fingerprint {str(fingerprint)[:16]}... is not the receipt's "
+                        f"deployment {first.deployment_hash[:16]}...")
     model, asked = view.one("model"), request.get("model")
     if isinstance(asked, str):
         if model != asked:
-            problems.append(f"response.model {str(model)[:80]!r} is not the model the request named ({asked[:80]!r})")
+            problems.append(f"response.model {str(model)[:80]!r} is not the model the request named "
+                            f"({asked[:80]!r})")
     elif model is not None:
         notes.append(f"the response's model {str(model)[:80]!r} is the node's word (the request named none)")
     seed = view.one("seed")
@@ -215,8 +223,9 @@ def _check_head(view: ResponseView, request: dict[str, Any], endpoint: str, batc
         problems.append(f"response.seed {seed!r} is not the receipt's seed")
     prompt_tokens = sum(len(r.request.prompt_token_ids) for r in receipts)
     completion_tokens = sum(len(r.output.token_ids) for r in receipts)
-    want_usage: dict[str, int] | None = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens}
+    want_usage: dict[str, int] | None = {"prompt_tokens": prompt_tokens,
+                                         "completion_tokens": completion_tokens,
+                                         "total_tokens": prompt_tokens + completion_tokens}
     options = request.get("stream_options")
     if view.stream and not (isinstance(options, dict) and options.get("include_usage") is True):
         want_usage = None
@@ -259,14 +268,17 @@ def _proof_problems(proof: Any, signed: Signed, where: str) -> list[str]:
     return problems
 
 
-def verify_response(request: Any, response: Any, receipt_paths: str | Path | Sequence[str | Path], trusted: dict,
-                    *, endpoint: str | None = None, progress: Callable[[int, int], None] | None = None,
+def verify_response(request: Any, response: Any, receipt_paths: str | Path | Sequence[str | Path],
+                    trusted: dict, *, endpoint: str | None = None,
+                    progress: Callable[[int, int], None] | None = None,
                     **verify_options: Any) -> Report:
     """A client's whole check in one call: request, response and receipts (one per prompt of the request)
     against each other, then `verify` of the receipts (`verify_options`: model, mode, deployments, ...).
     `endpoint`: the one the client called (None: from the request's body). The report's first outcome is the
     response's; a malformed document makes it BAD and nothing else is run."""
-    paths = [Path(receipt_paths)] if isinstance(receipt_paths, (str, Path)) else [Path(p) for p in receipt_paths]
+    if isinstance(receipt_paths, (str, Path)):
+        receipt_paths = [receipt_paths]
+    paths = [Path(p) for p in receipt_paths]
     label = ", ".join(map(str, paths))
     try:
         if not paths:
@@ -275,11 +287,12 @@ def verify_response(request: Any, response: Any, receipt_paths: str | Path | Seq
         for path in paths:
             data = read_envelope_bytes(path)
             signed.append(Signed(verify_envelope(data, trusted).receipt, Envelope.from_bytes(data)))
-        check = check_response(request, response, signed, endpoint=endpoint,
-                               tokenizer=model_tokenizer(verify_options.get("model"), verify_options.get("cache_dir")))
+        tokenizer = model_tokenizer(verify_options.get("model"), verify_options.get("cache_dir"))
+        check = check_response(request, response, signed, endpoint=endpoint, tokenizer=tokenizer)
     except DetentError as exc:
         status = "FAIL" if exc.exit_code == 1 else "BAD"
-        return Report([Outcome(label, "response", status, exc.message)], verify_options.get("mode", "rescore"))
+        mode = verify_options.get("mode", "rescore")
+        return Report([Outcome(label, "response", status, exc.message)], mode)
     report = verify(paths, trusted, progress=progress, **verify_options)
     rids = ", ".join(s.receipt.request.request_id for s in signed)
     if check.problems:

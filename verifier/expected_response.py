@@ -27,16 +27,18 @@ def _f32(value: Any, where: str) -> bytes:
 
 def first_difference(expected: Any, got: Any, where: str) -> str | None:
     """The first place where `got` (parsed JSON) differs from `expected` (as the server writes it): fields,
-    lengths, order, strings and ints exactly, floats (logprobs) as fp32 bits; a field `got` adds is a difference
-    unless null (an SDK's dump adds those)."""
+    lengths, order, strings and ints exactly, floats (logprobs) as fp32 bits; a field `got` adds is a
+    difference unless null (an SDK's dump adds those)."""
     if isinstance(expected, dict):
         if not isinstance(got, dict):
             return f"{where}: expected an object"
         extra = sorted(k for k, v in got.items() if k not in expected and v is not None)
         missing = sorted(k for k in expected if k not in got)
         if extra or missing:
-            return f"{where}: " + (f"fields {extra} the server never sends" if extra else f"no field {missing}")
-        return next((d for k in expected if (d := first_difference(expected[k], got[k], f"{where}.{k}"))), None)
+            return f"{where}: " + (f"fields {extra} the server never sends" if extra
+                                   else f"no field {missing}")
+        return next((d for k in expected
+                     if (d := first_difference(expected[k], got[k], f"{where}.{k}"))), None)
     if isinstance(expected, list):
         if not isinstance(got, list):
             return f"{where}: expected a list"
@@ -63,8 +65,8 @@ def legacy_pairs(block: Any) -> Any:
 
 
 class Expected:
-    """What the server writes for one receipt (its text, logprobs block and stop reason), with the deployment's
-    tokenizer where token strings are needed."""
+    """What the server writes for one receipt (its text, logprobs block and stop reason), with the
+    deployment's tokenizer where token strings are needed."""
 
     def __init__(self, tokenizer: Callable[[], Any]) -> None:
         self._get, self._tokenizer = tokenizer, None
@@ -94,7 +96,8 @@ class Expected:
         if endpoint == CHAT:
             return chat_logprobs(fmt, ids, out.logprobs, tops, as_ids)["content"]
         if not echo:
-            return completion_logprobs(fmt, ids, out.logprobs, tops, TextStream(self.tokenizer).offsets(ids), as_ids)
+            offsets = TextStream(self.tokenizer).offsets(ids)
+            return completion_logprobs(fmt, ids, out.logprobs, tops, offsets, as_ids)
         assert r.scoring is not None
         prompt_tops = r.scoring.tops if r.scoring.top_n else [[] for _ in range(r.scoring.num_positions)]
         return echo_logprobs(fmt, list(r.request.prompt_token_ids), ids, r.scoring.logprobs, out.logprobs,
@@ -109,13 +112,13 @@ class Expected:
 
 
 def no_tokenizer() -> Any:
-    raise BadInput("the response's token strings and offsets are checked with the deployment's tokenizer, and "
-                   "none was given")
+    raise BadInput("the response's token strings and offsets are checked with the deployment's tokenizer, "
+                   "and none was given")
 
 
 def model_tokenizer(model: str | Path | None, cache_dir: str | None) -> Callable[[], Any]:
-    """The tokenizer of the verifier's `--model` (the receipts' checkpoint, whose tokenizer hash verify compares),
-    loaded when first needed."""
+    """The tokenizer of the verifier's `--model` (the receipts' checkpoint, whose tokenizer hash verify
+    compares), loaded when first needed."""
     def load() -> Any:
         from detent_audit.engine.named_models import resolve_model
         from detent_audit.engine.tokenizer import Tokenizer

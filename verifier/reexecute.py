@@ -169,16 +169,17 @@ def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[
 def stated_claims(r: Receipt, max_model_len: int, published: bool) -> str:
     """What an OK verdict rests on the node's word for: an output cut where the context it states is full
     (unrefuted unless the deployment is published: a smaller stated context cuts a request that set no
-    max_tokens), and the checkpoint's name and source (descriptive: its files' hashes are what is compared)."""
+    max_tokens), and the checkpoint's name and source (descriptive: its files' hashes are compared)."""
     notes = []
     used = len(r.request.prompt_token_ids) + len(r.output.token_ids)
     if r.output.finish_reason == "length" and used >= max_model_len and not published:
-        notes.append(f"it ends where the context the node states is full (max_model_len {max_model_len}): a limit "
-                     "stated, not refuted (check it with --deployment)")
+        notes.append(f"it ends where the context the node states is full (max_model_len {max_model_len}): "
+                     "a limit stated, not refuted (check it with --deployment)")
     checkpoint = r.deployment_facts.get("checkpoint")
     name = checkpoint.get("name") if isinstance(checkpoint, Mapping) else None
     if isinstance(name, str):
-        notes.append(f"the checkpoint name {name[:80]!r} is as the node states it (the files' hashes are compared)")
+        notes.append(f"the checkpoint name {name[:80]!r} is as the node states it (the files' hashes are "
+                     "compared)")
     return "".join(f"; {n}" for n in notes)
 
 

@@ -1,14 +1,14 @@
-"""What a client's OpenAI SDK shows of a response: the text, finish reason and logprobs of each choice, read as
-`openai.types.chat.ChatCompletion`, `openai.types.Completion` and their stream chunks read them, and nothing
-else (`response_view`).
+"""What a client's OpenAI SDK shows of a response: the text, finish reason and logprobs of each choice, read
+as `openai.types.chat.ChatCompletion`, `openai.types.Completion` and their stream chunks read them, and
+nothing else (`response_view`).
 
-A chat answer is `choices[i].message.content`, a completion's `choices[i].text`; a stream's is the concatenation
-of its chunks' `choices[i].delta.content` (chat) or `choices[i].text` (completions), per choice index. The SDK
-keeps any other field it is given (its models allow extra fields) without showing it as the answer, so a field
-the server never sends (a `text` in a chat choice, a `delta` beside a `message`, a `refusal`) is a difference
-the view names: text there would be text the client's code does not read. A field an SDK dump adds empty
-(`"refusal": null`) is no such field. Values of the wrong type (choices that are no list, a choice that is
-a string) are malformed input (`BadInput`).
+A chat answer is `choices[i].message.content`, a completion's `choices[i].text`; a stream's is the
+concatenation of its chunks' `choices[i].delta.content` (chat) or `choices[i].text` (completions), per choice
+index. The SDK keeps any other field it is given (its models allow extra fields) without showing it as the
+answer, so a field the server never sends (a `text` in a chat choice, a `delta` beside a `message`, a
+`refusal`) is a difference the view names: text there would be text the client's code does not read. A field
+an SDK dump adds empty (`"refusal": null`) is no such field. Values of the wrong type (choices that are no
+list, a choice that is a string) are malformed input (`BadInput`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ OBJECT_OF = {(CHAT, False): "chat.completion", (CHAT, True): "chat.completion.ch
 _TOP = {"id", "object", "created", "model", "system_fingerprint", "choices", "usage", "seed", "receipt_id",
         "receipt", "receipt_ids"}
 _CHOICE = {CHAT: {"index", "message", "finish_reason", "logprobs", "stop_reason", "receipt_id", "receipt"},
-           COMPLETIONS: {"index", "text", "logprobs", "finish_reason", "stop_reason", "receipt_id", "receipt"}}
+           COMPLETIONS: {"index", "text", "logprobs", "finish_reason", "stop_reason", "receipt_id",
+                         "receipt"}}
 _CHUNK_CHOICE = {CHAT: {"index", "delta", "logprobs", "finish_reason"},
                  COMPLETIONS: {"index", "text", "logprobs", "finish_reason"}}
 _MESSAGE = {"role", "content"}
@@ -49,8 +50,8 @@ class ChoiceView:
 
 @dataclass
 class ResponseView:
-    """A response (or a stream's chunks) as the client's SDK reads it; `problems`: the fields it holds that the
-    SDK does not show as the answer, and values that disagree between a stream's chunks."""
+    """A response (or a stream's chunks) as the client's SDK reads it; `problems`: the fields it holds that
+    the SDK does not show as the answer, and values that disagree between a stream's chunks."""
 
     endpoint: str
     stream: bool
@@ -73,7 +74,8 @@ def _object(value: Any, where: str) -> dict[str, Any]:
 
 
 def _extra(obj: dict[str, Any], allowed: set[str], where: str, problems: list[str], shows: str) -> None:
-    """Fields of `obj` (not null) that the server never sends there: the SDK does not show them as the answer."""
+    """Fields of `obj` (not null) that the server never sends there: the SDK does not show them as the
+    answer."""
     for key in sorted(k for k, v in obj.items() if k not in allowed and v is not None):
         problems.append(f"{where}.{key}: a field the client's SDK does not show as the answer ({shows})")
 
@@ -163,8 +165,8 @@ def _read_logprobs(view: ResponseView, got: ChoiceView, block: Any, where: str) 
             raise BadInput(f"the response's {where}.content must be a list, got {type(content).__name__}")
         got.logprobs = [*(got.logprobs or []), *content]
         return
-    _extra(block, set(_LEGACY_LOGPROBS), where, view.problems, "it shows tokens, token_logprobs, top_logprobs, "
-                                                                 "text_offset")
+    _extra(block, set(_LEGACY_LOGPROBS), where, view.problems,
+           "it shows tokens, token_logprobs, top_logprobs, text_offset")
     merged = got.logprobs or {k: [] for k in _LEGACY_LOGPROBS}
     for key in _LEGACY_LOGPROBS:
         values = block.get(key)

@@ -83,10 +83,11 @@ def verify_response(
     request: Path = typer.Option(..., "--request", help="The request body the client sent (JSON)."),
     response: Path = typer.Option(..., "--response", help="The response it received (JSON, or the stream's "
                                                            "server-sent events)."),
-    receipt: list[Path] = typer.Option(..., "--receipt", help="The node's receipt of it (repeat: one per prompt "
-                                                               "of a batch)."),
-    endpoint: str = typer.Option(None, "--endpoint", help="The endpoint the client called: /v1/chat/completions "
-                                                         "or /v1/completions (default: the one its body is for)."),
+    receipt: list[Path] = typer.Option(..., "--receipt", help="The node's receipt of it (repeat: one per "
+                                                               "prompt of a batch)."),
+    endpoint: str = typer.Option(None, "--endpoint", help="The endpoint the client called: "
+                                                         "/v1/chat/completions or /v1/completions "
+                                                         "(default: the one its body is for)."),
     key: Path = TRUSTED_KEY, trusted_keys: Path = TRUSTED_KEYS, model: str = RECEIPT_MODEL,
     mode: str = typer.Option("rescore", "--mode", help="rescore | replay"),
     cache_dir: Path = CACHE_DIR, deployment: list[str] = DEPLOYMENTS, as_json: bool = JSON,

@@ -252,9 +252,9 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
             choice["text"] = prompt_text + out.text
             if req.logprobs:
                 prompt_tops = out.prompt_top_logprobs if req.params.logprobs else [[] for _ in out.prompt_logprobs]
-                choice["logprobs"] = echo_logprobs(fmt, out.prompt_token_ids, out.token_ids, out.prompt_logprobs,
-                                                   out.logprobs, prompt_tops, _tops(out, req), prompt_text,
-                                                   req.tokens_as_ids)
+                choice["logprobs"] = echo_logprobs(fmt, out.prompt_token_ids, out.token_ids,
+                                                   out.prompt_logprobs, out.logprobs, prompt_tops,
+                                                   _tops(out, req), prompt_text, req.tokens_as_ids)
             else:
                 choice["logprobs"] = None
         choice["receipt_id"] = signed.receipt_id

@@ -96,18 +96,21 @@ def completion_logprobs(fmt: TokenFormatter, ids: Sequence[int], logprobs: Seque
             "top_logprobs": top_dicts, "text_offset": list(offsets)}
 
 
-def echo_logprobs(fmt: TokenFormatter, prompt_ids: Sequence[int], ids: Sequence[int], prompt_logprobs: Sequence[float],
-                  logprobs: Sequence[float], prompt_tops: Sequence[Sequence[tuple[int, float]]],
-                  tops: Sequence[Sequence[tuple[int, float]]], prompt_text: str, as_ids: bool) -> dict[str, Any]:
+def echo_logprobs(fmt: TokenFormatter, prompt_ids: Sequence[int], ids: Sequence[int],
+                  prompt_logprobs: Sequence[float], logprobs: Sequence[float],
+                  prompt_tops: Sequence[Sequence[tuple[int, float]]],
+                  tops: Sequence[Sequence[tuple[int, float]]], prompt_text: str, as_ids: bool
+                  ) -> dict[str, Any]:
     """An echo's legacy block: the prompt's tokens, then the output's (the prompt's first token without a
     logprob: nothing precedes it, as vLLM does), offsets into the prompt's text followed by the output's."""
     both = [*prompt_ids, *ids]
-    block = completion_logprobs(fmt, both[1:], [*prompt_logprobs, *logprobs], [*prompt_tops, *tops], [], as_ids)
+    block = completion_logprobs(fmt, both[1:], [*prompt_logprobs, *logprobs], [*prompt_tops, *tops], [],
+                                as_ids)
     offsets = TextStream(fmt.tokenizer).offsets(prompt_ids)
     offsets += [len(prompt_text) + o for o in TextStream(fmt.tokenizer).offsets(ids)]
     return {"tokens": [fmt.text(both[0], as_ids), *block["tokens"]],
-            "token_logprobs": [None, *block["token_logprobs"]], "top_logprobs": [None, *block["top_logprobs"]],
-            "text_offset": offsets}
+            "token_logprobs": [None, *block["token_logprobs"]],
+            "top_logprobs": [None, *block["top_logprobs"]], "text_offset": offsets}
 
 
 def stop_reason(ids: Sequence[int], finish_reason: str, stop_token_ids: Sequence[int], stop: Sequence[str],
