@@ -165,7 +165,8 @@ class PartialEvaluator(ExpressionEvaluator):
                 raise self.src.error(s, "a declaration without a value is not SelIR")
             self._assign(s.target, self.eval(s.value, frame), frame)
         elif isinstance(s, ast.AugAssign):
-            old = self._lookup(s.target.id, frame, s.target)
+            (name,) = self._target_names(s.target)  # Python admits no tuple here
+            old = self._lookup(name.id, frame, s.target)
             self._assign(s.target, self._binop(BINOPS[type(s.op)], old, self.eval(s.value, frame), s), frame)
         elif isinstance(s, ast.If):
             self._if(s, frame)
@@ -195,7 +196,7 @@ class PartialEvaluator(ExpressionEvaluator):
         if isinstance(target, ast.Name):
             self.bind(frame, target.id, value, target)
             return
-        names = target.elts  # a tuple of names (the grammar checked it)
+        names = self._target_names(target)
         if isinstance(value, RecordVal) or not isinstance(value, (tuple, list)) or len(value) != len(names):
             raise self.src.error(target, f"cannot unpack {self._describe(value)} into {len(names)} names")
         for name, item in zip(names, value):

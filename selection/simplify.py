@@ -9,7 +9,6 @@ first operand's truth is decided (or, for booleans, either operand's), table loo
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from detent_audit.selection.intervals import Interval, interval_of
 from detent_audit.selection.ir import Node, Op, is_boolean, toposort
 from detent_audit.selection.lang import BUILTINS, nearest
-from detent_audit.selection.pe_values import PY_OPS, Check, IRProgram
+from detent_audit.selection.pe_values import PY_OPS, UNARY_OPS, Check, IRProgram
 
 _KEEP = object()  # "keep the operation" (None is a value a node may fold to)
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
@@ -122,7 +121,7 @@ def _evaluate(node: Node, src: list[Any]) -> Any:
     op, arg = node.op, node.arg
     try:
         if op is Op.UNARY:
-            return {"-": operator.neg, "+": operator.pos, "not": operator.not_}[arg](src[0])
+            return UNARY_OPS[arg](src[0])
         if op in (Op.BINARY, Op.COMPARE):
             return PY_OPS[arg](src[0], src[1])
         if op is Op.AND:
