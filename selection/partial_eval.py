@@ -136,7 +136,8 @@ class PartialEvaluator(ExpressionEvaluator):
         return self.and_(g, self.live(frame))
 
     def bind(self, frame: Frame, name: str, value: Any, at: ast.AST) -> None:
-        if isinstance(value, Node) and value.name is None and value.op is not Op.CONST and not name.startswith("$"):
+        if isinstance(value,
+                      Node) and value.name is None and value.op is not Op.CONST and not name.startswith("$"):
             value.name = name  # ($ret and the control flags are no names: the caller's variable names it)
         live = self.live(frame)
         if live is not True:
@@ -243,7 +244,8 @@ class PartialEvaluator(ExpressionEvaluator):
         call = s.value
         if isinstance(call, ast.Constant) and isinstance(call.value, str):
             return  # a docstring
-        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in self.src.functions:
+        if isinstance(call, ast.Call) and isinstance(call.func,
+                                                     ast.Name) and call.func.id in self.src.functions:
             self.eval(call, frame)  # a helper called for its require/assume; its value is dropped
             return
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)

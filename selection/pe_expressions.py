@@ -260,7 +260,8 @@ class ExpressionEvaluator:
             except Exception as exc:  # noqa: BLE001
                 raise self.src.error(e, f"constant folding `{name}` failed: {exc!r}") from None
         line, col = self._pos(e)
-        if name in ("min", "max", "sum", "any", "all") and len(args) == 1 and isinstance(args[0], (list, tuple)):
+        if name in ("min", "max", "sum", "any",
+                    "all") and len(args) == 1 and isinstance(args[0], (list, tuple)):
             args = list(args[0])
             if not args:
                 raise self.src.error(e, f"`{name}` of an empty collection")

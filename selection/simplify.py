@@ -3,8 +3,9 @@
 `input_domains` reads the bounds each top-level `assume` puts on a runtime input. `simplify` computes an
 interval per node over those domains and folds what the intervals decide: comparisons that always hold (or
 never do), SELECTs whose condition is decided, `min`/`max` arguments that can never win, `and`/`or` whose
-first operand's truth is decided (or, for booleans, either operand's), table lookups whose key is decided. Nodes that no root reads disappear
-(dead code). The assumes that define the domains are kept verbatim: they are what the selector checks.
+first operand's truth is decided (or, for booleans, either operand's), table lookups whose key is decided.
+Nodes that no root reads disappear (dead code). The assumes that define the domains are kept verbatim: they
+are what the selector checks.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _bound(node: Node) -> tuple[str, str, float] | None:
     op = node.arg
     if b.op is Op.INPUT and a.op is Op.CONST:
         a, b, op = b, a, _FLIP[op]
-    if a.op is Op.INPUT and b.op is Op.CONST and isinstance(b.arg, (int, float)) and not isinstance(b.arg, bool):
+    if a.op is Op.INPUT and b.op is Op.CONST and isinstance(b.arg,
+                                                            (int, float)) and not isinstance(b.arg, bool):
         return a.arg[0], op, b.arg
     return None
 
