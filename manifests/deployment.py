@@ -431,7 +431,8 @@ def _parse_tables(data: dict) -> TunedTables:
         where = f"tables.matmul.{i}"
         head = _parse(_MatmulShapeFields, shape, where)
         buckets = tuple(_parse(MatmulBucket, b, f"{where}.buckets.{j}") for j, b in enumerate(head.buckets))
-        parsed.append(_located(functools.partial(MatmulShapeConfig, head.n, head.k, head.block_k, buckets), where))
+        build = functools.partial(MatmulShapeConfig, head.n, head.k, head.block_k, buckets)
+        parsed.append(_located(build, where))
     return _located(lambda: TunedTables(rows, tuple(parsed), down), "tables")
 
 

@@ -147,8 +147,8 @@ def test_results_headline_rows_link_to_sections_scripts_and_raw_files() -> None:
 
 RESULTS_MAX_LINES, HEADLINE_CELL_MAX = 500, 200
 # how a lab log reads, not a record by claim: runs numbered in the text, fixes told as stories
-LAB_LOG = re.compile(r"\bruns? [0-9]+(?:-[0-9]+| and [0-9]+)\b|\bfirst run of\b|\bit used to\b|\bthis round\b|"
-                     r"\bbefore the fix\b|\bafter the fix\b|\bsession\b|\bissue [0-9]+")
+LAB_LOG = re.compile(r"\bruns? [0-9]+(?:-[0-9]+| and [0-9]+)\b|\bfirst run of\b|\bit used to\b|"
+                     r"\bthis round\b|\bbefore the fix\b|\bafter the fix\b|\bsession\b|\bissue [0-9]+")
 
 
 def _headline_rows(text: str) -> list[list[str]]:
@@ -161,7 +161,7 @@ def _headline_rows(text: str) -> list[list[str]]:
 def test_results_is_a_short_record_by_claim() -> None:
     text = RESULTS.read_text()
     lines = text.count("\n")
-    assert lines <= RESULTS_MAX_LINES, f"RESULTS.md has {lines} lines: move long tables to the raw files it links"
+    assert lines <= RESULTS_MAX_LINES, f"RESULTS.md has {lines} lines: move long tables to its raw files"
     log = [line.strip()[:120] for line in text.splitlines() if LAB_LOG.search(line)]
     assert not log, "state the latest run of each claim; git keeps the history:\n" + "\n".join(log)
     rows = _headline_rows(text)
