@@ -138,8 +138,9 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
         from detent_audit.engine.tuples import load_tuple
 
         override = load_tuple(tuple_file)
-    options = dict(model=model, mode=mode, sample=sample, seed=seed, cache_dir=str(cache_dir) if cache_dir else None,
-                   threads=threads, tuple_override=override, workers=worker_count, deployments=deployments)
+    options: dict[str, Any] = dict(model=model, mode=mode, sample=sample, seed=seed,
+                                   cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
+                                   tuple_override=override, workers=worker_count, deployments=deployments)
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("re-executing", total=None)
         show = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
