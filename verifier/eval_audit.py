@@ -3,27 +3,28 @@
 (a) Read the run: lm-eval's `results_<time>.json` (the reported scores, the model, its arguments and the run's
 settings, the task configs) and its `samples_<task>_<time>.jsonl` (`--log_samples`: per document its requests,
 the responses lm-eval parsed, and its metrics). (b) Rebuild the run from the task's own data, never from the
-samples file (eval_rebuild.py): every document, target and request with lm-eval's own task code, configured as
-the run was; the run's task config, version, document count and task hash, and each logged document, target
-and lm-eval hash (`doc_hash`, `prompt_hash`, `target_hash`) against the rebuilt ones; the run covers exactly the
-task's documents (all, or the `--limit` prefix in lm-eval's order). Every body lm-eval sent, by its own model
-class's request loop (batching, tokenization, truncation, `_create_payload`). (c) Open the receipts
-(verification steps (1)-(3)) and match each request to the receipt that binds the very body lm-eval sent for
-it, at its place in that body's batch (each receipt answers at most one request). (d) Verify the matched
-receipts (`verify`, steps (1)-(10): among them, that the bound body gives the prompt ids and sampling run).
-(e) From each verified receipt alone, rebuild the response the server gave (the same response code: the
-echoed logprobs and top alternatives, or the output text cut at its stop string) and parse it with lm-eval's
-own parser; it must equal the response lm-eval logged. (f) Recompute each document's metrics with the task's
-own documents, filters and `process_results`, aggregate with its own aggregations, over the documents whose
-every request verified (the coverage), and compare with the reported score.
+samples file (eval_rebuild.py): every document, target and request with lm-eval's own task code, configured
+as the run was; the run's task config, version, document count and task hash, and each logged document,
+target and lm-eval hash (`doc_hash`, `prompt_hash`, `target_hash`) against the rebuilt ones; the run covers
+exactly the task's documents (all, or the `--limit` prefix in lm-eval's order). Every body lm-eval sent, by
+its own model class's request loop (batching, tokenization, truncation, `_create_payload`). (c) Open the
+receipts (verification steps (1)-(3)) and match each request to the receipt that binds the very body
+lm-eval sent for it, at its place in that body's batch (each receipt answers at most one request).
+(d) Verify the matched receipts (`verify`, steps (1)-(10): among them, that the bound body gives the prompt
+ids and sampling run). (e) From each verified receipt alone, rebuild the response the server gave (the same
+response code: the echoed logprobs and top alternatives, or the output text cut at its stop string) and
+parse it with lm-eval's own parser; it must equal the response lm-eval logged. (f) Recompute each
+document's metrics with the task's own documents, filters and `process_results`, aggregate with its own
+aggregations, over the documents whose every request verified (the coverage), and compare with the reported
+score.
 
 A document is named, with the reason, when it was not logged, its logged document, target or hashes are not
 the task's, a request has no receipt of the body lm-eval sent, its receipt failed verification, or the
 response lm-eval logged is not the one its receipt's tokens give. The run is failed, each named, for a
 logged document that is not one of the run's, a samples file of a task the results do not list, a reported
-task or group whose score cannot be recomputed, and a task config, version, count or task hash that is not the
-task's. Exit codes: 0 when every document is covered, nothing is named and every recomputed score equals the
-reported one bit for bit; 1 otherwise; 2 bad input; 3 when the task's data cannot be loaded here.
+task or group whose score cannot be recomputed, and a task config, version, count or task hash that is not
+the task's. Exit codes: 0 when every document is covered, nothing is named and every recomputed score
+equals the reported one bit for bit; 1 otherwise; 2 bad input; 3 when the task's data cannot be loaded here.
 """
 
 from __future__ import annotations
@@ -272,27 +273,32 @@ def recompute(task: RebuiltTask, responses: dict[int, list]) -> dict[str, tuple[
     values: dict[str, list] = defaultdict(list)
     for doc_id, insts in instances.items():
         for filter_key in insts[0].filtered_resps:
-            metrics = task_obj.process_results(task.docs[doc_id].doc, [i.filtered_resps[filter_key] for i in insts])
+            filtered = [i.filtered_resps[filter_key] for i in insts]
+            metrics = task_obj.process_results(task.docs[doc_id].doc, filtered)
             for metric, value in metrics.items():
                 values[f"{metric},{filter_key}"].append(value)
     aggregations = task_obj.aggregation()
     return {key: (aggregations[key.split(",")[0]](vals), len(vals)) for key, vals in values.items() if vals}
 
 
-# ---- (a'): the run's tasks and documents against the task's own
+# ---- (b), checked: the run's record of its tasks and documents against the rebuilt ones
 
 
-def _tasks_of(results: dict, sample_paths: dict[str, Path], results_path: Path) -> tuple[list[str], list[str]]:
-    """The tasks to audit (reported, and logged), and the named failures of the run's task list: a samples file
-    of a task the results do not list, a reported task with no samples file, a group's score."""
+def _tasks_of(results: dict, sample_paths: dict[str, Path],
+              results_path: Path) -> tuple[list[str], list[str]]:
+    """The tasks to audit (reported, and logged), and the named failures of the run's task list: a samples
+    file of a task the results do not list, a reported task with no samples file, a group's score."""
     reported = results.get("results")
     if not isinstance(reported, dict):
         raise BadInput(f"{results_path}: no \"results\" object of reported scores")
-    groups = {g for g, subs in (results.get("group_subtasks") or {}).items() if subs}
-    problems = [f"samples file of task {t}, which the results do not list" for t in sorted(set(sample_paths) - set(reported))]
+    subtasks = results.get("group_subtasks")
+    groups = {g for g, subs in subtasks.items() if subs} if isinstance(subtasks, dict) else set()
+    problems = [f"samples file of task {t}, which the results do not list"
+                for t in sorted(set(sample_paths) - set(reported))]
     problems += [f"task {t} is reported, and its samples were not logged: its score cannot be recomputed"
                  for t in sorted(set(reported) - set(sample_paths) - groups)]
-    problems += [f"group {g}: its score is not recomputed (verify-eval recomputes each task's)" for g in sorted(groups)]
+    problems += [f"group {g}: its score is not recomputed (verify-eval recomputes each task's)"
+                 for g in sorted(groups)]
     configs = results.get("configs") or {}
     order = [t for t in configs if t in reported and t in sample_paths and t not in groups]  # lm-eval's order
     tasks = order + sorted(t for t in reported if t in sample_paths and t not in groups and t not in order)
@@ -308,34 +314,45 @@ def _task_problems(t: RebuiltTask, results: dict, logged: list[dict]) -> list[st
     from lm_eval.utils import hash_string
 
     problems = []
-    logged_config = dict((results.get("configs") or {}).get(t.name) or {})
+    logged_config = dict(_at(results, "configs", t.name) or {})
     ours = dict(t.config)
-    logged_meta, our_meta = logged_config.pop("metadata", None) or {}, ours.pop("metadata", None) or {}
+    logged_version, our_version = _at(logged_config, "metadata", "version"), _at(ours, "metadata", "version")
+    logged_config.pop("metadata", None)
+    ours.pop("metadata", None)
 
     def config_hash(c: dict) -> str:
         return hash_string(json.dumps(c, sort_keys=True, ensure_ascii=False))
 
     if logged_config != ours:
         differ = sorted(k for k in set(logged_config) | set(ours) if logged_config.get(k) != ours.get(k))
-        problems.append(f"task {t.name}: the run's task config (hash {config_hash(logged_config)[:16]}) is not the "
-                        f"task's (hash {config_hash(ours)[:16]}): {', '.join(differ)} differ")
-    if logged_meta.get("version") != our_meta.get("version"):
-        problems.append(f"task {t.name}: the run logged version {logged_meta.get('version')!r}, the task is "
-                        f"version {our_meta.get('version')!r}")
+        logged_hash, our_hash = config_hash(logged_config)[:16], config_hash(ours)[:16]
+        problems.append(f"task {t.name}: the run's task config (hash {logged_hash}) is not the task's (hash "
+                        f"{our_hash}): {', '.join(differ)} differ")
+    if logged_version != our_version:
+        problems.append(f"task {t.name}: the run logged version {logged_version!r}, the task is version "
+                        f"{our_version!r}")
     expected = list(t.docs)
-    effective = ((results.get("n-samples") or {}).get(t.name) or {}).get("effective")
+    effective = _at(results, "n-samples", t.name, "effective")
     if effective != len(expected):
-        problems.append(f"task {t.name}: the run reports {effective!r} documents, the task's run has {len(expected)}")
-    task_hash = (results.get("task_hashes") or {}).get(t.name)
+        problems.append(f"task {t.name}: the run reports {effective!r} documents, the task's run has "
+                        f"{len(expected)}")
+    task_hash = _at(results, "task_hashes", t.name)
     ours_hash = t.task_hash(expected * max(1, len(getattr(t.task, "_filters", []))))
     if task_hash is not None and task_hash != ours_hash:
-        problems.append(f"task {t.name}: the run's task hash {task_hash[:16]} is not the task's documents' "
-                        f"{ours_hash[:16]}")
+        problems.append(f"task {t.name}: the run's task hash {str(task_hash)[:16]} is not the task's "
+                        f"documents' {ours_hash[:16]}")
     extra = sorted(int(s["doc_id"]) for s in logged if int(s["doc_id"]) not in t.docs)
     if extra:
-        problems.append(f"task {t.name}: logged document(s) {', '.join(map(str, extra[:20]))} are not among the "
-                        f"run's {len(expected)} documents of the task")
+        problems.append(f"task {t.name}: logged document(s) {', '.join(map(str, extra[:20]))} are not among "
+                        f"the run's {len(expected)} documents of the task")
     return problems
+
+
+def _at(obj: Any, *keys: str) -> Any:
+    """obj[k1][k2]..., or None where a level is not a JSON object or lacks the key."""
+    for key in keys:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
 
 
 def _doc_problems(doc: RebuiltDoc, sample: dict | None) -> list[str]:
@@ -360,7 +377,8 @@ def _doc_problems(doc: RebuiltDoc, sample: dict | None) -> list[str]:
         problems.append("the logged requests' arguments are not the task's requests")
     for name in ("doc_hash", "prompt_hash", "target_hash"):
         if sample.get(name) != getattr(doc, name):
-            problems.append(f"{name} {str(sample.get(name))[:16]} is not the task's {getattr(doc, name)[:16]}")
+            problems.append(f"{name} {str(sample.get(name))[:16]} is not the task's "
+                            f"{getattr(doc, name)[:16]}")
     return problems
 
 
@@ -456,8 +474,8 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
                     continue
                 response = response_of(lm, sent[(t, doc_id, inst.idx)], opened[p], decode)
                 logged_resps = sample["resps"]
-                got = logged_resps[inst.idx] if isinstance(logged_resps, list) and inst.idx < len(logged_resps) \
-                    else None
+                in_range = isinstance(logged_resps, list) and inst.idx < len(logged_resps)
+                got = logged_resps[inst.idx] if in_range else None
                 first = got[0] if isinstance(got, list) and got else None
                 if not _same(first, response):
                     verdict.reasons.append(f"{where}: lm-eval logged {json.dumps(first)[:80]}, the receipt "

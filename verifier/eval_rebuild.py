@@ -1,14 +1,15 @@
 """An lm-eval run rebuilt from the task's own data: every document, target and request, and every body sent.
 
 verify-eval trusts nothing of the samples file for what was asked: the documents, their targets and the
-requests come from the task (its YAML and its data, loaded by lm-eval's `TaskManager`), configured as the run's
-results file says the run was (limit, few-shot count and seed, generation arguments, system instruction, chat
-template), through lm-eval's own `build_all_requests`. lm-eval's per-sample hashes are computed as its
-`evaluate` computes them (`hash_string` over the document's JSON, the first request's first argument, the
-target's str()), and the run's per-task hash as its tracker does, so a logged document, prompt or target
-that is not the task's is named. The bodies sent are rebuilt by running lm-eval's own request loop of the run's
-model class (its batching, tokenization, truncation and `_create_payload`) with the network call replaced by a
-recorder: a receipt binds the canonical JSON of one of those bodies, or lm-eval never sent it.
+requests come from the task (its YAML and its data, loaded by lm-eval's `TaskManager`), configured as the
+run's results file says the run was (limit, few-shot count and seed, generation arguments, system
+instruction, chat template), through lm-eval's own `build_all_requests`. lm-eval's per-sample hashes are
+computed as its `evaluate` computes them (`hash_string` over the document's JSON, the first request's first
+argument, the target's str()), and the run's per-task hash as its tracker does, so a logged document, prompt
+or target that is not the task's is named. The bodies sent are rebuilt by running the request loop of the
+run's lm-eval model class (its batching, tokenization, truncation and `_create_payload`) with the network
+call replaced by a recorder: a receipt binds the canonical JSON of one of those bodies, or lm-eval never
+sent it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import copy
 import io
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from detent_audit.enums import ExitCode
@@ -52,7 +53,8 @@ class RunSettings:
     def of(cls, results: dict) -> RunSettings:
         config = results.get("config") or {}
         limit = config.get("limit")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                  or limit <= 0):
             raise BadInput(f"the results file's config.limit {limit!r} is not a positive number")
         gen_kwargs = config.get("gen_kwargs") or None
         if isinstance(gen_kwargs, str):
@@ -106,12 +108,6 @@ class Sent:
     ctxlen: int = 0            # score: the continuation starts here
 
 
-@dataclass
-class Rebuilt:
-    tasks: dict[str, RebuiltTask]
-    sent: dict[tuple[str, int, int], Sent] = field(default_factory=dict)  # (task, doc_id, idx) -> its request
-
-
 def load_tasks(names: list[str], include_path: list[str]) -> dict[str, Any]:
     """lm-eval's task objects (their data loaded) of these names."""
     from lm_eval.tasks import TaskManager, get_task_dict
@@ -125,16 +121,17 @@ def load_tasks(names: list[str], include_path: list[str]) -> dict[str, Any]:
     missing = [n for n in names if n not in manager.all_tasks]
     if missing:
         raise BadInput(f"lm-eval does not know the task(s) {', '.join(missing)}",
-                       remedy="give --include-path the folder of the run's task YAML (as the run's --include_path)")
+                       remedy="give --include-path the folder of the run's task YAML (as the run's "
+                              "--include_path)")
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             return get_task_dict(names, manager)
     except Exception as exc:  # noqa: BLE001 (a dataset load raises what its loader raises)
         raise TaskNotRebuilt(f"the data of task(s) {', '.join(names)} cannot be loaded here: "
                              f"{type(exc).__name__}: {exc}",
-                             remedy="make the task's dataset loadable on this machine (its files, or the hub "
-                                    "cache); verify-eval rebuilds every document from the task's own data and "
-                                    "never uses the samples file's copy") from None
+                             remedy="make the task's dataset loadable on this machine (its files, or the "
+                                    "hub cache); verify-eval rebuilds every document from the task's own "
+                                    "data and never uses the samples file's copy") from None
 
 
 def _configure(name: str, task: Any, settings: RunSettings) -> None:
@@ -152,7 +149,8 @@ def _logged_config(task: Any) -> dict:
     return json.loads(json.dumps(task.dump_config(), default=handle_non_serializable, ensure_ascii=False))
 
 
-def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettings, lm: Any) -> dict[str, RebuiltTask]:
+def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettings,
+                  lm: Any) -> dict[str, RebuiltTask]:
     """Each task's documents (all, or the run's `--limit` prefix in lm-eval's order) and their requests,
     built by lm-eval's own code from the task's own data."""
     from lm_eval.evaluator_utils import get_sample_size
@@ -163,8 +161,8 @@ def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettin
     for name in names:
         task = loaded[name]
         if int(task.config.repeats or 1) != 1:
-            raise BadInput(f"task {name} repeats each request {task.config.repeats} times: verify-eval audits "
-                           "tasks of one response per request")
+            raise BadInput(f"task {name} repeats each request {task.config.repeats} times: verify-eval "
+                           "audits tasks of one response per request")
         _configure(name, task, settings)
         limit = get_sample_size(task, settings.limit)
         try:
@@ -177,7 +175,8 @@ def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettin
                     tokenizer_name=lm.tokenizer_name if settings.apply_chat_template else "")
                 docs_in_order = list(task.doc_iterator(rank=0, limit=limit, world_size=1))
         except Exception as exc:  # noqa: BLE001 (lm-eval and the task's own functions raise many kinds)
-            raise TaskNotRebuilt(f"task {name}: its documents cannot be rebuilt here: {type(exc).__name__}: {exc}",
+            raise TaskNotRebuilt(f"task {name}: its documents cannot be rebuilt here: "
+                                 f"{type(exc).__name__}: {exc}",
                                  remedy="run verify-eval where the task's data and code load") from None
         by_doc: dict[int, list] = defaultdict(list)
         for inst in task.instances:
@@ -199,9 +198,10 @@ def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettin
 
 
 def replay(lm: Any, api: str, tasks: dict[str, RebuiltTask]) -> dict[tuple[str, int, int], Sent]:
-    """Every request of the run as lm-eval sent it: its request loop run per request type over all the tasks'
-    instances in the run's order (as `evaluate` pools them, so batches span tasks as they did), with the network
-    call replaced by a recorder of the payload it builds (`_create_payload`, as its `model_call` does)."""
+    """Every request of the run as lm-eval sent it: its request loop run per request type over all the
+    tasks' instances in the run's order (as `evaluate` pools them, so batches span tasks as they did), with
+    the network call replaced by a recorder of the payload it builds (`_create_payload`, as its `model_call`
+    does)."""
     by_type: dict[str, list] = defaultdict(list)
     for t in tasks.values():
         for doc in t.docs.values():
@@ -237,9 +237,11 @@ def _record(lm: Any, request_type: str, instances: list, bodies: list[tuple[byte
         ctxlens.append(list(lens))
         return inputs, lens, keys
 
-    def model_call(messages: Any, *, generate: bool = True, gen_kwargs: dict | None = None, **kw: Any) -> dict:
+    def model_call(messages: Any, *, generate: bool = True, gen_kwargs: dict | None = None,
+                   **kw: Any) -> dict:
         payload = lm._create_payload(lm.create_message(messages), generate=generate,
-                                     gen_kwargs=copy.deepcopy(gen_kwargs), seed=lm._seed, eos=lm.eos_string, **kw)
+                                     gen_kwargs=copy.deepcopy(gen_kwargs), seed=lm._seed, eos=lm.eos_string,
+                                     **kw)
         # as the HTTP client sends it (json.dumps), then canonical as the node binds it
         bodies.append((body_json(json.loads(json.dumps(payload))), ctxlens[-1] if not generate else []))
         return {"batch": len(bodies) - 1, "size": len(messages)}
@@ -271,7 +273,8 @@ def _batched(api: str, body: bytes) -> bool:
 
 
 def position_of(api: str, body: bytes, request_id: str) -> int | None:
-    """A receipt's prompt's place in its bound body: the suffix the server gives a batch's receipts, else 0."""
+    """A receipt's prompt's place in its bound body: the suffix the server gives a batch's receipts, else
+    0 (None: a batch's receipt without one)."""
     if not _batched(api, body):
         return 0
     index = request_id.rsplit("-", 1)[-1]

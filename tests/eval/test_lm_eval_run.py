@@ -258,10 +258,10 @@ def _keep_bookkeeping(run_dir: Path) -> None:
 
     results_path, paths = find_run(run_dir)
     results = json.loads(results_path.read_text())
-    task_objs = TaskManager(include_path=str(TASKS), include_defaults=False).load(sorted(paths))["tasks"]
-    for task, path in paths.items():
-        if task not in results["results"]:
-            continue
+    names = sorted(t for t in paths if t in results["configs"])
+    task_objs = TaskManager(include_path=str(TASKS), include_defaults=False).load(names)["tasks"]
+    for task in names:
+        path = paths[task]
         obj, rows = task_objs[task], [json.loads(line) for line in path.read_text().splitlines()]
         values: dict[str, list] = {}
         for row in rows:
