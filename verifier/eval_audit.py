@@ -94,6 +94,8 @@ class EvalReport:
     receipts_unmatched: int
     receipt_counts: dict[str, int]
     problems: list[str] = field(default_factory=list)  # the run's named failures beyond its documents
+    # per task: the run's documents, the task's, the run's --limit
+    documents: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     published: list[str] = field(default_factory=list)  # deployment hashes the facts were checked against
 
@@ -105,7 +107,7 @@ class EvalReport:
     def to_json(self) -> dict:
         covered = sum(d.covered for d in self.docs)
         return {"scores": [s.to_json() for s in self.scores],
-                "coverage": {"covered": covered, "total": len(self.docs)},
+                "coverage": {"covered": covered, "total": len(self.docs)}, "documents": self.documents,
                 "differing": [d.to_json() for d in self.docs if not d.covered], "problems": self.problems,
                 "receipts": {**self.receipt_counts, "unmatched": self.receipts_unmatched},
                 "published_deployments": self.published, "facts_self_asserted": not self.published,
@@ -426,10 +428,11 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     # (b): the documents and requests, from the task's own data; the bodies lm-eval sent for them
     settings = RunSettings.of(results)
     lm = make_lm(results, str(checkpoint), settings.batch_size)
-    rebuilt = rebuild_tasks(tasks, include_path or [], settings, lm)
+    model_name, model_args = _model_args(results)
+    rebuilt = rebuild_tasks(tasks, include_path or [], settings, lm, metadata=model_args)
     for t in tasks:
         problems += _task_problems(rebuilt[t], results, samples[t])
-    api = API_OF_MODEL[_model_args(results)[0]]
+    api = API_OF_MODEL[model_name]
     sent = replay(lm, api, rebuilt)
     seconds["rebuild_requests"] = time.perf_counter() - start
     # (c), second half: each request's receipt binds the very body lm-eval sent for it, at its place
@@ -496,7 +499,10 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
             scores.append(Score(t, key, reported[key], value, n, len(rebuilt[t].docs)))
     counts = report.counts()
     counts["not_opened"] = len(failed_open)
-    return EvalReport(scores, docs, unmatched, counts, problems, seconds, sorted(deployments or {}))
+    documents = {t: {"run": len(rebuilt[t].docs), "task": rebuilt[t].task_documents, "limit": settings.limit}
+                 for t in tasks}
+    return EvalReport(scores, docs, unmatched, counts, problems, documents, seconds,
+                      sorted(deployments or {}))
 
 
 def _checkpoint(model: str | None) -> Path:

@@ -88,6 +88,7 @@ class RebuiltTask:
     task: Any                  # lm-eval's Task, configured as the run was
     docs: dict[int, RebuiltDoc]
     config: dict               # its config as lm-eval logs it (`dump_config`, JSON)
+    task_documents: int        # the task's evaluation documents (the run's are all, or the limit's prefix)
 
     def task_hash(self, doc_ids: list[int]) -> str:
         """lm-eval's per-task hash (its tracker's `task_hashes`) over these documents, in this order."""
@@ -108,16 +109,18 @@ class Sent:
     ctxlen: int = 0            # score: the continuation starts here
 
 
-def load_tasks(names: list[str], include_path: list[str]) -> dict[str, Any]:
-    """lm-eval's task objects (their data loaded) of these names."""
+def load_tasks(names: list[str], include_path: list[str], metadata: dict | None = None) -> dict[str, Any]:
+    """lm-eval's task objects (their data loaded) of these names; `metadata`: what lm-eval's command line
+    gives every task (the model's arguments), which some tasks read."""
     from lm_eval.tasks import TaskManager, get_task_dict
 
     manager = None
     if include_path:  # the include path alone first: indexing lm-eval's thousands of own tasks takes minutes
-        manager = TaskManager(include_path=include_path, include_defaults=False)
+        manager = TaskManager(include_path=include_path, include_defaults=False, metadata=metadata)
         if any(n not in manager.all_tasks for n in names):
             manager = None
-    manager = manager or TaskManager(include_path=include_path or None)  # a task of the path takes precedence
+    # a task of the path takes precedence
+    manager = manager or TaskManager(include_path=include_path or None, metadata=metadata)
     missing = [n for n in names if n not in manager.all_tasks]
     if missing:
         raise BadInput(f"lm-eval does not know the task(s) {', '.join(missing)}",
@@ -149,14 +152,14 @@ def _logged_config(task: Any) -> dict:
     return json.loads(json.dumps(task.dump_config(), default=handle_non_serializable, ensure_ascii=False))
 
 
-def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettings,
-                  lm: Any) -> dict[str, RebuiltTask]:
+def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettings, lm: Any,
+                  metadata: dict | None = None) -> dict[str, RebuiltTask]:
     """Each task's documents (all, or the run's `--limit` prefix in lm-eval's order) and their requests,
-    built by lm-eval's own code from the task's own data."""
+    built by lm-eval's own code from the task's own data (`metadata`: as `load_tasks`)."""
     from lm_eval.evaluator_utils import get_sample_size
     from lm_eval.utils import handle_non_serializable, hash_string
 
-    loaded = load_tasks(names, include_path)
+    loaded = load_tasks(names, include_path, metadata)
     out: dict[str, RebuiltTask] = {}
     for name in names:
         task = loaded[name]
@@ -190,7 +193,7 @@ def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettin
                 hash_string(json.dumps(instances[0].doc, indent=2, default=handle_non_serializable,
                                        ensure_ascii=False)),
                 hash_string(instances[0].arguments[0]), hash_string(str(target)))
-        out[name] = RebuiltTask(name, task, docs, _logged_config(task))
+        out[name] = RebuiltTask(name, task, docs, _logged_config(task), len(task.eval_docs))
     return out
 
 

@@ -222,6 +222,9 @@ def verify_eval(
             typer.echo(f"FAIL: {d.task} doc {d.doc_id}: {'; '.join(d.reasons)}")
     for problem in report.problems:
         typer.echo(f"FAIL: {problem}")
+    for task, n in report.documents.items():  # a run of a --limit prefix is a run of those documents only
+        typer.echo(f"{task}: the run's documents are {n['run']} of the task's {n['task']}"
+                   + (f" (--limit {n['limit']})" if n["limit"] is not None else ""))
     covered = sum(d.covered for d in report.docs)
     c = report.receipt_counts
     typer.echo(f"{covered}/{len(report.docs)} samples covered; receipts: {c['OK']} ok, {c['FAIL']} failed, "

@@ -70,7 +70,8 @@ def lm_eval_argv(served: Served, out: Path, tasks: str, *, limit: int, chat: boo
         model, args = "local-completions", (f"base_url={served.url}/v1/completions,tokenizer={served.checkpoint},"
                                             "tokenizer_backend=huggingface")
     return ["--model", model, "--model_args", f"model={MODEL_NAME},{args},num_concurrent={concurrent},max_retries=1",
-            "--include_path", str(task_path), "--tasks", tasks, "--limit", str(limit), "--batch_size", str(batch_size),
+            "--include_path", str(task_path), "--tasks", tasks, "--limit", str(limit),
+            "--batch_size", str(batch_size),
             "--output_path", str(out), "--log_samples"] + (["--apply_chat_template"] if chat else [])
 
 
@@ -84,8 +85,8 @@ def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 4, chat: 
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
-    argv = lm_eval_argv(served, out, tasks, limit=limit, chat=chat, batch_size=batch_size, concurrent=concurrent,
-                        task_path=task_path)
+    argv = lm_eval_argv(served, out, tasks, limit=limit, chat=chat, batch_size=batch_size,
+                        concurrent=concurrent, task_path=task_path)
     tracker = EvaluationTracker(output_path=str(out))
     results = simple_evaluate(model=argv[argv.index("--model") + 1], model_args=argv[argv.index("--model_args") + 1],
                               tasks=tasks.split(","), batch_size=batch_size, limit=limit, log_samples=True,

@@ -72,7 +72,8 @@ def _hinting_tasks(to: Path) -> Path:
     yaml = to / "detent_qa_gen.yaml"
     text = yaml.read_text()
     assert "{{question}}\\nAnswer:" in text
-    yaml.write_text(text.replace("{{question}}\\nAnswer:", "{{question}} (the answer is {{answer}})\\nAnswer:"))
+    hint = "{{question}} (the answer is {{answer}})\\nAnswer:"
+    yaml.write_text(text.replace("{{question}}\\nAnswer:", hint))
     return to
 
 
@@ -97,7 +98,8 @@ def run(eval_checkpoint: Path, node_key, tmp_path_factory: pytest.TempPathFactor
                                   batch_size=1, concurrent=c)
             steps[c] = _steps_between(before, served.steps())
             generations[c] = generations_of(set((served.out / "receipts").iterdir()) - names, served.trusted)
-    return Run(served, root, main, main_receipts, hinted, hinted_receipts, outs[1], outs[8], steps, generations)
+    return Run(served, root, main, main_receipts, hinted, hinted_receipts, outs[1], outs[8], steps,
+               generations)
 
 
 def _audit(run_dir: Path, receipts: Path, served: Served, **kw) -> EvalReport:
@@ -134,6 +136,10 @@ def test_every_request_has_a_receipt_and_the_score_is_recomputed_exactly(run: Ru
     # every request lm-eval sent has a receipt, and every receipt of the run answers one of them
     assert report.receipt_counts["OK"] == MAIN_RECEIPTS and report.receipts_unmatched == 0
     assert got["facts_self_asserted"] is False
+    # the run is the --limit prefix of the task's documents (every line of its data file is one)
+    task_documents = len((TASKS / "qa.jsonl").read_text().splitlines())
+    assert got["documents"] == {t: {"run": LIMIT, "task": task_documents, "limit": LIMIT}
+                                for t in ("detent_qa_mc", "detent_qa_gen")}
     # the task really ran both request kinds: echo scoring, and generations cut at a stop string
     opened = [_open(p, served) for p in run.main_receipts]
     assert sum(r.scoring is not None for r in opened) == 4 * LIMIT
@@ -207,7 +213,8 @@ def test_tampered_removed_or_misreported_requests_drop_coverage_and_name_the_sam
     _resign(by_doc[gen[0]][0], served, _other_first_token)
     by_doc[gen[1]][0].unlink()
     expected = {mc[0]: ["did not verify", "prompt token"], mc[1]: ["not among the 1 published deployment"],
-                mc[2]: ["lm-eval logged"], gen[0]: ["did not verify"], gen[1]: ["no receipt binds the body lm-eval sent"]}
+                mc[2]: ["lm-eval logged"], gen[0]: ["did not verify"],
+                gen[1]: ["no receipt binds the body lm-eval sent"]}
     logged = _logged(run.main)
     published = load_deployments([str(run.root / "deployment.json")])
     for deployments, named_now in ((published, expected), (None, {k: v for k, v in expected.items() if k != mc[1]})):
@@ -308,7 +315,8 @@ def _a_body_lm_eval_never_sent(path: Path, served: Served) -> None:
     position = int(r.request.request_id.rsplit("-", 1)[1])
     body["prompt"] = body["prompt"][position]
     rid = f"cmpl-{uuid.uuid4().hex}"
-    request = dataclasses.replace(r.request, request_id=rid, client=ClientRequest.of(r.request.client.api, body))
+    client = ClientRequest.of(r.request.client.api, body)
+    request = dataclasses.replace(r.request, request_id=rid, client=client)
     signed = sign_receipt(dataclasses.replace(r, request=request), load_private_key(served.key.private_path))
     path.unlink()
     (path.parent / f"{rid}.receipt").write_bytes(signed)
@@ -373,8 +381,8 @@ def _reasons(report: EvalReport, task: str, doc_id: int) -> str:
 def test_a_relabelled_gold_answer_is_named_and_the_score_uses_the_tasks_own(forged: Forged, run: Run) -> None:
     report = forged.report
     assert report.exit_code == 1
-    assert "the logged document is not the task's document" in _reasons(report, "detent_qa_mc", forged.relabelled)
-    assert "target_hash" in _reasons(report, "detent_qa_mc", forged.relabelled)
+    why = _reasons(report, "detent_qa_mc", forged.relabelled)
+    assert "the logged document is not the task's document" in why and "target_hash" in why, why
     # the score is recomputed from the task's own documents: the genuine run's metrics of the covered ones
     genuine = {int(x["doc_id"]): x for x in _logged(run.main)["detent_qa_mc"]}
     covered = [d.doc_id for d in report.docs if d.task == "detent_qa_mc" and d.covered]
@@ -389,19 +397,22 @@ def test_a_cherry_picked_subset_is_named(forged: Forged) -> None:
     report = forged.report
     assert report.exit_code == 1
     assert "logged no sample of this document" in _reasons(report, "detent_qa_mc", forged.dropped)
-    assert any(f"reports 3 documents, the task's run has {LIMIT}" in p for p in report.problems), report.problems
+    assert any(f"reports 3 documents, the task's run has {LIMIT}" in p for p in report.problems), \
+        report.problems
     assert report.to_json()["coverage"]["total"] == 2 * LIMIT  # the task's documents, not the logged ones
 
 
 def test_renumbered_documents_are_named(forged: Forged) -> None:
     for doc_id in forged.swapped:
-        assert "the logged document is not the task's document" in _reasons(forged.report, "detent_qa_gen", doc_id)
+        why = _reasons(forged.report, "detent_qa_gen", doc_id)
+        assert "the logged document is not the task's document" in why, why
 
 
 def test_a_task_reported_or_logged_alone_is_named(forged: Forged) -> None:
     problems = forged.report.problems
     assert any("task detent_qa_unlogged is reported, and its samples were not logged" in p for p in problems)
-    assert any("samples file of task detent_qa_gen_unlisted, which the results do not list" in p for p in problems)
+    assert any("samples file of task detent_qa_gen_unlisted, which the results do not list" in p
+               for p in problems)
     assert forged.report.exit_code == 1
 
 
