@@ -1,27 +1,35 @@
 """`detent-audit verify-eval`: an lm-eval run's published score, recomputed from verified receipts alone.
 
-(a) Read the run: lm-eval's `results_<time>.json` (the reported scores, the model and its arguments, the task
-configs) and its `samples_<task>_<time>.jsonl` (`--log_samples`: per document its requests, the responses
-lm-eval parsed, and its metrics). (b) Rebuild every request lm-eval sent, with lm-eval's own model class (its
-tokenization, truncation, payload): the prompt token ids, and for a generation its stop strings, max_tokens,
-temperature and seed; a chat request's messages rendered by the deployment's chat template, as the server
-renders them. (c) Open the receipts (verification steps (1)-(3)) and match each request to one receipt of
-that exact request (each receipt answers at most one request). (d) Verify the matched receipts (`verify`,
-steps (1)-(10)). (e) From each verified receipt alone, rebuild the response the server
-gave (the same response code: the echoed logprobs and top alternatives, or the output text cut at its stop
-string) and parse it with lm-eval's own parser; it must equal the response lm-eval logged. (f) Recompute each
-document's metrics with the task's own filters and `process_results`, aggregate with its own aggregations,
-over the documents whose every request verified (the coverage), and compare with the reported score.
+(a) Read the run: lm-eval's `results_<time>.json` (the reported scores, the model, its arguments and the run's
+settings, the task configs) and its `samples_<task>_<time>.jsonl` (`--log_samples`: per document its requests,
+the responses lm-eval parsed, and its metrics). (b) Rebuild the run from the task's own data, never from the
+samples file (eval_rebuild.py): every document, target and request with lm-eval's own task code, configured
+as the run was; the run's task config, version, document count and task hash, and each logged document,
+target and lm-eval hash (`doc_hash`, `prompt_hash`, `target_hash`) against the rebuilt ones; the run covers
+exactly the task's documents (all, or the `--limit` prefix in lm-eval's order). Every body lm-eval sent, by
+its own model class's request loop (batching, tokenization, truncation, `_create_payload`). (c) Open the
+receipts (verification steps (1)-(3)) and match each request to the receipt that binds the very body
+lm-eval sent for it, at its place in that body's batch (each receipt answers at most one request).
+(d) Verify the matched receipts (`verify`, steps (1)-(10): among them, that the bound body gives the prompt
+ids and sampling run). (e) From each verified receipt alone, rebuild the response the server gave (the same
+response code: the echoed logprobs and top alternatives, or the output text cut at its stop string) and
+parse it with lm-eval's own parser; it must equal the response lm-eval logged. (f) Recompute each
+document's metrics with the task's own documents, filters and `process_results`, aggregate with its own
+aggregations, over the documents whose every request verified (the coverage), and compare with the reported
+score.
 
-A document is named, with the reason, when a request has no receipt, its receipt failed verification, or the
-response lm-eval logged is not the one its receipt's tokens give. Exit codes: 0 when every document is covered
-and every recomputed score equals the reported one bit for bit; 1 otherwise; 2 bad input.
+A document is named, with the reason, when it was not logged, its logged document, target or hashes are not
+the task's, a request has no receipt of the body lm-eval sent, its receipt failed verification, or the
+response lm-eval logged is not the one its receipt's tokens give. The run is failed, each named, for a
+logged document that is not one of the run's, a samples file of a task the results do not list, a reported
+task or group whose score cannot be recomputed, and a task config, version, count or task hash that is not
+the task's. Exit codes: 0 when every document is covered, nothing is named and every recomputed score
+equals the reported one bit for bit; 1 otherwise; 2 bad input; 3 when the task's data cannot be loaded here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import json
 import math
@@ -34,30 +42,19 @@ from typing import Any
 
 from detent_audit.engine.stop_strings import output_text
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.verifier.eval_rebuild import (
+    API_OF_MODEL,
+    RebuiltDoc,
+    RebuiltTask,
+    RunSettings,
+    Sent,
+    position_of,
+    rebuild_tasks,
+    replay,
+)
 
 _RESULTS = re.compile(r"results_(.+)\.json")
 LOGPROB_FLOOR = -9999.0  # what the server writes for a logprob JSON cannot hold (server/responses.py)
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request lm-eval sent, as the server saw it; `key` is what a receipt of it must record."""
-
-    task: str
-    doc_id: int
-    index: int                 # the request's place among its document's requests
-    kind: str                  # "score" (loglikelihood, echo) | "generate"
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    stop: tuple[str, ...]
-    temperature: float
-    seed: int
-    ctxlen: int = 0            # score: the continuation starts here
-    chat: bool = False
-
-    @property
-    def key(self) -> tuple:
-        return (self.kind, self.prompt_ids, self.max_tokens, self.stop, self.temperature, self.seed)
 
 
 @dataclass
@@ -96,19 +93,22 @@ class EvalReport:
     docs: list[DocVerdict]
     receipts_unmatched: int
     receipt_counts: dict[str, int]
+    problems: list[str] = field(default_factory=list)  # the run's named failures beyond its documents
+    # per task: the run's documents, the task's, the run's --limit
+    documents: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     published: list[str] = field(default_factory=list)  # deployment hashes the facts were checked against
 
     @property
     def exit_code(self) -> int:
-        full = all(d.covered for d in self.docs) and bool(self.docs)
+        full = all(d.covered for d in self.docs) and bool(self.docs) and not self.problems
         return 0 if full and all(s.equal for s in self.scores) else 1
 
     def to_json(self) -> dict:
         covered = sum(d.covered for d in self.docs)
         return {"scores": [s.to_json() for s in self.scores],
-                "coverage": {"covered": covered, "total": len(self.docs)},
-                "differing": [d.to_json() for d in self.docs if not d.covered],
+                "coverage": {"covered": covered, "total": len(self.docs)}, "documents": self.documents,
+                "differing": [d.to_json() for d in self.docs if not d.covered], "problems": self.problems,
                 "receipts": {**self.receipt_counts, "unmatched": self.receipts_unmatched},
                 "published_deployments": self.published, "facts_self_asserted": not self.published,
                 "seconds": self.seconds, "exit_code": self.exit_code}
@@ -166,23 +166,13 @@ def read_samples(path: Path) -> list[dict]:
     return [seen[k] for k in sorted(seen)]
 
 
-def _arguments(sample: dict) -> list[tuple]:
-    """A logged sample's request arguments as lm-eval's `Instance.args`: lm-eval writes them as
-    {"gen_args_0": {"arg_0": ..., "arg_1": ...}, ...} (or as lists)."""
-    args = sample["arguments"]
-    if isinstance(args, dict):
-        return [tuple(v[f"arg_{i}"] for i in range(len(v))) for _, v in sorted(args.items(),
-                                                                               key=lambda kv: int(kv[0].split("_")[-1]))]
-    return [tuple(a) for a in args]
-
-
-# ---- (b): the requests, rebuilt with lm-eval's own model class
+# ---- (b): lm-eval's own model class, as the run made it
 
 
 def _model_args(results: dict) -> tuple[str, dict[str, Any]]:
     config = results.get("config") or {}
     name, args = config.get("model"), config.get("model_args") or {}
-    if name not in ("local-completions", "local-chat-completions"):
+    if name not in API_OF_MODEL:
         raise BadInput(f"the run used lm-eval model {name!r}",
                        remedy="verify-eval audits runs against an OpenAI-compatible server: local-completions "
                               "or local-chat-completions")
@@ -190,102 +180,31 @@ def _model_args(results: dict) -> tuple[str, dict[str, Any]]:
         from lm_eval.utils import simple_parse_args_string
 
         args = simple_parse_args_string(args)
+    if not isinstance(args, dict):
+        raise BadInput(f"the results file's config.model_args is not lm-eval's model arguments: {args!r:.80}")
     return name, dict(args)
 
 
-def make_lm(results: dict, tokenizer_path: str | None) -> Any:
-    """lm-eval's model object for the run's model and arguments, built offline: its tokenizer from the run's
-    `tokenizer` argument (else `tokenizer_path`: the deployment's checkpoint), no request sent."""
+def make_lm(results: dict, tokenizer_path: str | None, batch_size: int) -> Any:
+    """lm-eval's model object for the run's model, arguments and batch size, built offline: its tokenizer from
+    the run's `tokenizer` argument (else `tokenizer_path`: the deployment's checkpoint), no request sent."""
     from lm_eval.api.registry import get_model
 
     name, args = _model_args(results)
     args.pop("base_url", None)  # nothing is sent; a base_url would make it probe the server's tokenizer
     if name == "local-completions":
-        args.setdefault("tokenizer", tokenizer_path)
+        run_tokenizer = str(args.get("tokenizer") or "")
+        if not run_tokenizer or (Path(run_tokenizer).is_absolute() and not Path(run_tokenizer).exists()):
+            # the run's folder is not on this machine: the deployment's checkpoint (a different tokenizer
+            # gives other bodies, which no receipt binds)
+            args["tokenizer"] = tokenizer_path
         args["tokenizer_backend"] = "huggingface"
     try:
-        lm = get_model(name)(**{**args, "batch_size": 1})
+        with contextlib.redirect_stderr(io.StringIO()):
+            return get_model(name)(**{**args, "batch_size": batch_size})
     except Exception as exc:  # noqa: BLE001 (lm-eval raises many kinds for bad arguments)
         raise BadInput(f"cannot rebuild lm-eval's {name} model from the run's arguments: {exc}",
-                       remedy="give --tokenizer the checkpoint folder lm-eval tokenized with") from None
-    lm._concurrent = 1
-    return lm
-
-
-def _payloads(lm: Any, request_type: str, args: list[tuple]) -> list[tuple[dict, int]]:
-    """What lm-eval sends for these requests of one document: (the payload, the context length), through
-    its own loglikelihood / generate_until code with the network call replaced by a recorder (its progress
-    bars, one per call, silenced)."""
-    with contextlib.redirect_stderr(io.StringIO()):
-        return _record_payloads(lm, request_type, args)
-
-
-def _record_payloads(lm: Any, request_type: str, args: list[tuple]) -> list[tuple[dict, int]]:
-    from lm_eval.api.instance import Instance
-
-    instances = [Instance(request_type, {}, a, i, (None, 0, 1)) for i, a in enumerate(args)]
-    out: list[tuple[dict, int]] = []
-    if request_type == "loglikelihood":
-        captured: list = []
-
-        def record(reqs: list, **_: Any) -> list:
-            captured.extend(reqs)
-            return [(0.0, False)] * len(reqs)
-
-        lm._loglikelihood_tokens = record
-        lm.loglikelihood(instances, disable_tqdm=True)
-        inputs, ctxlens, _ = lm.batch_loglikelihood_requests([captured])
-        for inp, ctxlen in zip(inputs, ctxlens):
-            out.append((lm._create_payload(lm.create_message([inp]), generate=False, seed=lm._seed), ctxlen))
-        return out
-    if request_type != "generate_until":
-        raise BadInput(f"lm-eval request type {request_type!r} is not audited (loglikelihood and generate_until "
-                       "are)")
-    for inst in instances:
-        def model_call(messages: Any, *, generate: bool = True, gen_kwargs: dict | None = None, **_: Any) -> dict:
-            payload = lm._create_payload(lm.create_message(messages), generate=True,
-                                         gen_kwargs=copy.deepcopy(gen_kwargs), seed=lm._seed, eos=lm.eos_string)
-            out.append((payload, 0))
-            return {"choices": [{"index": 0, "text": "", "message": {"content": ""}}]}
-
-        lm.model_call = model_call
-        lm.generate_until([inst], disable_tqdm=True)
-    return out
-
-
-def rebuild_requests(lm: Any, task: str, request_type: str, sample: dict, tokenizer: Any) -> list[Request]:
-    """The requests of one logged document, as the server received them (prompt ids as the server made them)."""
-    args = _arguments(sample)
-    chat = type(lm).__name__ == "LocalChatCompletion"
-    if chat:
-        from lm_eval.models.api_models import JsonChatStr
-
-        args = [(JsonChatStr(a[0][0] if isinstance(a[0], list) else a[0]), *a[1:]) for a in args]
-    requests = []
-    for index, (payload, ctxlen) in enumerate(_payloads(lm, request_type, args)):
-        if chat:  # the server renders the messages with the deployment's chat template
-            messages = [{"role": m["role"], "content": m["content"]} for m in payload["messages"]]
-            prompt = tuple(tokenizer.encode_chat(messages))
-        else:  # a batch of one: [ids] or [text]; or ids or text
-            one = payload["prompt"]
-            one = one[0] if isinstance(one, list) and len(one) == 1 and isinstance(one[0], (list, str)) else one
-            prompt = tuple(tokenizer.encode(one) if isinstance(one, str) else one)
-        stop = payload.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        requests.append(Request(task, int(sample["doc_id"]), index,
-                                "score" if payload.get("echo") else "generate", prompt,
-                                int(payload.get("max_tokens", 16)), stop, float(payload.get("temperature", 1.0)),
-                                int(payload.get("seed", 0)), ctxlen, chat))
-    return requests
-
-
-# ---- (c): receipts by request
-
-
-def receipt_key(r: Any) -> tuple:
-    s = r.request.sampling
-    return ("score" if r.scoring is not None else "generate", tuple(r.request.prompt_token_ids), s.max_tokens,
-            tuple(s.stop), s.temperature, r.request.seed)
+                       remedy="give --model the checkpoint folder lm-eval tokenized with") from None
 
 
 # ---- (e): the response a verified receipt gives, parsed by lm-eval
@@ -295,7 +214,7 @@ def _json_logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR  # JSON has no -inf: the server writes -9999.0
 
 
-def response_of(lm: Any, req: Request, receipt: Any, decode: Callable) -> Any:
+def response_of(lm: Any, req: Sent, receipt: Any, decode: Callable) -> Any:
     """What lm-eval parses from the response this receipt's bits give: the echoed prompt's logprobs, or the
     output text cut at its stop string (the server's rule, stop_strings.py).
 
@@ -333,36 +252,20 @@ def _same(logged: Any, rebuilt: Any) -> bool:
 # ---- (f): the metrics, with the task's own code
 
 
-def load_tasks(names: list[str], include_path: list[str]) -> dict[str, Any]:
-    from lm_eval.tasks import TaskManager, get_task_dict
-
-    manager = None
-    if include_path:  # the include path alone first: indexing lm-eval's thousands of own tasks takes minutes
-        manager = TaskManager(include_path=include_path, include_defaults=False)
-        if any(n not in manager.all_tasks for n in names):
-            manager = None
-    manager = manager or TaskManager(include_path=include_path or None)  # a task of the path takes precedence
-    missing = [n for n in names if n not in manager.all_tasks]
-    if missing:
-        raise BadInput(f"lm-eval does not know the task(s) {', '.join(missing)}",
-                       remedy="give --include-path the folder of the run's task YAML (as the run's --include_path)")
-    return get_task_dict(names, manager)
-
-
-def recompute(task_obj: Any, task: str, docs: list[dict], responses: dict[int, list]) -> dict[str, tuple[float, int]]:
+def recompute(task: RebuiltTask, responses: dict[int, list]) -> dict[str, tuple[float, int]]:
     """{"metric,filter": (aggregate, documents)} over the documents in `responses` (doc_id -> each request's
-    response), through the task's filters, `process_results` and aggregations."""
+    response), each the task's own document and requests, through its filters, `process_results` and
+    aggregations."""
     from lm_eval.api.instance import Instance
 
-    by_doc = {int(s["doc_id"]): s for s in docs}
+    task_obj = task.task
+    scored = task_obj.OUTPUT_TYPE in ("loglikelihood", "multiple_choice")
     instances: dict[int, list] = {}
     for doc_id, resps in sorted(responses.items()):
-        sample = by_doc[doc_id]
-        insts = [Instance(task_obj.OUTPUT_TYPE, sample["doc"], a, i, (task, doc_id, 1))
-                 for i, a in enumerate(_arguments(sample))]
+        insts = [Instance(i.request_type, i.doc, i.arguments, i.idx, (task.name, doc_id, 1))
+                 for i in task.docs[doc_id].instances]
         for inst, resp in zip(insts, resps):
-            inst.resps.append(resp if task_obj.OUTPUT_TYPE != "loglikelihood" and
-                              task_obj.OUTPUT_TYPE != "multiple_choice" else tuple(resp))
+            inst.resps.append(tuple(resp) if scored else resp)
         instances[doc_id] = insts
     flat = [inst for insts in instances.values() for inst in insts]
     if not flat:
@@ -371,12 +274,114 @@ def recompute(task_obj: Any, task: str, docs: list[dict], responses: dict[int, l
         f.apply(flat)
     values: dict[str, list] = defaultdict(list)
     for doc_id, insts in instances.items():
-        for filter_key in (insts[0].filtered_resps if insts else {}):
-            metrics = task_obj.process_results(by_doc[doc_id]["doc"], [i.filtered_resps[filter_key] for i in insts])
+        for filter_key in insts[0].filtered_resps:
+            filtered = [i.filtered_resps[filter_key] for i in insts]
+            metrics = task_obj.process_results(task.docs[doc_id].doc, filtered)
             for metric, value in metrics.items():
                 values[f"{metric},{filter_key}"].append(value)
     aggregations = task_obj.aggregation()
     return {key: (aggregations[key.split(",")[0]](vals), len(vals)) for key, vals in values.items() if vals}
+
+
+# ---- (b), checked: the run's record of its tasks and documents against the rebuilt ones
+
+
+def _tasks_of(results: dict, sample_paths: dict[str, Path],
+              results_path: Path) -> tuple[list[str], list[str]]:
+    """The tasks to audit (reported, and logged), and the named failures of the run's task list: a samples
+    file of a task the results do not list, a reported task with no samples file, a group's score."""
+    reported = results.get("results")
+    if not isinstance(reported, dict):
+        raise BadInput(f"{results_path}: no \"results\" object of reported scores")
+    subtasks = results.get("group_subtasks")
+    groups = {g for g, subs in subtasks.items() if subs} if isinstance(subtasks, dict) else set()
+    problems = [f"samples file of task {t}, which the results do not list"
+                for t in sorted(set(sample_paths) - set(reported))]
+    problems += [f"task {t} is reported, and its samples were not logged: its score cannot be recomputed"
+                 for t in sorted(set(reported) - set(sample_paths) - groups)]
+    problems += [f"group {g}: its score is not recomputed (verify-eval recomputes each task's)"
+                 for g in sorted(groups)]
+    configs = results.get("configs") or {}
+    order = [t for t in configs if t in reported and t in sample_paths and t not in groups]  # lm-eval's order
+    tasks = order + sorted(t for t in reported if t in sample_paths and t not in groups and t not in order)
+    if not tasks:
+        raise BadInput(f"{results_path}: its samples files name no task of its results")
+    return tasks, problems
+
+
+def _task_problems(t: RebuiltTask, results: dict, logged: list[dict]) -> list[str]:
+    """The run's record of a task against the task rebuilt: its config (lm-eval's `dump_config`, but for the
+    run-specific metadata), version, document count and per-task hash; and the logged documents: every one
+    of the task's documents once (all, or the limit's prefix), none other."""
+    from lm_eval.utils import hash_string
+
+    problems = []
+    logged_config = dict(_at(results, "configs", t.name) or {})
+    ours = dict(t.config)
+    logged_version, our_version = _at(logged_config, "metadata", "version"), _at(ours, "metadata", "version")
+    logged_config.pop("metadata", None)
+    ours.pop("metadata", None)
+
+    def config_hash(c: dict) -> str:
+        return hash_string(json.dumps(c, sort_keys=True, ensure_ascii=False))
+
+    if logged_config != ours:
+        differ = sorted(k for k in set(logged_config) | set(ours) if logged_config.get(k) != ours.get(k))
+        logged_hash, our_hash = config_hash(logged_config)[:16], config_hash(ours)[:16]
+        problems.append(f"task {t.name}: the run's task config (hash {logged_hash}) is not the task's (hash "
+                        f"{our_hash}): {', '.join(differ)} differ")
+    if logged_version != our_version:
+        problems.append(f"task {t.name}: the run logged version {logged_version!r}, the task is version "
+                        f"{our_version!r}")
+    expected = list(t.docs)
+    effective = _at(results, "n-samples", t.name, "effective")
+    if effective != len(expected):
+        problems.append(f"task {t.name}: the run reports {effective!r} documents, the task's run has "
+                        f"{len(expected)}")
+    task_hash = _at(results, "task_hashes", t.name)
+    ours_hash = t.task_hash(expected * max(1, len(getattr(t.task, "_filters", []))))
+    if task_hash is not None and task_hash != ours_hash:
+        problems.append(f"task {t.name}: the run's task hash {str(task_hash)[:16]} is not the task's "
+                        f"documents' {ours_hash[:16]}")
+    extra = sorted(int(s["doc_id"]) for s in logged if int(s["doc_id"]) not in t.docs)
+    if extra:
+        problems.append(f"task {t.name}: logged document(s) {', '.join(map(str, extra[:20]))} are not among "
+                        f"the run's {len(expected)} documents of the task")
+    return problems
+
+
+def _at(obj: Any, *keys: str) -> Any:
+    """obj[k1][k2]..., or None where a level is not a JSON object or lacks the key."""
+    for key in keys:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
+
+
+def _doc_problems(doc: RebuiltDoc, sample: dict | None) -> list[str]:
+    """A logged document against the task's own: the document, its target, and lm-eval's three hashes."""
+    from lm_eval.utils import handle_non_serializable
+
+    if sample is None:
+        return ["the run logged no sample of this document of the task"]
+
+    def as_json(x: Any) -> str:
+        return json.dumps(x, sort_keys=True, default=handle_non_serializable, ensure_ascii=False)
+
+    problems = []
+    if as_json(sample.get("doc")) != as_json(doc.doc):
+        problems.append("the logged document is not the task's document of this doc_id")
+    if sample.get("target") != str(doc.target):  # lm-eval logs the target's str()
+        problems.append(f"the logged target {as_json(sample.get('target'))[:40]} is not the task's "
+                        f"{as_json(str(doc.target))[:40]}")
+    arguments = {f"gen_args_{i}": {f"arg_{j}": a for j, a in enumerate(inst.args)}
+                 for i, inst in enumerate(doc.instances)}  # as lm-eval's tracker logs them
+    if as_json(sample.get("arguments")) != as_json(arguments):
+        problems.append("the logged requests' arguments are not the task's requests")
+    for name in ("doc_hash", "prompt_hash", "target_hash"):
+        if sample.get(name) != getattr(doc, name):
+            problems.append(f"{name} {str(sample.get(name))[:16]} is not the task's "
+                            f"{getattr(doc, name)[:16]}")
+    return problems
 
 
 # ---- the whole audit
@@ -401,10 +406,9 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     # (a): the run
     results_path, sample_paths = find_run(run)
     results = _read_json(results_path)
-    reported = results.get("results") or {}
-    tasks = sorted(t for t in sample_paths if t in reported)
-    if not tasks:
-        raise BadInput(f"{results_path}: its samples files name no task of its results")
+    if not isinstance(results, dict):
+        raise BadInput(f"{results_path}: not an lm-eval results object")
+    tasks, problems = _tasks_of(results, sample_paths, results_path)
     samples = {t: read_samples(sample_paths[t]) for t in tasks}
     # (c), first half: every receipt opened (steps (1)-(3): read, signature, payload)
     files = collect(receipts)
@@ -421,26 +425,30 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
                        remedy="give the run's receipts folder and the node's public key")
     checkpoint = _checkpoint(model)
     tokenizer = Tokenizer.from_pretrained(checkpoint)
-    # (b): the requests
-    lm = make_lm(results, str(checkpoint))
-    task_objs = load_tasks(tasks, include_path or [])
-    requests: dict[tuple[str, int], list[Request]] = {}
+    # (b): the documents and requests, from the task's own data; the bodies lm-eval sent for them
+    settings = RunSettings.of(results)
+    lm = make_lm(results, str(checkpoint), settings.batch_size)
+    model_name, model_args = _model_args(results)
+    rebuilt = rebuild_tasks(tasks, include_path or [], settings, lm, metadata=model_args)
     for t in tasks:
-        request_type = "loglikelihood" if task_objs[t].OUTPUT_TYPE in ("loglikelihood", "multiple_choice") else \
-            task_objs[t].OUTPUT_TYPE
-        for sample in samples[t]:
-            requests[(t, int(sample["doc_id"]))] = rebuild_requests(lm, t, request_type, sample, tokenizer)
+        problems += _task_problems(rebuilt[t], results, samples[t])
+    api = API_OF_MODEL[model_name]
+    sent = replay(lm, api, rebuilt)
     seconds["rebuild_requests"] = time.perf_counter() - start
-    # (c), second half: one receipt per request, of exactly that request
-    pool: dict[tuple, list[Path]] = defaultdict(list)
-    for p, r in sorted(opened.items()):
-        pool[receipt_key(r)].append(p)
+    # (c), second half: each request's receipt binds the very body lm-eval sent for it, at its place
+    pool: dict[tuple[str, bytes, int], list[tuple[str, int, int]]] = defaultdict(list)
+    for key, s in sent.items():
+        pool[(s.api, s.body, s.position)].append(key)
     matched: dict[tuple[str, int, int], Path] = {}
-    for (t, doc_id), reqs in requests.items():
-        for req in reqs:
-            if pool.get(req.key):
-                matched[(t, doc_id, req.index)] = pool[req.key].pop(0)
-    unmatched = sum(len(v) for v in pool.values())
+    unmatched = 0
+    for p, r in sorted(opened.items()):
+        client = r.request.client
+        position = position_of(client.api, client.body_json, r.request.request_id)
+        keys = pool.get((client.api, client.body_json, position)) if position is not None else None
+        if keys:
+            matched[keys.pop(0)] = p
+        else:
+            unmatched += 1
     # (d): verify the matched receipts, in batches
     start = time.perf_counter()
     report = verify(sorted(set(matched.values())), trusted, model=model, workers=workers, cache_dir=cache_dir,
@@ -452,41 +460,49 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     docs: list[DocVerdict] = []
     verified: dict[str, dict[int, list]] = {t: {} for t in tasks}
     for t in tasks:
-        for sample in samples[t]:
-            doc_id = int(sample["doc_id"])
-            verdict, resps = DocVerdict(t, doc_id, True), []
-            for req in requests[(t, doc_id)]:
-                where = f"request {req.index}"
-                found = matched.get((t, doc_id, req.index))
+        logged = {int(s["doc_id"]): s for s in samples[t]}
+        for doc_id, doc in rebuilt[t].docs.items():
+            sample = logged.get(doc_id)
+            verdict, resps = DocVerdict(t, doc_id, True, _doc_problems(doc, sample)), []
+            for inst in doc.instances if sample is not None else []:
+                where = f"request {inst.idx}"
+                found = matched.get((t, doc_id, inst.idx))
                 if found is None:
-                    verdict.reasons.append(f"{where}: no receipt of this request")
+                    verdict.reasons.append(f"{where}: no receipt binds the body lm-eval sent for it")
                     continue
                 outcome = status.get(found)
                 if outcome is None or outcome.status != "OK":
                     why = f"{outcome.status}: {outcome.message}" if outcome else "no verdict"
                     verdict.reasons.append(f"{where}: receipt {found.name} did not verify ({why})")
                     continue
-                rebuilt = response_of(lm, req, opened[found], decode)
-                logged = sample["resps"][req.index][0] if sample["resps"][req.index] else None
-                if not _same(logged, rebuilt):
-                    verdict.reasons.append(f"{where}: lm-eval logged {json.dumps(logged)[:80]}, the receipt "
-                                           f"{found.name} gives {json.dumps(rebuilt)[:80]}")
+                response = response_of(lm, sent[(t, doc_id, inst.idx)], opened[found], decode)
+                logged_resps = sample["resps"] if sample is not None else None
+                in_range = isinstance(logged_resps, list) and inst.idx < len(logged_resps)
+                got = logged_resps[inst.idx] if in_range else None
+                first = got[0] if isinstance(got, list) and got else None
+                if not _same(first, response):
+                    verdict.reasons.append(f"{where}: lm-eval logged {json.dumps(first)[:80]}, the receipt "
+                                           f"{found.name} gives {json.dumps(response)[:80]}")
                     continue
-                resps.append(rebuilt)
+                resps.append(response)
             verdict.covered = not verdict.reasons
             if verdict.covered:
                 verified[t][doc_id] = resps
             docs.append(verdict)
-    # (f): the metrics from the verified responses alone
+    # (f): the metrics from the verified responses alone, over the task's own documents
     scores = []
     for t in tasks:
-        got = recompute(task_objs[t], t, samples[t], verified[t])
-        for key in sorted(k for k in reported[t] if "," in k and not k.split(",")[0].endswith("_stderr")):
+        got = recompute(rebuilt[t], verified[t])
+        reported = results["results"][t] if isinstance(results["results"][t], dict) else {}
+        for key in sorted(k for k in reported if "," in k and not k.split(",")[0].endswith("_stderr")):
             value, n = got.get(key, (None, 0))
-            scores.append(Score(t, key, reported[t][key], value, n, len(samples[t])))
+            scores.append(Score(t, key, reported[key], value, n, len(rebuilt[t].docs)))
     counts = report.counts()
     counts["not_opened"] = len(failed_open)
-    return EvalReport(scores, docs, unmatched, counts, seconds, sorted(deployments or {}))
+    documents = {t: {"run": len(rebuilt[t].docs), "task": rebuilt[t].task_documents, "limit": settings.limit}
+                 for t in tasks}
+    return EvalReport(scores, docs, unmatched, counts, problems, documents, seconds,
+                      sorted(deployments or {}))
 
 
 def _checkpoint(model: str | None) -> Path:

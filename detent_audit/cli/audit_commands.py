@@ -188,10 +188,12 @@ def verify_eval(
     cache_dir: Path = CACHE_DIR, workers: str = WORKERS, deployment: list[str] = DEPLOYMENTS,
     as_json: bool = JSON,
 ) -> None:
-    """Audit an lm-eval run (against the published deployment with --deployment, as verify): match every request it logged to its receipt, verify them, recompute each
-    sample's metric from the verified outputs with lm-eval's own task code; print the reported score, the
-    recomputed one and the coverage, and name every sample that differs and why. Exit 0 when every sample is
-    covered and every score equal, 1 otherwise, 2 bad input."""
+    """Audit an lm-eval run (against the published deployment with --deployment, as verify): rebuild every
+    document and request from the task's own data with lm-eval's own code, match each request to the receipt
+    of the body lm-eval sent, verify them, recompute each document's metrics from the verified outputs; print
+    the reported score, the recomputed one and the coverage, and name every document, task or record of the
+    run that is not the task's, and why. Exit 0 when every document is covered and every score equal, 1
+    otherwise, 2 bad input, 3 when the task's data cannot be loaded here."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -225,6 +227,11 @@ def verify_eval(
     for d in report.docs:
         if not d.covered:
             typer.echo(f"FAIL: {d.task} doc {d.doc_id}: {'; '.join(d.reasons)}")
+    for problem in report.problems:
+        typer.echo(f"FAIL: {problem}")
+    for task, n in report.documents.items():  # a run of a --limit prefix is a run of those documents only
+        typer.echo(f"{task}: the run's documents are {n['run']} of the task's {n['task']}"
+                   + (f" (--limit {n['limit']})" if n["limit"] is not None else ""))
     covered = sum(d.covered for d in report.docs)
     c = report.receipt_counts
     typer.echo(f"{covered}/{len(report.docs)} samples covered; receipts: {c['OK']} ok, {c['FAIL']} failed, "

@@ -61,34 +61,37 @@ def serving(checkpoint: Path, key: GeneratedKey, out: Path, cache_dir: Path, mod
 
 
 def lm_eval_argv(served: Served, out: Path, tasks: str, *, limit: int, chat: bool, batch_size: int,
-                 concurrent: int) -> list[str]:
-    """lm-eval's command line (after `lm_eval`) for the shipped tasks against the server, with --log_samples."""
+                 concurrent: int, task_path: Path = TASKS) -> list[str]:
+    """lm-eval's command line (after `lm_eval`) for the tasks of `task_path` (the shipped ones) against the
+    server, with --log_samples."""
     if chat:
         model, args = "local-chat-completions", f"base_url={served.url}/v1/chat/completions"
     else:
         model, args = "local-completions", (f"base_url={served.url}/v1/completions,tokenizer={served.checkpoint},"
                                             "tokenizer_backend=huggingface")
     return ["--model", model, "--model_args", f"model={MODEL_NAME},{args},num_concurrent={concurrent},max_retries=1",
-            "--include_path", str(TASKS), "--tasks", tasks, "--limit", str(limit), "--batch_size", str(batch_size),
+            "--include_path", str(task_path), "--tasks", tasks, "--limit", str(limit),
+            "--batch_size", str(batch_size),
             "--output_path", str(out), "--log_samples"] + (["--apply_chat_template"] if chat else [])
 
 
 def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 4, chat: bool = False, batch_size: int = 4,
-                concurrent: int = 1) -> Path:
+                concurrent: int = 1, task_path: Path = TASKS) -> Path:
     """lm-eval against the server, in this process, as its CLI runs (`lm_eval_argv`): `simple_evaluate`, then its
     tracker writes the output folder (results_*.json, samples_*.jsonl). The one difference: the task manager
-    indexes only the shipped tasks' folder (lm-eval's own thousands of tasks take minutes to index, and no test
+    indexes only the tasks' folder (lm-eval's own thousands of tasks take minutes to index, and no test
     uses them). Raises what lm-eval raised (a request the server refused fails the run: max_retries=1)."""
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
-    argv = lm_eval_argv(served, out, tasks, limit=limit, chat=chat, batch_size=batch_size, concurrent=concurrent)
+    argv = lm_eval_argv(served, out, tasks, limit=limit, chat=chat, batch_size=batch_size,
+                        concurrent=concurrent, task_path=task_path)
     tracker = EvaluationTracker(output_path=str(out))
     results = simple_evaluate(model=argv[argv.index("--model") + 1], model_args=argv[argv.index("--model_args") + 1],
                               tasks=tasks.split(","), batch_size=batch_size, limit=limit, log_samples=True,
                               evaluation_tracker=tracker, apply_chat_template=chat,
-                              task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
+                              task_manager=TaskManager(include_path=str(task_path), include_defaults=False))
     samples = results.pop("samples")
     tracker.save_results_aggregated(results=results, samples=samples)
     for task in results["configs"]:
