@@ -178,7 +178,7 @@ def test_6_a_full_disk_is_a_507_an_error_event_and_unhealthy_and_shutdown_surviv
 
 def test_7_bodies_share_one_in_flight_budget_and_json_is_parsed_off_the_event_loop(
         env: Env, serve_live: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from detent_audit.server import app as app_module
+    from detent_audit.server import bodies as app_module
 
     monkeypatch.setattr(app_module, "MAX_INFLIGHT_BODY_BYTES", 24 << 20)
     big = b'{"model": "tiny-llama", "prompt": [1], "user": "' + b"x" * (8 << 20) + b'"}'

@@ -223,7 +223,7 @@ def test_bad_requests_get_400_with_a_message(live: Live, endpoint: str, body: An
 def test_an_oversized_body_is_413_while_it_is_read(live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused from its Content-Length before reading, or, sent chunked with no length, as soon as the bytes
     read pass the limit: the server never holds more than the limit."""
-    import detent_audit.server.app as app_module
+    import detent_audit.server.bodies as app_module
 
     monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 4096)
     body = json.dumps({"model": MODEL_NAME, "prompt": "z" * 8000}).encode()
