@@ -26,14 +26,14 @@ from detent_audit.cli.options import (
 
 def serve(
     model: str = MODEL, tuple_file: Path = TUPLE,
-    signing_key: Path = typer.Option(None, "--signing-key", help="The node's private signing key (PKCS#8 PEM, "
-                                     "mode 0600): it signs every receipt. Never give it to a client.",
-                                     show_default=False),
+    signing_key: Path = typer.Option(None, "--signing-key", show_default=False,
+                                     help="The node's private signing key (PKCS#8 PEM, mode 0600): it signs "
+                                          "every receipt. Never give it to a client."),
     old_key: Path = typer.Option(None, "--key", hidden=True, help="Deprecated: --signing-key."),
     api_key: str = typer.Option(None, "--api-key", envvar="DETENT_API_KEY", show_default=False,
-                                help="Clients must send 'Authorization: Bearer <this>' to the /v1/ routes (401 "
-                                     "otherwise), as vLLM's --api-key; /health, /metrics and the tokenizer "
-                                     "routes stay open. Not the signing key."),
+                                help="Clients must send 'Authorization: Bearer <this>' to the /v1/ routes "
+                                     "(401 otherwise), as vLLM's --api-key; /health, /metrics and the "
+                                     "tokenizer routes stay open. Not the signing key."),
     passphrase_env: str = PASSPHRASE_ENV,
     manifest_out: Path = typer.Option(..., "--manifest-out", help="Folder for receipts/ and manifests/."),
     rotate: int = typer.Option(None, "--rotate", help="Write a run manifest every N receipts (and on exit)."),
@@ -67,7 +67,8 @@ def serve(
         raise BadInput("serve needs the node's private signing key: --signing-key FILE",
                        remedy="make one with `detent-audit keygen --out node.key`")
     if api_key is not None and not api_key.strip():
-        raise BadInput("--api-key is empty", remedy="give a token clients send as 'Authorization: Bearer <token>'")
+        raise BadInput("--api-key is empty",
+                       remedy="give a token clients send as 'Authorization: Bearer <token>'")
     if rotate is not None and rotate < 1:
         raise BadInput(f"--rotate must be >= 1, got {rotate}")
     if (input_path is None) != (output_path is None):
@@ -126,7 +127,8 @@ def _serve_http(llm: Any, node: Any, model_name: str, host: str, port: int, max_
     from detent_audit.server.async_engine import AsyncEngine
 
     engine = AsyncEngine(llm, max_queued=max_queued)
-    config = uvicorn.Config(create_app(engine, node, model_name, api_key=api_key), host=host, port=port, log_level="warning",
+    config = uvicorn.Config(create_app(engine, node, model_name, api_key=api_key), host=host, port=port,
+                            log_level="warning",
                             timeout_graceful_shutdown=60, lifespan="on")
     typer.echo(f"serving {model_name} on http://{host}:{port}/v1 (receipts in {node.out / 'receipts'})", err=True)
     try:

@@ -67,7 +67,8 @@ def route(method: str, path: str) -> Callable[[Callable[[Request], Awaitable[Res
     return register
 
 
-def create_app(engine: AsyncEngine, node: ServingNode, model_name: str, *, api_key: str | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, node: ServingNode, model_name: str, *,
+               api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`, signing with `node` (module docstring)."""
     state = ServerState(engine, node, model_name,
                         Limits.of(model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer),
@@ -140,7 +141,7 @@ async def health(request: Request) -> Response:
              "request_body_bytes": state.budget.used}
     if not state.engine.is_alive:
         return json_response({"status": "unavailable", **stats}, 503)
-    if not await run_in_threadpool(state.node.storage_ok):  # receipts cannot be written: no response can be given
+    if not await run_in_threadpool(state.node.storage_ok):  # no receipt can be written: no response given
         return json_response({"status": "storage_failed", "error": state.node.storage_error, **stats}, 503)
     return json_response({"status": "ok", **stats})
 
@@ -150,7 +151,8 @@ async def models(request: Request) -> Response:
     state = state_of(request)
     model = {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "detent-audit",
              "max_model_len": state.limits.max_model_len, "deployment_hash": state.node.facts_hash}
-    return json_response({"object": "list", "data": [model]}, headers={DEPLOYMENT_HEADER: state.node.facts_hash})
+    return json_response({"object": "list", "data": [model]},
+                         headers={DEPLOYMENT_HEADER: state.node.facts_hash})
 
 
 @route("GET", "/version")

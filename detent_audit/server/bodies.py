@@ -37,8 +37,8 @@ class BodyBudget:
         small = held + n <= 2 * SMALL_BODY_BYTES  # a body is held twice: its chunks and the joined bytes
         cap = self.limit if small else self.limit - self.reserve
         if self.used + n > cap:
-            raise EngineUnavailable(f"the server is reading {self.used} bytes of request bodies already (at most "
-                                    f"{cap} at once for a body of this size); retry")
+            raise EngineUnavailable(f"the server is reading {self.used} bytes of request bodies already (at "
+                                    f"most {cap} at once for a body of this size); retry")
         self.used += n
 
     def give(self, n: int) -> None:
@@ -54,8 +54,8 @@ async def read_body(request: Request, budget: BodyBudget, held: list[int]) -> by
     """The body of `request`, read as the module docstring says; every chunk is taken from `budget` first,
     `held[0]` the bytes taken (the caller gives them back once the body and what was parsed from it are
     gone). Raises `InvalidRequest` (413, 408) or `EngineUnavailable` (503)."""
-    too_large = InvalidRequest(f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large",
-                               status=413)
+    too_large = InvalidRequest(f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                               code="body_too_large", status=413)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
@@ -69,8 +69,8 @@ async def read_body(request: Request, budget: BodyBudget, held: list[int]) -> by
         except StopAsyncIteration:
             break
         except asyncio.TimeoutError:
-            raise InvalidRequest(f"the request body did not arrive in time (at most {BODY_READ_TIMEOUT_S:g} s in "
-                                 f"all, {BODY_IDLE_TIMEOUT_S:g} s without data)", code="request_timeout",
+            raise InvalidRequest(f"the request body did not arrive in time (at most {BODY_READ_TIMEOUT_S:g} "
+                                 f"s in all, {BODY_IDLE_TIMEOUT_S:g} s without data)", code="request_timeout",
                                  status=408) from None
         size += len(chunk)
         if size > MAX_BODY_BYTES:

@@ -40,7 +40,8 @@ DISCONNECT_POLL_S = 0.25    # how often a non-streamed request checks that its c
 
 def receipt_headers(signed: SignedReceipt) -> dict[str, str]:
     proof = signed.client_proof
-    return {RECEIPT_HEADER: signed.receipt_id, DIGEST_HEADER: proof["digest"], SIGNATURE_HEADER: proof["signature"]}
+    return {RECEIPT_HEADER: signed.receipt_id, DIGEST_HEADER: proof["digest"],
+            SIGNATURE_HEADER: proof["signature"]}
 
 
 async def completions(request: Request) -> Response:
@@ -65,8 +66,9 @@ async def serve(state: ServerState, request: Request, chat: bool) -> Response:
         return error_response(exc)
     try:
         if req.stream:
-            await handles[0].admitted()  # a request the scheduler refuses still gets a 400, not a broken stream
-            return StreamingResponse(stream(state, req, handles[0], rid, client), media_type="text/event-stream",
+            await handles[0].admitted()  # a request the scheduler refuses gets a 400, not a broken stream
+            return StreamingResponse(stream(state, req, handles[0], rid, client),
+                                     media_type="text/event-stream",
                                      headers={RECEIPT_HEADER: rid, "Cache-Control": "no-cache"})
         outs = [await _result_unless_gone(request, handle) for handle in handles]
     except (BadInput, EngineUnavailable, EngineFailed) as exc:
@@ -83,7 +85,8 @@ async def serve(state: ServerState, request: Request, chat: bool) -> Response:
         return error_response(exc)
 
 
-async def read_request(state: ServerState, request: Request, chat: bool) -> tuple[ParsedRequest, ClientRequest]:
+async def read_request(state: ServerState, request: Request, chat: bool
+                       ) -> tuple[ParsedRequest, ClientRequest]:
     """(1): the body read against the budget, then JSON, tokenizing (and the chat template) and the client
     binding off the event loop, so a large body stalls neither other requests nor /health."""
     held = [0]
@@ -123,8 +126,8 @@ async def sign(state: ServerState, out: RequestOutput, req: ParsedRequest, rid: 
     return signed
 
 
-async def respond(state: ServerState, req: ParsedRequest, outs: list[RequestOutput], rid: str, rids: list[str],
-                  client: ClientRequest) -> Response:
+async def respond(state: ServerState, req: ParsedRequest, outs: list[RequestOutput], rid: str,
+                  rids: list[str], client: ClientRequest) -> Response:
     """(4)-(5) of a non-streamed response: every choice signed, then the body."""
     choices, signed_all, prompt_tokens, completion_tokens = [], [], 0, 0
     for index, (out, one_rid) in enumerate(zip(outs, rids)):
@@ -153,8 +156,8 @@ def choice_body(state: ServerState, req: ParsedRequest, out: RequestOutput, inde
                               "stop_reason": _stop_reason(out, req, tokenizer.decode)}
     if req.chat:
         choice["message"] = {"role": "assistant", "content": out.text}
-        choice["logprobs"] = (chat_logprobs(fmt, out.token_ids, out.logprobs, _tops(out, req), req.tokens_as_ids)
-                              if req.logprobs else None)
+        choice["logprobs"] = (chat_logprobs(fmt, out.token_ids, out.logprobs, _tops(out, req),
+                                            req.tokens_as_ids) if req.logprobs else None)
     elif not req.echo:
         choice["text"] = out.text
         choice["logprobs"] = (completion_logprobs(fmt, out.token_ids, out.logprobs, _tops(out, req),
@@ -180,8 +183,8 @@ def _echo(state: ServerState, req: ParsedRequest, out: RequestOutput, index: int
     ids = [*out.prompt_token_ids, *out.token_ids]
     prompt_logprobs = out.prompt_logprobs or []
     prompt_tops = (out.prompt_top_logprobs or []) if req.params.logprobs else [[] for _ in prompt_logprobs]
-    block = completion_logprobs(fmt, ids[1:], [*prompt_logprobs, *out.logprobs], [*prompt_tops, *_tops(out, req)],
-                                [], req.tokens_as_ids)
+    block = completion_logprobs(fmt, ids[1:], [*prompt_logprobs, *out.logprobs],
+                                [*prompt_tops, *_tops(out, req)], [], req.tokens_as_ids)
     first = fmt.text(ids[0], req.tokens_as_ids)
     offsets = TextStream(tokenizer).offsets(out.prompt_token_ids)
     offsets += [len(prompt_text) + o for o in TextStream(tokenizer).offsets(out.token_ids)]
@@ -200,8 +203,8 @@ def _sse(body: Any) -> str:
     return f"data: {json.dumps(body, allow_nan=False)}\n\n"
 
 
-async def stream(state: ServerState, req: ParsedRequest, handle: RequestHandle, rid: str, client: ClientRequest
-                 ) -> AsyncIterator[str]:
+async def stream(state: ServerState, req: ParsedRequest, handle: RequestHandle, rid: str,
+                 client: ClientRequest) -> AsyncIterator[str]:
     """(3)-(5) of a streamed response: a chunk per step's tokens, the receipt signed before the final chunk;
     a failure is an error event, then `[DONE]`."""
     text, created, fmt = TextStream(state.engine.tokenizer, req.params.stop), int(time.time()), state.fmt
@@ -283,9 +286,10 @@ def _bind(body: Any, chat: bool) -> ClientRequest:
                              code="invalid_type")
     try:
         return ClientRequest.of(APIS[chat], body)
-    except BadInput as exc:  # a body parse_request accepted is JSON of Unicode text: only its size can fail here
+    except BadInput as exc:  # a checked body is JSON of Unicode text: only its size can fail here
         raise InvalidRequest(f"the request body cannot be bound into a receipt: {exc.message} (at most "
-                             f"{MAX_CLIENT_BODY} bytes of canonical JSON)", code="body_too_large", status=413) from None
+                             f"{MAX_CLIENT_BODY} bytes of canonical JSON)", code="body_too_large",
+                             status=413) from None
 
 
 async def _result_unless_gone(request: Request, handle: RequestHandle) -> Any:

@@ -62,7 +62,8 @@ class Metrics:
         with self._lock:
             responses = sorted(self.responses.items())
             counters = [("prompt_tokens", "Prompt tokens of signed responses.", self.prompt_tokens),
-                        ("generation_tokens", "Generated tokens of signed responses.", self.generation_tokens),
+                        ("generation_tokens", "Generated tokens of signed responses.",
+                         self.generation_tokens),
                         ("receipts_written", "Receipts signed and written durably.", self.receipts_written),
                         ("storage_errors", "Receipt or manifest writes that failed.", self.storage_errors)]
         lines = ["# HELP detent_requests_total HTTP responses by route and status.",
@@ -72,10 +73,12 @@ class Metrics:
         for name, help_text, value in counters:
             lines += [f"# HELP detent_{name}_total {help_text}", f"# TYPE detent_{name}_total counter",
                       f"detent_{name}_total {value}"]
-        gauges = [("queue_depth", "Requests queued or running in the engine.", queue_depth),
-                  ("generation_tokens_per_second", f"Generated tokens per second over the last "
-                   f"{RATE_WINDOW_S:g} s.", rate),
-                  ("request_body_bytes", "Bytes of request bodies being read or parsed.", body_bytes)]
-        for name, help_text, value in gauges:
-            lines += [f"# HELP detent_{name} {help_text}", f"# TYPE detent_{name} gauge", f"detent_{name} {value}"]
+        gauges: list[tuple[str, str, float]] = [
+            ("queue_depth", "Requests queued or running in the engine.", queue_depth),
+            ("generation_tokens_per_second",
+             f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.", rate),
+            ("request_body_bytes", "Bytes of request bodies being read or parsed.", body_bytes)]
+        for name, help_text, amount in gauges:
+            lines += [f"# HELP detent_{name} {help_text}", f"# TYPE detent_{name} gauge",
+                      f"detent_{name} {amount}"]
         return "\n".join(lines) + "\n"

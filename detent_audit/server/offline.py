@@ -92,8 +92,8 @@ def parse_line(obj: Any, default_id: str, tokenizer: Any, max_len: int, vocab_si
             raise BadInput("the prompt is empty (it encodes to no tokens)")
         kwargs: dict[str, Any] = {k: obj[k] for k in _SAMPLING if k in obj}
         if "stop_token_ids" in kwargs:
-            kwargs["stop_token_ids"] = tuple(check_token_ids(kwargs["stop_token_ids"], "stop_token_ids", limits,
-                                                               MAX_STOP_TOKENS))
+            kwargs["stop_token_ids"] = tuple(check_token_ids(kwargs["stop_token_ids"], "stop_token_ids",
+                                                               limits, MAX_STOP_TOKENS))
         if isinstance(kwargs.get("stop"), str):
             kwargs["stop"] = [kwargs["stop"]]
         kwargs = {"temperature": 0.0, **kwargs}

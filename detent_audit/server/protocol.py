@@ -159,8 +159,8 @@ def check_token_ids(value: Any, name: str, limits: Limits, most: int | None = No
         raise InvalidRequest(f"'{name}' must be a list of token ids in [0, {limits.vocab_size - 1}]",
                              param=name, code="invalid_type")
     if most is not None and len(value) > most:
-        raise InvalidRequest(f"'{name}' has {len(value)} token ids, more than the {most} a receipt can record",
-                             param=name)
+        raise InvalidRequest(f"'{name}' has {len(value)} token ids, more than the {most} a receipt can "
+                             "record", param=name)
     return value
 
 

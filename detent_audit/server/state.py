@@ -55,8 +55,8 @@ def error_status(exc: BaseException) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, EngineFailed):
         return 500, error_body(str(exc), "server_error", None, "engine_failed")
     if isinstance(exc, StorageFailed):  # the receipt could not be written: the response is withheld
-        return 507, error_body(f"the response's receipt could not be stored: {exc.message}", "server_error", None,
-                               "insufficient_storage")
+        return 507, error_body(f"the response's receipt could not be stored: {exc.message}", "server_error",
+                               None, "insufficient_storage")
     raise exc
 
 

@@ -1,7 +1,8 @@
 """/tokenize, /detokenize and /tokenizer_info, in vLLM's request and response shapes.
 
-lm-eval's `local-completions` with no `tokenizer=` probes /tokenizer_info (it needs `eos_token`) and /tokenize,
-then tokenizes through them (its remote tokenizer), so an evaluation needs no local copy of the checkpoint.
+lm-eval's `local-completions` with no `tokenizer=` probes /tokenizer_info (it needs `eos_token`) and
+/tokenize, then tokenizes through them (its remote tokenizer), so an evaluation needs no local copy of
+the checkpoint.
 
 - POST /tokenize `{"prompt": str, "add_special_tokens": true}` or `{"messages": [...],
   "add_generation_prompt": true}` (the served chat template) -> `{"count", "max_model_len", "tokens",
@@ -74,7 +75,8 @@ def _tokenize(state: ServerState, body: dict[str, Any]) -> list[int]:
     if text is not None:
         ids: list[int] = tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", True))
         return ids
-    return list(tokenizer.encode_chat(messages, add_generation_prompt=_flag(body, "add_generation_prompt", True)))
+    generation_prompt = _flag(body, "add_generation_prompt", True)
+    return list(tokenizer.encode_chat(messages, add_generation_prompt=generation_prompt))
 
 
 async def tokenize(request: Request) -> Response:
@@ -105,13 +107,16 @@ async def detokenize(request: Request) -> Response:
 
 
 async def tokenizer_info(request: Request) -> Response:
-    """As vLLM's: the special tokens as text (lm-eval encodes them to find their ids), the chat template."""
+    """As vLLM's: the special tokens as text (lm-eval encodes them to find their ids), the chat template. The
+    engine contract names only encode/decode and the EOS ids: the rest is read where the tokenizer has it."""
     state = state_of(request)
     tokenizer = state.engine.tokenizer
-    eos = tokenizer.eos_token
+    eos = getattr(tokenizer, "eos_token", None)
     if eos is None:  # named only by id (generation_config): its text
         eos = state.fmt.text(tokenizer.eos_token_ids[0], False)
-    return json_response({"tokenizer_class": type(tokenizer.tokenizer).__name__, "eos_token": eos,
-                          "bos_token": tokenizer.bos_token, "pad_token": None,
-                          "chat_template": tokenizer.chat_template, "model_max_length": state.limits.max_model_len,
+    backend = getattr(tokenizer, "tokenizer", tokenizer)
+    return json_response({"tokenizer_class": type(backend).__name__, "eos_token": eos,
+                          "bos_token": getattr(tokenizer, "bos_token", None), "pad_token": None,
+                          "chat_template": getattr(tokenizer, "chat_template", None),
+                          "model_max_length": state.limits.max_model_len,
                           "vocab_size": state.limits.vocab_size})

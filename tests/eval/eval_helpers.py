@@ -63,7 +63,8 @@ def serving(checkpoint: Path, key: GeneratedKey, out: Path, cache_dir: Path, mod
 def lm_eval_argv(served: Served, out: Path, tasks: str, *, limit: int, chat: bool, batch_size: int,
                  concurrent: int, remote_tokenizer: bool = False) -> list[str]:
     """lm-eval's command line (after `lm_eval`) for the shipped tasks against the server, with --log_samples.
-    `remote_tokenizer`: no `tokenizer=`, so lm-eval finds the server's /tokenizer_info and tokenizes through it."""
+    `remote_tokenizer`: no `tokenizer=`, so lm-eval finds the server's /tokenizer_info and tokenizes through
+    it."""
     if chat:
         model, args = "local-chat-completions", f"base_url={served.url}/v1/chat/completions"
     elif remote_tokenizer:
@@ -86,8 +87,8 @@ def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 4, chat: 
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
-    argv = lm_eval_argv(served, out, tasks, limit=limit, chat=chat, batch_size=batch_size, concurrent=concurrent,
-                        remote_tokenizer=remote_tokenizer)
+    argv = lm_eval_argv(served, out, tasks, limit=limit, chat=chat, batch_size=batch_size,
+                        concurrent=concurrent, remote_tokenizer=remote_tokenizer)
     tracker = EvaluationTracker(output_path=str(out))
     results = simple_evaluate(model=argv[argv.index("--model") + 1], model_args=argv[argv.index("--model_args") + 1],
                               tasks=tasks.split(","), batch_size=batch_size, limit=limit, log_samples=True,

@@ -213,13 +213,15 @@ def test_7_bodies_share_one_in_flight_budget_and_json_is_parsed_off_the_event_lo
 
 def test_a_freed_disk_is_written_again_without_a_restart_and_health_follows(
         env: Env, serve_live: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once space is freed the next request's receipt is written (no 507 until a restart), and /health says ok."""
+    """Once space is freed the next request's receipt is written (no 507 until a restart), and /health says
+    ok."""
     body = {"model": MODEL_NAME, "prompt": [3, 1, 4], "max_tokens": 3, "ignore_eos": True}
     with serve_live(tmp_path / "out") as live:
         full = _full_disk(monkeypatch)
         assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 507
         assert httpx.get(f"{live.url}/health").json()["status"] == "storage_failed"
-        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 507  # still full
+        still_full = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30)
+        assert still_full.status_code == 507
         full[0] = False  # space again
         health = httpx.get(f"{live.url}/health")
         assert health.status_code == 200 and health.json()["status"] == "ok", health.text
@@ -230,7 +232,8 @@ def test_a_freed_disk_is_written_again_without_a_restart_and_health_follows(
         full[0] = True  # full again, then freed: a streamed request recovers as well
         assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 507
         full[0] = False
-        with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+        streamed = {**body, "stream": True}
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=streamed, timeout=30) as s:
             events = [line for line in s.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and '"receipt_id"' in events[-2], events
         assert not list((tmp_path / "out").glob(node_module.PROBE_NAME))
@@ -238,8 +241,8 @@ def test_a_freed_disk_is_written_again_without_a_restart_and_health_follows(
 
 def test_stalled_uploads_time_out_and_never_starve_other_requests(
         env: Env, serve_live: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two clients that send all but the last byte of a 64 MiB body and stall held the whole body budget: every
-    other request got a 503 for as long as they stayed connected, while /health said ok. Small requests are
+    """Two clients that send all but the last byte of a 64 MiB body and stall held the whole body budget:
+    every other request got a 503 for as long as they stayed connected, while /health said ok. Small requests are
     read from a reserve the large ones cannot take, and a stalled body is cut off (408) after the read
     timeout, its budget given back."""
     import socket
@@ -285,7 +288,8 @@ def test_stalled_uploads_time_out_and_never_starve_other_requests(
             except ConnectionResetError:  # refused while sending: the reset can overtake the 503
                 answers.append(b"reset")
             sock.close()
-        assert b"HTTP/1.1 408" in answers and set(answers) <= {b"HTTP/1.1 408", b"HTTP/1.1 503", b"reset"}, answers
+        assert b"HTTP/1.1 408" in answers, answers
+        assert set(answers) <= {b"HTTP/1.1 408", b"HTTP/1.1 503", b"reset"}, answers
         health = httpx.get(f"{live.url}/health").json()
         assert health["status"] == "ok" and health["request_body_bytes"] == 0, health
 
@@ -299,3 +303,17 @@ def test_5_sigkill_under_load_every_answer_has_a_receipt_and_every_receipt_a_man
     assert result["answered"] > 0 and result["answered_without_receipt"] == 0
     assert result["verify_exit_code"] == 0 and result["coverage"]["uncovered"] == []
     assert result["coverage"]["covered"] == result["receipts"] and result["recovery_manifests"] >= 1
+
+
+def test_serve_input_refuses_too_many_stop_token_ids_before_serving_any_line(env: Env, llm: Any,
+                                                                           tmp_path: Path) -> None:
+    """A line of 1,025 stop token ids was served and then failed at signing, stopping the run midway with a
+    traceback: it is refused with the other bad lines, before any request is served (no receipt written)."""
+    node = ServingNode(llm, load_private_key(env.key.private_path), tmp_path / "out")
+    lines = [{"id": "fine", "prompt_token_ids": [5, 6], "max_tokens": 2},
+             {"id": "many", "prompt_token_ids": [5, 6], "max_tokens": 2, "stop_token_ids": list(range(1025))}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    with pytest.raises(BadInput, match=r"in\.jsonl:2: .*stop_token_ids.* 1025 token ids, more than the 1024"):
+        serve_offline(llm, node, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    node.close()
+    assert not list((tmp_path / "out" / "receipts").glob("*.receipt"))

@@ -412,8 +412,8 @@ def test_a_tampered_receipt_fails_at_the_changed_position(env: Env, serve_live: 
 
 
 def test_more_stop_token_ids_than_a_receipt_records_are_refused_before_computing(live: Live) -> None:
-    """A body of 1,025 stop token ids was computed and then failed at signing (a 500 with a traceback): it is a
-    400 naming the field, nothing computed, no receipt; 1,024 are served and signed."""
+    """A body of 1,025 stop token ids was computed and then failed at signing (a 500 with a traceback): it is
+    a 400 naming the field, nothing computed, no receipt; 1,024 are served and signed."""
     ids = [random.randrange(3, 200) for _ in range(1025)]
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
     r = httpx.post(f"{live.url}/v1/completions", json={**body, "stop_token_ids": ids}, timeout=60)

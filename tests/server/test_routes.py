@@ -1,5 +1,6 @@
-"""The routes beside the completions: /metrics (parsed by prometheus_client's own parser), /version, /tokenize,
-/detokenize and /tokenizer_info in vLLM's shapes, and `--api-key` (Bearer auth on /v1/, as vLLM)."""
+"""The routes beside the completions: /metrics (parsed by prometheus_client's own parser), /version,
+/tokenize, /detokenize and /tokenizer_info in vLLM's shapes, and `--api-key` (Bearer auth on /v1/, as
+vLLM)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_metrics_parse_as_prometheus_text_and_count_what_was_served(live: Live) 
         r = httpx.post(f"{live.url}/v1/completions", timeout=60,
                        json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": n, "ignore_eos": True})
         assert r.status_code == 200, r.text
-    assert httpx.post(f"{live.url}/v1/completions", json={"model": MODEL_NAME, "prompt": 7}).status_code == 400
+    bad = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL_NAME, "prompt": 7})
+    assert bad.status_code == 400
     r = httpx.get(f"{live.url}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
     samples = _samples(r.text)
@@ -51,7 +53,8 @@ def test_metrics_parse_as_prometheus_text_and_count_what_was_served(live: Live) 
     assert samples[("detent_requests_total", (*route, ("status", "400")))] == 1
     assert samples[("detent_generation_tokens_total", ())] == sum(sent)
     assert samples[("detent_prompt_tokens_total", ())] == prompt_tokens
-    assert samples[("detent_receipts_written_total", ())] == len(list((live.out / "receipts").glob("*.receipt")))
+    written = len(list((live.out / "receipts").glob("*.receipt")))
+    assert samples[("detent_receipts_written_total", ())] == written
     assert samples[("detent_receipts_written_total", ())] == len(sent)
     assert samples[("detent_storage_errors_total", ())] == 0
     assert samples[("detent_queue_depth", ())] == 0
@@ -62,10 +65,12 @@ def test_metrics_parse_as_prometheus_text_and_count_what_was_served(live: Live) 
 def test_tokenize_and_detokenize_in_vllms_shapes(env: Env, live: Live) -> None:
     tokenizer = Tokenizer.from_pretrained(env.checkpoint)
     text = "".join(random.choice("abcdefgh ijkl.") for _ in range(40))
-    r = httpx.post(f"{live.url}/tokenize", json={"model": MODEL_NAME, "prompt": text, "return_token_strs": True})
+    r = httpx.post(f"{live.url}/tokenize",
+                   json={"model": MODEL_NAME, "prompt": text, "return_token_strs": True})
     body = r.json()
-    assert r.status_code == 200 and body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
-    assert body["max_model_len"] == 2048 and body["token_strs"] == [tokenizer.decode([t], False) for t in body["tokens"]]
+    assert r.status_code == 200 and body["tokens"] == tokenizer.encode(text)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 2048
+    assert body["token_strs"] == [tokenizer.decode([t], False) for t in body["tokens"]]
     bare = httpx.post(f"{live.url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
     assert bare["tokens"] == tokenizer.encode(text, add_special_tokens=False) and bare["token_strs"] is None
     messages = [{"role": "user", "content": text}]
@@ -73,7 +78,8 @@ def test_tokenize_and_detokenize_in_vllms_shapes(env: Env, live: Live) -> None:
     assert chat["tokens"] == tokenizer.encode_chat(messages)
     back = httpx.post(f"{live.url}/detokenize", json={"model": MODEL_NAME, "tokens": bare["tokens"]}).json()
     assert back == {"prompt": tokenizer.decode(bare["tokens"])}
-    for route, bad, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+    for route, bad, param in [("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"),
                               ("/tokenize", {"prompt": "x", "extra": 1}, "extra")]:
         r = httpx.post(f"{live.url}{route}", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -113,7 +119,8 @@ def test_an_api_key_refuses_a_wrong_or_missing_bearer_token_with_401(keyed: Any)
     for headers in ({}, {"Authorization": f"Bearer {token}x"}, {"Authorization": token},
                     {"Authorization": f"Basic {token}"}):
         for method, route in (("POST", "/v1/completions"), ("GET", "/v1/models")):
-            r = httpx.request(method, f"{url}{route}", json=body if method == "POST" else None, headers=headers)
+            r = httpx.request(method, f"{url}{route}", json=body if method == "POST" else None,
+                              headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).completions.create(
@@ -138,8 +145,8 @@ def test_serve_names_the_signing_key_apart_from_the_api_key(env: Env, tmp_path: 
         assert res.exit_code == 2 and "No such option" in res.output, res.output
         offered = res.output.partition("Possible options:")[2].partition(")")[0].replace(",", " ").split()
         assert "--key" not in offered and "--signing-key" not in offered, res.output
-    res = runner.invoke(app, ["serve", "--key", str(env.key.private_path), "--manifest-out", str(tmp_path / "o"),
-                              "--rotate", "0"])
+    res = runner.invoke(app, ["serve", "--key", str(env.key.private_path), "--manifest-out",
+                              str(tmp_path / "o"), "--rotate", "0"])
     assert res.exit_code == 2 and "--key is deprecated" in res.stderr and "--rotate must be" in res.stderr
     res = runner.invoke(app, ["serve", "--manifest-out", str(tmp_path / "o")])
     assert res.exit_code == 2 and "--signing-key FILE" in res.stderr

@@ -53,20 +53,23 @@ def receipts(new_node) -> tuple[Path, list[str]]:
     (root / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     serve_offline(llm, node, root / "in.jsonl", root / "out.jsonl")
     node.close()
-    return root / "out", ["--key", str(key.public_path), "--model", str(ckpt), "--cache-dir", str(root / "jit")]
+    return root / "out", ["--key", str(key.public_path), "--model", str(ckpt), "--cache-dir",
+                          str(root / "jit")]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
-def test_verify_workers_die_with_their_parent_on_every_signal(receipts: tuple[Path, list[str]], signum) -> None:
+def test_verify_workers_die_with_their_parent_on_every_signal(receipts: tuple[Path, list[str]],
+                                                              signum: signal.Signals) -> None:
     out, args = receipts
-    proc = subprocess.Popen([sys.executable, "-m", "detent_audit.cli", "verify", str(out), "--workers", "2", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "detent_audit.cli", "verify", str(out), "--workers", "2",
+                             *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     family: set[int] = set()
     try:
         deadline = time.monotonic() + 120
         workers: set[int] = set()
         while len(workers) < 2:  # both spawned: they are starting (importing torch, building engines)
-            assert proc.poll() is None, f"verify ended before its workers started: {proc.stderr.read().decode()}"
+            assert proc.poll() is None, f"verify ended before its workers: {proc.stderr.read().decode()}"
             assert time.monotonic() < deadline, "verify started no workers"
             workers = {c for c in _children(proc.pid) if "spawn_main" in _cmdline(c)}
             time.sleep(0.05)
