@@ -57,7 +57,8 @@ async def serve(state: ServerState, request: Request, chat: bool) -> Response:
     try:
         req, client = await read_request(state, request, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if not await run_in_threadpool(state.node.storage_ok):  # refused before computing; retried each time
+        failed = state.node.storage_error is not None  # then a write is tried again, off the event loop
+        if failed and not await run_in_threadpool(state.node.storage_ok):  # refused before computing
             raise StorageFailed(state.node.storage_error or "receipts cannot be written")
         # a batch: one engine request (and one receipt) per prompt, named <id>-<index>
         rids = [f"{rid}-{i}" for i in range(len(req.prompts))] if req.batched else [rid]

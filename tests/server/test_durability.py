@@ -311,7 +311,8 @@ def test_serve_input_refuses_too_many_stop_token_ids_before_serving_any_line(env
     traceback: it is refused with the other bad lines, before any request is served (no receipt written)."""
     node = ServingNode(llm, load_private_key(env.key.private_path), tmp_path / "out")
     lines = [{"id": "fine", "prompt_token_ids": [5, 6], "max_tokens": 2},
-             {"id": "many", "prompt_token_ids": [5, 6], "max_tokens": 2, "stop_token_ids": list(range(1025))}]
+             {"id": "many", "prompt_token_ids": [5, 6], "max_tokens": 2,
+              "stop_token_ids": [i % 300 for i in range(1025)]}]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     with pytest.raises(BadInput, match=r"in\.jsonl:2: .*stop_token_ids.* 1025 token ids, more than the 1024"):
         serve_offline(llm, node, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
