@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import typer
-from typer._click.exceptions import NoSuchOption  # typer's own click, which parses its commands
 from typer.core import TyperCommand
 
 from detent_audit.errors import DetentError
@@ -44,6 +43,11 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     return wrapper
 
+
+try:  # the click that parses typer's commands: its own copy since typer 0.2x, else click
+    from typer._click.exceptions import NoSuchOption
+except ImportError:  # pragma: no cover (older typer)
+    from click.exceptions import NoSuchOption  # type: ignore[assignment]
 
 # parameters that name a private key: never offered for a mistyped option (a user typing `--api-key` where it
 # does not exist must not be steered to paste the node's signing key)
