@@ -39,7 +39,7 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	rm -rf $(DEMO) && mkdir -p $(DEMO)
 	$(CLI) keygen --out $(DEMO)/node.key
-	$(CLI) serve --key $(DEMO)/node.key --manifest-out $(DEMO)/run --input examples/prompts.jsonl \
+	$(CLI) serve --signing-key $(DEMO)/node.key --manifest-out $(DEMO)/run --input examples/prompts.jsonl \
 		--output $(DEMO)/outputs.jsonl
 	$(PY) examples/show_answers.py examples/prompts.jsonl $(DEMO)/outputs.jsonl
 	$(CLI) verify $(DEMO)/run --key $(DEMO)/node.key.pub
@@ -54,7 +54,7 @@ demo-vllm: $(VENV)/.installed
 	$(PY) -c "from detent_audit.engine.checkpoint import write_random_checkpoint as w; \
 		w('$(DEMO_VLLM)/model', 'default-20m', 0)"
 	$(CLI) keygen --out $(DEMO_VLLM)/node.key
-	$(CLI) serve --engine vllm --model $(DEMO_VLLM)/model --key $(DEMO_VLLM)/node.key \
+	$(CLI) serve --engine vllm --model $(DEMO_VLLM)/model --signing-key $(DEMO_VLLM)/node.key \
 		--manifest-out $(DEMO_VLLM)/run --port $(DEMO_VLLM_PORT) > $(DEMO_VLLM)/serve.log 2>&1 & \
 		echo $$! > $(DEMO_VLLM)/serve.pid
 	$(PY) examples/http_client.py http://127.0.0.1:$(DEMO_VLLM_PORT) examples/prompts.jsonl \

@@ -46,7 +46,8 @@ def free_port() -> int:
 def serve(model: str, key: Path, out: Path, mode: str, name: str,
           threads: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([*CLI, "serve", "--model", model, "--key", str(key), "--manifest-out", str(out),
+    proc = subprocess.Popen([*CLI, "serve", "--model", model,
+                             "--signing-key", str(key), "--manifest-out", str(out),
                              "--mode", mode, "--port", str(port), "--served-model-name", name,
                              "--threads", str(threads)],
                             env=ENV, stdout=subprocess.DEVNULL,

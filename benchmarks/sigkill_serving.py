@@ -38,7 +38,7 @@ def _free_port() -> int:
 def _start(model: Path, key: Path, out: Path, cache: Path, log: Path,
            rotate: int) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "detent_audit.cli", "serve", "--model", str(model), "--key", str(key),
+    cmd = [sys.executable, "-m", "detent_audit.cli", "serve", "--model", str(model), "--signing-key", str(key),
            "--manifest-out", str(out), "--port", str(port), "--cache-dir", str(cache), "--rotate",
            str(rotate), "--served-model-name", MODEL_NAME]
     with open(log, "ab") as f:

@@ -1,6 +1,7 @@
 """Send every request of a prompts file to a running `detent-audit serve` over HTTP; write one line per answer
 (id, receipt id, text), the format `show_answers.py` reads. Requests with `messages` go to /v1/chat/completions,
-the others to /v1/completions; all are sent at once (the server batches them).
+the others to /v1/completions; all are sent at once (the server batches them). With $DETENT_API_KEY set (a
+server started with `serve --api-key`), each request carries it as its Bearer token.
 
 Usage: python examples/http_client.py URL PROMPTS.jsonl OUTPUTS.jsonl [--wait SECONDS]
 """
@@ -8,11 +9,15 @@ Usage: python examples/http_client.py URL PROMPTS.jsonl OUTPUTS.jsonl [--wait SE
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+
+API_KEY = os.environ.get("DETENT_API_KEY")
+HEADERS = {"Authorization": f"Bearer {API_KEY}"} if API_KEY else {}
 
 
 def wait_until_up(url: str, seconds: float) -> str:
@@ -21,7 +26,7 @@ def wait_until_up(url: str, seconds: float) -> str:
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+                return httpx.get(f"{url}/v1/models", headers=HEADERS, timeout=5).json()["data"][0]["id"]
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
@@ -32,7 +37,7 @@ def wait_until_up(url: str, seconds: float) -> str:
 def ask(url: str, model: str, request: dict) -> dict:
     body = {k: v for k, v in request.items() if k != "id"} | {"model": model}
     route = "/v1/chat/completions" if "messages" in request else "/v1/completions"
-    r = httpx.post(f"{url}{route}", json=body, timeout=600)
+    r = httpx.post(f"{url}{route}", json=body, headers=HEADERS, timeout=600)
     if r.status_code != 200:
         sys.exit(f"{request['id']}: HTTP {r.status_code}: {r.text[:500]}")
     answer = r.json()

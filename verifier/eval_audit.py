@@ -478,7 +478,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
                 response = response_of(lm, sent[(t, doc_id, inst.idx)], opened[found], decode)
                 logged_resps = sample["resps"] if sample is not None else None
                 in_range = isinstance(logged_resps, list) and inst.idx < len(logged_resps)
-                got = logged_resps[inst.idx] if in_range else None
+                got = logged_resps[inst.idx] if in_range and isinstance(logged_resps, list) else None
                 first = got[0] if isinstance(got, list) and got else None
                 if not _same(first, response):
                     verdict.reasons.append(f"{where}: lm-eval logged {json.dumps(first)[:80]}, the receipt "

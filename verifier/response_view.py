@@ -22,7 +22,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 API_OF = {CHAT: "openai/v1/chat/completions", COMPLETIONS: "openai/v1/completions"}  # a receipt's client.api
 OBJECT_OF = {(CHAT, False): "chat.completion", (CHAT, True): "chat.completion.chunk",
              (COMPLETIONS, False): "text_completion", (COMPLETIONS, True): "text_completion"}
-# the fields the server sends (detent_audit/server/app.py): a response, a chunk, and their choices
+# the fields the server sends (detent_audit/server/completions.py): a response, a chunk, and their choices
 _TOP = {"id", "object", "created", "model", "system_fingerprint", "choices", "usage", "seed", "receipt_id",
         "receipt", "receipt_ids"}
 _CHOICE = {CHAT: {"index", "message", "finish_reason", "logprobs", "stop_reason", "receipt_id", "receipt"},

@@ -12,11 +12,10 @@ its seed at random unless one is given, so a node cannot know it; `workers` spre
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
 from detent_audit.errors import BadInput, DetentError
@@ -31,6 +30,7 @@ from detent_audit.verifier.reexecute import Options, release, run_batch, worker_
 from detent_audit.verifier.report import Coverage, Outcome, Report
 from detent_audit.verifier.runs import check_coverage, check_manifest
 from detent_audit.verifier.steps import PayloadError, VerificationError
+from detent_audit.verifier.workers import worker_pool
 
 MAX_DEPLOYMENT_FILE = 16 << 20
 
@@ -107,8 +107,7 @@ def _run_batches(batches: list[list[Path]], opened: dict[Path, Receipt], options
         finally:
             release(engines)
         return outcomes
-    spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds torch's threads
-    with ProcessPoolExecutor(min(workers, len(batches)), mp_context=spawn) as pool:
+    with worker_pool(min(workers, len(batches))) as pool:  # workers that die with this process
         pending: dict[Future, int] = {
             pool.submit(worker_batch, [(str(p), opened[p].to_bytes()) for p in batch], options): len(batch)
             for batch in batches}

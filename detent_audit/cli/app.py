@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import typer
+from typer.core import TyperCommand
 
 from detent_audit.errors import DetentError
 
@@ -43,10 +44,32 @@ def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+try:  # the click that parses typer's commands: its own copy since typer 0.2x, else click
+    from typer._click.exceptions import NoSuchOption
+except ImportError:  # pragma: no cover (older typer)
+    from click.exceptions import NoSuchOption  # type: ignore[assignment]
+
+# parameters that name a private key: never offered for a mistyped option (a user typing `--api-key` where it
+# does not exist must not be steered to paste the node's signing key)
+SECRET_PARAMS = frozenset({"signing_key", "old_key"})
+
+
+class _Command(TyperCommand):
+    """A command whose "did you mean" suggestions leave out the options of `SECRET_PARAMS`."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except NoSuchOption as exc:
+            secret = {opt for p in self.params if p.name in SECRET_PARAMS for opt in p.opts}
+            exc.possibilities = sorted(set(exc.possibilities or ()) - secret)
+            raise
+
+
 def register(commands: list[tuple[str, Callable[..., Any]]]) -> None:
     """Each (name, function) as a command of `app`, in this order (the order `--help` lists them)."""
     for name, fn in commands:
-        app.command(name)(handles_errors(fn))
+        app.command(name, cls=_Command)(handles_errors(fn))
 
 
 def version() -> None:

@@ -24,11 +24,23 @@ from detent_audit.cli.options import (
 
 
 def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
-         tuple_file: Path = TUPLE, as_json: bool = JSON) -> None:
-    """Print the running engine's deployment facts and their hash."""
+         tuple_file: Path = TUPLE, as_json: bool = JSON,
+         checkpoint_path: bool = typer.Option(False, "--checkpoint-path",
+                                              help="Print only the model's checkpoint folder (what lm-eval's "
+                                                   "tokenizer= and Hugging Face tools read), importing a named "
+                                                   "model first if needed.")) -> None:
+    """Print the running engine's deployment facts and their hash (or, with --checkpoint-path, where the
+    model's checkpoint folder is)."""
     from detent_audit.engine.facts import collect_facts
     from detent_audit.manifests.encoding import facts_hash
 
+    if checkpoint_path:
+        from detent_audit.engine.named_models import resolve_model
+
+        resolved = resolve_model(model)
+        doc = {"model": resolved.name, "checkpoint": str(resolved.path), "source": resolved.source}
+        typer.echo(json.dumps(doc) if as_json else str(resolved.path))
+        return
     llm = open_engine(model, mode, dtype, threads, tuple_file, device=device)
     facts = collect_facts(llm)
     digest = facts_hash(facts)

@@ -26,7 +26,14 @@ from detent_audit.cli.options import (
 
 def serve(
     model: str = MODEL, tuple_file: Path = TUPLE,
-    key: Path = typer.Option(..., "--key", help="The node's private signing key (PKCS#8 PEM, mode 0600)."),
+    signing_key: Path = typer.Option(None, "--signing-key", show_default=False,
+                                     help="The node's private signing key (PKCS#8 PEM, mode 0600): it signs "
+                                          "every receipt. Never give it to a client."),
+    old_key: Path = typer.Option(None, "--key", hidden=True, help="Deprecated: --signing-key."),
+    api_key: str = typer.Option(None, "--api-key", envvar="DETENT_API_KEY", show_default=False,
+                                help="Clients must send 'Authorization: Bearer <this>' to the /v1/ routes "
+                                     "(401 otherwise), as vLLM's --api-key; /health, /metrics and the "
+                                     "tokenizer routes stay open. Not the signing key."),
     passphrase_env: str = PASSPHRASE_ENV,
     manifest_out: Path = typer.Option(..., "--manifest-out", help="Folder for receipts/ and manifests/."),
     rotate: int = typer.Option(None, "--rotate", help="Write a run manifest every N receipts (and on exit)."),
@@ -50,6 +57,18 @@ def serve(
     from detent_audit.manifests.keys import load_private_key
     from detent_audit.server.node import ServingNode
 
+    if old_key is not None:
+        typer.echo("detent-audit: serve --key is deprecated: pass the private signing key as --signing-key",
+                   err=True)
+        if signing_key is not None and signing_key != old_key:
+            raise BadInput("--signing-key and the deprecated --key name different files", remedy="pass one")
+        signing_key = old_key
+    if signing_key is None:
+        raise BadInput("serve needs the node's private signing key: --signing-key FILE",
+                       remedy="make one with `detent-audit keygen --out node.key`")
+    if api_key is not None and not api_key.strip():
+        raise BadInput("--api-key is empty",
+                       remedy="give a token clients send as 'Authorization: Bearer <token>'")
     if rotate is not None and rotate < 1:
         raise BadInput(f"--rotate must be >= 1, got {rotate}")
     if (input_path is None) != (output_path is None):
@@ -64,7 +83,7 @@ def serve(
         raise BadInput(f"--output {output_path} is a folder", remedy="name the JSONL file to write")
     if manifest_out.exists() and not manifest_out.is_dir():
         raise BadInput(f"--manifest-out {manifest_out} is a file", remedy="name a folder (it is created if new)")
-    private_key = load_private_key(key, passphrase(passphrase_env))
+    private_key = load_private_key(signing_key, passphrase(passphrase_env))
     llm = open_engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
                       attention_streaming=attention_streaming, max_model_len=max_model_len, engine=engine)
     positions = (llm.model_config if engine != "embedded" else llm.model.config).max_position_embeddings
@@ -78,7 +97,7 @@ def serve(
         _serve_file(llm, node, input_path, output_path, manifest_out)
         return
     default_name = llm.model_name if engine != "embedded" else llm.config.resolved_model.name
-    _serve_http(llm, node, served_model_name or default_name, host, port, max_queued)
+    _serve_http(llm, node, served_model_name or default_name, host, port, max_queued, api_key)
 
 
 def _serve_file(llm: Any, node: Any, input_path: Path, output_path: Path, manifest_out: Path) -> None:
@@ -99,7 +118,8 @@ def _serve_file(llm: Any, node: Any, input_path: Path, output_path: Path, manife
                + (f", run manifest {manifest}" if manifest else ""))
 
 
-def _serve_http(llm: Any, node: Any, model_name: str, host: str, port: int, max_queued: int) -> None:
+def _serve_http(llm: Any, node: Any, model_name: str, host: str, port: int, max_queued: int,
+                api_key: str | None) -> None:
     """Run uvicorn until SIGTERM/SIGINT; the app's shutdown stops the engine and writes the run manifest."""
     import uvicorn
 
@@ -107,7 +127,8 @@ def _serve_http(llm: Any, node: Any, model_name: str, host: str, port: int, max_
     from detent_audit.server.async_engine import AsyncEngine
 
     engine = AsyncEngine(llm, max_queued=max_queued)
-    config = uvicorn.Config(create_app(engine, node, model_name), host=host, port=port, log_level="warning",
+    config = uvicorn.Config(create_app(engine, node, model_name, api_key=api_key), host=host, port=port,
+                            log_level="warning",
                             timeout_graceful_shutdown=60, lifespan="on")
     typer.echo(f"serving {model_name} on http://{host}:{port}/v1 (receipts in {node.out / 'receipts'})", err=True)
     try:

@@ -13,7 +13,8 @@ every receipt (of this node's key) that no manifest covers goes into a `recovery
 after a restart every receipt is in a manifest.
 
 A write that fails (a full disk, an I/O error) raises `StorageFailed`: the response is not given, the server
-answers 507 and reports it in /health; `close` writes the final manifest if it can and says so if not.
+answers 507 and reports it in /health until a write succeeds again (`storage_ok` tries one on the next
+request or /health); `close` writes the final manifest if it can and says so if not.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest, 
 RECEIPT_SUFFIX = ".receipt"
 MANIFEST_SUFFIX = ".manifest"
 LOCK_NAME = ".lock"
+PROBE_NAME = ".storage-probe"  # written and removed to see whether a full disk has space again
 RECEIPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a plain file name in receipts/: no separator, no dot first
 
 
@@ -213,6 +215,21 @@ class ServingNode:
                 if self._lock_fd is not None:
                     os.close(self._lock_fd)  # releases the folder's lock
                     self._lock_fd = None
+
+    def storage_ok(self) -> bool:
+        """Whether receipts can be written: true while no write has failed since the last that succeeded;
+        after a failure, true once a probe file can be written again (space freed), which clears
+        `storage_error`. So the server recovers without a restart, and /health with it."""
+        if self.storage_error is None:
+            return True
+        probe = self.out / PROBE_NAME
+        with self._lock:
+            try:
+                self._write(probe, b"probe", "probe file")
+                probe.unlink(missing_ok=True)
+            except (StorageFailed, OSError):
+                return False
+        return True
 
     # ---- files
 

@@ -24,7 +24,7 @@ from typing import Any
 from detent_audit.engine.sampling_params import SamplingParams, seed_for
 from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
-from detent_audit.manifests.receipt import ClientRequest
+from detent_audit.manifests.receipt import MAX_STOP_TOKENS, ClientRequest
 from detent_audit.server.node import RECEIPT_ID, ServingNode
 from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
 
@@ -96,7 +96,8 @@ def parse_line(obj: Any, default_id: str, tokenizer: Any, max_len: int, vocab_si
             raise BadInput("the prompt is empty (it encodes to no tokens)")
         kwargs: dict[str, Any] = {k: obj[k] for k in _SAMPLING if k in obj}
         if "stop_token_ids" in kwargs:
-            kwargs["stop_token_ids"] = tuple(check_token_ids(kwargs["stop_token_ids"], "stop_token_ids", limits))
+            kwargs["stop_token_ids"] = tuple(check_token_ids(kwargs["stop_token_ids"], "stop_token_ids",
+                                                               limits, MAX_STOP_TOKENS))
         if isinstance(kwargs.get("stop"), str):
             kwargs["stop"] = [kwargs["stop"]]
         kwargs = {"temperature": 0.0, **kwargs}

@@ -23,6 +23,7 @@ from typing import Any
 from detent_audit.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, seed_for
 from detent_audit.engine.stop_strings import check_stop_strings
 from detent_audit.errors import BadInput
+from detent_audit.manifests.receipt import MAX_STOP_TOKENS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -152,10 +153,14 @@ def _get(body: dict, name: str, kind: type, default: Any, lo: Any = None, hi: An
     return value
 
 
-def check_token_ids(value: Any, name: str, limits: Limits) -> list[int]:
+def check_token_ids(value: Any, name: str, limits: Limits, most: int | None = None) -> list[int]:
+    """`value` as a list of token ids of the vocabulary (and at most `most` of them)."""
     if not isinstance(value, list) or not all(_is(t, int) and 0 <= t < limits.vocab_size for t in value):
         raise InvalidRequest(f"'{name}' must be a list of token ids in [0, {limits.vocab_size - 1}]",
                              param=name, code="invalid_type")
+    if most is not None and len(value) > most:
+        raise InvalidRequest(f"'{name}' has {len(value)} token ids, more than the {most} a receipt can "
+                             "record", param=name)
     return value
 
 
@@ -262,7 +267,8 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
     params = SamplingParams(
         temperature=temperature, top_k=max(top_k, 0), top_p=top_p, max_tokens=max(max_tokens, 1),
         seed=seed_for(temperature, _get(body, "seed", int, None, 0, MAX_SEED)),
-        stop_token_ids=tuple(check_token_ids(body.get("stop_token_ids") or [], "stop_token_ids", limits)),
+        stop_token_ids=tuple(check_token_ids(body.get("stop_token_ids") or [], "stop_token_ids", limits,
+                                             MAX_STOP_TOKENS)),
         ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=(top_n or 0) if want_logprobs else None,
         stop=stop)
     return ParsedRequest(chat, [list(p) for p in prompts], params, stream,

@@ -113,7 +113,7 @@ def echo_logprobs(fmt: TokenFormatter, prompt_ids: Sequence[int], ids: Sequence[
             "top_logprobs": [None, *block["top_logprobs"]], "text_offset": offsets}
 
 
-def stop_reason(ids: Sequence[int], finish_reason: str, stop_token_ids: Sequence[int], stop: Sequence[str],
+def stop_reason(ids: Sequence[int], finish_reason: str | None, stop_token_ids: Sequence[int], stop: Sequence[str],
                 decode: Any) -> str | int | None:
     """What stopped the output, as vLLM reports it: the stop string its text contained, a stop token id, or
     None (EOS or length)."""

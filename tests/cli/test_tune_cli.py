@@ -66,7 +66,8 @@ def test_streaming_attention_without_a_gpu_is_exit_2(make_checkpoint, tmp_path) 
     assert not (tmp_path / "s.tuple").exists()
     key = tmp_path / "node.key"
     assert runner.invoke(app, ["keygen", "--out", str(key)]).exit_code == 0
-    res = runner.invoke(app, ["serve", "--model", ckpt, "--key", str(key), "--manifest-out", str(tmp_path / "run"),
+    res = runner.invoke(app, ["serve", "--model", ckpt,
+                              "--signing-key", str(key), "--manifest-out", str(tmp_path / "run"),
                               "--input", str(_workload(tmp_path)), "--output", str(tmp_path / "o.jsonl"),
                               "--attention-streaming"])
     assert res.exit_code == 2 and "GPU attention" in res.stderr

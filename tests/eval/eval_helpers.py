@@ -61,11 +61,14 @@ def serving(checkpoint: Path, key: GeneratedKey, out: Path, cache_dir: Path, mod
 
 
 def lm_eval_argv(served: Served, out: Path, tasks: str, *, limit: int, chat: bool, batch_size: int,
-                 concurrent: int, task_path: Path = TASKS) -> list[str]:
+                 concurrent: int, task_path: Path = TASKS, remote_tokenizer: bool = False) -> list[str]:
     """lm-eval's command line (after `lm_eval`) for the tasks of `task_path` (the shipped ones) against the
-    server, with --log_samples."""
+    server, with --log_samples. `remote_tokenizer`: no `tokenizer=`, so lm-eval finds the server's
+    /tokenizer_info and tokenizes through it."""
     if chat:
         model, args = "local-chat-completions", f"base_url={served.url}/v1/chat/completions"
+    elif remote_tokenizer:
+        model, args = "local-completions", f"base_url={served.url}/v1/completions"
     else:
         model, args = "local-completions", (f"base_url={served.url}/v1/completions,tokenizer={served.checkpoint},"
                                             "tokenizer_backend=huggingface")
@@ -76,7 +79,7 @@ def lm_eval_argv(served: Served, out: Path, tasks: str, *, limit: int, chat: boo
 
 
 def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 4, chat: bool = False, batch_size: int = 4,
-                concurrent: int = 1, task_path: Path = TASKS) -> Path:
+                concurrent: int = 1, task_path: Path = TASKS, remote_tokenizer: bool = False) -> Path:
     """lm-eval against the server, in this process, as its CLI runs (`lm_eval_argv`): `simple_evaluate`, then its
     tracker writes the output folder (results_*.json, samples_*.jsonl). The one difference: the task manager
     indexes only the tasks' folder (lm-eval's own thousands of tasks take minutes to index, and no test
@@ -86,7 +89,7 @@ def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 4, chat: 
     from lm_eval.tasks import TaskManager
 
     argv = lm_eval_argv(served, out, tasks, limit=limit, chat=chat, batch_size=batch_size,
-                        concurrent=concurrent, task_path=task_path)
+                        concurrent=concurrent, task_path=task_path, remote_tokenizer=remote_tokenizer)
     tracker = EvaluationTracker(output_path=str(out))
     results = simple_evaluate(model=argv[argv.index("--model") + 1], model_args=argv[argv.index("--model_args") + 1],
                               tasks=tasks.split(","), batch_size=batch_size, limit=limit, log_samples=True,

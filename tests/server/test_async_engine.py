@@ -175,7 +175,7 @@ def test_cancelled_waiters_never_leak_a_slot_and_an_abandoned_request_is_aborted
 def test_a_response_finished_as_its_client_left_is_not_answered() -> None:
     """The disconnect noticed while the final step runs: the output that step produced is not handed on to be
     signed (no receipt for a response nobody receives); with the client there, it is."""
-    from detent_audit.server.app import _result_unless_gone
+    from detent_audit.server.completions import _result_unless_gone
 
     class Handle:
         def __init__(self) -> None:

@@ -178,7 +178,7 @@ def test_6_a_full_disk_is_a_507_an_error_event_and_unhealthy_and_shutdown_surviv
 
 def test_7_bodies_share_one_in_flight_budget_and_json_is_parsed_off_the_event_loop(
         env: Env, serve_live: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from detent_audit.server import app as app_module
+    from detent_audit.server import bodies as app_module
 
     monkeypatch.setattr(app_module, "MAX_INFLIGHT_BODY_BYTES", 24 << 20)
     big = b'{"model": "tiny-llama", "prompt": [1], "user": "' + b"x" * (8 << 20) + b'"}'
@@ -210,6 +210,89 @@ def test_7_bodies_share_one_in_flight_budget_and_json_is_parsed_off_the_event_lo
     assert all(code in (200, 400, 503) for code in results), results
 
 
+
+def test_a_freed_disk_is_written_again_without_a_restart_and_health_follows(
+        env: Env, serve_live: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once space is freed the next request's receipt is written (no 507 until a restart), and /health says
+    ok."""
+    body = {"model": MODEL_NAME, "prompt": [3, 1, 4], "max_tokens": 3, "ignore_eos": True}
+    with serve_live(tmp_path / "out") as live:
+        full = _full_disk(monkeypatch)
+        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 507
+        assert httpx.get(f"{live.url}/health").json()["status"] == "storage_failed"
+        still_full = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30)
+        assert still_full.status_code == 507
+        full[0] = False  # space again
+        health = httpx.get(f"{live.url}/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        receipts = list((tmp_path / "out" / "receipts").glob("*.receipt"))
+        assert [p.stem for p in receipts] == [r.json()["receipt_id"]]
+        full[0] = True  # full again, then freed: a streamed request recovers as well
+        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=30).status_code == 507
+        full[0] = False
+        streamed = {**body, "stream": True}
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=streamed, timeout=30) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and '"receipt_id"' in events[-2], events
+        assert not list((tmp_path / "out").glob(node_module.PROBE_NAME))
+
+
+def test_stalled_uploads_time_out_and_never_starve_other_requests(
+        env: Env, serve_live: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two clients that send all but the last byte of a 64 MiB body and stall held the whole body budget:
+    every other request got a 503 for as long as they stayed connected, while /health said ok. Small requests are
+    read from a reserve the large ones cannot take, and a stalled body is cut off (408) after the read
+    timeout, its budget given back."""
+    import socket
+    import urllib.parse
+
+    from detent_audit.server import bodies
+
+    monkeypatch.setattr(bodies, "BODY_IDLE_TIMEOUT_S", 4.0)
+    size = bodies.MAX_BODY_BYTES
+    prefix = b'{"model": "tiny-llama", "prompt": [1], "user": "'
+
+    def upload(sock: socket.socket) -> None:
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % size)
+            sock.sendall(prefix + b"x" * (size - 1 - len(prefix)))  # all but the last byte, then nothing
+        except OSError:  # refused (503) while sending: the server closed the connection
+            pass
+
+    def body_bytes() -> Any:
+        return httpx.get(f"{live.url}/health", timeout=10).json().get("request_body_bytes")
+
+    with serve_live(tmp_path / "out") as live:
+        where = urllib.parse.urlsplit(live.url)
+        stalled = [socket.create_connection((where.hostname, where.port)) for _ in range(2)]
+        senders = [threading.Thread(target=upload, args=(sock,)) for sock in stalled]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(60)
+        before, now = -1, body_bytes()
+        while now != before:  # until the server has read what it will of them
+            time.sleep(0.5)
+            before, now = now, body_bytes()
+        small = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
+        r = httpx.post(f"{live.url}/v1/completions", json=small, timeout=30)
+        assert r.status_code == 200, r.text
+        answers = []
+        for sock in stalled:
+            sock.settimeout(30)
+            try:
+                answers.append(sock.recv(64)[:12])
+            except ConnectionResetError:  # refused while sending: the reset can overtake the 503
+                answers.append(b"reset")
+            sock.close()
+        assert b"HTTP/1.1 408" in answers, answers
+        assert set(answers) <= {b"HTTP/1.1 408", b"HTTP/1.1 503", b"reset"}, answers
+        health = httpx.get(f"{live.url}/health").json()
+        assert health["status"] == "ok" and health["request_body_bytes"] == 0, health
+
 @pytest.mark.slow
 def test_5_sigkill_under_load_every_answer_has_a_receipt_and_every_receipt_a_manifest(env: Env, tmp_path: Path) -> None:
     """The benchmark's loop (benchmarks/sigkill_serving.py), two kills."""
@@ -220,3 +303,18 @@ def test_5_sigkill_under_load_every_answer_has_a_receipt_and_every_receipt_a_man
     assert result["answered"] > 0 and result["answered_without_receipt"] == 0
     assert result["verify_exit_code"] == 0 and result["coverage"]["uncovered"] == []
     assert result["coverage"]["covered"] == result["receipts"] and result["recovery_manifests"] >= 1
+
+
+def test_serve_input_refuses_too_many_stop_token_ids_before_serving_any_line(env: Env, llm: Any,
+                                                                           tmp_path: Path) -> None:
+    """A line of 1,025 stop token ids was served and then failed at signing, stopping the run midway with a
+    traceback: it is refused with the other bad lines, before any request is served (no receipt written)."""
+    node = ServingNode(llm, load_private_key(env.key.private_path), tmp_path / "out")
+    lines = [{"id": "fine", "prompt_token_ids": [5, 6], "max_tokens": 2},
+             {"id": "many", "prompt_token_ids": [5, 6], "max_tokens": 2,
+              "stop_token_ids": [i % 300 for i in range(1025)]}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    with pytest.raises(BadInput, match=r"in\.jsonl:2: .*stop_token_ids.* 1025 token ids, more than the 1024"):
+        serve_offline(llm, node, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    node.close()
+    assert not list((tmp_path / "out" / "receipts").glob("*.receipt"))

@@ -223,7 +223,7 @@ def test_bad_requests_get_400_with_a_message(live: Live, endpoint: str, body: An
 def test_an_oversized_body_is_413_while_it_is_read(live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused from its Content-Length before reading, or, sent chunked with no length, as soon as the bytes
     read pass the limit: the server never holds more than the limit."""
-    import detent_audit.server.app as app_module
+    import detent_audit.server.bodies as app_module
 
     monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 4096)
     body = json.dumps({"model": MODEL_NAME, "prompt": "z" * 8000}).encode()
@@ -409,3 +409,43 @@ def test_a_tampered_receipt_fails_at_the_changed_position(env: Env, serve_live: 
             continue
         assert code == 1 and outcome["status"] == "FAIL", report
         assert outcome["divergence"]["position"] == pos, report
+
+
+def test_more_stop_token_ids_than_a_receipt_records_are_refused_before_computing(live: Live) -> None:
+    """A body of 1,025 stop token ids was computed and then failed at signing (a 500 with a traceback): it is
+    a 400 naming the field, nothing computed, no receipt; 1,024 are served and signed."""
+    ids = [random.randrange(3, 200) for _ in range(1025)]
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
+    r = httpx.post(f"{live.url}/v1/completions", json={**body, "stop_token_ids": ids}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+    assert "1024" in r.json()["error"]["message"] and not list((live.out / "receipts").glob("*.receipt"))
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    r = httpx.post(f"{live.url}/v1/chat/completions", json={**chat, "stop_token_ids": ids}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+    r = httpx.post(f"{live.url}/v1/completions", json={**body, "stop_token_ids": ids[:1024]}, timeout=60)
+    assert r.status_code == 200 and _receipt_count(live) == 1, r.text
+
+
+def _receipt_count(live: Live) -> int:
+    return len(list((live.out / "receipts").glob("*.receipt")))
+
+
+def test_a_lone_surrogate_in_an_ignored_field_is_a_400_naming_it(live: Live) -> None:
+    """Not a 413 (the body is small): the field that is not Unicode text is named."""
+    for raw, param in ((b'{"model": "tiny-llama", "prompt": [5], "user": "a\\ud800"}', "user"),
+                       (b'{"model": "tiny-llama", "prompt": [5], "stop": ["x", "\\udc00"]}', "stop")):
+        r = httpx.post(f"{live.url}/v1/completions", content=raw)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "surrogate" in r.json()["error"]["message"], r.text
+    assert _receipt_count(live) == 0
+
+
+def test_a_model_the_server_does_not_serve_is_404_on_every_endpoint(live: Live) -> None:
+    """OpenAI's error shape, as vLLM answers it; the openai client raises NotFoundError."""
+    for call in (lambda c: c.completions.create(model="gpt-4o", prompt="x", max_tokens=1),
+                 lambda c: c.chat.completions.create(model="gpt-4o", max_tokens=1,
+                                                     messages=[{"role": "user", "content": "x"}])):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call(_client(live))
+        assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
+    assert _receipt_count(live) == 0

@@ -37,7 +37,8 @@ def test_max_model_len_is_settable_reported_and_defaults_to_the_models_own(env: 
 
 def test_serve_refuses_a_context_beyond_the_models_positions(env: Env, tmp_path: Path) -> None:
     (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
-    res = runner.invoke(app, ["serve", "--model", str(env.checkpoint), "--key", str(env.key.private_path),
+    res = runner.invoke(app, ["serve", "--model", str(env.checkpoint),
+                              "--signing-key", str(env.key.private_path),
                               "--manifest-out", str(tmp_path / "run"), "--input", str(tmp_path / "in.jsonl"),
                               "--output", str(tmp_path / "out.jsonl"), "--max-model-len", "5000"])
     assert res.exit_code == 2 and "exceeds the model's 4096 positions" in res.stderr, res.output
@@ -62,7 +63,8 @@ def test_unseeded_sampled_requests_get_fresh_seeds_returned_and_signed(env: Env,
 def test_receipt_names_its_model_and_the_verdict_says_which_to_pass(env: Env, make_checkpoint, tmp_path: Path
                                                                    ) -> None:
     (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt_token_ids": [3, 4, 5], "max_tokens": 3}\n')
-    res = runner.invoke(app, ["serve", "--model", str(env.checkpoint), "--key", str(env.key.private_path),
+    res = runner.invoke(app, ["serve", "--model", str(env.checkpoint),
+                              "--signing-key", str(env.key.private_path),
                               "--manifest-out", str(tmp_path / "run"), "--input", str(tmp_path / "in.jsonl"),
                               "--output", str(tmp_path / "out.jsonl")])
     assert res.exit_code == 0, res.output

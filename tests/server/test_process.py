@@ -38,7 +38,8 @@ def _free_port() -> int:
 def _serve(env: Env, out: Path, log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     port = _free_port()
     cmd = [sys.executable, "-m", "detent_audit.cli", "serve", "--model", str(env.checkpoint), "--tuple",
-           str(env.tuple_file), "--key", str(env.key.private_path), "--manifest-out", str(out), "--port", str(port),
+           str(env.tuple_file),
+           "--signing-key", str(env.key.private_path), "--manifest-out", str(out), "--port", str(port),
            "--cache-dir", str(env.cache_dir), "--served-model-name", MODEL_NAME]
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
@@ -120,7 +121,8 @@ def test_serve_input_file_offline_and_argument_errors(env: Env, tmp_path: Path) 
     requests = tmp_path / "prompts.jsonl"
     requests.write_text('{"id": "a", "prompt": "hello", "max_tokens": 3}\n'
                         '{"id": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}\n')
-    base = ["serve", "--model", str(env.checkpoint), "--key", str(env.key.private_path), "--cache-dir",
+    base = ["serve", "--model", str(env.checkpoint),
+            "--signing-key", str(env.key.private_path), "--cache-dir",
             str(env.cache_dir), "--manifest-out", str(tmp_path / "out")]
     result = CliRunner().invoke(app, [*base, "--input", str(requests), "--output", str(tmp_path / "out.jsonl")])
     assert result.exit_code == 0, result.output
@@ -135,7 +137,7 @@ def test_serve_input_file_offline_and_argument_errors(env: Env, tmp_path: Path) 
     loose = tmp_path / "loose.key"
     loose.write_bytes(env.key.private_path.read_bytes())
     loose.chmod(0o644)
-    result = CliRunner().invoke(app, [*base[:3], "--key", str(loose), *base[5:]])
+    result = CliRunner().invoke(app, [*base[:3], "--signing-key", str(loose), *base[5:]])
     assert result.exit_code == 2 and "too open" in result.output
 
 
@@ -165,7 +167,8 @@ def test_serve_input_refuses_a_bad_line_before_serving(env: Env, tmp_path: Path,
 
     requests = tmp_path / "prompts.jsonl"
     requests.write_text('{"id": "fine", "prompt": "hello", "max_tokens": 2}\n' + line + "\n")
-    result = CliRunner().invoke(app, ["serve", "--model", str(env.checkpoint), "--key", str(env.key.private_path),
+    result = CliRunner().invoke(app, ["serve", "--model", str(env.checkpoint),
+                                      "--signing-key", str(env.key.private_path),
                                       "--cache-dir", str(env.cache_dir), "--manifest-out", str(tmp_path / "out"),
                                       "--input", str(requests), "--output", str(tmp_path / "out.jsonl")])
     assert result.exit_code == 2, result.output
@@ -186,7 +189,8 @@ def test_serve_input_reruns_outputs_and_top_logprobs(env: Env, tmp_path: Path) -
     requests = tmp_path / "prompts.jsonl"
     requests.write_text('{"id": "a", "prompt": "hello", "max_tokens": 3, "logprobs": 2}\n'
                         '{"id": "b", "prompt_token_ids": [5, 6, 7], "max_tokens": 2}\n')
-    base = ["serve", "--model", str(env.checkpoint), "--key", str(env.key.private_path), "--cache-dir",
+    base = ["serve", "--model", str(env.checkpoint),
+            "--signing-key", str(env.key.private_path), "--cache-dir",
             str(env.cache_dir), "--input", str(requests)]
 
     def serve(out: Path, output: Path):
