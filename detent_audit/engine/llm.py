@@ -181,12 +181,12 @@ class LLM(EngineBase[Sequence]):
             return tensor_parallel_model(full, size, EmulatedRanks(size, algorithm))
         TPLayout(full.config, size)  # refuse a split that does not divide before any process starts
         backend = "nccl" if config.device == "cuda" else "gloo"
-        rank = config.tensor_parallel_rank
-        if rank == 0:
+        rank, init_method = config.tensor_parallel_rank, config.tensor_parallel_init
+        if not init_method:  # rank 0 starts the others (else a launcher started every rank at this address)
+            if rank != 0:
+                raise BadInput(f"tensor-parallel rank {rank} needs its group's address (tensor_parallel_init)")
             self.ranks = RankProcesses(size, functools.partial(_follow_as_rank, config))
             init_method = self.ranks.init_method
-        else:
-            init_method = config.tensor_parallel_init
         if config.device == "cuda":
             torch.cuda.set_device(rank)
         try:
@@ -198,15 +198,19 @@ class LLM(EngineBase[Sequence]):
         self.rank_group = ProcessRanks(size, rank, algorithm)
         model = tensor_parallel_model(full, size, self.rank_group,
                                       device=f"cuda:{rank}" if config.device == "cuda" else None)
-        if self.ranks is None:
+        if rank != 0:
             return model
-        return DrivenModel(model, self.rank_group, self.ranks.alive)
+        return DrivenModel(model, self.rank_group, self.ranks.alive if self.ranks is not None else lambda: None)
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks this engine started (no-op otherwise). Idempotent."""
+        """Rank 0: tell the other tensor-parallel ranks to stop, and stop the processes this engine started
+        (no-op without tensor parallelism). Idempotent."""
         if self.ranks is not None:
             self.ranks.close(self.rank_group)
             self.ranks = None
+        elif self.rank_group is not None and self.rank_group.rank == 0:
+            self.rank_group.send(("stop",))
+            self.rank_group = None
 
     @staticmethod
     def _max_model_len(config: EngineConfig, positions: int) -> int:
