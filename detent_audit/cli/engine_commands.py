@@ -66,7 +66,7 @@ def battery(
             results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task),
                                   target_len=target_len, block=block)
     finally:
-        close = getattr(llm, "close", None)
+        close = getattr(llm, "shutdown", None)
         if close is not None:
             close()
     failed = [r for r in results if not r.passed]

@@ -202,7 +202,15 @@ class LLM(EngineBase[Sequence]):
             return model
         return DrivenModel(model, self.rank_group, self.ranks.alive if self.ranks is not None else lambda: None)
 
-    def close(self) -> None:
+    @property
+    def parallel_note(self) -> str:
+        """How this engine runs a tensor-parallel model ("" at TP=1): what a verifier's OK line says."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return ""
+        return f"TP={size} by rank emulation" if self.config.tensor_parallel_ranks == "emulated" else f"TP={size}"
+
+    def shutdown(self) -> None:
         """Rank 0: tell the other tensor-parallel ranks to stop, and stop the processes this engine started
         (no-op without tensor parallelism). Idempotent."""
         if self.ranks is not None:

@@ -50,7 +50,7 @@ def _rank_main(model: str, size: int, rank: int, init: str, out: str, seed: int)
     if rank == 0:
         params = [SamplingParams(temperature=0.8, seed=seed + i, max_tokens=6) for i in range(len(PROMPTS))]
         outputs = [o.logprobs for o in llm.generate(PROMPTS, params)]
-        llm.close()
+        llm.shutdown()
     else:
         from detent_audit.engine.tp_ranks import follow
 
