@@ -146,6 +146,9 @@ class LLM(EngineBase[Sequence]):
             config.mode, self.deployment, config.tuple, config.cache_dir, device=config.device,
             gemm_shapes=self.model.gemm_shapes() if config.device == "cpu" else None)
         self.deployment = self.selection.deployment or self.deployment  # with the GEMM probe's facts
+        reduce = self.selection.tuple.get("embedded.all_reduce", {}).get("embedded.all_reduce.algorithm")
+        if reduce is not None and reduce != ORDERED:  # the solver pins it: only the ordered sum is legal
+            raise BadInput(f"the tuple's all-reduce {reduce!r} is not batch-invariant", remedy=f"use {ORDERED}")
         # a verifier sizes the pool for its longest receipt: never past what this model's own context holds
         num_kv_blocks = max(config.num_kv_blocks, -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2)
         usable_blocks = num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)

@@ -136,3 +136,14 @@ def test_every_shard_parameter_is_cut_and_kv_heads_are_replicated_in_groups() ->
         k0 = full.config.num_attention_heads * d + layout.first_kv_head(r) * d
         assert torch.equal(qkv[d:2 * d], full_qkv[k0:k0 + d])                 # its group's KV head
         assert shard.embed_tokens.weight.shape[0] == full.config.vocab_size // 4
+
+
+def test_the_all_reduce_is_a_selection_family_whose_only_legal_choice_is_the_ordered_sum() -> None:
+    llm = LLM(_config("random:tiny-llama", 2, tensor_parallel_ranks="emulated"))
+    result = llm.selection.results["embedded.all_reduce"]
+    legal = {k.name: k.legal_values for k in result.knobs} | {p.name: p.legal_values for p in result.pins}
+    assert legal["embedded.all_reduce.algorithm"] == ("ordered-gather-sum",)
+    assert llm.tuple_values()["embedded.all_reduce"] == {"embedded.all_reduce.algorithm": "ordered-gather-sum"}
+    assert llm.facts()["parallel"] == {"tensor_parallel_size": 2, "all_reduce": "ordered-gather-sum",
+                                       "accumulate": "float32"}
+    assert "embedded.all_reduce" not in LLM(_config("random:tiny-llama", 1)).tuple_values()
