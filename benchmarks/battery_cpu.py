@@ -1,5 +1,5 @@
-"""The invariance battery on CPU: 35 cells x {Llama, Qwen3, Qwen3-MoE} x {fp32, bf16}
-x {detent, stock, det}, on seeded random checkpoints of the named tiny shapes (and the embedded default model).
+"""The invariance battery on CPU: 35 cells x {Llama, Qwen3, Qwen3-MoE} x {fp32, bf16} x {detent, stock,
+det}, on seeded random checkpoints of the named tiny shapes (and the embedded default model).
 
 Prints a Markdown table: passing cells per mode and, for stock and det, the failing cells.
 Usage: python benchmarks/battery_cpu.py [--seed 0]
@@ -39,7 +39,8 @@ def main() -> int:
                 passed = {m: sum(r.passed for r in res) for m, res in row.items()}
                 ok = ok and passed["detent"] == 35
                 failing = ", ".join(r.name for r in row["stock"] if not r.passed) or "none"
-                print(f"| {name} | {dtype} | {passed['detent']}/35 | {passed['det']}/35 | {passed['stock']}/35 | "
+                print(f"| {name} | {dtype} | {passed['detent']}/35 | {passed['det']}/35 | "
+                      f"{passed['stock']}/35 | "
                       f"{failing} |", flush=True)
     print("\ndetent passes 35/35 everywhere:", "yes" if ok else "NO")
     return 0 if ok else 1

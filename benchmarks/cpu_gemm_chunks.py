@@ -4,8 +4,8 @@
 (the default model's projections, then a spread of others), fp32, at 1 and 2 threads: are the products of
 every power-of-two chunk from 4 to 256 bitwise equal to chunk 16's on fresh random inputs, and how many
 GFLOP/s does each chunk reach on 4096 rows (median of repeats)? If the bits never differ, the chunk is a
-harmless selection point on this CPU and BLAS, as the GPU GEMM's tile is on the H200 (RESULTS.md, "GPU kernels").
-Usage: python benchmarks/cpu_gemm_chunks.py [--repeats 5]
+harmless selection point on this CPU and BLAS, as the GPU GEMM's tile is on the H200 (RESULTS.md, "GPU
+kernels"). Usage: python benchmarks/cpu_gemm_chunks.py [--repeats 5]
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
-    print(f"CPU: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}, "
+    print(f"CPU: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), torch "
+          f"{torch.__version__}, "
           f"fp32\n")
     for threads in (1, 2):
         set_threads(threads)

@@ -60,17 +60,21 @@ def main() -> None:
             t_pad = _time(lambda x1=x1, weight=weight: gemm.linear(x1, weight, params=params), args.repeats)
             t_one = _time(lambda x1=x1, weight=weight: F.linear(x1, weight), args.repeats)
             rows.append({"dtype": str(dtype).removeprefix("torch."), "gemm": name, "K": k, "N": n,
-                         "bits_equal": f"{equal}/{args.trials}", "padded_us": t_pad * 1e6, "lone_us": t_one * 1e6})
+                         "bits_equal": f"{equal}/{args.trials}", "padded_us": t_pad * 1e6,
+                         "lone_us": t_one * 1e6})
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"device: {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
-          f"{args.threads} thread(s), torch {torch.__version__}; chunk {args.chunk}; {args.trials} fresh inputs "
+    print(f"device: {platform.processor() or platform.machine()} "
+          f"({torch.backends.cpu.get_cpu_capability()}), "
+          f"{args.threads} thread(s), torch {torch.__version__}; chunk {args.chunk}; {args.trials} fresh "
+          "inputs "
           f"per shape; median of {args.repeats}\n")
     print("| dtype | GEMM | K x N | M=1 bits == padded row | padded (us) | M=1 (us) | padded / M=1 |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['gemm']} | {r['K']} x {r['N']} | {r['bits_equal']} | {r['padded_us']:.0f} | "
+        print(f"| {r['dtype']} | {r['gemm']} | {r['K']} x {r['N']} | {r['bits_equal']} | "
+              f"{r['padded_us']:.0f} | "
               f"{r['lone_us']:.0f} | {r['padded_us'] / r['lone_us']:.2f} |")
 
 

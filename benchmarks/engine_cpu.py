@@ -31,7 +31,8 @@ def main() -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 160))] for _ in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    engines = {mode: LLM(EngineConfig(model="random-20m", mode=mode, dtype=args.dtype, num_threads=args.threads))
+    engines = {mode: LLM(EngineConfig(model="random-20m", mode=mode, dtype=args.dtype,
+                                      num_threads=args.threads))
                for mode in ("stock", "det", "detent")}
     params_m = sum(p.numel() for p in engines["stock"].model.parameters()) / 1e6
     times: dict[str, list[float]] = {m: [] for m in engines}
@@ -44,9 +45,11 @@ def main() -> int:
             assert sum(len(o.token_ids) for o in outs) == args.requests * args.output_tokens
     tokens = args.requests * args.output_tokens
     tps = {m: tokens / statistics.median(t[1:]) for m, t in times.items()}
-    print(f"device: {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
+    print(f"device: {platform.processor() or platform.machine()} "
+          f"({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} thread(s), torch {torch.__version__}; model default-20m ({params_m:.1f}M params), "
-          f"{args.dtype}; {args.requests} requests x {args.output_tokens} output tokens, prompts 16-160 tokens; "
+          f"{args.dtype}; {args.requests} requests x {args.output_tokens} output tokens, prompts 16-160 "
+          "tokens; "
           f"median of {args.runs}\n")
     print("| mode | output tok/s | ratio over stock |\n|---|---|---|")
     for m in ("stock", "det", "detent"):

@@ -13,7 +13,7 @@ comparison) go under --out; a summary JSON is printed and written there.
     python benchmarks/eval_audit.py --model smollm2-135m-instruct --only-concurrency --modes stock,detent \
         --threads 2 --concurrency-limit 10 --out benchmarks/results/eval-smollm2-concurrency-2-threads
     python benchmarks/eval_audit.py --model smollm2-135m-instruct --limit 8 --modes "" \
-        --out benchmarks/results/eval-smollm2-verify-time     # (1) and (2) only: verify-eval over serving time
+        --out benchmarks/results/eval-smollm2-verify-time     # (1), (2) only: verify-eval over serving time
 
 Each concurrency run also records the server's steps by how many sequences shared each (from /health).
 """
@@ -43,12 +43,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model: str, key: Path, out: Path, mode: str, name: str, threads: int) -> tuple[subprocess.Popen, str]:
+def serve(model: str, key: Path, out: Path, mode: str, name: str,
+          threads: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([*CLI, "serve", "--model", model, "--key", str(key), "--manifest-out", str(out),
                              "--mode", mode, "--port", str(port), "--served-model-name", name,
                              "--threads", str(threads)],
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=open(out.parent / f"serve-{mode}.log", "w"))
+                            env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=open(out.parent / f"serve-{mode}.log", "w"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while True:
@@ -86,7 +88,8 @@ def steps_between(before: dict[int, int], after: dict[int, int]) -> dict[str, in
 
 def per_sample(run: Path, task: str) -> dict[str, list]:
     [path] = run.rglob(f"samples_{task}_*.jsonl")
-    return {f"{json.loads(line)['doc_id']}": json.loads(line)["resps"] for line in path.read_text().splitlines()}
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {f"{row['doc_id']}": row["resps"] for row in rows}
 
 
 def new_receipts(node: Path, before: set[str]) -> list[Path]:
@@ -100,7 +103,8 @@ def receipt_names(node: Path) -> set[str]:
 
 
 def receipts_by_prompt(paths: list[Path], key: Path) -> tuple[dict[tuple, dict], list[int]]:
-    """The generations among `paths` by prompt ids (tokens and fp32 logprob bits), and every prompt's length."""
+    """The generations among `paths` by prompt ids (tokens and fp32 logprob bits), and every prompt's
+    length."""
     from detent_audit.manifests.dsse import read_envelope_bytes
     from detent_audit.manifests.keys import load_trusted_keys
     from detent_audit.manifests.receipt import verify_envelope
@@ -117,13 +121,14 @@ def receipts_by_prompt(paths: list[Path], key: Path) -> tuple[dict[tuple, dict],
     return generations, lengths
 
 
-def concurrency_runs(spec: str, model: str, name: str, key: Path, out: Path, mode: str, limit: int, threads: int,
-                     url: str | None = None) -> dict:
-    """Both tasks at num_concurrent 1 and 8 (batch size 1) on one server of `mode` (started here unless `url`):
-    the multiple-choice task's logged per-sample responses compared between the two, the generate task's
-    per-sample output tokens and logprob bits compared from the receipts (lm-eval logs only a generation's
-    text), each run's wall time, and how many sequences shared each of the engine's steps in each run (whether
-    concurrency 8 co-batched at all: prefills of the scored prompts, decode steps of the generations)."""
+def concurrency_runs(spec: str, model: str, name: str, key: Path, out: Path, mode: str, limit: int,
+                     threads: int, url: str | None = None) -> dict:
+    """Both tasks at num_concurrent 1 and 8 (batch size 1) on one server of `mode` (started here unless
+    `url`): the multiple-choice task's logged per-sample responses compared between the two, the generate
+    task's per-sample output tokens and logprob bits compared from the receipts (lm-eval logs only a
+    generation's text), each run's wall time, and how many sequences shared each of the engine's steps in each
+    run (whether concurrency 8 co-batched at all: prefills of the scored prompts, decode steps of the
+    generations)."""
     seconds, steps, receipts = {}, {}, {}
     node = out / f"{mode}-node"
     proc = None
@@ -132,8 +137,8 @@ def concurrency_runs(spec: str, model: str, name: str, key: Path, out: Path, mod
     try:
         for c in (1, 8):
             before, names = step_batch_sizes(url), receipt_names(node)
-            seconds[c] = lm_eval(url, model, name, out / f"{mode}-c{c}", "detent_qa_mc,detent_qa_gen", limit=limit,
-                                 batch_size=1, concurrent=c)
+            seconds[c] = lm_eval(url, model, name, out / f"{mode}-c{c}", "detent_qa_mc,detent_qa_gen",
+                                 limit=limit, batch_size=1, concurrent=c)
             steps[c] = steps_between(before, step_batch_sizes(url))
             receipts[c] = new_receipts(node, names)
     finally:
@@ -145,12 +150,16 @@ def concurrency_runs(spec: str, model: str, name: str, key: Path, out: Path, mod
     differ = [{"doc": int(doc), "choice": i, "c1": one[doc][i], "c8": eight[doc][i]} for doc, i in requests
               if one[doc][i] != eight[doc][i]]
     (gen1, lengths), (gen8, _) = (receipts_by_prompt(receipts[c], key) for c in (1, 8))
-    gen_differ = [{"prompt_tokens": len(p), "c1": gen1[p], "c8": gen8.get(p)} for p in gen1 if gen1[p] != gen8.get(p)]
-    return {"requests": len(requests), "differ": len(differ), "docs_differing": len({d["doc"] for d in differ}),
+    gen_differ = [{"prompt_tokens": len(p), "c1": gen1[p],
+                   "c8": gen8.get(p)} for p in gen1 if gen1[p] != gen8.get(p)]
+    return {"requests": len(requests), "differ": len(differ),
+            "docs_differing": len({d["doc"] for d in differ}),
             "where": differ, "generations": len(gen1), "generations_differing": len(gen_differ),
-            "generations_differing_text": sum(d["c8"] is None or d["c1"]["text"] != d["c8"]["text"] for d in gen_differ),
+            "generations_differing_text": sum(d["c8"] is None or d["c1"]["text"] != d["c8"]["text"]
+                                              for d in gen_differ),
             "generations_where": gen_differ, "receipts": {f"c{c}": len(r) for c, r in receipts.items()},
-            "prompt_tokens": {"min": min(lengths), "max": max(lengths)}, "seconds": {f"c{c}": s for c, s in seconds.items()},
+            "prompt_tokens": {"min": min(lengths), "max": max(lengths)},
+            "seconds": {f"c{c}": s for c, s in seconds.items()},
             "step_batch_sizes": {f"c{c}": s for c, s in steps.items()}, "threads": threads}
 
 
@@ -165,7 +174,8 @@ def gemm_invariant_rows(model: str) -> dict[str, int]:
 
     shapes = tuple(LLM(EngineConfig(model=model, mode="stock")).model.gemm_shapes())
     found = {}
-    for threads in (1, 2):  # the probe's walk (least_pad_rows), also at two threads, where the engine refuses pad
+    # the probe's walk (least_pad_rows), also at two threads, where the engine refuses pad
+    for threads in (1, 2):
         set_threads(threads)
         floor, found[str(threads)] = 0, 0
         for rows in GEMM_PAD_ROWS_SPACE:
@@ -188,8 +198,10 @@ def main() -> None:
     ap.add_argument("--concurrency-limit", type=int, default=20, help="documents of the 1-vs-8 comparison")
     ap.add_argument("--only-concurrency", action="store_true", help="run only (3), the 1-vs-8 comparison")
     ap.add_argument("--modes", default="detent,stock", help="modes of the 1-vs-8 comparison, in run order")
-    ap.add_argument("--threads", type=int, default=1, help="engine threads of every server (a bit-relevant fact)")
-    ap.add_argument("--limit", type=int, default=None, help="documents per task of the full run (1); all if unset")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="engine threads of every server (a bit-relevant fact)")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="documents per task of the full run (1); all if unset")
     args = ap.parse_args()
     from detent_audit.engine.named_models import resolve_model
 
@@ -199,8 +211,8 @@ def main() -> None:
     out.mkdir(parents=True)
     key = out / "node.key"
     subprocess.run([*CLI, "keygen", "--out", str(key)], env=ENV, check=True, stdout=subprocess.DEVNULL)
-    summary: dict = {"model": args.model, "folder": model, "machine": os.uname().nodename, "cpus": os.cpu_count(),
-                     "threads": args.threads, "limit": args.limit,
+    summary: dict = {"model": args.model, "folder": model, "machine": os.uname().nodename,
+                     "cpus": os.cpu_count(), "threads": args.threads, "limit": args.limit,
                      "load_average_at_start": os.getloadavg()}
     modes = [m for m in args.modes.split(",") if m]
 
@@ -208,18 +220,21 @@ def main() -> None:
         # (1) and (3, detent): one detent server
         proc, url = serve(args.model, key, out / "detent-node", "detent", args.name, args.threads)
         try:
-            summary["lm_eval_seconds"] = lm_eval(url, model, args.name, out / "lm-eval", "detent_qa_gen,detent_qa_mc",
+            summary["lm_eval_seconds"] = lm_eval(url, model, args.name, out / "lm-eval",
+                                                 "detent_qa_gen,detent_qa_mc",
                                                  limit=args.limit, batch_size=args.batch_size, concurrent=1)
             if "detent" in modes:
-                summary["concurrency_1_vs_8_detent"] = concurrency_runs(args.model, model, args.name, key, out, "detent",
-                                                                        args.concurrency_limit, args.threads, url)
+                summary["concurrency_1_vs_8_detent"] = concurrency_runs(
+                    args.model, model, args.name, key, out, "detent", args.concurrency_limit, args.threads,
+                    url)
         finally:
             proc.terminate()
             proc.wait(120)
         # (2): verify-eval on the full run
         start = time.perf_counter()
-        done = subprocess.run([*CLI, "verify-eval", str(out / "lm-eval"), "--receipts", str(out / "detent-node"),
-                               "--key", f"{key}.pub", "--model", args.model, "--include-path", str(TASKS), "--json"],
+        done = subprocess.run([*CLI, "verify-eval", str(out / "lm-eval"), "--receipts",
+                               str(out / "detent-node"), "--key", f"{key}.pub", "--model", args.model,
+                               "--include-path", str(TASKS), "--json"],
                               env=ENV, capture_output=True, text=True)
         summary["verify_eval_seconds"] = time.perf_counter() - start
         summary["verify_eval_exit"] = done.returncode
@@ -234,8 +249,8 @@ def main() -> None:
     # (3): the comparison on a server of each remaining mode
     for mode in modes:
         if f"concurrency_1_vs_8_{mode}" not in summary:
-            summary[f"concurrency_1_vs_8_{mode}"] = concurrency_runs(args.model, model, args.name, key, out, mode,
-                                                                     args.concurrency_limit, args.threads)
+            summary[f"concurrency_1_vs_8_{mode}"] = concurrency_runs(
+                args.model, model, args.name, key, out, mode, args.concurrency_limit, args.threads)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if modes:
         summary["gemm_invariant_from_rows_by_threads"] = gemm_invariant_rows(args.model)

@@ -76,7 +76,8 @@ def _mutate_wire(w: Any, rng: random.Random) -> Any:
     elif choice == 1 and isinstance(parent, dict):
         parent[f"extra{rng.randrange(9)}"] = rng.choice([1, "x", [1], {"a": 1}])
     else:
-        parent[key] = rng.choice([None, True, -1, 2**64 - 1, -2**63, "", "A" * 64, b"\x00" * rng.randint(0, 40),
+        parent[key] = rng.choice([None, True, -1, 2**64 - 1, -2**63, "", "A" * 64,
+                                  b"\x00" * rng.randint(0, 40),
                                   [1, 2], {"k": 1}, [[[[]]]] * 3, "0" * 64, 1.5, rng.getrandbits(32)])
     return w
 
@@ -109,13 +110,15 @@ def bomb(rng: random.Random, max_size: int = 60 << 20) -> tuple[str, bytes]:
             b"\xa2" + struct.pack(">H", i & 0xFFFF) + b"\xc0" for i in range(min(n, 1 << 16)))
     elif kind == 7:  # a receipt whose client body is a JSON bomb
         r = receipt_samples.random_receipt(rng, KEY)
-        json_bomb = rng.choice([b"[" * (1 << 16) + b"]" * (1 << 16), b"[" + b"[]," * ((8 << 20) // 3) + b"[]]",
+        json_bomb = rng.choice([b"[" * (1 << 16) + b"]" * (1 << 16),
+                                b"[" + b"[]," * ((8 << 20) // 3) + b"[]]",
                                 b'{"a":' * 5000 + b"1" + b"}" * 5000])
         w = msgpack.unpackb(r.to_bytes(), raw=False)
         w["request"]["client"]["body_json"] = json_bomb[: 16 << 20]
         import hashlib
 
-        w["request"]["client"]["body_sha256"] = hashlib.sha256(w["request"]["client"]["body_json"]).hexdigest()
+        client = w["request"]["client"]
+        client["body_sha256"] = hashlib.sha256(client["body_json"]).hexdigest()
         return "json-bomb-in-client-body", _resign(msgpack.packb(w, use_bin_type=True), "receipt")
     elif kind == 8:
         name, body = "many-strings", b"\xdd" + struct.pack(">I", (size - 5)) + b"\xa0" * (size - 5)
@@ -138,8 +141,10 @@ def corpus(rng: random.Random) -> dict[str, list[bytes]]:
     receipts = receipt_samples.random_run(rng, 16, KEY, run_id="run")
     manifest = RunManifest.for_receipts(receipts, run_id="run", node_keyid=receipts[0].node_keyid,
                                         deployment_hash=receipts[0].deployment_hash,
-                                        tuple_hash=receipts[0].tuple_hash, time_unix_ns=receipts[0].time_unix_ns)
-    return {"receipt": [sign_receipt(r, KEY) for r in receipts], "manifest": [sign_run_manifest(manifest, KEY)]}
+                                        tuple_hash=receipts[0].tuple_hash,
+                                        time_unix_ns=receipts[0].time_unix_ns)
+    return {"receipt": [sign_receipt(r, KEY) for r in receipts],
+            "manifest": [sign_run_manifest(manifest, KEY)]}
 
 
 def make_case(rng: random.Random, base: dict[str, list[bytes]]) -> tuple[str, str, bytes]:
@@ -173,8 +178,8 @@ def make_case(rng: random.Random, base: dict[str, list[bytes]]) -> tuple[str, st
 
 
 def read(kind: str, data: bytes) -> str:
-    """What verify does with the bytes before any engine: envelope, signature, payload, client body, JSON view.
-    Returns 'decoded' for a well-formed document; raises the project's named errors."""
+    """What verify does with the bytes before any engine: envelope, signature, payload, client body, JSON
+    view. Returns 'decoded' for a well-formed document; raises the project's named errors."""
     if kind == "receipt":
         receipt = verify_envelope(data, TRUSTED).receipt
         receipt.request.client.body()
@@ -212,7 +217,8 @@ def run_cases(n: int, seed: int) -> dict[str, Any]:
         del data
     times.sort()
     q = lambda p: times[min(len(times) - 1, int(p * len(times)))]  # noqa: E731
-    return {"cases": n, "seed": seed, "outcomes": dict(outcomes), "crashes": len(crashes), "crash_examples": crashes[:5],
+    return {"cases": n, "seed": seed, "outcomes": dict(outcomes), "crashes": len(crashes),
+            "crash_examples": crashes[:5],
             "by_mutation": {k: dict(v) for k, v in sorted(by_mutation.items())},
             "time_s": {"p50": q(0.5), "p99": q(0.99), "max": times[-1], "total": sum(times),
                        "slowest_mutation": slowest[1]},
@@ -253,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")
     print(f"{result['cases']} cases under a {args.memory_gib} GiB cap: {result['crashes']} crashes; outcomes "
-          f"{result['outcomes']}; p50 {result['time_s']['p50'] * 1e3:.2f} ms, p99 {result['time_s']['p99'] * 1e3:.2f} "
-          f"ms, max {result['time_s']['max'] * 1e3:.1f} ms ({result['time_s']['slowest_mutation']}); peak RSS "
+          f"{result['outcomes']}; p50 {result['time_s']['p50'] * 1e3:.2f} ms, p99 "
+          f"{result['time_s']['p99'] * 1e3:.2f} "
+          f"ms, max {result['time_s']['max'] * 1e3:.1f} ms ({result['time_s']['slowest_mutation']}); peak "
+          "RSS "
           f"{result['peak_rss_mib']:.0f} MiB")
     return 1 if result["crashes"] else 0
 

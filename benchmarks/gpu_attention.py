@@ -11,6 +11,7 @@ Usage (device): python3 benchmarks/gpu_attention.py [--baseline FILE]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -48,7 +49,8 @@ class Cache:
         q = torch.cat([self.q[s][a:b] for s, a, b in zip(seqs, starts, ends)])
         cu = torch.tensor([0] + list(torch.tensor([b - a for a, b in zip(starts, ends)]).cumsum(0)),
                           dtype=torch.int32, device="cuda")
-        out = ta.paged_attention(q, self.k, self.v, cu, torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        out = ta.paged_attention(q, self.k, self.v, cu,
+                                 torch.tensor(starts, dtype=torch.int32, device="cuda"),
                                  self.tables[seqs], D ** -0.5, cfg)
         return list(out.split([b - a for a, b in zip(starts, ends)]))
 
@@ -75,19 +77,23 @@ def invariance(cfg, lens: list[int]) -> dict:
         chunks.append(torch.cat(parts))
     decode = [torch.cat([c.run([s], [p], [p + 1], cfg)[0] for p in range(max(0, lens[s] - 3), lens[s])])
               for s in range(n)]
-    mixed = c.run(list(range(n)), [lens[s] - 1 if s % 2 else 0 for s in range(n)], lens, cfg)  # decode + prefill
+    mixed = c.run(list(range(n)), [lens[s] - 1 if s % 2 else 0 for s in range(n)], lens,
+                  cfg)  # decode + prefill
     res = {"batch==alone": all(torch.equal(whole_batch[s], whole_alone[s]) for s in range(n)),
            "chunked==alone": all(torch.equal(chunks[s], whole_alone[s]) for s in range(n)),
-           "decode==prefill": all(torch.equal(decode[s], whole_alone[s][-decode[s].shape[0]:]) for s in range(n)),
-           "mixed batch==alone": all(torch.equal(mixed[s], whole_alone[s][-mixed[s].shape[0]:]) for s in range(n))}
-    errs = [((whole_alone[s].float() - c.reference(s)).norm() / c.reference(s).norm()).item() for s in range(n)]
+           "decode==prefill": all(torch.equal(decode[s],
+                                              whole_alone[s][-decode[s].shape[0]:]) for s in range(n)),
+           "mixed batch==alone": all(torch.equal(mixed[s],
+                                                 whole_alone[s][-mixed[s].shape[0]:]) for s in range(n))}
+    errs = [((whole_alone[s].float() - c.reference(s)).norm() / c.reference(s).norm()).item()
+            for s in range(n)]
     res["max rel err vs fp32"] = max(errs)
     return res
 
 
 def _launch_only(c: Cache, seqs: list[int], starts: list[int], ends: list[int], cfg, mod=ta):
-    """A callable that runs only the kernels (inputs and the step's plan built once, as the engine's CUDA graphs
-    hold them), so small decode batches time the GPU, not the host."""
+    """A callable that runs only the kernels (inputs and the step's plan built once, as the engine's CUDA
+    graphs hold them), so small decode batches time the GPU, not the host."""
     q = torch.cat([c.q[s][a:b] for s, a, b in zip(seqs, starts, ends)])
     sizes = [b - a for a, b in zip(starts, ends)]
     cu = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -115,21 +121,22 @@ def timings(cfg, mod=ta) -> dict:
         kk = torch.stack([c.kv[s][0] for s in range(b)]).transpose(1, 2)  # [B, HKV, L, D] contiguous copies
         vv = torch.stack([c.kv[s][1] for s in range(b)]).transpose(1, 2)
         qq = torch.stack([c.q[s][-1:] for s in range(b)]).transpose(1, 2)  # [B, H, 1, D]
-        sdpa = _graph_bench(lambda qq=qq, kk=kk, vv=vv: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True))
+        sdpa = _graph_bench(functools.partial(F.scaled_dot_product_attention, qq, kk, vv, enable_gqa=True))
         out[f"decode {b}x{n}"] = {"ours_ms": ours, "sdpa_contiguous_ms": sdpa,
                                   "floor_ms": 2 * b * n * HKV * D * 2 / 4.28e12 * 1e3}
     for b, n in ((4, 4096), (1, 8192)):  # prefill: whole sequences
         lens = [n] * b
         c = Cache(lens, seed=3)
-        ours = triton.testing.do_bench(_launch_only(c, list(range(b)), [0] * b, lens, cfg, mod), warmup=25, rep=50,
-                                       return_mode="median")
+        ours = triton.testing.do_bench(_launch_only(c, list(range(b)), [0] * b, lens, cfg, mod), warmup=25,
+                                       rep=50, return_mode="median")
         qq = torch.stack(c.q).transpose(1, 2)
         kk = torch.stack([c.kv[s][0] for s in range(b)]).transpose(1, 2)
         vv = torch.stack([c.kv[s][1] for s in range(b)]).transpose(1, 2)
         sdpa = triton.testing.do_bench(lambda qq=qq, kk=kk, vv=vv: F.scaled_dot_product_attention(
             qq, kk, vv, is_causal=True, enable_gqa=True), warmup=25, rep=50, return_mode="median")
         flops = 4 * b * n * n * H * D / 2
-        out[f"prefill {b}x{n}"] = {"ours_ms": ours, "sdpa_contiguous_ms": sdpa, "floor_ms": flops / 790e12 * 1e3}
+        out[f"prefill {b}x{n}"] = {"ours_ms": ours, "sdpa_contiguous_ms": sdpa,
+                                   "floor_ms": flops / 790e12 * 1e3}
     return out
 
 
@@ -137,8 +144,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", default=None, help="another triton_attention.py to time beside this one")
     ap.add_argument("--configs", default=None, help="comma-separated subset of the configs (default: all)")
-    ap.add_argument("--one-pass", action="store_true", help="time each streaming config's in-program fold both ways: "
-                                                            "a loop per split as '<name>', one pass (FOLD_IN_ONE_PASS, "
+    ap.add_argument("--one-pass", action="store_true",
+                    help="time each streaming config's in-program fold both ways: "
+                                                            "a loop per split as '<name>', one pass "
+                                                            "(FOLD_IN_ONE_PASS, "
                                                             "the default) as '<name>+1pass'")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -175,7 +184,8 @@ def main() -> None:
             print(name + "+1pass", json.dumps(results["invariance"][name + "+1pass"]), flush=True)
     if args.baseline:
         base = load_kernel_file(args.baseline, "baseline_attention")
-        for name in [n for n in ("m64n64s2048", "m64n32s2048", "m128n64s2048w8", "stream-m64n64s512") if n in configs]:
+        for name in [n for n in ("m64n64s2048", "m64n32s2048", "m128n64s2048w8",
+                                 "stream-m64n64s512") if n in configs]:
             fields = {f: getattr(configs[name], f) for f in configs[name].__dataclass_fields__}
             results["baseline"][name] = timings(base.TritonAttentionConfig(**fields), base)
     # tile sensitivity: the same tokens through every config (same split stride) -> same bits?
@@ -192,7 +202,8 @@ def main() -> None:
                                           for name, cfg in configs.items() if cfg.streaming}
         print("one pass == loop per split:", results["one_pass_bits_equal"], flush=True)
     first = next(iter(outs))
-    results["tiles"] = {name: all(torch.equal(a, b) for a, b in zip(o, outs[first])) for name, o in outs.items()}
+    results["tiles"] = {name: all(torch.equal(a, b) for a, b in zip(o,
+                                                                    outs[first])) for name, o in outs.items()}
     print(f"same bits as {first}:", results["tiles"], flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "gpu_attention.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -202,8 +213,8 @@ def main() -> None:
     for name, r in results["invariance"].items():
         print(f"| {name} | {r['batch==alone']} | {r['chunked==alone']} | {r['decode==prefill']} | "
               f"{r['mixed batch==alone']} | {r['max rel err vs fp32']:.1e} |")
-    print("\n| config | workload | ours ms | SDPA (contiguous KV) ms | ratio | floor ms | baseline ms | ours / baseline |"
-          "\n|---|---|---|---|---|---|---|---|")
+    print("\n| config | workload | ours ms | SDPA (contiguous KV) ms | ratio | floor ms | baseline ms "
+          "| ours / baseline |\n|---|---|---|---|---|---|---|---|")
     for name, rows in results["timing"].items():
         for w, r in rows.items():
             base = results["baseline"].get(name, {}).get(w)

@@ -39,13 +39,16 @@ def active_weight_bytes(llm: LLM) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-1b")
-    ap.add_argument("--model", default=None, help="a checkpoint folder or model name (default: random:<shape>)")
+    ap.add_argument("--model", default=None,
+                    help="a checkpoint folder or model name (default: random:<shape>)")
     ap.add_argument("--modes", default="detent,stock,det")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--tuple", default=None, help="detent's committed tuple (JSON/msgpack); default: the preferred")
+    ap.add_argument("--tuple", default=None,
+                    help="detent's committed tuple (JSON/msgpack); default: the preferred")
     ap.add_argument("--battery-modes", default=None, help="modes that run the battery (default: all)")
     ap.add_argument("--no-graph-check", action="store_true", help="skip the graph-against-eager comparison")
-    ap.add_argument("--attention-streaming", action="store_true", help="det/detent: the attention's streaming fold")
+    ap.add_argument("--attention-streaming", action="store_true",
+                    help="det/detent: the attention's streaming fold")
     args = ap.parse_args()
     committed = load_tuple(args.tuple) if args.tuple else None
     battery_modes = (args.battery_modes or args.modes).split(",")
@@ -96,20 +99,24 @@ def main() -> None:
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - t0) / (seq.num_output_tokens - 1) * 1e3
         out["modes"][mode] = {
-            "battery_passed": sum(c.passed for c in cells) if cells else None, "tuple": llm.selection.tuple, "failing": [c.name for c in cells if not c.passed],
+            "battery_passed": sum(c.passed for c in cells) if cells else None, "tuple": llm.selection.tuple,
+                              "failing": [c.name for c in cells if not c.passed],
             "battery_s": battery_s, "output_tok_s": tps, "decode_step_ms_b1": step_ms,
             "rescore_speedup": gen_s / rescore_s, "rescore_bits_equal": same,
             "hbm_floor_ms": weight_bytes / 4.28e12 * 1e3, "hbm_floor_active_ms": active_bytes / 4.28e12 * 1e3}
         print(mode, json.dumps(out["modes"][mode]), flush=True)
-        if mode == "detent" and not args.eager and not args.no_graph_check:  # graph replay against the eager step, bit for bit
+        # graph replay against the eager step, bit for bit
+        if mode == "detent" and not args.eager and not args.no_graph_check:
             llm.reset()
             mixed = [SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=24, ignore_eos=True)
                      for i in range(12)]
             graphed = llm.generate(prompts[:12], mixed)
-            eager = LLM(EngineConfig(model=model, device="cuda", dtype="bfloat16", mode=mode,
-                                     max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
-                                     max_model_len=4096, cuda_graphs=False, tuple=committed,
-                                     attention_streaming=args.attention_streaming)).generate(prompts[:12], mixed)
+            eager_llm = LLM(EngineConfig(model=model, device="cuda", dtype="bfloat16", mode=mode,
+                                         max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
+                                         max_model_len=4096, cuda_graphs=False, tuple=committed,
+                                         attention_streaming=args.attention_streaming))
+            eager = eager_llm.generate(prompts[:12], mixed)
+            del eager_llm  # its weights and KV pool go before the next mode's engine is built
             out["modes"][mode]["graph==eager"] = all(
                 a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in zip(graphed, eager))
             print("graph == eager:", out["modes"][mode]["graph==eager"], flush=True)
@@ -117,14 +124,18 @@ def main() -> None:
         torch.cuda.empty_cache()
     with open(os.path.join(os.environ.get("OUT", "."), f"gpu_engine_{label}.json"), "w") as f:
         json.dump(out, f, indent=1)
-    print(f"\ndevice: {out['device']}; {label}, bf16, {'eager' if args.eager else 'CUDA graphs for decode'}\n")
-    print("| mode | battery | output tok/s (32x64) | ratio | decode step b=1 | HBM floor | active-weight floor | "
+    decode = "eager" if args.eager else "CUDA graphs for decode"
+    print(f"\ndevice: {out['device']}; {label}, bf16, {decode}\n")
+    print("| mode | battery | output tok/s (32x64) | ratio | decode step b=1 | HBM floor | active-weight "
+          "floor | "
           "rescore speed-up |\n|---|---|---|---|---|---|---|---|")
     base = out["modes"].get("stock", {}).get("output_tok_s")
     for mode, r in out["modes"].items():
         ratio = f"{r['output_tok_s'] / base:.2f}" if base else "-"
-        print(f"| {mode} | {r['battery_passed'] if r['battery_passed'] is not None else '-'}/35 | {r['output_tok_s']:.0f} | {ratio} | "
-              f"{r['decode_step_ms_b1']:.2f} ms | {r['hbm_floor_ms']:.3f} ms | {r['hbm_floor_active_ms']:.3f} ms | "
+        print(f"| {mode} | {r['battery_passed'] if r['battery_passed'] is not None else '-'}/35 | "
+              f"{r['output_tok_s']:.0f} | {ratio} | "
+              f"{r['decode_step_ms_b1']:.2f} ms | {r['hbm_floor_ms']:.3f} ms | "
+              f"{r['hbm_floor_active_ms']:.3f} ms | "
               f"{r['rescore_speedup']:.1f}x "
               f"(bits {'equal' if r['rescore_bits_equal'] else 'DIFFER'}) |")
     for mode, r in out["modes"].items():

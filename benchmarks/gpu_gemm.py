@@ -112,7 +112,8 @@ def main() -> None:
     print(f"\nrel. error vs fp32 ({next(iter(CONFIGS))}, M=256): " + ", ".join(
         f"{s}: {e:.1e}" for s, e in results["rel_err"].items()))
     print("\n## median ms (ratio to cuBLAS)\n")
-    print("| shape | M | floor | cublas | " + " | ".join(CONFIGS) + " |\n|---|---|---|---|" + "---|" * len(CONFIGS))
+    print("| shape | M | floor | cublas | " + " | ".join(CONFIGS) + " |\n|---|---|---|---|"
+          + "---|" * len(CONFIGS))
     for key, row in results["timing"].items():
         sname, m = key.split("|")
         cells = [f"{row[c]:.3f} ({row[c] / row['cublas']:.2f})" for c in CONFIGS]

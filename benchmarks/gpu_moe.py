@@ -86,7 +86,8 @@ def graphed(fn, x, logits):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--detent", default="64,64,32,8,4,3", help="the pinned config: bm,bn,bk,group_m,warps,stages")
+    ap.add_argument("--detent", default="64,64,32,8,4,3",
+                    help="the pinned config: bm,bn,bk,group_m,warps,stages")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--no-candidates", action="store_true")
     args = ap.parse_args()
@@ -149,7 +150,8 @@ def main() -> None:
     print(f"\n## one field changed from the detent config (M={SENSITIVITY_M})\n")
     print("| variant | same bits as detent | rows differing | own rows invariant |\n|---|---|---|---|")
     for vname, cell in results["fields"].items():
-        print(f"| {vname} | {cell['same_bits_as_detent']} | {cell['rows_differing']} | {cell['own_rows_invariant']} |")
+        print(f"| {vname} | {cell['same_bits_as_detent']} | {cell['rows_differing']} | "
+              f"{cell['own_rows_invariant']} |")
     names = ["detent", "detent_graph", "stock", "naive", *candidates]
     print("\n## median ms (ratio to the floor)\n")
     print("| M | active experts | floor | " + " | ".join(names) + " |\n|---|---|---|" + "---|" * len(names))

@@ -26,8 +26,8 @@ reported). Modes run in the order stock, detent-tuned, detent-default, det, so t
 first.
 
 Usage (device): python3 benchmarks/gpu_serving.py [--shape llama-3.2-1b] [--tuned-tuple FILE] [--scale 0.5]
-CPU try:        python benchmarks/gpu_serving.py --device cpu --dtype float32 --shape tiny-llama --scale 0.05 \
-                    --doc-tokens 256 --output-tokens 8
+CPU try:        python benchmarks/gpu_serving.py --device cpu --dtype float32 --shape tiny-llama \
+                    --scale 0.05 --doc-tokens 256 --output-tokens 8
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class Plan:
         out = []
         for name in wanted:
             if name == "sharegpt":
-                out.append(self.sharegpt.with_poisson_arrivals(sharegpt_load * peaks["sharegpt"].requests_per_s,
-                                                               seed=1))
+                rate = sharegpt_load * peaks["sharegpt"].requests_per_s
+                out.append(self.sharegpt.with_poisson_arrivals(rate, seed=1))
             elif name.startswith("docs-"):
                 fraction = int(name.removeprefix("docs-")) / 100
                 out.append(self.docs.with_poisson_arrivals(fraction * peaks["docs"].requests_per_s, seed=2,
@@ -107,16 +107,19 @@ def make_plan(args: argparse.Namespace, space: TokenSpace) -> Plan:
 
     return Plan(
         sharegpt=sharegpt_like(600, seed=0, vocab=space, scale=args.scale),
-        docs=long_documents(count(32), prompt_tokens=args.doc_tokens, output_tokens=args.output_tokens, seed=0,
-                            vocab=space),
-        closed=closed_loop(count(64), 8, prompt_tokens=(min(128, args.doc_tokens), min(1024, args.doc_tokens)),
+        docs=long_documents(count(32), prompt_tokens=args.doc_tokens, output_tokens=args.output_tokens,
+                            seed=0, vocab=space),
+        closed=closed_loop(count(64), 8,
+                           prompt_tokens=(min(128, args.doc_tokens), min(1024, args.doc_tokens)),
                            output_tokens=(args.output_tokens, args.output_tokens), seed=0, vocab=space),
         num_c1=count(16))
 
 
-def engine_config(args: argparse.Namespace, mode: str, max_model_len: int, kind: str | None = None) -> EngineConfig:
+def engine_config(args: argparse.Namespace, mode: str, max_model_len: int,
+                  kind: str | None = None) -> EngineConfig:
     sizes = {**SIZES[args.device], **{k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                                                         ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                                         ("max_num_batched_tokens",
+                                                          args.max_num_batched_tokens),
                                                          ("num_kv_blocks", args.num_kv_blocks)) if v}}
     tuned = getattr(args, "tuned_tuples", {}).get(kind) or args.tuned_tuple
     committed = load_tuple(tuned) if mode == "detent-tuned" else None
@@ -226,7 +229,8 @@ def kind_of(workload_name: str) -> str:
 def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
     """Tune detent's tuple per kind of workload served (--workloads) on a profiling sample of that kind
     (another seed than the timed workloads): budgeted and, with --tune-exhaustive, exhaustively (validation).
-    Writes each kind's budgeted tuple and returns {kind: report}; args.tuned_tuples maps kind -> tuple file."""
+    Writes each kind's budgeted tuple and returns {kind: report}; args.tuned_tuples maps kind -> tuple file.
+    """
     from detent_audit.engine.tune import tune_engine
     from detent_audit.engine.tuples import save_tuple
 
@@ -251,13 +255,14 @@ def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
                                 "families": [r.to_json() for r in reports]}
             for r in reports:
                 print(f"tune {kind} {mode} {r.family}: measured {r.measured} of {r.grid_size} "
-                      f"({r.measured / r.grid_size:.0%}; {r.distinct_launches} distinct launches), predicted {r.default_cost * 1e3:.2f} -> "
+                      f"({r.measured / r.grid_size:.0%}; {r.distinct_launches} distinct launches), predicted "
+                      f"{r.default_cost * 1e3:.2f} -> "
                       f"{r.tuned_cost * 1e3:.2f} ms, chosen {r.chosen}", flush=True)
         if "exhaustive" in info[kind]:
             for b, e in zip(info[kind]["budgeted"]["families"], info[kind]["exhaustive"]["families"]):
                 b["over_exhaustive"] = b["tuned_cost"] / e["tuned_cost"] if e["tuned_cost"] else 1.0
-                print(f"tune {kind} {b['family']}: budgeted / exhaustive optimum = {b['over_exhaustive']:.4f}",
-                      flush=True)
+                print(f"tune {kind} {b['family']}: budgeted / exhaustive optimum = "
+                      f"{b['over_exhaustive']:.4f}", flush=True)
         path = os.path.join(os.environ.get("OUT", "."), f"tuned_{shape}_{kind}.msgpack")
         save_tuple(info[kind]["budgeted"]["tuple"], path)
         args.tuned_tuples[kind] = info[kind]["tuple_file"] = path
@@ -278,17 +283,23 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--modes", default="stock,det,detent-default,detent-tuned")
     ap.add_argument("--tuned-tuple", default=None, help="detent-tuned's tuple file (JSON/msgpack)")
     ap.add_argument("--tune", action="store_true",
-                    help="without --tuned-tuple: tune first (`detent-audit tune`'s search on a profiling mix of the "
-                         "three workload kinds drawn with another seed), then serve detent-tuned with that tuple")
-    ap.add_argument("--tune-exhaustive", default="", help="kinds (sharegpt,docs,closed) whose tuning also runs the "
+                    help="without --tuned-tuple: tune first (`detent-audit tune`'s search on a profiling mix "
+                         "of the "
+                         "three workload kinds drawn with another seed), then serve detent-tuned with that "
+                         "tuple")
+    ap.add_argument("--tune-exhaustive", default="",
+                    help="kinds (sharegpt,docs,closed) whose tuning also runs the "
                                                             "exhaustive search, for validation")
-    ap.add_argument("--tune-cold-kv", action="store_true", help="--tune with the oracle's cold_kv (each timed "
+    ap.add_argument("--tune-cold-kv", action="store_true",
+                    help="--tune with the oracle's cold_kv (each timed "
                                                                 "launch reads its own K/V copy)")
     ap.add_argument("--tune-as-served", action="store_true", help="--tune on a profile served at each kind's "
-                                                                  "concurrencies (PROFILING_CONCURRENCY), not all "
+                                                                  "concurrencies (PROFILING_CONCURRENCY), "
+                                                                  "not all "
                                                                   "at once")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
-    ap.add_argument("--scale", type=float, default=0.5, help="request counts (and ShareGPT-like lengths); 1 = full")
+    ap.add_argument("--scale", type=float, default=0.5,
+                    help="request counts (and ShareGPT-like lengths); 1 = full")
     ap.add_argument("--doc-tokens", type=int, default=8192, help="long-document prompt length")
     ap.add_argument("--output-tokens", type=int, default=128, help="output tokens of docs and closed loop")
     ap.add_argument("--sharegpt-load", type=float, default=0.5, help="ShareGPT-like rate over stock's peak")
@@ -299,7 +310,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the longest request")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--attention-streaming", action="store_true", help="det/detent: the attention's streaming fold")
+    ap.add_argument("--attention-streaming", action="store_true",
+                    help="det/detent: the attention's streaming fold")
     ap.add_argument("--cache-dir", default=None, help="the selectors' JIT cache")
     ap.add_argument("--progress", action="store_true", help="a progress bar per run")
     ap.add_argument("--json", default=None, help="default: $OUT/gpu_serving_<shape>.json")
@@ -322,8 +334,8 @@ def main() -> int:
     modes.sort(key=ORDER.index)  # stock first (its peak sets the loads), then the acceptance's detent-tuned
     base = "stock" if "stock" in modes else None
     shape = args.model.removeprefix("random:") if args.model else args.shape
-    out: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
-                 "shape": shape, "args": vars(args), "modes": modes}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    out: dict = {"device": device, "shape": shape, "args": vars(args), "modes": modes}
     plan = make_plan(args, token_space_for(engine_config(args, modes[0], 2048)))
     base_sets = (plan.sharegpt, plan.docs, plan.closed)
     max_len = args.max_model_len or max(w.max_len for w in base_sets)
@@ -342,9 +354,11 @@ def main() -> int:
             skipped += [f"{mode}/{w}" for w in wanted]
             continue
         results[mode] = {}
-        # one engine per mode; detent-tuned with per-kind tuples: one per kind of workload, each with its tuple
+        # one engine per mode; detent-tuned with per-kind tuples: one per kind of workload, each with its
+        # tuple
         per_kind = mode == "detent-tuned" and bool(getattr(args, "tuned_tuples", None))
-        groups = ([(k, [w for w in wanted if kind_of(w) == k]) for k in KINDS] if per_kind else [(None, wanted)])
+        groups = ([(k, [w for w in wanted if kind_of(w) == k]) for k in KINDS] if per_kind
+                  else [(None, wanted)])
         for kind, names in groups:
             if not names:
                 continue
@@ -360,10 +374,12 @@ def main() -> int:
                 if any(w.startswith("docs-") for w in wanted):
                     peaks["docs"] = measure_peak(llm, plan.docs)
                 out["peaks"] = {"mode": mode, **{k: p.to_json() for k, p in peaks.items()},
-                                "load_fractions": {"sharegpt": args.sharegpt_load, "docs": list(LOAD_FRACTIONS)}}
+                                "load_fractions": {"sharegpt": args.sharegpt_load,
+                                                   "docs": list(LOAD_FRACTIONS)}}
                 print(f"peaks on {mode}: " + ", ".join(f"{k} {p.requests_per_s:.2f} req/s"
                                                        for k, p in peaks.items()), flush=True)
-            print(f"{mode}{f' ({kind})' if kind else ''}: build, warm-up and peaks {time.perf_counter() - t0:.1f} s",
+            print(f"{mode}{f' ({kind})' if kind else ''}: build, warm-up and peaks "
+                  f"{time.perf_counter() - t0:.1f} s",
                   flush=True)
             for w in plan.workloads(peaks, args.sharegpt_load, names):
                 if budget_left <= 0:

@@ -36,10 +36,12 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--kinds", default="docs,closed")
     ap.add_argument("--attention-streaming", action="store_true", help="tune the attention's streaming mode")
-    ap.add_argument("--as-served", action="store_true", help="profile each kind at the concurrencies its timed "
+    ap.add_argument("--as-served", action="store_true",
+                    help="profile each kind at the concurrencies its timed "
                                                              "workloads run at (PROFILING_CONCURRENCY), as "
                                                              "gpu_serving.py --tune-as-served does")
-    ap.add_argument("--cold-kv", action="store_true", help="the oracle's cold_kv: each launch of a repeat reads "
+    ap.add_argument("--cold-kv", action="store_true",
+                    help="the oracle's cold_kv: each launch of a repeat reads "
                                                            "its own K/V copy, as the engine's layers do")
     args = ap.parse_args()
     llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode="detent",
@@ -69,7 +71,8 @@ def main() -> None:
         ex = search(reduced, workload, timed, mode="exhaustive")
         t1 = time.perf_counter()
         frac = classes_fraction(grid, reduced, BUDGET_FRACTION)
-        bu = search(reduced, workload, timed, mode="budgeted", budget_fraction=frac, abandon=False)  # as tune does
+        bu = search(reduced, workload, timed, mode="budgeted", budget_fraction=frac,
+                    abandon=False)  # as tune does
         t2 = time.perf_counter()
         out["kinds"][kind] = {
             "grid": len(grid.legal), "classes": len(reduced.legal), "default": dict(grid.default),

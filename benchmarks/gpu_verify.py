@@ -54,7 +54,8 @@ def main() -> int:
                                   vocab=token_space_for(config)))  # warm-up: Triton builds, graph captures
     tokens = args.requests * args.output_tokens
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    out: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "shape": args.shape,
+    out: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                 "shape": args.shape,
                  "requests": args.requests, "output_tokens": args.output_tokens, "tuple": llm.selection.tuple,
                  "serving": []}
     first = None
@@ -62,8 +63,8 @@ def main() -> int:
         result = run_workload(llm, workload.as_closed_loop(c))
         bits = [(r.token_ids, r.logprobs) for r in result.records]
         first = first or bits
-        out["serving"].append({"concurrency": c, "seconds": result.duration_s, "equal_to_first": bits == first,
-                               "max_in_flight": result.max_in_flight})
+        out["serving"].append({"concurrency": c, "seconds": result.duration_s,
+                               "equal_to_first": bits == first, "max_in_flight": result.max_in_flight})
         print(f"served at concurrency {c}: {result.duration_s:.2f} s, bits equal to the first run's: "
               f"{bits == first}", flush=True)
     llm.reset()

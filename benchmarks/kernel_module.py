@@ -11,8 +11,8 @@ from types import ModuleType
 
 def load_kernel(name: str) -> ModuleType:
     """kernels/<name>.py as the module `name`."""
-    return load_kernel_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", f"{name}.py"),
-                            name)
+    here = os.path.dirname(os.path.abspath(__file__))
+    return load_kernel_file(os.path.join(here, "..", "kernels", f"{name}.py"), name)
 
 
 def load_kernel_file(path: str, name: str) -> ModuleType:

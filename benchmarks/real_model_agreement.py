@@ -1,10 +1,11 @@
-"""The engine's fp32 logprobs and greedy tokens on SmolLM2-135M-Instruct against transformers' own GGUF loader.
+"""The engine's fp32 logprobs and greedy tokens on SmolLM2-135M-Instruct against transformers' GGUF loader.
 
 16 prompts x 32 greedy tokens: the engine runs them in one batch (detent mode), transformers one by one with
 its KV cache and no logits processors. Reported: how many continuations are equal to the last token, where the
 others part (and transformers' logit margin there: a near tie decides it), and the largest difference between
 the engine's fp32 logprob and transformers' float64 log_softmax over the tokens both chose.
-Needs the test extra (transformers, accelerate, gguf). Usage: python benchmarks/real_model_agreement.py [--json F]
+Needs the test extra (transformers, accelerate, gguf).
+Usage: python benchmarks/real_model_agreement.py [--json F]
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from detent_audit.engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is", "Question: what is 2 + 2?\nAnswer:", "Once upon a time, there was a",
-    "The three primary colors are", "def add(a, b):\n", "Water boils at", "The largest planet in the solar system is",
+    "The three primary colors are", "def add(a, b):\n", "Water boils at",
+           "The largest planet in the solar system is",
     "In 1492, Columbus", "A haiku about autumn:\n", "Photosynthesis is the process by which",
     "The square root of 144 is", "To make a cup of tea, first", "Python is a programming language that",
     "The opposite of hot is", "My favourite book is", "The speed of light is",
@@ -50,7 +52,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     gguf = wheel_gguf(REAL_MODEL)[0]
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                              torch_dtype=torch.float32).eval()
     llm = LLM(EngineConfig(model=REAL_MODEL, mode="detent"))
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True))
@@ -63,10 +66,13 @@ def main() -> int:
         ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
         diff = (torch.tensor(out.logprobs, dtype=torch.float64) - ref).abs()[:same + 1].max().item()
         worst = max(worst, diff)
-        margin = (logits[same, theirs[same]] - logits[same, out.token_ids[same]]).item() if same < args.tokens else None
-        rows.append({"prompt": text, "equal_tokens": same, "max_abs_logprob_diff": diff, "margin_at_part": margin})
+        margin = ((logits[same, theirs[same]] - logits[same, out.token_ids[same]]).item()
+                  if same < args.tokens else None)
+        rows.append({"prompt": text, "equal_tokens": same, "max_abs_logprob_diff": diff,
+                     "margin_at_part": margin})
     equal = sum(r["equal_tokens"] == args.tokens for r in rows)
-    print(f"device: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}; "
+    print(f"device: {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), torch "
+          f"{torch.__version__}; "
           f"{REAL_MODEL} fp32, detent mode, {len(PROMPTS)} prompts x {args.tokens} greedy tokens\n")
     print("| prompt | equal tokens | max abs logprob diff | transformers' logit margin where they part |")
     print("|---|---|---|---|")
@@ -74,7 +80,8 @@ def main() -> int:
         m = "-" if r["margin_at_part"] is None else f"{r['margin_at_part']:.2e}"
         print(f"| {json.dumps(r['prompt'])[1:-1]} | {r['equal_tokens']}/{args.tokens} | "
               f"{r['max_abs_logprob_diff']:.2e} | {m} |")
-    print(f"\n{equal}/{len(rows)} continuations equal to the last token; largest logprob difference {worst:.2e}")
+    print(f"\n{equal}/{len(rows)} continuations equal to the last token; "
+          f"largest logprob difference {worst:.2e}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"rows": rows, "equal": equal, "worst": worst}, f, indent=2)

@@ -5,10 +5,10 @@ Detent runs with three tuples: the engine's default (no tuple), and the tuples `
 the workload served at concurrency 1 and at concurrency 8 (tuned in this process on these requests, or read
 from --tuple-c1/--tuple-c8). One process holds every engine; runs interleave the variants, the first round is
 a warm-up, the figure is the median. Bits: each detent variant's batch-1 output of each prompt must equal that
-prompt's row of its batch-8 run (batch invariance), or the script exits 1. The time split comes from a separate
-pass with the KernelSet's `linear` and `attention` timed (so the timed runs carry no instrumentation). The GEMM
-bound: the model's GEMMs of one decode step, per form, timed alone (what a lone row costs at best).
-Usage: python benchmarks/real_model_cpu.py [--runs 5] [--output-tokens 32] [--json OUT]
+prompt's row of its batch-8 run (batch invariance), or the script exits 1. The time split comes from a
+separate pass with the KernelSet's `linear` and `attention` timed (so the timed runs carry no
+instrumentation). The GEMM bound: the model's GEMMs of one decode step, per form, timed alone (what a lone row
+costs at best). Usage: python benchmarks/real_model_cpu.py [--runs 5] [--output-tokens 32] [--json OUT]
 """
 
 from __future__ import annotations
@@ -95,13 +95,15 @@ def main() -> int:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first and dropped")
-    ap.add_argument("--check-prompts", type=int, default=8, help="prompts served alone against their batch-8 row")
+    ap.add_argument("--check-prompts", type=int, default=8,
+                    help="prompts served alone against their batch-8 row")
     ap.add_argument("--tune-prompts-c1", type=int, default=8, help="prompts of the concurrency-1 profile")
     ap.add_argument("--tuple-c1", default=None, help="the tuple for concurrency 1 (default: tune it here)")
     ap.add_argument("--tuple-c8", default=None, help="the tuple for concurrency 8 (default: tune it here)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
     args = ap.parse_args()
-    base = dict(model=REAL_MODEL, num_threads=args.threads, num_kv_blocks=128)  # 8 x 70 tokens need 40 blocks; five engines in one process
+    base = dict(model=REAL_MODEL, num_threads=args.threads,
+                num_kv_blocks=128)  # 8 x 70 tokens need 40 blocks; five engines in one process
     engines = {"stock": LLM(EngineConfig(mode="stock", **base)), "detent": LLM(EngineConfig(**base))}
     tok = engines["stock"].tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -138,10 +140,12 @@ def main() -> int:
     splits = {f"{b}/{m}": split_times(engines[m], prompts[:b], params) for b in (1, 8) for m in VARIANTS}
     bound = {rows: decode_step_gemms(engines["stock"], rows) for rows in (1, 8)}
     forms = {name: gemm_form(engines[name].selection.tuple) for name in VARIANTS[1:]}
-    print(f"device: {platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
+    print(f"device: {platform.processor() or platform.machine()} "
+          f"({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} thread(s), torch {torch.__version__}; {REAL_MODEL} fp32; chat prompts of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.output_tokens} output tokens "
-          f"(prefill included); median of {args.runs} after {args.warmup} warm-up, variants interleaved; tuples: "
+          f"(prefill included); median of {args.runs} after {args.warmup} warm-up, variants interleaved; "
+          "tuples: "
           + ", ".join(f"{n} {forms[n]}" for n in forms) + "\n")
     print("| batch | stock tok/s | " + " | ".join(f"{n} ({forms[n]}) tok/s | / stock" for n in VARIANTS[1:])
           + " |\n|---|---|" + "---|---|" * 3)

@@ -45,7 +45,8 @@ def sampling_params(request: Request) -> SamplingParams:
 
 
 def engine_requests(name: str, requests: Iterable[Request]) -> list[tuple[str, list[int], SamplingParams]]:
-    """(request id, prompt token ids, sampling params) triples, as `LLM.add_request` and the tuner take them."""
+    """(request id, prompt token ids, sampling params) triples, as `LLM.add_request` and the tuner take
+    them."""
     return [(f"{name}-{i}", list(r.prompt_token_ids), sampling_params(r)) for i, r in enumerate(requests)]
 
 
@@ -65,7 +66,8 @@ def token_space_of(llm: LLM) -> TokenSpace:
 
 def token_space_for(config: EngineConfig) -> TokenSpace:
     """The ordinary token ids of the model an engine would load (reads its config and tokenizer only)."""
-    return ordinary_tokens(Tokenizer.from_pretrained(config.model_path), ModelConfig.from_pretrained(config.model_path))
+    return ordinary_tokens(Tokenizer.from_pretrained(config.model_path),
+                           ModelConfig.from_pretrained(config.model_path))
 
 
 @dataclass(frozen=True)

@@ -54,9 +54,11 @@ def main() -> None:
     args = ap.parse_args()
     resolve_model(args.model)  # a wheel model is imported before any timing
     started = time.perf_counter()
-    report = {"machine": f"{_cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, {args.threads} thread(s) used",
+    report = {"machine": f"{_cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, {args.threads} "
+                         "thread(s) used",
               "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "model": args.model,
-              "workload": f"{args.batch} greedy requests of 16-64 random byte tokens, {args.tokens} output tokens each, "
+              "workload": f"{args.batch} greedy requests of 16-64 random byte tokens, {args.tokens} output "
+                          "tokens each, "
                           "submitted together", "kv_tokens": args.kv_tokens, "modes": {}}
     engines = {}
     modes = [m for m in ("detent", "stock") if m in args.modes.split(",")]
@@ -68,12 +70,13 @@ def main() -> None:
                                  "start_profile": engines[mode].start_profile}
         if not args.skip_battery:
             t = time.perf_counter()
-            cells = run_battery(engines[mode], progress=lambda name, m=mode: print(m, name, file=sys.stderr, flush=True))
+            cells = run_battery(engines[mode],
+                                progress=lambda name, m=mode: print(m, name, file=sys.stderr, flush=True))
             report["modes"][mode].update(
                 battery_s=round(time.perf_counter() - t, 1), passed=sum(c.passed for c in cells),
                 cells=[c.to_json() for c in cells], failing=[c.name for c in cells if not c.passed])
-            print(mode, report["modes"][mode]["passed"], "/", len(cells), "failing:", report["modes"][mode]["failing"],
-                  file=sys.stderr, flush=True)
+            print(mode, report["modes"][mode]["passed"], "/", len(cells), "failing:",
+                  report["modes"][mode]["failing"], file=sys.stderr, flush=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(0, 256) for _ in range(rng.randint(16, 64))] for _ in range(args.batch)]
     if len(engines) < 2:
@@ -86,7 +89,8 @@ def main() -> None:
             print(mode, "tokens/s", round(rates[mode][-1], 2), file=sys.stderr, flush=True)
         report["load_average_per_round"].append([round(x, 2) for x in os.getloadavg()])
     if args.repeats:
-        report["detent_over_stock_per_round"] = [round(d / s, 3) for d, s in zip(rates["detent"], rates["stock"], strict=True)]
+        pairs = zip(rates["detent"], rates["stock"], strict=True)
+        report["detent_over_stock_per_round"] = [round(d / s, 3) for d, s in pairs]
     for mode in engines if args.repeats else ():
         report["modes"][mode]["tokens_per_s"] = [round(r, 2) for r in rates[mode]]
         report["modes"][mode]["tokens_per_s_median"] = round(statistics.median(rates[mode]), 2)

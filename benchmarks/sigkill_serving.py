@@ -1,7 +1,8 @@
-"""SIGKILL under load, repeatedly: `detent-audit serve` on one folder is killed at a random moment (0-3 s after
-its first answer) while clients send requests (plain and streamed), and restarted; after the last kill a clean start and SIGTERM. Then:
-every answered request has its receipt, every receipt is in a run manifest (the restarts sealed what each
-kill left into recovery manifests), and `verify` of the folder passes and reports full coverage.
+"""SIGKILL under load, repeatedly: `detent-audit serve` on one folder is killed at a random moment (0-3 s
+after its first answer) while clients send requests (plain and streamed), and restarted; after the last kill
+a clean start and SIGTERM. Then: every answered request has its receipt, every receipt is in a run manifest
+(the restarts sealed what each kill left into recovery manifests), and `verify` of the folder passes and
+reports full coverage.
 
     python benchmarks/sigkill_serving.py --kills 10 --json OUT.json [--model CKPT]
 
@@ -34,11 +35,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model: Path, key: Path, out: Path, cache: Path, log: Path, rotate: int) -> tuple[subprocess.Popen, str]:
+def _start(model: Path, key: Path, out: Path, cache: Path, log: Path,
+           rotate: int) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "detent_audit.cli", "serve", "--model", str(model), "--key", str(key),
-           "--manifest-out", str(out), "--port", str(port), "--cache-dir", str(cache), "--rotate", str(rotate),
-           "--served-model-name", MODEL_NAME]
+           "--manifest-out", str(out), "--port", str(port), "--cache-dir", str(cache), "--rotate",
+           str(rotate), "--served-model-name", MODEL_NAME]
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -59,12 +61,14 @@ def _start(model: Path, key: Path, out: Path, cache: Path, log: Path, rotate: in
 def _client(url: str, rng: random.Random, answered: list[str], stop: threading.Event) -> None:
     """Requests until `stop`; the id of every response received whole (a stream: up to [DONE])."""
     while not stop.is_set():
-        body = {"model": MODEL_NAME, "prompt": f"request {rng.getrandbits(32)}:", "max_tokens": rng.randint(2, 24),
+        body = {"model": MODEL_NAME, "prompt": f"request {rng.getrandbits(32)}:",
+                "max_tokens": rng.randint(2, 24),
                 "ignore_eos": True, "temperature": rng.choice([0.0, 0.8]), "seed": rng.getrandbits(32)}
         try:
             if rng.random() < 0.4:
                 rid, done = None, False
-                with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+                with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                                  timeout=30) as r:
                     if r.status_code != 200:
                         continue
                     for line in r.iter_lines():
@@ -95,11 +99,13 @@ def run(kills: int, model: Path, work: Path, seed: int = 0, clients: int = 6, ro
         proc, url = _start(model, key.private_path, out, cache, server_log, rotate)
         stop = threading.Event()
         mine: list[str] = []
-        threads = [threading.Thread(target=_client, args=(url, random.Random(rng.getrandbits(64)), mine, stop))
+        threads = [threading.Thread(target=_client,
+                                    args=(url, random.Random(rng.getrandbits(64)), mine, stop))
                    for _ in range(clients)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 120  # under load: the kill lands after the first answer, at a random moment
+        # under load: the kill lands after the first answer, at a random moment
+        deadline = time.monotonic() + 120
         while not mine and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 3.0))
@@ -116,7 +122,8 @@ def run(kills: int, model: Path, work: Path, seed: int = 0, clients: int = 6, ro
         log(f"kill {k + 1}: {len(mine)} answered, {len(missing)} without a receipt; {receipts} receipts, "
             f"{manifests} manifests")
         answered += mine
-    proc, url = _start(model, key.private_path, out, cache, server_log, rotate)  # seals the last kill's receipts
+    proc, url = _start(model, key.private_path, out, cache, server_log,
+                       rotate)  # seals the last kill's receipts
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=90)
     res = subprocess.run([sys.executable, "-m", "detent_audit.cli", "verify", str(out), "--key",
@@ -128,7 +135,8 @@ def run(kills: int, model: Path, work: Path, seed: int = 0, clients: int = 6, ro
             "answered_without_receipt": sum(r["answered_without_receipt"] for r in rounds),
             "receipts": len(list((out / "receipts").glob("*.receipt"))),
             "manifests": len(list((out / "manifests").glob("*.manifest"))), "recovery_manifests": recovery,
-            "verify_exit_code": res.returncode, "verify_counts": report["counts"], "coverage": report["coverage"],
+            "verify_exit_code": res.returncode, "verify_counts": report["counts"],
+            "coverage": report["coverage"],
             "not_ok": [o for o in report["outcomes"] if o["status"] != "OK"][:5]}
 
 
@@ -153,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")
-    print(f"{result['kills']} kills: {result['answered']} answered, {result['answered_without_receipt']} without a "
-          f"receipt; {result['receipts']} receipts in {result['manifests']} manifests ({result['recovery_manifests']} "
+    print(f"{result['kills']} kills: {result['answered']} answered, {result['answered_without_receipt']} "
+          "without a "
+          f"receipt; {result['receipts']} receipts in {result['manifests']} manifests "
+          f"({result['recovery_manifests']} "
           f"recovery); verify exit {result['verify_exit_code']}, coverage {result['coverage']['covered']} of "
           f"{result['coverage']['receipts']}")
     ok = (result["answered_without_receipt"] == 0 and result["verify_exit_code"] == 0

@@ -49,7 +49,8 @@ def _changes(before: dict | None, program: str, pins: Sequence[SolvedPin]) -> st
 def table(lines: list[str]) -> bool:
     previous = json.loads(PREVIOUS.read_text())["rows"]
     ok = True
-    lines += ["| deployment | family | program | pins: name (candidates / legal) | constants | legal assignments | "
+    lines += ["| deployment | family | program | pins: name (candidates / legal) | constants | legal "
+              "assignments | "
               "pins, constant-folding-only | pins, no-cut | changed against selir-1 | cold solve |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     seen = set()
@@ -64,7 +65,8 @@ def table(lines: list[str]) -> bool:
                 ok = False
             if any(len(p.candidates) < 2 for p in full.pins):
                 ok = False
-            pins = ", ".join(f"{p.name} ({len(p.candidates)} / {len(p.legal_values)})" for p in full.pins) or "none"
+            pins = ", ".join(f"{p.name} ({len(p.candidates)} / {len(p.legal_values)})"
+                             for p in full.pins) or "none"
             consts = ", ".join(f"{c.name} = {c.value!r}" for c in full.constants) or "-"
             key = f"{name} {spec.name}"
             seen.add(key)
@@ -100,7 +102,8 @@ def timings(lines: list[str], repeats: int) -> bool:
             again.repin(selector, **{pin: other})
             repin.append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1000 for k, v in (("cold", cold), ("hit", hit), ("repin", repin))}
-    lines += [f"\nFA3 ({spec.key}) on {FA3_DEPLOYMENT}, median of {repeats}, {platform.processor() or 'cpu'}, "
+    lines += [f"\nFA3 ({spec.key}) on {FA3_DEPLOYMENT}, median of {repeats}, "
+              f"{platform.processor() or 'cpu'}, "
               f"{torch.get_num_threads()} threads:\n",
               "| measure | median | bound |\n|---|---|---|",
               f"| cold solve | {med['cold']:.0f} ms | - |",

@@ -19,8 +19,8 @@ from detent_audit.kernels.triton_aot import (
     resources,
 )
 
-# what the instruction mix says: matrix units (HGMMA), asynchronous 16-byte copies (LDGSTS...128), 16-byte loads,
-# scalar loads and spills (STL/LDL)
+# what the instruction mix says: matrix units (HGMMA), asynchronous 16-byte copies (LDGSTS...128), 16-byte
+# loads, scalar loads and spills (STL/LDL)
 OPS = ("HGMMA", "LDGSTS", "LDG", "STL", "LDL")
 
 
@@ -32,7 +32,8 @@ def _row(name: str, config: str, compiled) -> str:
 
 
 def main() -> None:
-    print("| kernel | config | registers | stack (spills) | shared memory | SASS instructions |\n|---|---|---|---|---|---|")
+    print("| kernel | config | registers | stack (spills) | shared memory | SASS instructions |\n"
+          "|---|---|---|---|---|---|")
     for d in (64, 128):
         for block_m, block_n, warps in ((64, 32, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8),
                                         (128, 128, 8)):
@@ -41,9 +42,12 @@ def main() -> None:
                                     ("attention folded (streaming)", ta._attn_folded, {})):
                 compiled = compile_sm90(fn, ATTENTION, {**shape, **extra}, num_warps=warps, num_stages=2)
                 print(_row(name, f"D={d} BLOCK_M={block_m} BLOCK_N={block_n} warps={warps}", compiled))
-    for bm, bn, bk, w, s in ((16, 32, 256, 4, 4), (16, 128, 128, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)):
-        compiled = compile_sm90(tg._persistent_matmul, GEMM, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                                                                  HAS_BIAS=False, **GEMM_UNIT_STRIDES), num_warps=w, num_stages=s)
+    for bm, bn, bk, w, s in ((16, 32, 256, 4, 4), (16, 128, 128, 4, 4), (64, 128, 64, 4, 4),
+                             (128, 256, 64, 8, 3)):
+        compiled = compile_sm90(tg._persistent_matmul, GEMM,
+                                dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                                                                  HAS_BIAS=False, **GEMM_UNIT_STRIDES),
+                                num_warps=w, num_stages=s)
         print(_row("gemm", f"m{bm} n{bn} k{bk} warps={w} stages={s}", compiled))
 
 

@@ -69,8 +69,8 @@ def load_recorded(path: str | Path) -> list[RecordedKind]:
     path = Path(path)
     with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
         data = json.load(f)
-    deployment = engine_deployment(NAMED_SHAPES[data["shape"]], dtype="bfloat16", num_threads=1, block_size=16,
-                                   prefix_caching=True, **RECORDING_ENGINE)
+    deployment = engine_deployment(NAMED_SHAPES[data["shape"]], dtype="bfloat16", num_threads=1,
+                                   block_size=16, prefix_caching=True, **RECORDING_ENGINE)
     selection = select_kernels("detent", deployment)
     grid, _ = family_grid(selection.results[FAMILY], selection.tuple[FAMILY], "cuda")
     # the classes the device run timed: with the graphs' splits for replayed decode steps, if it modelled them

@@ -85,7 +85,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         key = generate_key(root / "node.key")
-        lines = [{"id": f"r{i}", "prompt_token_ids": [rng.randrange(256) for _ in range(rng.randint(16, 128))],
+        lines = [{"id": f"r{i}",
+                  "prompt_token_ids": [rng.randrange(256) for _ in range(rng.randint(16, 128))],
                   "max_tokens": args.output_tokens, "temperature": rng.choice([0.0, 0.8]), "top_p": 0.95,
                   "seed": i, "ignore_eos": True} for i in range(args.requests)]
         (root / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
@@ -112,7 +113,8 @@ def main() -> int:
                 return 2
         receipts = root / f"receipts-{'all' if concurrencies[0] is None else concurrencies[0]}"
         trusted = load_trusted_keys(key.public_path)
-        runs = [("rescore", 1)] + [("rescore", args.workers)] * (args.workers > 1) + [("replay", 1)] * args.replay
+        runs = [("rescore", 1)] + [("rescore",
+                                    args.workers)] * (args.workers > 1) + [("replay", 1)] * args.replay
         for mode, workers in runs:
             with gemm_clock() as gemm_s:
                 t0 = time.perf_counter()
@@ -132,10 +134,13 @@ def main() -> int:
           + " | ".join(f"verify --mode {m}" for m in timings) + " | bound: serve / rescore's GEMM |")
     print("|---" * (5 + len(timings)) + "|")
     for s in serving:
-        cells = " | ".join(f"{t['seconds']:.1f} s = **{s['seconds'] / t['seconds']:.2f}x**" for t in timings.values())
+        cells = " | ".join(f"{t['seconds']:.1f} s = **{s['seconds'] / t['seconds']:.2f}x**"
+                           for t in timings.values())
         print(f"| {label(s['concurrency'])} | {s['seconds']:.1f} s | {s['gemm_seconds']:.1f} s | "
-              f"{s['seconds'] / tokens * 1e3:.2f} ms | {cells} | {s['seconds'] / rescore_gemm:.2f}x per worker |")
-    print(f"\nrescore's own GEMM time (1 worker): {rescore_gemm:.1f} s of {timings['rescore']['seconds']:.1f} s")
+              f"{s['seconds'] / tokens * 1e3:.2f} ms | {cells} | {s['seconds'] / rescore_gemm:.2f}x per "
+              "worker |")
+    print(f"\nrescore's own GEMM time (1 worker): {rescore_gemm:.1f} s of "
+          f"{timings['rescore']['seconds']:.1f} s")
     best = min(t["seconds"] for m, t in timings.items() if m.startswith("rescore"))
     verdicts = {label(s["concurrency"]): s["seconds"] / best >= 5 for s in serving}
     for name, ok in verdicts.items():

@@ -30,8 +30,8 @@ from pathlib import Path
 
 
 def _requests(n: int, max_tokens: int) -> list[tuple[list[int], dict]]:
-    """Greedy: stock vLLM CPU crashes on a seeded request whose prefill is chunked (`CPU Generator does not use
-    offset`, EngineDeadError), so the requests both modes serve are greedy."""
+    """Greedy: stock vLLM CPU crashes on a seeded request whose prefill is chunked (`CPU Generator does not
+    use offset`, EngineDeadError), so the requests both modes serve are greedy."""
     rng = random.Random(0)
     return [([rng.randrange(0, 256) for _ in range(rng.randint(20, 200))],
              {"temperature": 0.0, "seed": 100 + i, "max_tokens": max_tokens, "ignore_eos": True})
@@ -53,8 +53,10 @@ def child(args: argparse.Namespace) -> dict:
 
         t0 = time.perf_counter()
         block = prefix_block(engine)
-        results = run_battery(engine, target_len=args.target_len, block=block,
-                              progress=lambda name: print(f"cell {name} {time.perf_counter() - t0:.0f}s", flush=True))
+        def progress(name: str) -> None:
+            print(f"cell {name} {time.perf_counter() - t0:.0f}s", flush=True)
+
+        results = run_battery(engine, target_len=args.target_len, block=block, progress=progress)
         return {"mode": args.mode, "threads": args.num_threads, "startup_s": startup,
                 "battery_s": time.perf_counter() - t0, "target_len": args.target_len, "prefix_block": block,
                 "passed": sum(r.passed for r in results), "total": len(results),
@@ -70,8 +72,9 @@ def child(args: argparse.Namespace) -> dict:
     out = {"mode": args.mode, "threads": args.num_threads, "output_tokens": tokens, "serve_s": serve_s,
            "tokens_per_s": tokens / serve_s}
     if args.mode == "detent":
-        # verify-by-rescore, two paths of the same engine interleaved (median of --rescore-repeats): the output
-        # rows scored in vLLM's model runner (what verify runs) and vLLM's prompt logprobs (every position)
+        # verify-by-rescore, two paths of the same engine interleaved (median of --rescore-repeats): the
+        # output rows scored in vLLM's model runner (what verify runs) and vLLM's prompt logprobs (every
+        # position)
         greedy = [i for i, (_, p) in enumerate(reqs) if p["temperature"] == 0]
         pairs = [(reqs[i][0], outs[i].token_ids) for i in greedy]
         times: dict[str, list[float]] = {"runner": [], "prompt_logprobs": []}
@@ -97,7 +100,8 @@ def child(args: argparse.Namespace) -> dict:
 
 def _run_child(args: argparse.Namespace, job: str, mode: str, threads: int) -> dict:
     cmd = [sys.executable, __file__, "--child", job, "--model", args.model, "--mode", mode,
-           "--num-threads", str(threads), "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
+           "--num-threads", str(threads), "--requests", str(args.requests), "--max-tokens",
+           str(args.max_tokens),
            "--target-len", str(args.target_len), "--rescore-repeats", str(args.rescore_repeats)]
     lines = []
     with tempfile.TemporaryFile("w+") as log, \
@@ -157,7 +161,8 @@ def main() -> None:
                 row = _run_child(args, "throughput", mode, threads[0])
                 print(json.dumps(row), flush=True)
                 rounds.append(row)
-        med = {m: statistics.median(r["tokens_per_s"] for r in rounds if r["mode"] == m and "tokens_per_s" in r)
+        med = {m: statistics.median(r["tokens_per_s"] for r in rounds
+                                    if r["mode"] == m and "tokens_per_s" in r)
                for m in ("stock", "detent")}
         rescore = [r["rescore_over_serve"] for r in rounds if "rescore_over_serve" in r]
         old = [r["rescore_prompt_logprobs_over_serve"] for r in rounds if "rescore_over_serve" in r]

@@ -45,7 +45,8 @@ class Rescored(NamedTuple):
 
 
 class TokenizerLike(Protocol):
-    eos_token_ids: SequenceOf[int]
+    @property
+    def eos_token_ids(self) -> SequenceOf[int]: ...  # read-only: an engine's own tokenizer may keep a tuple
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -73,7 +74,8 @@ class RequestHandleLike(Protocol):
 class Engine(Protocol):
     """An engine that serve, verify and battery can drive. See the module docstring for the contract."""
 
-    tokenizer: TokenizerLike
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
 
     @property
     def max_model_len(self) -> int: ...

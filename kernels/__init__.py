@@ -52,22 +52,23 @@ def _constant(value):
 
 
 class Kernels(Protocol):
-    """The calls the model makes, every reduction inside one: what a kernel set on any device provides (the CPU
-    `KernelSet` here, `gpu.GpuKernelSet` on CUDA; the type checker holds both to it). Mutates only the KV cache
-    (`qkv_prologue`)."""
+    """The calls the model makes, every reduction inside one: what a kernel set on any device provides (the
+    CPU `KernelSet` here, `gpu.GpuKernelSet` on CUDA; the type checker holds both to it). Mutates only the KV
+    cache (`qkv_prologue`)."""
 
     @property
     def mode(self) -> str: ...
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor: ...
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor: ...
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
     def qkv_prologue(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: RopeCache,
                      heads: tuple[int, int, int], kv_cache: tuple[torch.Tensor, torch.Tensor],
                      slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
                      k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor: ...
-    def moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-            renormalize: bool) -> torch.Tensor: ...
+    def moe(self, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            top_k: int, renormalize: bool) -> torch.Tensor: ...
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -116,7 +117,8 @@ class KernelSet:
         if params is None and self.mode != "stock":
             raise SelectorError(f"the {family} selector returned no params in {self.mode} mode")
         if params is not None and not isinstance(params, kind):
-            raise SelectorError(f"the {family} selector returned {type(params).__name__}, not {kind.__name__}")
+            raise SelectorError(f"the {family} selector returned {type(params).__name__}, "
+                                f"not {kind.__name__}")
         if params is not None:
             self.called.setdefault(family, set()).add(params)
         return params
@@ -132,7 +134,8 @@ class KernelSet:
         return gemm.linear(x, weight, bias, params=params)
 
     def attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        scale: float
     ) -> torch.Tensor:
         selected = self.select_attention(
             num_seqs=meta.num_seqs, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k
@@ -152,7 +155,8 @@ class KernelSet:
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + x), residual + x): the residual add and the next norm (one launch on a GPU)."""
+        """(rms_norm(residual + x), residual + x): the residual add and the next norm (one launch on a
+        GPU)."""
         total = residual + x
         return self.rms_norm(total.reshape(-1, total.shape[-1]), weight, eps).view(total.shape), total
 
@@ -176,7 +180,8 @@ class KernelSet:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return rowlocal.silu_and_mul(x)
 
-    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: RopeCache) -> RotatedQK:
+    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             cos_sin: RopeCache) -> RotatedQK:
         return rowlocal.rope(q, k, positions, cos_sin)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:

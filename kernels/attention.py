@@ -132,7 +132,8 @@ def _gathered_tile(b: _Batch, state: _OnlineSoftmax, idx: torch.Tensor, kv_pos, 
     slots = _tile_slots(b.meta.block_tables[seqs], kv_pos, b.block_size)  # [n, tile]
     valid = (kv_pos[None, :] < b.meta.seq_lens[seqs, None])[..., None, None]
     k_g = b.k_flat[slots].float().permute(2, 0, 1, 3).reshape(kv_heads * n, tile, dim)
-    v_g = torch.where(valid, b.v_flat[slots].float(), 0.0).permute(2, 0, 1, 3).reshape(kv_heads * n, tile, dim)
+    v_g = torch.where(valid, b.v_flat[slots].float(), 0.0).permute(2, 0, 1,
+                                                                   3).reshape(kv_heads * n, tile, dim)
     q_g = b.qs[:, idx].view(kv_heads * n, group, dim)
     scores = _bmm(q_g, k_g.transpose(1, 2)).view(kv_heads, n, group, tile)
     mask = (kv_pos[None, :] <= b.tok_pos[idx, None])[None, :, None, :]

@@ -12,9 +12,9 @@ the scale and the params, on any x86-64 build (`-mavx2` or not: tested equal), w
 step's query count, chunked prefill or a prefix-cache hit.
 
 The bits are not those of the torch form (`attention.py`, whose products are MKL's): an engine records which
-form it runs (`IMPLEMENTATION`). Work is split over tokens by threads (each token's arithmetic is one thread's,
-so the thread count does not change bits). Falls back, raising `Unavailable` with the compiler's message,
-where no C compiler builds it; callers say so and use the torch form.
+form it runs (`IMPLEMENTATION`). Work is split over tokens by threads (each token's arithmetic is one
+thread's, so the thread count does not change bits). Falls back, raising `Unavailable` with the compiler's
+message, where no C compiler builds it; callers say so and use the torch form.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ static inline float dexp(float x) {
     return keep ? y : 0.0f;
 }
 
-/* a [D] dot product: lane l sums d = l, l+8, l+16, ... in order, then the lanes in a fixed tree (D % 8 == 0) */
+/* a [D] dot product: lane l sums d = l, l+8, l+16, ... in order, then the lanes in a fixed tree
+   (D % 8 == 0) */
 static inline float dot(const float *a, const float *b, int64_t d) {
     float lane[LANES] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t i = 0; i < d; i += LANES)
@@ -104,7 +105,10 @@ static void one(const job_t *j, int64_t t, int64_t h) {
     }
     const int64_t stride = j->stride > 0 ? j->stride : pos + 1;
     for (int64_t s0 = 0; s0 <= pos; s0 += stride) {
-        for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f; }
+        for (int64_t g = 0; g < G; g++) {
+            m[g] = -INFINITY; l[g] = 0.0f;
+            for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
+        }
         for (int64_t t0 = s0; t0 <= pos && t0 < s0 + stride; t0 += j->tile) {
             int64_t n = pos + 1 - t0 < j->tile ? pos + 1 - t0 : j->tile;
             for (int64_t i = 0; i < n; i++) {
@@ -158,8 +162,8 @@ static void *run(void *arg) {
 
 int detent_paged_attention(const float *q, const float *k, const float *v, const int32_t *tables,
                            const int64_t *tok_seq, const int64_t *tok_pos, float *out, int64_t tokens,
-                           int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_blocks,
-                           int64_t tile, int64_t stride, float scale, int64_t threads) {
+                           int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                           int64_t max_blocks, int64_t tile, int64_t stride, float scale, int64_t threads) {
     if (q_heads / kv_heads > MAX_G || dim > MAX_D || dim % LANES || tile > MAX_TILE) return 1;
     job_t base = {q, k, v, tables, tok_seq, tok_pos, out, tokens, q_heads, kv_heads, dim, block_size,
                   max_blocks, tile, stride, scale, 0, tokens * kv_heads};
@@ -201,7 +205,8 @@ def _cache_dir() -> Path:
 
 
 def build(arch_flags: tuple[str, ...] | None = None) -> Path:
-    """The shared library for these flags, compiled once per source and flags (atomically renamed into place)."""
+    """The shared library for these flags, compiled once per source and flags (atomically renamed into
+    place)."""
     flags = BASE_FLAGS + (_arch_flags() if arch_flags is None else arch_flags)
     cc = os.environ.get(ENV_CC) or "cc"
     key = hashlib.sha256((SOURCE + "\0" + " ".join(flags) + "\0" + cc).encode()).hexdigest()[:16]
@@ -264,7 +269,8 @@ def token_positions(meta: AttentionMetadata, block_size: int) -> TokenPositions:
     tok_pos = (meta.context_lens[tok_seq] + torch.arange(tokens) - meta.cu_seqlens_q[tok_seq]).to(torch.int64)
     if tokens and int(tok_pos.max()) >= meta.block_tables.shape[1] * block_size:
         raise BadInput("a query position lies past its block table")
-    return TokenPositions(tok_seq, tok_pos.contiguous(), meta.block_tables.to(torch.int32).contiguous(), block_size)
+    tables = meta.block_tables.to(torch.int32).contiguous()
+    return TokenPositions(tok_seq, tok_pos.contiguous(), tables, block_size)
 
 
 @torch.no_grad()
@@ -278,7 +284,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `positions`, `token_positions(meta, block_size)` computed once for all the layers of a step."""
     if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
         raise BadInput("the C attention runs float32 q and caches only")
-    if q.dim() != 3 or k_cache.dim() != 4 or q.shape[-1] != k_cache.shape[-1] or k_cache.shape != v_cache.shape:
+    if (q.dim() != 3 or k_cache.dim() != 4 or q.shape[-1] != k_cache.shape[-1]
+            or k_cache.shape != v_cache.shape):
         raise BadInput(f"paged_attention: q {tuple(q.shape)} and cache {tuple(k_cache.shape)} do not match")
     tokens, q_heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -303,6 +310,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         tables.shape[1], params.kv_tile, params.split_stride, float(scale),
         torch.get_num_threads() if threads is None else threads)
     if rc:
-        raise BadInput(f"the C attention takes at most 16 query heads per KV head, a head size that is a multiple of 8 up to 256 and tile 512, "
-                       f"got {q_heads // kv_heads}, {dim}, {params.kv_tile}")
+        raise BadInput("the C attention takes at most 16 query heads per KV head, a head size that is a "
+                       f"multiple of 8 up to 256 and tile 512, got {q_heads // kv_heads}, {dim}, "
+                       f"{params.kv_tile}")
     return out

@@ -39,7 +39,8 @@ class AttentionMetadata:
     def __post_init__(self) -> None:
         num_seqs = self.context_lens.shape[0] if self.context_lens.dim() == 1 else -1
         checks = [
-            (self.cu_seqlens_q.dim() == 1 and self.cu_seqlens_q.shape[0] == num_seqs + 1, "cu_seqlens_q [S+1]"),
+            (self.cu_seqlens_q.dim() == 1 and self.cu_seqlens_q.shape[0] == num_seqs + 1,
+             "cu_seqlens_q [S+1]"),
             (self.seq_lens.shape == (num_seqs,), "seq_lens [S]"),
             (self.block_tables.dim() == 2 and self.block_tables.shape[0] == num_seqs, "block_tables [S, B]"),
             (self.slot_mapping.dim() == 1, "slot_mapping [T]"),

@@ -3,8 +3,9 @@
 `linear(x, weight, bias, params=None)` is torch's F.linear on the whole batch (stock). With `GemmParams`:
 - "chunk": rows are processed in chunks of exactly `chunk_rows`, the last chunk zero-padded, so every matrix
   product the BLAS sees has M == chunk_rows whatever the batch size (invariant by construction);
-- "pad": one F.linear over the whole batch, zero-padded to at least `chunk_rows` rows: at M >= chunk_rows it is
-  exactly stock's call (invariant only where the BLAS gives a row the same bits at every M >= chunk_rows);
+- "pad": one F.linear over the whole batch, zero-padded to at least `chunk_rows` rows: at M >= chunk_rows
+  it is exactly stock's call (invariant only where the BLAS gives a row the same bits at every
+  M >= chunk_rows);
 - "row": every row its own one-row product (MKL's gemv; fp32 batches of rows through one batched gemm).
 The pad and row forms rest on the BLAS, so the engine proves them where it runs before it uses them
 (`gemm_probe.py`). The bias is added after the product (a row-local, correctly rounded add), as

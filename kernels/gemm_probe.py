@@ -75,12 +75,13 @@ class ProbeReport:
                     f"{min(self.batch_sizes)}..{max(self.batch_sizes)} ({len(self.batch_sizes)} sizes), "
                     f"{self.threads} thread(s), {self.dtype}")
         (n, k), m = self.failure
-        return (f"GEMM form {self.params.label} is not batch-invariant on this CPU at {self.threads} thread(s): "
-                f"a row's bits changed at M={m} (weight {n}x{k}, {self.dtype})")
+        return (f"GEMM form {self.params.label} is not batch-invariant on this CPU at {self.threads} "
+                f"thread(s): a row's bits changed at M={m} (weight {n}x{k}, {self.dtype})")
 
 
 def batch_sizes(max_rows: int) -> tuple[int, ...]:
-    """The batch sizes a probe tries, ascending: every M up to 24, then each power of two and its neighbours."""
+    """The batch sizes a probe tries, ascending: every M up to 24, then each power of two and its
+    neighbours."""
     sizes = set(range(1, min(_DENSE_UP_TO, max_rows) + 1))
     p = 32
     while p <= max_rows:

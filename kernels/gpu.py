@@ -91,17 +91,18 @@ class GpuKernelSet:
         tile = gemm_tile(x2.shape[0], weight.shape[0], weight.shape[1])
         return linear(x2, weight, bias, tile).reshape(*x.shape[:-1], weight.shape[0])
 
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
         from detent_audit.kernels.triton_attention import paged_attention, plan_step
 
         hkv = k_cache.shape[2]
-        cfg = self.attention_config(meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k, hkv, q.shape[1] // hkv)
+        cfg = self.attention_config(meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k, hkv,
+                                    q.shape[1] // hkv)
         if self._plan is None or self._plan[0] is not meta or self._plan[1] != cfg:  # one plan per step
             self._plan = (meta, cfg, plan_step(meta.cu_seqlens_q, meta.context_lens, meta.block_tables, cfg,
                                                q.device, q.shape[1] // hkv))
-        return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale,
-                               cfg, plan=self._plan[2])
+        return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                               scale, cfg, plan=self._plan[2])
 
     def qkv_prologue(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: RopeCache,
                      heads: tuple[int, int, int], kv_cache: tuple[torch.Tensor, torch.Tensor],

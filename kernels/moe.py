@@ -43,7 +43,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing
     return Routing(weights.contiguous(), ids.contiguous())
 
 
-def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, params: MoeParams | None) -> torch.Tensor:
+def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                params: MoeParams | None) -> torch.Tensor:
     """x: [n, H], w13: [2I, H] (gate then up), w2: [H, I] -> [n, H]."""
     gemm_params = params.gemm if params is not None else None
     hidden = linear(x, w13, params=gemm_params)

@@ -71,7 +71,8 @@ class GemmParams:
         if self.form == "chunk" and self.chunk_rows not in GEMM_CHUNK_ROWS_SPACE:
             raise BadParams(f"chunk_rows must be a power of two in 1..256, got {self.chunk_rows}")
         if self.form == "pad" and self.chunk_rows not in GEMM_PAD_ROWS_SPACE:
-            raise BadParams(f"the pad form's least rows must be one of {GEMM_PAD_ROWS_SPACE}, got {self.chunk_rows}")
+            raise BadParams(f"the pad form's least rows must be one of {GEMM_PAD_ROWS_SPACE}, "
+                            f"got {self.chunk_rows}")
         if self.form == "row" and self.chunk_rows != 1:
             raise BadParams(f"the row form takes one row per product (chunk_rows=1), got {self.chunk_rows}")
 
@@ -122,7 +123,8 @@ class MoeParams:
 
 
 GEMM_GRID: tuple[GemmParams, ...] = (*(GemmParams(c) for c in GEMM_CHUNK_ROWS_SPACE),
-                                      *(GemmParams(r, "pad") for r in GEMM_PAD_ROWS_SPACE), GemmParams(1, "row"))
+                                      *(GemmParams(r, "pad") for r in GEMM_PAD_ROWS_SPACE),
+                                     GemmParams(1, "row"))
 ATTENTION_GRID: tuple[AttentionParams, ...] = tuple(
     AttentionParams(kv_tile=t, split_stride=s)
     for t, s in product(ATTENTION_KV_TILE_SPACE, ATTENTION_SPLIT_STRIDE_SPACE)

@@ -15,7 +15,8 @@ from detent_audit.kernels.rowlocal import RopeCache, RotatedQK
 D = torch.float64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, params=None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           params=None) -> torch.Tensor:
     out = x.to(D) @ weight.to(D).t()
     return out if bias is None else out + bias.to(D)
 

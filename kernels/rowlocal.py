@@ -71,7 +71,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
         high = float(scaling["high_freq_factor"])
         old_context = float(scaling["original_max_position_embeddings"])
     except KeyError as missing:
-        raise BadInput(f"llama3 rope_scaling lacks {missing}", remedy="copy rope_scaling from config.json") from None
+        raise BadInput(f"llama3 rope_scaling lacks {missing}",
+                       remedy="copy rope_scaling from config.json") from None
     low_wavelen, high_wavelen = old_context / low, old_context / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -97,7 +98,8 @@ class RopeCache:
         cls, head_dim: int, rope_theta: float, max_positions: int, rope_scaling: dict | None = None
     ) -> RopeCache:
         if head_dim % 2 or head_dim <= 0 or max_positions <= 0:
-            raise BadInput(f"RoPE needs an even head_dim and max_positions > 0, got {head_dim}, {max_positions}")
+            raise BadInput(f"RoPE needs an even head_dim and max_positions > 0, "
+                           f"got {head_dim}, {max_positions}")
         inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
         if rope_type == "llama3":

@@ -1,5 +1,5 @@
-"""Build a Triton kernel for Hopper (sm90) ahead of time, on a machine without a GPU, specialised as a launch on
-the device would be: every pointer and every integer argument the engine passes aligned (16-byte pointers,
+"""Build a Triton kernel for Hopper (sm90) ahead of time, on a machine without a GPU, specialised as a launch
+on the device would be: every pointer and every integer argument the engine passes aligned (16-byte pointers,
 integers divisible by 16) is marked so, as Triton's JIT marks them at launch. Without those marks the build
 cannot vectorise loads or use asynchronous copies, and reads as a different (slower, spilling) kernel.
 
@@ -49,7 +49,8 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict[str, object], **opt
     pointers and aligned integers marked divisible by 16. An integer argument given in `constexprs` is
     specialised to that value, as the JIT specialises an argument equal to 1 (GEMM_UNIT_STRIDES).
     Returns Triton's compiled kernel."""
-    signature = {name: "constexpr" if name in constexprs else types.get(name, "constexpr") for name in fn.arg_names}
+    signature = {name: "constexpr" if name in constexprs else types.get(name,
+                                                                        "constexpr") for name in fn.arg_names}
     missing = [n for n, t in signature.items() if t == "constexpr" and n not in constexprs]
     if missing:
         raise ValueError(f"no type or constexpr for {missing}")
@@ -68,7 +69,8 @@ def _cuobjdump(compiled, flag: str) -> str:
 
 
 def resources(compiled) -> dict[str, int]:
-    """Registers, stack bytes (spills) and shared memory of a build, read with the cuobjdump Triton bundles."""
+    """Registers, stack bytes (spills) and shared memory of a build, read with the cuobjdump Triton
+    bundles."""
     found = dict(re.findall(r"(REG|STACK):(\d+)", _cuobjdump(compiled, "--dump-resource-usage")))
     return {"regs": int(found["REG"]), "stack": int(found["STACK"]), "smem": compiled.metadata.shared}
 
@@ -77,7 +79,8 @@ def instruction_counts(compiled, prefixes: tuple[str, ...]) -> dict[str, int]:
     """How many SASS instructions of each opcode starting with one of `prefixes` the build holds (static
     counts: which memory and matrix instructions the compiler chose, e.g. LDGSTS, HGMMA, STL)."""
     counts: dict[str, int] = {}
-    for op in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", _cuobjdump(compiled, "--dump-sass")):
+    for op in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
+                         _cuobjdump(compiled, "--dump-sass")):
         if op.startswith(prefixes):
             counts[op] = counts.get(op, 0) + 1
     return dict(sorted(counts.items()))

@@ -108,8 +108,9 @@ def _empty_state(BLOCK_M: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, min_pos, max_pos, start, end,
-                   qk_scale, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, row_ok, min_pos, max_pos, start,
+                   end, qk_scale, HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     """One split's unnormalised partial (m, l, acc) of each packed row over KV [start, end), an fp32 online
     softmax in BLOCK_N tiles aligned to absolute positions, in order: first the tiles every row of the tile
     sees whole (no masks), then the diagonal and last tiles (masked). Each step loads the next tile's block
@@ -119,13 +120,13 @@ def _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, page_size, hk, pos, ro
     blk = _block_ids(bt_ptr, s, stride_bt, page_size, max_pos, start, BLOCK_N)
     for kv0 in range(start, full_end, BLOCK_N):
         nxt = _block_ids(bt_ptr, s, stride_bt, page_size, max_pos, kv0 + BLOCK_N, BLOCK_N)
-        m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, page_size, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc,
-                                 qk_scale, HKV, D, BLOCK_N, False)
+        m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, page_size, hk, pos, row_ok, max_pos, kv0, m_i, l_i,
+                                 acc, qk_scale, HKV, D, BLOCK_N, False)
         blk = nxt
     for kv0 in range(full_end, end, BLOCK_N):
         nxt = _block_ids(bt_ptr, s, stride_bt, page_size, max_pos, kv0 + BLOCK_N, BLOCK_N)
-        m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, page_size, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc,
-                                 qk_scale, HKV, D, BLOCK_N, True)
+        m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, page_size, hk, pos, row_ok, max_pos, kv0, m_i, l_i,
+                                 acc, qk_scale, HKV, D, BLOCK_N, True)
         blk = nxt
     return m_i, l_i, acc
 
@@ -152,12 +153,12 @@ def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_
     tile = tl.num_programs(0) - 1 - tl.program_id(0)   # a sequence's last (longest) tiles start first
     hk = tl.program_id(1)                    # one KV head; its G query heads are packed into the tile's rows
     sp = tl.program_id(2)
-    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr,
-                                                                  cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
+    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(
+        q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
     start = sp * SPLIT
     m_i, l_i, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, PAGE, hk, pos, row_ok, min_pos,
-                                   max_pos, start, tl.minimum(start + SPLIT, max_pos + 1), qk_scale, HKV, D, BLOCK_M,
-                                   BLOCK_N)
+                                   max_pos, start, tl.minimum(start + SPLIT, max_pos + 1), qk_scale, HKV, D,
+                                   BLOCK_M, BLOCK_N)
     offs_d = tl.arange(0, D)
     if DIRECT:
         # one split: the combine of one partial is num / den with weight exp(0) = 1, so normalising here
@@ -173,16 +174,16 @@ def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_
 
 
 @triton.jit(do_not_specialize=["stride_bt", "SPLIT"])
-def _attn_folded(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, out_ptr,
-                 qk_scale, stride_bt, SPLIT, PAGE: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_folded(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
+                 out_ptr, qk_scale, stride_bt, SPLIT, PAGE: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
+                 D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Streaming mode, one program per (tile, KV head) over all its splits: each split's partial computed as
     `_attn_partial` computes it, folded in split order as `_attn_fold_combine` folds the stored partials.
     No partials in memory, no second launch: for tiles with many query rows (prefill)."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     hk = tl.program_id(1)
-    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr,
-                                                                  cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
+    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(
+        q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
     M, L, ACC = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, PAGE, hk, pos, row_ok, min_pos, max_pos,
                                0, tl.minimum(SPLIT, max_pos + 1), qk_scale, HKV, D, BLOCK_M, BLOCK_N)
     for start in range(SPLIT, max_pos + 1, SPLIT):
@@ -196,8 +197,8 @@ def _attn_folded(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_l
 
 
 @triton.jit
-def _one_pass_step(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, hk, pos, row_ok, max_pos, kv0, SPLIT, M, L, ACC, m_i, l_i,
-                   acc, blk, qk_scale, PAGE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+def _one_pass_step(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, hk, pos, row_ok, max_pos, kv0, SPLIT, M, L, ACC,
+                   m_i, l_i, acc, blk, qk_scale, PAGE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """One tile of the one-pass fold: where a split ends, fold its partial into (M, L, ACC) and start the next
     from the empty state; then the tile's step, with the next tile's block ids loaded ahead."""
@@ -205,14 +206,14 @@ def _one_pass_step(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, hk, pos, row_ok, max_p
         M, L, ACC = _fold(M, L, ACC, m_i, l_i, acc)
         m_i, l_i, acc = _empty_state(BLOCK_M, D)
     nxt = _block_ids(bt_ptr, s, stride_bt, PAGE, max_pos, kv0 + BLOCK_N, BLOCK_N)
-    m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, PAGE, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc, qk_scale,
-                             HKV, D, BLOCK_N, MASKED)
+    m_i, l_i, acc = _kv_step(q, k_ptr, v_ptr, blk, PAGE, hk, pos, row_ok, max_pos, kv0, m_i, l_i, acc,
+                             qk_scale, HKV, D, BLOCK_N, MASKED)
     return M, L, ACC, m_i, l_i, acc, nxt
 
 
 @triton.jit(do_not_specialize=["stride_bt", "SPLIT"])
-def _attn_folded_one_pass(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
-                          out_ptr, qk_scale, stride_bt, SPLIT, PAGE: tl.constexpr, H: tl.constexpr,
+def _attn_folded_one_pass(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr,
+                          ctx_ptr, out_ptr, qk_scale, stride_bt, SPLIT, PAGE: tl.constexpr, H: tl.constexpr,
                           HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr):
     """`_attn_folded` in one pass over the KV tiles: the same steps in the same order (each split's partial
@@ -222,8 +223,8 @@ def _attn_folded_one_pass(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_pt
     and exp2(0) = 1), so a row gets `_attn_folded`'s bits."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     hk = tl.program_id(1)
-    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr,
-                                                                  cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
+    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(
+        q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
     M, L, ACC = _empty_state(BLOCK_M, D)
     m_i, l_i, acc = _empty_state(BLOCK_M, D)
     end = max_pos + 1
@@ -281,9 +282,9 @@ def _attn_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.cons
 
 LOG2E = 1.4426950408889634
 IN_PROGRAM_MIN_PROGRAMS = 264  # streaming: fold in one program per tile once the launch has 2 per SM (H200)
-# streaming's in-program fold as one pass over the KV tiles (`_attn_folded_one_pass`) rather than a loop per split
-# (`_attn_folded`): the same bits; on the H200 prefill 1 x 8192 at stride 256 takes 1.79 ms where the loop per
-# split takes 2.22, and 1.78 against 1.82 at stride 2048 (benchmarks/gpu_attention.py --one-pass;
+# streaming's in-program fold as one pass over the KV tiles (`_attn_folded_one_pass`) rather than a loop per
+# split (`_attn_folded`): the same bits; on the H200 prefill 1 x 8192 at stride 256 takes 1.79 ms where the
+# loop per split takes 2.22, and 1.78 against 1.82 at stride 2048 (benchmarks/gpu_attention.py --one-pass;
 # RESULTS.md, "GPU kernels")
 FOLD_IN_ONE_PASS = True
 
@@ -344,8 +345,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         folded = _attn_folded_one_pass if FOLD_IN_ONE_PASS else _attn_folded
         folded[(plan.num_tiles, hkv)](
             q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len, plan.cu,
-            plan.context_lens, out, qk_scale, bt.stride(0), config.split, PAGE=page, H=h, HKV=hkv, D=d, G=h // hkv,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+            plan.context_lens, out, qk_scale, bt.stride(0), config.split, PAGE=page, H=h, HKV=hkv, D=d,
+            G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
             num_stages=config.num_stages)
         return out
     if direct:

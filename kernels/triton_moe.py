@@ -95,7 +95,8 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_lm, TOP_K: tl.cons
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> TritonRouting:
-    """router_logits: [M, E] (E <= 512) -> each row's top_k experts and fp32 weights (kernels/moe.route's rule)."""
+    """router_logits: [M, E] (E <= 512) -> each row's top_k experts and fp32 weights (kernels/moe.route's
+    rule)."""
     m, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts <= 512:
         raise ValueError(f"top_k={top_k} with {num_experts} experts (1 <= top_k <= E <= 512)")
@@ -137,7 +138,8 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_valid_ptr, scratch_
     # (2) every slot padding first; then each entry at its expert's block start + its rank in the group
     for b0 in range(0, num_blocks * BLOCK_M, CHUNK):
         slots = b0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + slots, num_entries + tl.zeros([CHUNK], tl.int32), mask=slots < num_blocks * BLOCK_M)
+        tl.store(sorted_ptr + slots, num_entries + tl.zeros([CHUNK], tl.int32),
+                 mask=slots < num_blocks * BLOCK_M)
     tl.debug_barrier()
     for c in range(NUM_CHUNKS):
         t = c * CHUNK + tl.arange(0, CHUNK)
@@ -211,8 +213,8 @@ def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignm
 @triton.jit(do_not_specialize=["num_entries", "num_blocks"])  # per-call counts: no compile per value class
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, entries_ptr, block_expert_ptr, num_entries, num_blocks, row_div,
                          stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
-                         N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # grouped ordering of tiles (L2 reuse): it changes which program computes a tile, not how
@@ -238,8 +240,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, entries_ptr, block_expert_ptr, num
                     mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, b, acc)  # bf16 operands, fp32 accumulator (fp32 operands: Triton's default TF32)
     c_rows = entries.to(tl.int64)
-    tl.store(c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-             mask=valid[:, None] & (offs_n[None, :] < N))
+    tl.store(c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, align: MoeAlignment, num_entries: int, row_div: int,
@@ -253,7 +255,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, align: MoeAlignment, num_entr
     _grouped_gemm_kernel[grid](
         a, w, out, align.sorted_entries, align.block_expert, num_entries, num_blocks, row_div,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        N=n, K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        N=n, K=k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                               GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -268,7 +271,8 @@ def _silu_and_mul_kernel(h_ptr, out_ptr, inter, stride_h, stride_o, BLOCK: tl.co
     act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # silu in fp32, cast to x's dtype
     # act * up in x's dtype: the fp32 product of two bf16 values is exact, so one rounding to bf16 gives
     # the correctly rounded bf16 product (what torch computes); written in fp32 for the interpreter too
-    tl.store(out_ptr + row * stride_o + offs, (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty), mask=mask)
+    product = (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, product, mask=mask)
 
 
 def silu_and_mul(hidden: torch.Tensor) -> torch.Tensor:
@@ -276,8 +280,8 @@ def silu_and_mul(hidden: torch.Tensor) -> torch.Tensor:
     rows, inter = hidden.shape[0], hidden.shape[1] // 2
     out = torch.empty((rows, inter), device=hidden.device, dtype=hidden.dtype)
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](hidden, out, inter, hidden.stride(0), out.stride(0),
-                                                            BLOCK=block)
+    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](hidden, out, inter, hidden.stride(0),
+                                                            out.stride(0), BLOCK=block)
     return out
 
 
@@ -301,7 +305,8 @@ def combine(slot_out: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.
     rows, hidden = weights.shape[0], slot_out.shape[1]
     out = torch.empty((rows, hidden), device=slot_out.device, dtype=slot_out.dtype)
     block = min(1024, triton.next_power_of_2(hidden))
-    _combine_kernel[(rows, triton.cdiv(hidden, block))](slot_out, weights, out, hidden, TOP_K=top_k, BLOCK=block)
+    grid = (rows, triton.cdiv(hidden, block))
+    _combine_kernel[grid](slot_out, weights, out, hidden, TOP_K=top_k, BLOCK=block)
     return out
 
 
@@ -316,7 +321,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     if (router_logits.shape != (tokens, num_experts) or w13.shape[2] != hidden
             or w2.shape != (num_experts, hidden, two_inter // 2) or two_inter % 2):
         raise ValueError(f"shapes x {tuple(x.shape)}, logits {tuple(router_logits.shape)}, "
-                         f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit [M,H],[M,E],[E,2I,H],[E,H,I]")
+                         f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} "
+                         "do not fit [M,H],[M,E],[E,2I,H],[E,H,I]")
     if tokens == 0:
         return x.new_empty((0, hidden))
     x = x.contiguous()

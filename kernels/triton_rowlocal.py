@@ -1,5 +1,5 @@
-"""Row-local ops on the GPU as single Triton launches: RMSNorm (with the residual add fused), SiLU-and-mul, and
-the attention prologue (split qkv, Qwen3's per-head norm, RoPE, K/V into the paged cache).
+"""Row-local ops on the GPU as single Triton launches: RMSNorm (with the residual add fused), SiLU-and-mul,
+and the attention prologue (split qkv, Qwen3's per-head norm, RoPE, K/V into the paged cache).
 
 Batch-invariant by construction: one program owns one row (one token, or one head of one token) and reduces
 it in a block whose size is set by the row's width alone, so no row's bits depend on how many rows the launch
@@ -26,7 +26,8 @@ def _rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n, eps, HAS_RESIDUAL: tl.co
     offs = tl.arange(0, BLOCK)
     ok = offs < n
     x = tl.load(x_ptr + row * n + offs, mask=ok, other=0.0)
-    if HAS_RESIDUAL:  # s = x + residual in the model's dtype (HF's `h = h + attn(...)`), stored for the next add
+    # s = x + residual in the model's dtype (HF's `h = h + attn(...)`), stored for the next add
+    if HAS_RESIDUAL:
         x = x + tl.load(r_ptr + row * n + offs, mask=ok, other=0.0)
         tl.store(sum_ptr + row * n + offs, x, mask=ok)
     xf = x.to(tl.float32)

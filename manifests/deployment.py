@@ -14,6 +14,7 @@ This module imports neither torch nor the engine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -430,17 +431,20 @@ def _parse_tables(data: dict) -> TunedTables:
         where = f"tables.matmul.{i}"
         head = _parse(_MatmulShapeFields, shape, where)
         buckets = tuple(_parse(MatmulBucket, b, f"{where}.buckets.{j}") for j, b in enumerate(head.buckets))
-        parsed.append(_located(lambda h=head, b=buckets: MatmulShapeConfig(h.n, h.k, h.block_k, b), where))
+        build = functools.partial(MatmulShapeConfig, head.n, head.k, head.block_k, buckets)
+        parsed.append(_located(build, where))
     return _located(lambda: TunedTables(rows, tuple(parsed), down), "tables")
 
 
-_TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a table", list: "an array"}
+_TYPE_NAMES: dict[type, str] = {int: "an integer", str: "a string", bool: "true or false", dict: "a table",
+                                 list: "an array"}
+_KIND_NAMES: dict[type, str] = {**_TYPE_NAMES, float: "a float", bool: "a boolean"}
 
 
 def _kind(value: Any) -> str:
     for t in (bool, int, str, float, dict, list):
         if isinstance(value, t):
-            return {float: "a float", bool: "a boolean"}.get(t, _TYPE_NAMES.get(t, t.__name__))
+            return _KIND_NAMES.get(t, t.__name__)
     return type(value).__name__
 
 

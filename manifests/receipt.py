@@ -26,7 +26,9 @@ What the receipt binds, and why:
   body's canonical JSON (`body_json`: keys sorted, no whitespace, UTF-8, no NaN; what a client computes
   over the body it sent) and `body_sha256` its SHA-256. A verifier parses the body again with the node's own
   parser for that `api` and requires the prompt ids and sampling below to be what it gives: a node cannot
-  answer another prompt, other sampling, a lower `max_tokens` or extra stop ids under the client's id.
+  answer another prompt, other sampling, a lower `max_tokens` or extra stop ids under the client's id. The
+  kinds admit disjoint bodies (an offline line is bound with its id, which the HTTP endpoints refuse), so the
+  `api` is the endpoint the client called: a client compares it (`verify-response`).
 - `request.prompt_token_ids_u32le` and `sampling`/`seed` are the request as the engine ran it (token ids,
   never text: a verifier re-runs ids, not a template).
 - `output.text` is the text returned to the client and `output.top_*` the top-k alternatives returned at

@@ -54,8 +54,15 @@ class _Poison:
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __neg__ = __pos__ = _same
     __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _same
-    __pow__ = __rpow__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _same
+    __pow__ = __rpow__ = __lt__ = __le__ = __gt__ = __ge__ = _same
     __hash__ = object.__hash__
+
+    # object's `==` and `!=` promise a bool; a poisoned comparison gives the poison back instead
+    def __eq__(self, other: object) -> Any:
+        return self
+
+    def __ne__(self, other: object) -> Any:
+        return self
 
     def __bool__(self) -> bool:
         raise ArithmeticError("a poisoned value has no truth")

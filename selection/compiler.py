@@ -135,7 +135,8 @@ class SolveResult:
         fields = {f.name for f in dataclasses.fields(cls)} - {"result_cls"}
         remedy = "remove the JIT cache directory; it is rebuilt on the next solve"
         if set(d) != fields:
-            raise SelIRError(f"a cached solve has fields {sorted(set(d) ^ fields)} out of place", remedy=remedy)
+            raise SelIRError(f"a cached solve has fields {sorted(set(d) ^ fields)} out of place",
+                             remedy=remedy)
         try:
             return cls._from_fields(d)
         except (KeyError, TypeError, ValueError) as exc:
@@ -190,7 +191,8 @@ class SolveResult:
         pins = {p.name: assignment[p.name] for p in self.pins}
         knobs = {k.name: assignment[k.name] for k in self.knobs}
         if self.result_cls is None:
-            raise SelIRError(f"{self.program}: this result has no @record class (made by from_json, not solve)",
+            raise SelIRError(f"{self.program}: this result has no @record class (made by from_json, "
+                             "not solve)",
                              remedy="get the result from solve(), which attaches the program's record class")
         return CompiledSelector(SelectorTemplate.from_json(self.template), self.result_cls, pins, knobs,
                                 self.family)

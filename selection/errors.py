@@ -7,7 +7,8 @@ from detent_audit.errors import BadInput, DetentError
 
 
 class SelIRError(BadInput):
-    """A program outside the SelIR grammar, or one that cannot be analysed; shows file:line:col and a caret."""
+    """A program outside the SelIR grammar, or one that cannot be analysed; shows file:line:col and a
+    caret."""
 
     def __init__(self, message: str, *, filename: str = "<selir>", source: str | None = None,
                  line: int | None = None, col: int | None = None, remedy: str | None = None) -> None:

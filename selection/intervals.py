@@ -7,6 +7,7 @@ narrower. `None` bounds mean unbounded. Booleans are the interval [0, 1] (or a p
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,15 +41,21 @@ def _num(v: Any) -> float | None:
     return None
 
 
-def _span(values: list[float]) -> Interval:
+def _span(values: Sequence[float]) -> Interval:
     vals = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
     if len(vals) != len(values):
         return TOP
     return Interval(min(vals), max(vals))
 
 
+def _span_of_numbers(values: Sequence[Any]) -> Interval:
+    """The span of `values` when every one is a number, else TOP."""
+    nums = [n for n in map(_num, values) if n is not None]
+    return _span(nums) if len(nums) == len(values) else TOP
+
+
 def _mul(a: Interval, b: Interval) -> Interval:
-    prods = []
+    prods: list[float] = []
     for x in (a.lo, a.hi):
         for y in (b.lo, b.hi):
             if (x == 0 and math.isinf(y)) or (y == 0 and math.isinf(x)):
@@ -61,7 +68,7 @@ def _mul(a: Interval, b: Interval) -> Interval:
 def _floordiv(a: Interval, b: Interval) -> Interval:
     if b.lo <= 0 <= b.hi:
         return TOP
-    cands = []
+    cands: list[float] = []
     for x in (a.lo, a.hi):
         for y in (b.lo, b.hi):
             q = x / y
@@ -84,8 +91,7 @@ def interval_of(node: Node, env: dict[int, Interval], domains: dict[str, Interva
     if op is Op.INPUT:
         return domains.get(arg[0], TOP)
     if op is Op.KNOB:
-        nums = [_num(c) for c in arg[1]]
-        return _span(nums) if all(n is not None for n in nums) else TOP
+        return _span_of_numbers(arg[1])
     src = [env.get(s.id, TOP) for s in node.src]
     if op is Op.UNARY:
         (a,) = src
@@ -183,14 +189,13 @@ def _call(name: str, node: Node, src: list[Interval]) -> Interval:
         return Interval(0, 0) if a == Interval(0, 0) else BOOL
     if name == "next_pow2":
         (a,) = src
-        lo = 1 if a.lo <= 1 else 1 << (math.ceil(a.lo) - 1).bit_length()
-        hi = INF if math.isinf(a.hi) else (1 if a.hi <= 1 else 1 << (math.ceil(a.hi) - 1).bit_length())
-        return Interval(lo, hi)
+        low = 1 if a.lo <= 1 else 1 << (math.ceil(a.lo) - 1).bit_length()
+        high = INF if math.isinf(a.hi) else (1 if a.hi <= 1 else 1 << (math.ceil(a.hi) - 1).bit_length())
+        return Interval(low, high)
     if name in ("getitem", "nearest"):
         values = node.src[0].arg
         values = [v for _, v in values] if name == "getitem" and _is_table(values) else list(values)
-        nums = [_num(v) for v in values]
-        return _span(nums) if nums and all(n is not None for n in nums) else TOP
+        return _span_of_numbers(values) if values else TOP
     return TOP
 
 

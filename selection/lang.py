@@ -104,7 +104,7 @@ def clamp(x: Any, lo: Any, hi: Any) -> Any:
     return min(max(x, lo), hi)
 
 
-def nearest(keys: Sequence[int], x: int) -> int:
+def nearest(keys: Sequence[int], x: float) -> int:
     """The key nearest `x`; ties go to the first in `keys` order (as `min(keys, key=|k - x|)` does)."""
     return min(keys, key=lambda k: abs(k - x))
 

@@ -136,7 +136,8 @@ class PartialEvaluator(ExpressionEvaluator):
         return self.and_(g, self.live(frame))
 
     def bind(self, frame: Frame, name: str, value: Any, at: ast.AST) -> None:
-        if isinstance(value, Node) and value.name is None and value.op is not Op.CONST and not name.startswith("$"):
+        if isinstance(value,
+                      Node) and value.name is None and value.op is not Op.CONST and not name.startswith("$"):
             value.name = name  # ($ret and the control flags are no names: the caller's variable names it)
         live = self.live(frame)
         if live is not True:
@@ -165,7 +166,8 @@ class PartialEvaluator(ExpressionEvaluator):
                 raise self.src.error(s, "a declaration without a value is not SelIR")
             self._assign(s.target, self.eval(s.value, frame), frame)
         elif isinstance(s, ast.AugAssign):
-            old = self._lookup(s.target.id, frame, s.target)
+            (name,) = self._target_names(s.target)  # Python admits no tuple here
+            old = self._lookup(name.id, frame, s.target)
             self._assign(s.target, self._binop(BINOPS[type(s.op)], old, self.eval(s.value, frame), s), frame)
         elif isinstance(s, ast.If):
             self._if(s, frame)
@@ -195,7 +197,7 @@ class PartialEvaluator(ExpressionEvaluator):
         if isinstance(target, ast.Name):
             self.bind(frame, target.id, value, target)
             return
-        names = target.elts  # a tuple of names (the grammar checked it)
+        names = self._target_names(target)
         if isinstance(value, RecordVal) or not isinstance(value, (tuple, list)) or len(value) != len(names):
             raise self.src.error(target, f"cannot unpack {self._describe(value)} into {len(names)} names")
         for name, item in zip(names, value):
@@ -242,7 +244,8 @@ class PartialEvaluator(ExpressionEvaluator):
         call = s.value
         if isinstance(call, ast.Constant) and isinstance(call.value, str):
             return  # a docstring
-        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in self.src.functions:
+        if isinstance(call, ast.Call) and isinstance(call.func,
+                                                     ast.Name) and call.func.id in self.src.functions:
             self.eval(call, frame)  # a helper called for its require/assume; its value is dropped
             return
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)

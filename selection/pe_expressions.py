@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import operator
 from typing import TYPE_CHECKING, Any
 
 from detent_audit.selection import lang
@@ -20,6 +19,7 @@ from detent_audit.selection.pe_values import (
     BINOPS,
     CMPOPS,
     PY_OPS,
+    UNARY_OPS,
     UNDEF,
     Builtin,
     Frame,
@@ -53,6 +53,14 @@ class ExpressionEvaluator:
         if method is None:
             raise self.src.error(e, f"`{type(e).__name__}` is not SelIR")
         return method(e, frame)
+
+    def _target_names(self, target: ast.AST) -> list[ast.Name]:
+        """The names an assignment or comprehension target binds: a name, or a tuple of names."""
+        elts: list[ast.AST] = list(target.elts) if isinstance(target, ast.Tuple) else [target]
+        names = [e for e in elts if isinstance(e, ast.Name)]
+        if len(names) != len(elts):
+            raise self.src.error(target, "only names and tuples of names can be assigned in SelIR")
+        return names
 
     def _e_Constant(self, e: ast.Constant, frame: Frame) -> Any:
         return e.value
@@ -137,7 +145,7 @@ class ExpressionEvaluator:
         v = self.eval(e.operand, frame)
         op = {ast.USub: "-", ast.UAdd: "+", ast.Not: "not"}[type(e.op)]
         if not isinstance(v, Node):
-            return {"-": operator.neg, "+": operator.pos, "not": operator.not_}[op](v)
+            return UNARY_OPS[op](v)
         if op == "not":
             return self.not_(v, e)
         return self.b.make(Op.UNARY, op, (v,), line=e.lineno, col=e.col_offset)
@@ -210,7 +218,10 @@ class ExpressionEvaluator:
                 if isinstance(gen.target, ast.Name):
                     scope[gen.target.id] = item
                 else:
-                    for name, v in zip(gen.target.elts, item):
+                    names = self._target_names(gen.target)
+                    if not isinstance(item, (tuple, list)) or len(item) != len(names):
+                        raise self.src.error(gen.target, f"cannot unpack {item!r} into {len(names)} names")
+                    for name, v in zip(names, item):
                         scope[name.id] = v
                 keep = True
                 for cond_e in gen.ifs:
@@ -249,7 +260,8 @@ class ExpressionEvaluator:
             except Exception as exc:  # noqa: BLE001
                 raise self.src.error(e, f"constant folding `{name}` failed: {exc!r}") from None
         line, col = self._pos(e)
-        if name in ("min", "max", "sum", "any", "all") and len(args) == 1 and isinstance(args[0], (list, tuple)):
+        if name in ("min", "max", "sum", "any",
+                    "all") and len(args) == 1 and isinstance(args[0], (list, tuple)):
             args = list(args[0])
             if not args:
                 raise self.src.error(e, f"`{name}` of an empty collection")
@@ -289,7 +301,11 @@ class ExpressionEvaluator:
         if e.args:
             raise self.src.error(e, f"@record `{cls.__name__}` takes keyword arguments")
         names = [f.name for f in dataclasses.fields(cls)]
-        given = {k.arg: self.eval(k.value, frame) for k in e.keywords}
+        given: dict[str, Any] = {}
+        for k in e.keywords:
+            if k.arg is None:
+                raise self.src.error(e, f"`{cls.__name__}`: `**` arguments are not SelIR")
+            given[k.arg] = self.eval(k.value, frame)
         missing, extra = sorted(set(names) - set(given)), sorted(set(given) - set(names))
         if missing or extra:
             raise self.src.error(e, f"`{cls.__name__}`: missing fields {missing}, unknown fields {extra}")

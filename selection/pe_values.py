@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ CMPOPS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", 
 PY_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
           "//": operator.floordiv, "%": operator.mod, "**": operator.pow, "<": operator.lt,
           "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne}
+UNARY_OPS: dict[str, Callable[[Any], Any]] = {"-": operator.neg, "+": operator.pos, "not": operator.not_}
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,8 @@ def check_program(prog: IRProgram, after: str) -> None:
             if s.id >= node.id:
                 raise AssertionError(f"after {after}: {node!r} reads a later node {s!r}")
         arg_key = _const_key(node.arg) if node.op is Op.CONST else repr(node.arg)
-        key = hashlib.sha256("|".join([node.op.value, arg_key, *(s.key for s in node.src)]).encode()).hexdigest()
+        key = hashlib.sha256("|".join([node.op.value, arg_key,
+                                       *(s.key for s in node.src)]).encode()).hexdigest()
         if key != node.key:
             raise AssertionError(f"after {after}: {node!r} does not match its content hash")
         if node.op is Op.INPUT and node.arg[0] not in {i.name for i in prog.inputs}:

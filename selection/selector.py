@@ -108,7 +108,8 @@ class CompiledSelector:
         ns = {**builtins_namespace(), **{k: _restore(v) for k, v in template.consts.items()},
               "_Result": result_cls, "_memo": self._memo, "_violation": self._violation,
               "_undefined": self._undefined}
-        self._fn: Callable[..., Any] = compile_function(source, "_selector", ns, f"<selector {template.program}>")
+        self._fn: Callable[..., Any] = compile_function(source, "_selector", ns,
+                                                        f"<selector {template.program}>")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._fn(*args, **kwargs)

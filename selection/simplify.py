@@ -3,13 +3,13 @@
 `input_domains` reads the bounds each top-level `assume` puts on a runtime input. `simplify` computes an
 interval per node over those domains and folds what the intervals decide: comparisons that always hold (or
 never do), SELECTs whose condition is decided, `min`/`max` arguments that can never win, `and`/`or` whose
-first operand's truth is decided (or, for booleans, either operand's), table lookups whose key is decided. Nodes that no root reads disappear
-(dead code). The assumes that define the domains are kept verbatim: they are what the selector checks.
+first operand's truth is decided (or, for booleans, either operand's), table lookups whose key is decided.
+Nodes that no root reads disappear (dead code). The assumes that define the domains are kept verbatim: they
+are what the selector checks.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 from detent_audit.selection.intervals import Interval, interval_of
 from detent_audit.selection.ir import Node, Op, is_boolean, toposort
 from detent_audit.selection.lang import BUILTINS, nearest
-from detent_audit.selection.pe_values import PY_OPS, Check, IRProgram
+from detent_audit.selection.pe_values import PY_OPS, UNARY_OPS, Check, IRProgram
 
 _KEEP = object()  # "keep the operation" (None is a value a node may fold to)
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
@@ -43,7 +43,8 @@ def _bound(node: Node) -> tuple[str, str, float] | None:
     op = node.arg
     if b.op is Op.INPUT and a.op is Op.CONST:
         a, b, op = b, a, _FLIP[op]
-    if a.op is Op.INPUT and b.op is Op.CONST and isinstance(b.arg, (int, float)) and not isinstance(b.arg, bool):
+    if a.op is Op.INPUT and b.op is Op.CONST and isinstance(b.arg,
+                                                            (int, float)) and not isinstance(b.arg, bool):
         return a.arg[0], op, b.arg
     return None
 
@@ -122,7 +123,7 @@ def _evaluate(node: Node, src: list[Any]) -> Any:
     op, arg = node.op, node.arg
     try:
         if op is Op.UNARY:
-            return {"-": operator.neg, "+": operator.pos, "not": operator.not_}[arg](src[0])
+            return UNARY_OPS[arg](src[0])
         if op in (Op.BINARY, Op.COMPARE):
             return PY_OPS[arg](src[0], src[1])
         if op is Op.AND:

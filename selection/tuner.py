@@ -128,7 +128,8 @@ class FamilyGrid:
     def __post_init__(self) -> None:
         bad = f"family {self.family!r}: "
         if not self.axes:
-            raise BadInput(bad + "the grid has no axes", remedy="give each pin and knob of the family an axis")
+            raise BadInput(bad + "the grid has no axes",
+                           remedy="give each pin and knob of the family an axis")
         axes = {name: tuple(self.axes[name]) for name in sorted(self.axes)}
         for name, values in axes.items():
             if not values or len(set(values)) != len(values):
@@ -432,7 +433,8 @@ LOCAL_RADII = (1, 2, 3)
 LOCAL_SCALE = 16  # axes longer than this take local steps of size // LOCAL_SCALE ranks
 
 
-def _budgeted(meter: _Meter, lattice: _Lattice, rng: random.Random, anchors: Iterable[Assignment] = ()) -> None:
+def _budgeted(meter: _Meter, lattice: _Lattice, rng: random.Random,
+              anchors: Iterable[Assignment] = ()) -> None:
     """Spend the budget (see the module docstring); returns when it is spent or the grid is measured."""
     for a in anchors:
         meter.cost(a, meter.best[1])

@@ -275,7 +275,8 @@ def _legal_groups(prog: IRProgram, axes: list[str], candidates: list[tuple], tab
             raise SelIRError(f"{prog.name}: {size} candidate assignments of {[axes[a] for a in group_axes]} "
                              f"exceed the analysis limit ({MAX_ASSIGNMENTS}); `{axes[worst]}` alone takes "
                              f"{len(candidates[worst])} values",
-                             remedy="pin a value with fewer distinct values (a bucket or a tile, not a count)")
+                             remedy="pin a value with fewer distinct values (a bucket or a tile, "
+                                    "not a count)")
         group_tables = [t for t in tables if t.axes and find(t.axes[0]) == find(group_axes[0])]
         pos = {a: i for i, a in enumerate(group_axes)}
         rows = []

@@ -143,3 +143,32 @@ def test_results_headline_rows_link_to_sections_scripts_and_raw_files() -> None:
         for link in links:
             if not link.startswith("#"):
                 assert (ROOT / "benchmarks" / link).exists(), (link, row)
+
+
+RESULTS_MAX_LINES, HEADLINE_CELL_MAX = 500, 200
+# how a lab log reads, not a record by claim: runs numbered in the text, fixes told as stories
+LAB_LOG = re.compile(r"\bruns? [0-9]+(?:-[0-9]+| and [0-9]+)\b|\bfirst run of\b|\bit used to\b|"
+                     r"\bthis round\b|\bbefore the fix\b|\bafter the fix\b|\bsession\b|\bissue [0-9]+")
+
+
+def _headline_rows(text: str) -> list[list[str]]:
+    head = text[text.index("## Headline figures"):]
+    head = head[: head.index("\n## ", 1)]
+    return [[cell.strip() for cell in row.strip().strip("|").split("|")]
+            for row in head.splitlines() if row.startswith("| ") and not row.startswith("| claim")]
+
+
+def test_results_is_a_short_record_by_claim() -> None:
+    text = RESULTS.read_text()
+    lines = text.count("\n")
+    assert lines <= RESULTS_MAX_LINES, f"RESULTS.md has {lines} lines: move long tables to its raw files"
+    log = [line.strip()[:120] for line in text.splitlines() if LAB_LOG.search(line)]
+    assert not log, "state the latest run of each claim; git keeps the history:\n" + "\n".join(log)
+    rows = _headline_rows(text)
+    assert len(rows) >= 10
+    for claim, figure, section, command, raw in rows:
+        long = [cell for cell in (claim, figure, section, command, raw) if len(cell) > HEADLINE_CELL_MAX]
+        assert not long, f"headline cells over {HEADLINE_CELL_MAX} characters: {long}"
+        assert re.search(r"\]\(#[\w-]+\)", section), f"{claim}: the section cell links no section"
+        assert "`" in command, f"{claim}: the command cell names no command"
+        assert re.search(r"\]\(results/[^)]+\)", raw), f"{claim}: the raw cell links no file under results/"

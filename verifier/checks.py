@@ -103,8 +103,11 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
     max_len, vocab = llm.max_model_len, llm.vocab_size
     try:
         body = client.body()
-        if client.api == OFFLINE_API:
-            if "id" in body and str(body["id"]) != rid:
+        if client.api == OFFLINE_API:  # a line is bound with its id, which no HTTP body may hold
+            if "id" not in body:
+                return ("the bound request has no id, so it is no input line the node read (a line is bound "
+                        "with its id); an HTTP body signed as a line would be read with a line's defaults")
+            if str(body["id"]) != rid:
                 return f"the client's request has id {body['id']!r}, the receipt answers {rid!r}"
             _, ids, params = parse_line(body, rid, llm.tokenizer, max_len, vocab, "the client's request")
             asked_max, echo = params.max_tokens, False

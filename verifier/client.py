@@ -1,154 +1,305 @@
-"""A client's check of one answer: its request, the response it received and the node's receipt, against each
-other, then the receipt's bits (`detent-audit verify-response`, or `verify_response` in one call).
+"""A client's check of one answer: its request, the response it received and the node's receipts, against each
+other, then the receipts' bits (`detent-audit verify-response`, or `verify_response` in one call).
 
-First the receipt's steps (1)-(3) (read, signature by a trusted key, payload); then the request: the receipt
-binds this exact body (its canonical JSON's SHA-256, `receipt.body_json`) at this endpoint; then the
-response: its id is the receipt's request id, the proof it carries (`receipt`: digest, keyid, signature) is
-this receipt's, its `system_fingerprint` the receipt's deployment, its text, finish reason, per-token logprobs
-(fp32 bits) and top alternatives those the receipt holds; last, `verify` of the receipt, steps (1)-(10). Any
-difference between request, response and receipt is a FAIL that names the field.
+First each receipt's steps (1)-(3) (read, signature by a trusted key, payload); then the request: each receipt
+binds this exact body (its canonical JSON's SHA-256, `receipt.body_json`) as a request to the endpoint the
+client called (`request.client.api`); then the response, as the client's OpenAI SDK shows it
+(`response_view.py`): its id is the receipts' request ids, the proof it carries (`receipt`: digest, keyid,
+signature) is the receipt's, its `system_fingerprint` the receipt's deployment, its `model` the one the
+request named, its `usage` the receipt's token counts, and each choice (one per prompt: choice i is the
+receipt of prompt i) holds the receipt's text, finish reason and, per output position, the token string,
+logprob bits and the top alternatives in order; last, `verify` of the receipts, steps (1)-(10). Any difference
+between request, response and receipt is a FAIL that names the field; a malformed document is bad input.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.dsse import Envelope, read_envelope_bytes
 from detent_audit.manifests.receipt import Receipt, body_json, verify_envelope
+from detent_audit.verifier.expected_response import (
+    Expected,
+    first_difference,
+    legacy_pairs,
+    model_tokenizer,
+    no_tokenizer,
+)
 from detent_audit.verifier.report import Outcome, Report
+from detent_audit.verifier.response_view import (
+    API_OF,
+    CHAT,
+    COMPLETIONS,
+    OBJECT_OF,
+    ResponseView,
+    response_view,
+)
 from detent_audit.verifier.verify import verify
 
 MAX_DOCUMENT_BYTES = 256 << 20
+ENDPOINTS = tuple(API_OF)
 
 
 def read_json_document(path: str | Path, what: str) -> Any:
-    """A JSON file (a request or a response), or a response saved as a server-sent-event stream."""
+    """A JSON object (a request or a response), or a response saved as a server-sent-event stream (the list of
+    its chunks). Raises `BadInput` for anything else."""
     try:
-        data = dec.read_bounded(path, MAX_DOCUMENT_BYTES, what=what)
+        text = dec.read_bounded(path, MAX_DOCUMENT_BYTES, what=what).decode("utf-8")
     except DetentError as exc:
         raise BadInput(exc.message) from None
-    text = data.decode("utf-8", "replace")
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{path}: the {what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         if text.lstrip().startswith("data:"):
             return [json.loads(line[5:]) for line in text.splitlines()
                     if line.startswith("data:") and line[5:].strip() != "[DONE]"]
-        return json.loads(text)
+        document = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise BadInput(f"{path}: the {what} is not JSON ({str(exc)[:200]})") from None
+    if not isinstance(document, dict):
+        raise BadInput(f"{path}: the {what} is a JSON {type(document).__name__}, not an object",
+                       remedy="pass the body as sent or received (a stream: its server-sent events, as "
+                              "received)")
+    return document
 
 
-def _f32(value: Any) -> bytes | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return struct.pack("<f", value)
+class Signed(NamedTuple):
+    """A receipt whose signature verified, and its envelope (the proof a response carries is over it)."""
+
+    receipt: Receipt
+    envelope: Envelope
 
 
-def response_view(response: Any) -> dict[str, Any]:
-    """What a response (a completion body, or the chunks of a stream) told the client: id, fingerprint, text,
-    finish reason, proof, per-token logprobs and top alternatives' logprobs."""
-    chunks = response if isinstance(response, list) else [response]
-    if not chunks or not all(isinstance(c, dict) for c in chunks):
-        raise BadInput("the response must be a JSON object (or the chunks of a stream)")
-    view: dict[str, Any] = {"id": chunks[0].get("id"), "fingerprint": chunks[0].get("system_fingerprint"),
-                            "text": "", "finish_reason": None, "proof": None, "logprobs": [], "tops": []}
-    for c in chunks:
-        if isinstance(c.get("receipt"), dict):
-            view["proof"] = c["receipt"]
-        for choice in c.get("choices") or []:
-            if not isinstance(choice, dict):
-                continue
-            delta = choice.get("delta") or choice.get("message") or {}
-            piece = choice.get("text") if "text" in choice else delta.get("content") if isinstance(delta, dict) else None
-            view["text"] += piece or ""
-            view["finish_reason"] = choice.get("finish_reason") or view["finish_reason"]
-            lp = choice.get("logprobs")
-            if isinstance(lp, dict) and isinstance(lp.get("content"), list):  # chat
-                for entry in lp["content"]:
-                    view["logprobs"].append(entry.get("logprob"))
-                    view["tops"].append(sorted(t.get("logprob") for t in entry.get("top_logprobs") or []))
-            elif isinstance(lp, dict) and isinstance(lp.get("token_logprobs"), list):  # legacy completions
-                view["logprobs"] += lp["token_logprobs"]
-                view["tops"] += [sorted((t or {}).values()) for t in lp.get("top_logprobs") or []]
-    return view
+class ResponseCheck(NamedTuple):
+    """`problems`: each difference, naming its field (empty: none); `notes`: what the response states that no
+    receipt binds."""
+
+    problems: list[str]
+    notes: list[str]
 
 
-def check_response(request: Any, response: Any, receipt: Receipt, envelope: Envelope) -> list[str]:
-    """The differences between what the client sent and received and what the receipt binds (empty: none)."""
-    problems = []
+def endpoint_of(request: dict[str, Any], endpoint: str | None) -> str:
+    """The endpoint the client called: as given, else the one its body is a request to (the two take disjoint
+    bodies: `messages` only chat, `prompt` only completions)."""
+    if endpoint is not None:
+        if endpoint not in API_OF:
+            raise BadInput(f"unknown endpoint {endpoint!r}", remedy=f"use one of {', '.join(ENDPOINTS)}")
+        return endpoint
+    if "messages" in request and "prompt" not in request:
+        return CHAT
+    if "prompt" in request and "messages" not in request:
+        return COMPLETIONS
+    raise BadInput("the request has neither 'messages' nor 'prompt': which endpoint it went to is not known",
+                   remedy=f"pass --endpoint ({', '.join(ENDPOINTS)})")
+
+
+def _prompts(request: dict[str, Any], endpoint: str) -> tuple[list[str | None], bool]:
+    """Per prompt, its text as the client gave it (None: token ids), and whether the request is a batch (a
+    /v1/completions prompt that is a list of prompts: one choice and one receipt each)."""
+    prompt = request.get("prompt") if endpoint == COMPLETIONS else None
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return [p if isinstance(p, str) else None for p in prompt], True
+    return [prompt if isinstance(prompt, str) else None], False
+
+
+def check_response(request: Any, response: Any, signed: Sequence[Signed], *, endpoint: str | None = None,
+                   tokenizer: Callable[[], Any] | None = None) -> ResponseCheck:
+    """The differences between what the client sent and received and what the receipts (one per prompt) bind.
+    `endpoint`: the one the client called (None: from its body); `tokenizer`: gives the deployment's tokenizer
+    (token strings and offsets are checked with it). Raises `BadInput` for a malformed request or response."""
     if not isinstance(request, dict):
-        return ["the request must be the JSON object the client sent"]
-    try:
-        body = body_json(request)
-    except DetentError as exc:
-        return [exc.message]
-    if enc.sha256_hex(body) != receipt.request.client.body_sha256:
-        problems.append("request: the receipt binds another request body than this one (SHA-256 of its canonical "
-                        f"JSON {enc.sha256_hex(body)[:16]}..., the receipt's {receipt.request.client.body_sha256[:16]}...)")
-    view = response_view(response)
-    if view["id"] != receipt.request.request_id:
-        problems.append(f"response.id {view['id']!r} is not the receipt's request {receipt.request.request_id!r}")
-    proof = view["proof"]
-    if not isinstance(proof, dict):
-        problems.append("the response carries no receipt proof (its 'receipt' field)")
-    else:
-        if proof.get("digest") != receipt.digest:
-            problems.append(f"response.receipt.digest {str(proof.get('digest'))[:16]}... is not this receipt's "
-                            f"({receipt.digest[:16]}...)")
-        if proof.get("signature") != base64.b64encode(envelope.signature).decode("ascii"):
-            problems.append("response.receipt.signature is not this receipt's signature")
-        if proof.get("keyid") != envelope.keyid:
-            problems.append("response.receipt.keyid is not this receipt's signer")
-    if view["fingerprint"] != receipt.deployment_hash:
-        problems.append(f"response.system_fingerprint {str(view['fingerprint'])[:16]}... is not the receipt's "
-                        f"deployment {receipt.deployment_hash[:16]}...")
-    chunks = response if isinstance(response, list) else [response]
-    seed = next((c["seed"] for c in reversed(chunks) if isinstance(c, dict) and "seed" in c), None)
-    if seed is not None and seed != receipt.request.seed:  # the seed the node drew, as it told the client
+        raise BadInput(f"the request must be the JSON object the client sent, got {type(request).__name__}")
+    endpoint = endpoint_of(request, endpoint)
+    body_sha = enc.sha256_hex(body_json(request))
+    view = response_view(response, endpoint)
+    problems, notes = list(view.problems), list[str]()
+    prompts, batched = _prompts(request, endpoint)
+    rid = view.one("id")
+    if not isinstance(rid, str):
+        raise BadInput(f"the response's id must be a string, got {type(rid).__name__}")
+    # the receipts: each of this body, as a request to this endpoint, one per prompt
+    by_index: dict[int, Signed] = {}
+    for item in signed:
+        r = item.receipt
+        name = r.request.request_id
+        if r.request.client.api != API_OF[endpoint]:
+            problems.append(f"receipt {name}: the node signed the request as one to {r.request.client.api}; "
+                            f"the client called {endpoint}")
+        if r.request.client.body_sha256 != body_sha:
+            problems.append(f"receipt {name}: it binds another request body than this one (SHA-256 of its "
+                            f"canonical JSON {body_sha[:16]}..., the receipt's "
+                            f"{r.request.client.body_sha256[:16]}...)")
+        index = int(name.rsplit("-", 1)[1]) if batched and name.rsplit("-", 1)[-1].isdigit() else 0
+        if name != (f"{rid}-{index}" if batched else rid):
+            problems.append(f"response.id {rid!r} is not the id of receipt {name!r}"
+                            + (" (choice i of a batch is '<id>-i')" if batched else ""))
+        if index in by_index or index >= len(prompts):
+            raise BadInput(f"receipt {name}: names no prompt of the request, or one another receipt names",
+                           remedy=f"give one receipt per prompt ({len(prompts)})")
+        by_index[index] = item
+    if len(by_index) != len(prompts):
+        raise BadInput(f"the request has {len(prompts)} prompt(s) and {len(by_index)} receipt(s) were given",
+                       remedy="give the receipt of every prompt of the request (the response's receipt_ids)")
+    receipts = [by_index[i].receipt for i in range(len(prompts))]
+    problems += _check_head(view, request, endpoint, batched, [by_index[i] for i in range(len(prompts))],
+                            notes)
+    # the choices: choice i holds receipt i's answer
+    for index in sorted(set(view.choices) - set(by_index)):
+        problems.append(f"choices[{index}]: the request has {len(prompts)} prompt(s), so no choice {index}: "
+                        "text there is text no receipt holds")
+    expected = Expected(tokenizer or no_tokenizer)
+    echo = endpoint == COMPLETIONS and request.get("echo") is True
+    as_ids = request.get("return_tokens_as_token_ids") is True
+    for index, r in enumerate(receipts):
+        got = view.choices.get(index)
+        where = f"choices[{index}]"
+        if got is None:
+            problems.append(f"{where}: missing (the receipt {r.request.request_id} answers it)")
+            continue
+        if echo and r.scoring is None:
+            problems.append(f"{where}: an echo answered under a receipt that scores no prompt")
+            continue
+        prompt_text = expected.prompt_text(r, prompts[index]) if echo else ""
+        if got.text != prompt_text + r.output.text:
+            problems.append(f"{where}: the text received is not the text the receipt holds"
+                            + (" (after the echoed prompt)" if echo else ""))
+        if got.finish_reason != r.output.finish_reason:
+            problems.append(f"{where}.finish_reason {got.finish_reason!r}, the receipt's is "
+                            f"{r.output.finish_reason!r}")
+        if got.stop_reason is not None and got.stop_reason != expected.stop_reason(r):
+            problems.append(f"{where}.stop_reason {got.stop_reason!r} is not what stopped the receipt's "
+                            "output")
+        if got.receipt_id is not None and got.receipt_id != r.request.request_id:
+            problems.append(f"{where}.receipt_id {got.receipt_id!r} is not the receipt's "
+                            f"{r.request.request_id!r}")
+        if batched:
+            problems += _proof_problems(got.proof, by_index[index], f"{where}.receipt")
+        elif got.proof is not None:
+            problems.append(f"{where}.receipt: a proof the server sends beside the choices, not in them")
+        want = expected.logprobs(r, endpoint, echo, prompt_text, as_ids)
+        if want is None and got.logprobs:
+            problems.append(f"{where}.logprobs: returned for a request that asked for none")
+        elif want is not None:
+            if endpoint == COMPLETIONS:
+                want, have = legacy_pairs(want), legacy_pairs(got.logprobs)
+            else:
+                have = got.logprobs
+            block = f"{where}.logprobs" + (".content" if endpoint == CHAT else "")
+            difference = first_difference(want, have, block)
+            if difference is not None:
+                problems.append(f"the logprobs received are not the receipt's: {difference}")
+    return ResponseCheck(problems, notes)
+
+
+def _check_head(view: ResponseView, request: dict[str, Any], endpoint: str, batched: bool,
+                signed: list[Signed], notes: list[str]) -> list[str]:
+    """The response's own fields: object, fingerprint, model, seed, usage, receipt ids and proof."""
+    problems, receipts = [], [s.receipt for s in signed]
+    first = receipts[0]
+    obj = view.one("object")
+    if obj is not None and obj != OBJECT_OF[(endpoint, view.stream)]:
+        problems.append(f"response.object {obj!r} is not a {endpoint} response "
+                        f"({OBJECT_OF[(endpoint, view.stream)]!r})")
+    fingerprint = view.one("system_fingerprint")
+    if any(fingerprint != r.deployment_hash for r in receipts):
+        problems.append(f"response.system_fingerprint {str(fingerprint)[:16]}... is not the receipt's "
+                        f"deployment {first.deployment_hash[:16]}...")
+    model, asked = view.one("model"), request.get("model")
+    if isinstance(asked, str):
+        if model != asked:
+            problems.append(f"response.model {str(model)[:80]!r} is not the model the request named "
+                            f"({asked[:80]!r})")
+    elif model is not None:
+        notes.append(f"the response's model {str(model)[:80]!r} is the node's word (the request named none)")
+    seed = view.one("seed")
+    if seed is not None and any(seed != r.request.seed for r in receipts):
         problems.append(f"response.seed {seed!r} is not the receipt's seed")
-    if view["text"] != receipt.output.text:
-        problems.append("the text received is not the text the receipt holds")
-    if view["finish_reason"] != receipt.output.finish_reason:
-        problems.append(f"finish_reason {view['finish_reason']!r}, the receipt's is {receipt.output.finish_reason!r}")
-    if view["logprobs"]:
-        got = [_f32(v) for v in view["logprobs"]]
-        want = [struct.pack("<f", v) for v in receipt.output.logprobs]
-        if got != want:
-            first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            problems.append(f"the logprobs received differ from the receipt's at output position {first} "
-                            f"({len(got)} received, {len(want)} in the receipt)")
-        tops_got = [{_f32(v) for v in t} for t in view["tops"]]
-        # every value received is one of the receipt's alternatives there (the legacy block adds the sampled
-        # token, and keys by token text, so two tokens of one text show once)
-        tops_want = [{struct.pack("<f", v) for _, v in t} | {lp} for t, lp in zip(receipt.output.top_logprobs, want)]
-        if len(tops_got) != len(tops_want) or any(not g <= w for g, w in zip(tops_got, tops_want)) \
-                or any(len(g) < min(receipt.output.top_k, 1) for g in tops_got):
-            problems.append("the top logprobs received are not the alternatives the receipt holds")
+    prompt_tokens = sum(len(r.request.prompt_token_ids) for r in receipts)
+    completion_tokens = sum(len(r.output.token_ids) for r in receipts)
+    want_usage: dict[str, int] | None = {"prompt_tokens": prompt_tokens,
+                                         "completion_tokens": completion_tokens,
+                                         "total_tokens": prompt_tokens + completion_tokens}
+    options = request.get("stream_options")
+    if view.stream and not (isinstance(options, dict) and options.get("include_usage") is True):
+        want_usage = None
+    got_usage = view.one("usage")
+    if want_usage is None and got_usage is not None:
+        problems.append("response.usage: sent for a stream that asked for none")
+    elif want_usage is not None:
+        difference = first_difference(want_usage, got_usage, "response.usage")
+        if difference is not None:
+            problems.append(f"the usage billed is not the receipts' token counts: {difference}")
+    ids = [r.request.request_id for r in receipts]
+    if batched:
+        got_ids = view.one("receipt_ids")
+        if got_ids is not None and got_ids != ids:
+            problems.append(f"response.receipt_ids {str(got_ids)[:200]} are not the receipts' {ids}")
+        for name in ("receipt", "receipt_id"):
+            if view.one(name) is not None:
+                problems.append(f"response.{name}: a batch's receipts are named in its choices")
+        return problems
+    if view.one("receipt_ids") is not None:
+        problems.append("response.receipt_ids: a response of one prompt names its receipt in receipt_id")
+    got_id = view.one("receipt_id")
+    if got_id is not None and got_id != ids[0]:
+        problems.append(f"response.receipt_id {got_id!r} is not the receipt's {ids[0]!r}")
+    return problems + _proof_problems(view.one("receipt"), signed[0], "response.receipt")
+
+
+def _proof_problems(proof: Any, signed: Signed, where: str) -> list[str]:
+    """The proof a response carries (digest, keyid, signature) must be this receipt's."""
+    if not isinstance(proof, dict):
+        return [f"the response carries no receipt proof ({where})"]
+    problems = []
+    if proof.get("digest") != signed.receipt.digest:
+        problems.append(f"{where}.digest {str(proof.get('digest'))[:16]}... is not this receipt's "
+                        f"({signed.receipt.digest[:16]}...)")
+    if proof.get("signature") != base64.b64encode(signed.envelope.signature).decode("ascii"):
+        problems.append(f"{where}.signature is not this receipt's signature")
+    if proof.get("keyid") != signed.envelope.keyid:
+        problems.append(f"{where}.keyid is not this receipt's signer")
     return problems
 
 
-def verify_response(request: Any, response: Any, receipt_path: str | Path, trusted: dict, *,
-                    progress: Callable[[int, int], None] | None = None, **verify_options: Any) -> Report:
-    """A client's whole check in one call: request, response and receipt against each other, then `verify`
-    of the receipt (`verify_options`: model, mode, deployments, ...). The report's first outcome is the
-    response's."""
-    path = Path(receipt_path)
+def verify_response(request: Any, response: Any, receipt_paths: str | Path | Sequence[str | Path],
+                    trusted: dict, *, endpoint: str | None = None,
+                    progress: Callable[[int, int], None] | None = None,
+                    **verify_options: Any) -> Report:
+    """A client's whole check in one call: request, response and receipts (one per prompt of the request)
+    against each other, then `verify` of the receipts (`verify_options`: model, mode, deployments, ...).
+    `endpoint`: the one the client called (None: from the request's body). The report's first outcome is the
+    response's; a malformed document makes it BAD and nothing else is run."""
+    if isinstance(receipt_paths, (str, Path)):
+        receipt_paths = [receipt_paths]
+    paths = [Path(p) for p in receipt_paths]
+    label = ", ".join(map(str, paths))
     try:
-        data = read_envelope_bytes(path)
-        receipt = verify_envelope(data, trusted).receipt
-        problems = check_response(request, response, receipt, Envelope.from_bytes(data))
+        if not paths:
+            raise BadInput("no receipt given", remedy="pass the receipt of every prompt of the request")
+        signed = []
+        for path in paths:
+            data = read_envelope_bytes(path)
+            signed.append(Signed(verify_envelope(data, trusted).receipt, Envelope.from_bytes(data)))
+        tokenizer = model_tokenizer(verify_options.get("model"), verify_options.get("cache_dir"))
+        check = check_response(request, response, signed, endpoint=endpoint, tokenizer=tokenizer)
     except DetentError as exc:
-        return Report([Outcome(str(path), "response", "FAIL" if exc.exit_code == 1 else "BAD", exc.message)], "none")
-    report = verify([path], trusted, progress=progress, **verify_options)
-    status = "FAIL" if problems else "OK"
-    message = "; ".join(problems) if problems else (f"request, response and receipt {receipt.digest[:16]}... agree "
-                                                    f"(request {receipt.request.request_id})")
-    report.outcomes.insert(0, Outcome(str(path), "response", status, message, receipt.request.request_id))
+        status = "FAIL" if exc.exit_code == 1 else "BAD"
+        mode = verify_options.get("mode", "rescore")
+        return Report([Outcome(label, "response", status, exc.message)], mode)
+    report = verify(paths, trusted, progress=progress, **verify_options)
+    rids = ", ".join(s.receipt.request.request_id for s in signed)
+    if check.problems:
+        outcome = Outcome(label, "response", "FAIL", "; ".join(check.problems), rids)
+    else:
+        digests = ", ".join(f"{s.receipt.digest[:16]}..." for s in signed)
+        message = f"request, response and {len(signed)} receipt(s) agree ({digests}; request {rids})"
+        outcome = Outcome(label, "response", "OK", "; ".join([message, *check.notes]), rids)
+    report.outcomes.insert(0, outcome)
     return report

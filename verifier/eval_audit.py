@@ -410,7 +410,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     files = collect(receipts)
     receipt_paths, bad = files.receipts, files.bad
     opened: dict[Path, Any] = {}
-    failed_open: dict[Path, str] = {o.path: o.message for o in bad}
+    failed_open: dict[Path, str] = {Path(o.path): o.message for o in bad}
     for p in receipt_paths:
         try:
             opened[p] = open_receipt(p, trusted)
@@ -457,20 +457,20 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
             verdict, resps = DocVerdict(t, doc_id, True), []
             for req in requests[(t, doc_id)]:
                 where = f"request {req.index}"
-                p = matched.get((t, doc_id, req.index))
-                if p is None:
+                found = matched.get((t, doc_id, req.index))
+                if found is None:
                     verdict.reasons.append(f"{where}: no receipt of this request")
                     continue
-                outcome = status.get(p)
+                outcome = status.get(found)
                 if outcome is None or outcome.status != "OK":
                     why = f"{outcome.status}: {outcome.message}" if outcome else "no verdict"
-                    verdict.reasons.append(f"{where}: receipt {p.name} did not verify ({why})")
+                    verdict.reasons.append(f"{where}: receipt {found.name} did not verify ({why})")
                     continue
-                rebuilt = response_of(lm, req, opened[p], decode)
+                rebuilt = response_of(lm, req, opened[found], decode)
                 logged = sample["resps"][req.index][0] if sample["resps"][req.index] else None
                 if not _same(logged, rebuilt):
                     verdict.reasons.append(f"{where}: lm-eval logged {json.dumps(logged)[:80]}, the receipt "
-                                           f"{p.name} gives {json.dumps(rebuilt)[:80]}")
+                                           f"{found.name} gives {json.dumps(rebuilt)[:80]}")
                     continue
                 resps.append(rebuilt)
             verdict.covered = not verdict.reasons

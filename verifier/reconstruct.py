@@ -188,7 +188,9 @@ _SHOWN = 200  # characters of a receipt's name or source shown in a verdict
 
 def served_from(facts: Mapping[str, Any], local: Mapping[str, Any]) -> str:
     """Which model the receipt names, and the `--model` to pass for it."""
-    checkpoint = facts.get("checkpoint") if isinstance(facts.get("checkpoint"), Mapping) else {}
+    checkpoint = facts.get("checkpoint")
+    if not isinstance(checkpoint, Mapping):
+        checkpoint = {}
     name, source = checkpoint.get("name"), checkpoint.get("source")
     here = f"(here: {local['checkpoint']['name']})"
     if not isinstance(name, str) or not isinstance(source, str):

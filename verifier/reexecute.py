@@ -12,7 +12,7 @@ run's end.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ class Options:
     # per (deployment, tuple) group, its longest receipt's tokens: the group's engine holds one of them (the
     # engine caps it at its own model's context, so a receipt's claims cannot size another group's memory)
     kv_tokens: dict = field(default_factory=dict)
+    published: bool = False  # the facts were checked against a published deployment (verify --deployment)
     tensor_parallel: int | None = None  # re-execute TP receipts natively at this size (None: rank emulation)
 
 
@@ -53,7 +54,7 @@ def run_batch(batch: list[tuple[Path, Receipt]], options: Options, engines: dict
     llm = engines[key]
     if isinstance(llm, VerificationError):
         return [Outcome.refuted(str(p), "receipt", llm, r.request.request_id) for p, r in batch]
-    return _reexecute_isolating(llm, batch, options.mode, set(llm.tokenizer.eos_token_ids))
+    return _reexecute_isolating(llm, batch, options.mode, set(llm.tokenizer.eos_token_ids), options.published)
 
 
 def release(engines: dict) -> None:
@@ -82,12 +83,13 @@ def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Any:
                                exit_code=2)
 
 
-def _reexecute_isolating(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
+def _reexecute_isolating(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int],
+                         published: bool = False) -> list[Outcome]:
     """`_reexecute`, and where the engine refuses the batch (a receipt it cannot run: a request longer than
     the deployment's context, say), each receipt alone, so that the refusal lands on the receipts it concerns
     (a FAIL: the deployment could not have served them) and the others are still checked."""
     try:
-        return _reexecute(llm, batch, mode, eos)
+        return _reexecute(llm, batch, mode, eos, published)
     except DetentError as exc:
         llm.reset(drop_unfinished=True)
         if len(batch) == 1:
@@ -100,7 +102,7 @@ def _reexecute_isolating(llm: Any, batch: list[tuple[Path, Receipt]], mode: str,
             p, r = batch[0]
             return [Outcome.refuted(str(p), "receipt", BitsError(
                 f"re-execution raised {type(exc).__name__}: {exc}", exit_code=2, request_id=r.request.request_id))]
-    return [o for item in batch for o in _reexecute_isolating(llm, [item], mode, eos)]
+    return [o for item in batch for o in _reexecute_isolating(llm, [item], mode, eos, published)]
 
 
 _WORKER_ENGINES: dict = {}  # a worker process's engines, kept across its batches
@@ -120,7 +122,8 @@ def _max_prompt_chars(llm: Any) -> int:
     return max_chars
 
 
-def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
+def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int], published: bool = False
+               ) -> list[Outcome]:
     # (7)-(9): what the receipt's content already refutes is not re-executed: a tuple that is not its facts',
     # out-of-vocabulary ids, a wrong finish, a request that is not the client's
     max_chars = _max_prompt_chars(llm)
@@ -162,8 +165,26 @@ def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[
         scored_note = f", {r.scoring.num_positions} prompt positions" if r.scoring is not None else ""
         how = ", ".join([mode, *([parallel] if parallel else [])])
         out.append(Outcome(str(p), "receipt", "OK", f"request {rid}: the client's request, {len(results[p][0])} "
-                                                   f"tokens, text and bits equal{scored_note} ({how})", rid))
+                                                   f"tokens, text and bits equal{scored_note} ({how})"
+                                                   + stated_claims(r, llm.max_model_len, published), rid))
     return out
+
+
+def stated_claims(r: Receipt, max_model_len: int, published: bool) -> str:
+    """What an OK verdict rests on the node's word for: an output cut where the context it states is full
+    (unrefuted unless the deployment is published: a smaller stated context cuts a request that set no
+    max_tokens), and the checkpoint's name and source (descriptive: its files' hashes are compared)."""
+    notes = []
+    used = len(r.request.prompt_token_ids) + len(r.output.token_ids)
+    if r.output.finish_reason == "length" and used >= max_model_len and not published:
+        notes.append(f"it ends where the context the node states is full (max_model_len {max_model_len}): "
+                     "a limit stated, not refuted (check it with --deployment)")
+    checkpoint = r.deployment_facts.get("checkpoint")
+    name = checkpoint.get("name") if isinstance(checkpoint, Mapping) else None
+    if isinstance(name, str):
+        notes.append(f"the checkpoint name {name[:80]!r} is as the node states it (the files' hashes are "
+                     "compared)")
+    return "".join(f"; {n}" for n in notes)
 
 
 def _bits_error(r: Receipt, result: tuple, prompt_scores: tuple | None) -> BitsError | None:

@@ -83,8 +83,8 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
              if workers == "auto" else int(workers))
     batches = plan.batches(groups, count)
     kv_tokens = {key: max(plan.kv_tokens(opened[p], mode) for p in group) for key, group in groups.items()}
-    options = Options(None if model is None else str(model), mode, cache_dir, threads, tuple_override, kv_tokens,
-                      tensor_parallel)
+    options = Options(None if model is None else str(model), mode, cache_dir, threads, tuple_override,
+                      kv_tokens, published=deployments is not None, tensor_parallel=tensor_parallel)
     outcomes += _run_batches(batches, opened, options, count, progress)
     order = {str(p): i for i, p in enumerate([*files.receipts, *files.manifests])}
     outcomes.sort(key=lambda o: (order.get(o.path, -1), o.path))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -119,9 +119,10 @@ class Workload:
             raise BadInput(f"workload {self.name}: request indices must be 0, 1, ... in order")
         arrivals = [r.arrival for r in self.requests]
         if self.kind == "open":
-            if self.concurrency is not None or any(a is None for a in arrivals):
+            times = [a for a in arrivals if a is not None]
+            if self.concurrency is not None or len(times) != len(arrivals):
                 raise BadInput(f"workload {self.name}: open loop needs every arrival and no concurrency")
-            if any(b < a for a, b in zip(arrivals, arrivals[1:])):
+            if any(b < a for a, b in zip(times, times[1:])):
                 raise BadInput(f"workload {self.name}: arrivals must be non-decreasing")
         elif self.kind == "closed":
             if not isinstance(self.concurrency, int) or self.concurrency < 1:
@@ -167,7 +168,7 @@ class Workload:
         """The same requests, closed loop at `concurrency`."""
         return self._retimed("closed", [None] * len(self.requests), concurrency, name, concurrency=concurrency)
 
-    def _retimed(self, kind: WorkloadKind, times: list[float | None], in_flight: int | None,
+    def _retimed(self, kind: WorkloadKind, times: Sequence[float | None], in_flight: int | None,
                  name: str | None, **params: Any) -> Workload:
         requests = tuple(dataclasses.replace(r, arrival=t) for r, t in zip(self.requests, times))
         kept = {k: v for k, v in self.params.items() if k not in ("rate", "arrival_seed", "concurrency")}

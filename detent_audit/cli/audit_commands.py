@@ -88,25 +88,30 @@ def verify_response(
     request: Path = typer.Option(..., "--request", help="The request body the client sent (JSON)."),
     response: Path = typer.Option(..., "--response", help="The response it received (JSON, or the stream's "
                                                            "server-sent events)."),
-    receipt: Path = typer.Option(..., "--receipt", help="The node's receipt of it."),
+    receipt: list[Path] = typer.Option(..., "--receipt", help="The node's receipt of it (repeat: one per "
+                                                               "prompt of a batch)."),
+    endpoint: str = typer.Option(None, "--endpoint", help="The endpoint the client called: "
+                                                         "/v1/chat/completions or /v1/completions "
+                                                         "(default: the one its body is for)."),
     key: Path = TRUSTED_KEY, trusted_keys: Path = TRUSTED_KEYS, model: str = RECEIPT_MODEL,
     mode: str = typer.Option("rescore", "--mode", help="rescore | replay"),
     cache_dir: Path = CACHE_DIR, deployment: list[str] = DEPLOYMENTS, as_json: bool = JSON,
 ) -> None:
-    """Check a request, the response received and the receipt against each other, then the receipt's bits.
-    Exit 0 pass, 1 mismatch, 2 bad input, 3 not comparable."""
+    """Check a request, the response received (as the client's OpenAI SDK shows it) and the receipts against
+    each other, then the receipts' bits. Exit 0 pass, 1 mismatch, 2 bad input, 3 not comparable."""
     from detent_audit.verifier.client import read_json_document
 
-    documents = (read_json_document(request, "request"), read_json_document(response, "response"))
-    _verify([receipt], key, trusted_keys, model, mode, None, None, cache_dir, None, None, "1", deployment,
+    documents = (read_json_document(request, "request"), read_json_document(response, "response"), endpoint)
+    _verify(receipt, key, trusted_keys, model, mode, None, None, cache_dir, None, None, "1", deployment,
             as_json, response=documents)
 
 
 def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, model: str | None, mode: str,
             sample: float | None, seed: int | None, cache_dir: Path | None, threads: int | None,
             tuple_file: Path | None, workers: str, deployment: list[str] | None, as_json: bool,
-            response: tuple[Any, Any] | None = None, tensor_parallel: int | None = None) -> None:
-    """`verify`, and `verify-response` (with `response` = (request, response) documents)."""
+            response: tuple[Any, Any, str | None] | None = None, tensor_parallel: int | None = None) -> None:
+    """`verify`, and `verify-response` (with `response` = the request and response documents and the
+    endpoint called)."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -138,9 +143,10 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
         from detent_audit.engine.tuples import load_tuple
 
         override = load_tuple(tuple_file)
-    options = dict(model=model, mode=mode, sample=sample, seed=seed, cache_dir=str(cache_dir) if cache_dir else None,
-                   threads=threads, tuple_override=override, workers=worker_count, deployments=deployments,
-                   tensor_parallel=tensor_parallel)
+    options: dict[str, Any] = dict(model=model, mode=mode, sample=sample, seed=seed,
+                                   cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
+                                   tuple_override=override, workers=worker_count, deployments=deployments,
+                                   tensor_parallel=tensor_parallel)
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("re-executing", total=None)
         show = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
@@ -149,7 +155,8 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
         else:
             from detent_audit.verifier.client import verify_response as run_verify_response
 
-            report = run_verify_response(response[0], response[1], paths[0], trusted, progress=show, **options)
+            report = run_verify_response(response[0], response[1], paths, trusted, endpoint=response[2],
+                                         progress=show, **options)
     facts_note = ((f"facts checked against {len(report.published)} published deployment(s)" if report.published
                    else "facts are self-asserted by the node (no --deployment given): its limits and the tuple's "
                         "values where the bits do not refute them")

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from detent_audit.engine.tune_search import (
 )
 from detent_audit.errors import BadInput
 from detent_audit.selection.compiler import SolveResult
+from detent_audit.selection.tuner import Mode as SearchMode
 from detent_audit.selection.tuner import TuneResult, search
 
 
@@ -61,7 +63,7 @@ class FamilyReport:
         return dict(self.__dict__)
 
 
-def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_fraction: float = 0.15,
+def tune_engine(llm: LLM, requests: list, *, mode: SearchMode = "budgeted", budget_fraction: float = 0.15,
                 seed: int = 0, progress: Callable[[str, int, int], None] | None = None, cold_kv: bool = False,
                 concurrency: Sequence[int | None] = (None,)) -> tuple[dict[str, dict], list[FamilyReport]]:
     """Profile `requests` on `llm` (detent mode; `record_profile` at `concurrency`), tune every called family,
@@ -87,9 +89,9 @@ def tune_engine(llm: LLM, requests: list, *, mode: str = "budgeted", budget_frac
             fraction = classes_fraction(grid, searched, budget_fraction)
         # on a GPU candidates are timed on every call (a noisy timer's abandoned estimates mislead the
         # surface: benchmarks/replay_tune.py); the CPU keeps the lossless early abandon
-        result: TuneResult = search(searched, workload, lambda a, c, f=family: oracle(f, a, c), mode=mode,
+        result: TuneResult = search(searched, workload, functools.partial(oracle, family), mode=mode,
                                     budget_fraction=fraction, seed=seed, abandon=device == "cpu",
-                                    progress=(lambda m, lim, f=family: progress(f, m, lim)) if progress else None)
+                                    progress=functools.partial(progress, family) if progress else None)
         default_cost = next(m.cost for m in result.trace if m.assignment == grid.default and m.complete)
         committed[family] = reps[result.best]
         oracle._inputs.clear()

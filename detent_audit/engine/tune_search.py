@@ -6,11 +6,12 @@ recorded call's shape (median of repeats), which the tuner core's search (select
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,18 +44,43 @@ MAX_CALLS = 48  # distinct calls timed per family: the heaviest (count x work); 
 GPU_KV_TILES = (16, 32, 64, 128)
 GPU_STRIDE_STEP, GPU_STRIDE_MAX = 256, 16384  # split strides on the GPU grid: legal multiples of 256 up to 16k
 GPU_SAME_KERNEL = "the tile follows the shape"
+# the kernel parameters an assignment launches with (GPU_SAME_KERNEL: a grid of one)
+Effective = GemmParams | AttentionParams | str
 
 
-def _effective(family: str, a: dict, device: str = "cpu") -> Hashable | None:
+def _int(a: Mapping[str, Hashable], axis: str) -> int:
+    """An integer axis of an assignment (a tile, a stride, a chunk's rows)."""
+    value = a[axis]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadParams(f"{axis} must be an integer, got {value!r}")
+    return value
+
+
+def _str(a: Mapping[str, Hashable], axis: str, default: str) -> str:
+    """A string axis of an assignment (a GEMM form), `default` where it is absent."""
+    value = a.get(axis, default)
+    if not isinstance(value, str):
+        raise BadParams(f"{axis} must be a string, got {value!r}")
+    return value
+
+
+def _call(call: Hashable) -> tuple:
+    """A recorded call: the tuple of shapes the engine's profile records (tune_record.py)."""
+    if not isinstance(call, tuple):
+        raise BadInput(f"a recorded call is a tuple of shapes, got {call!r}")
+    return call
+
+
+def _effective(family: str, a: Mapping[str, Hashable], device: str = "cpu") -> Effective | None:
     """The kernel parameters an assignment launches with; None where the kernel's grid (kernels/params.py)
     does not list them (a split stride off the grid is legal for SelIR but not a tuning candidate)."""
     try:
         if family in ("embedded.gemm", "embedded.moe"):
-            params = GemmParams(a["chunk_rows"], a.get("embedded.gemm.form", "chunk"))
-            return GPU_SAME_KERNEL if device != "cpu" else params
+            gemm = GemmParams(_int(a, "chunk_rows"), _str(a, "embedded.gemm.form", "chunk"))
+            return GPU_SAME_KERNEL if device != "cpu" else gemm
         if family == "embedded.attention":
-            tile = a["embedded.attention.kv_tile"]
-            params = AttentionParams(kv_tile=tile, split_stride=a["tiles_per_split"] * tile)
+            tile = _int(a, "embedded.attention.kv_tile")
+            params = AttentionParams(kv_tile=tile, split_stride=_int(a, "tiles_per_split") * tile)
             if device != "cpu":  # the Triton kernel takes any stride that is a whole number of tiles
                 ok = tile in GPU_KV_TILES and params.split_stride % GPU_STRIDE_STEP == 0
                 return params if ok and params.split_stride <= GPU_STRIDE_MAX else None
@@ -76,9 +102,10 @@ def heaviest(family: str, counter: Counter) -> Workload:
     return Workload(tuple(ranked[:MAX_CALLS]))
 
 
-def family_grid(result: SolveResult, current: dict, device: str = "cpu") -> tuple[FamilyGrid, dict[Hashable, dict]]:
+def family_grid(result: SolveResult, current: dict, device: str = "cpu"
+                ) -> tuple[FamilyGrid, dict[Assignment, dict]]:
     """The grid over distinct kernel parameters (on `device`), and for each a representative legal assignment."""
-    reps: dict[Hashable, dict] = {}
+    reps: dict[Effective, dict] = {}
     for a in result.legal_assignments():
         eff = _effective(result.family, a, device)
         # prefer the assignment whose knob says what its pin does (a pad tuple's knob is what the engine's
@@ -101,15 +128,17 @@ def _knob_matches_pin(family: str, a: dict) -> bool:
     return a.get(f"{family}.chunk_rows") == a.get("chunk_rows")
 
 
-def _row(family: str, eff: Any) -> dict:
+def _row(family: str, eff: Effective) -> dict:
     if eff == GPU_SAME_KERNEL:
         return {"tile": eff}
     if isinstance(eff, GemmParams):
         return {"chunk_rows": eff.chunk_rows, "form": eff.form}
-    return {"kv_tile": eff.kv_tile, "split_stride": eff.split_stride}
+    if isinstance(eff, AttentionParams):
+        return {"kv_tile": eff.kv_tile, "split_stride": eff.split_stride}
+    raise BadInput(f"{family}: no tuning axes for kernel parameters {eff!r}")
 
 
-def _axes(family: str, effs: list) -> tuple[dict[str, tuple], list[dict]]:
+def _axes(family: str, effs: list[Effective]) -> tuple[dict[str, tuple], list[dict]]:
     rows = sorted((_row(family, e) for e in effs), key=lambda r: tuple(r.values()))
     axes = {k: tuple(sorted({r[k] for r in rows})) for k in rows[0]}
     return axes, rows
@@ -132,7 +161,8 @@ class Oracle:
     cold_kv: bool = False
     _inputs: dict = field(default_factory=dict, repr=False)  # GPU: each call's synthetic inputs
 
-    def __call__(self, family: str, a: Assignment, call: tuple) -> float:
+    def __call__(self, family: str, a: Assignment, call: Hashable) -> float:
+        call = _call(call)
         if self.device != "cpu":
             return self._gpu_time(family, a, call)
         run = self._prepare(family, a, call)
@@ -150,7 +180,7 @@ class Oracle:
             m, n, k, dtype = call
             x = torch.randn(m, k, generator=g).to(getattr(torch, dtype.split(".")[-1]))
             w = torch.randn(n, k, generator=g).to(x.dtype)
-            p = GemmParams(a["chunk_rows"], a["form"])
+            p = GemmParams(_int(a, "chunk_rows"), _str(a, "form", "chunk"))
             return lambda: gemm_ops.linear(x, w, params=p)
         if family == "embedded.moe":
             m, e, h, i, top_k, renorm, dtype = call
@@ -159,8 +189,8 @@ class Oracle:
             logits = torch.randn(m, e, generator=g)
             w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.05).to(dt)
             w2 = (torch.randn(e, h, i, generator=g) * 0.05).to(dt)
-            p = MoeParams(gemm=GemmParams(chunk_rows=a["chunk_rows"]))
-            return lambda: moe_ops.fused_moe(x, logits, w13, w2, top_k, renorm, params=p)
+            moe = MoeParams(gemm=GemmParams(chunk_rows=_int(a, "chunk_rows")))
+            return lambda: moe_ops.fused_moe(x, logits, w13, w2, top_k, renorm, params=moe)
         seqs, hq, hkv, d, dtype = call
         dt = getattr(torch, dtype.split(".")[-1])
         block = 16
@@ -175,8 +205,8 @@ class Oracle:
             off += nb
         meta = AttentionMetadata.from_lengths([c for c, _ in seqs], [q for _, q in seqs], tables, block)
         q = torch.randn(sum(q for _, q in seqs), hq, d, generator=g).to(dt)
-        p = AttentionParams(kv_tile=a["kv_tile"], split_stride=a["split_stride"])
-        return lambda: attention_ops.paged_attention(q, k_cache, v_cache, meta, scale=d ** -0.5, params=p)
+        attn = AttentionParams(kv_tile=_int(a, "kv_tile"), split_stride=_int(a, "split_stride"))
+        return lambda: attention_ops.paged_attention(q, k_cache, v_cache, meta, scale=d ** -0.5, params=attn)
 
     def _gpu_time(self, family: str, a: Assignment, call: tuple) -> float:
         if family != "embedded.attention":
@@ -231,8 +261,8 @@ class Oracle:
                 torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], dtype=torch.int32, device=self.device),
                 torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=self.device))
         q, k_cache, v_cache, tables, cu, ctx = self._inputs[call]
-        cfg = selected_attention_config(AttentionParams(kv_tile=a["kv_tile"], split_stride=a["split_stride"]),
-                                        self.streaming)
+        cfg = selected_attention_config(
+            AttentionParams(kv_tile=_int(a, "kv_tile"), split_stride=_int(a, "split_stride")), self.streaming)
         plan = plan_step(cu, ctx, tables, cfg, q.device, hq // hkv)
         if self.graphs is not None and self.graphs.replays(call):  # the graph's splits: the longest context's
             plan = dataclasses.replace(plan, num_splits=-(-self.graphs.max_model_len // cfg.split))
@@ -241,7 +271,7 @@ class Oracle:
             l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
             copies = min(GPU_LAUNCHES, -(-2 * l2 // (k_cache.nbytes + v_cache.nbytes)))
             caches += [(torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(copies - 1)]
-        return [lambda k=k, v=v: paged_attention(q, k, v, cu, ctx, tables, d ** -0.5, cfg, plan=plan)
+        return [functools.partial(paged_attention, q, k, v, cu, ctx, tables, d ** -0.5, cfg, plan=plan)
                 for k, v in caches]
 
 
@@ -277,16 +307,16 @@ def launch_classes(grid: FamilyGrid, workload: Workload, graphs: GraphShape | No
     kernels on every recorded call and cost the same. Lossless: the representative (the first in grid order,
     the default for its own class) is timed for all of them. The reduced grid's anchors are, per KV tile, the
     class that splits no call, a kernel regime of its own (`FamilyGrid.anchors`)."""
-    def longest_of(call: tuple) -> int:
-        if graphs is not None and graphs.replays(call):
+    def longest_of(call: Hashable) -> int:
+        if graphs is not None and graphs.replays(_call(call)):
             return graphs.max_model_len
-        return max(c + q for c, q in call[0])
+        return max(c + q for c, q in _call(call)[0])
 
     longest = [longest_of(call) for call, _ in workload.calls]
 
     def signature(a: Assignment) -> tuple:
-        stride = a["split_stride"]
-        return (a["kv_tile"], tuple(None if stride == 0 or stride >= n else stride for n in longest))
+        stride = _int(a, "split_stride")
+        return (_int(a, "kv_tile"), tuple(None if stride == 0 or stride >= n else stride for n in longest))
 
     signatures = {a: signature(a) for a in grid.legal}
     reps: dict[tuple, Assignment] = {signatures[grid.default]: grid.default}

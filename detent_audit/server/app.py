@@ -38,7 +38,6 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from detent_audit.engine.stop_strings import find_stop
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import MAX_CLIENT_BODY, ClientRequest
 from detent_audit.server.async_engine import (
@@ -56,7 +55,9 @@ from detent_audit.server.responses import (
     TokenFormatter,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
     error_body,
+    stop_reason,
     usage,
 )
 
@@ -250,16 +251,10 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
             prompt_text = engine.tokenizer.decode(out.prompt_token_ids) if text is None else text
             choice["text"] = prompt_text + out.text
             if req.logprobs:
-                ids = [*out.prompt_token_ids, *out.token_ids]
                 prompt_tops = out.prompt_top_logprobs if req.params.logprobs else [[] for _ in out.prompt_logprobs]
-                block = completion_logprobs(fmt, ids[1:], [*out.prompt_logprobs, *out.logprobs],
-                                            [*prompt_tops, *_tops(out, req)], [], req.tokens_as_ids)
-                first = fmt.text(ids[0], req.tokens_as_ids)
-                offsets = TextStream(engine.tokenizer).offsets(out.prompt_token_ids)
-                offsets += [len(prompt_text) + o for o in TextStream(engine.tokenizer).offsets(out.token_ids)]
-                choice["logprobs"] = {"tokens": [first, *block["tokens"]],
-                                      "token_logprobs": [None, *block["token_logprobs"]],
-                                      "top_logprobs": [None, *block["top_logprobs"]], "text_offset": offsets}
+                choice["logprobs"] = echo_logprobs(fmt, out.prompt_token_ids, out.token_ids,
+                                                   out.prompt_logprobs, out.logprobs, prompt_tops,
+                                                   _tops(out, req), prompt_text, req.tokens_as_ids)
             else:
                 choice["logprobs"] = None
         choice["receipt_id"] = signed.receipt_id
@@ -375,14 +370,7 @@ async def _result_unless_gone(request: Request, handle: RequestHandle) -> Any:
 
 
 def _stop_reason(out: Any, req: ParsedRequest, decode: Any) -> str | int | None:
-    """What stopped the output, as vLLM reports it: the stop string its text contained, a stop token id, or
-    None (EOS or length)."""
-    if out.finish_reason != "stop" or not out.token_ids:
-        return None
-    if out.token_ids[-1] in req.params.stop_token_ids:
-        return out.token_ids[-1]
-    hit = find_stop(decode(out.token_ids), req.params.stop) if req.params.stop else None
-    return None if hit is None else hit.stop
+    return stop_reason(out.token_ids, out.finish_reason, req.params.stop_token_ids, req.params.stop, decode)
 
 
 def _tops(out: Any, req: ParsedRequest) -> list[list[tuple[int, float]]]:

@@ -7,6 +7,10 @@ per request, in input order, written after its receipt is on disk): `{"id", "tex
 "top_logprobs" (with "logprobs": n), "finish_reason", "seed", "receipt_id", "receipt"}` (a sampled line without
 a seed gets a fresh one, recorded in its receipt). A bad line, or an id that has
 a receipt in the folder already, stops the run before any request is served.
+
+A receipt binds the line with its id (a line without one is bound with the id it got, `req-<line>`): the HTTP
+endpoints refuse a body with an `id`, so no body is both a line and an HTTP request, and a node cannot sign
+a client's HTTP body as a line (read with a line's defaults: greedy, 16 tokens).
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ def read_requests(llm: Engine, path: Path) -> list[tuple[str, list[int], Samplin
             raise BadInput(f"{where}: not JSON ({exc})") from None
         rid, ids, params = parse_line(obj, f"req-{n}", llm.tokenizer, max_len, llm.vocab_size,
                                       where)
-        try:
-            client = ClientRequest.of(API, obj)
+        try:  # bound with its id (the one given, or the one it got), which no HTTP body may hold
+            client = ClientRequest.of(API, obj if "id" in obj else {**obj, "id": rid})
         except BadInput as exc:
             raise BadInput(f"{where}: {exc.message}") from None
         out.append((rid, ids, params, client))

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from detent_audit.engine.stop_strings import output_text
+from detent_audit.engine.stop_strings import find_stop, output_text
 from detent_audit.engine.tokenizer import bytes_to_unicode
 
 LOGPROB_FLOOR = -9999.0
@@ -94,6 +94,35 @@ def completion_logprobs(fmt: TokenFormatter, ids: Sequence[int], logprobs: Seque
         top_dicts.append(entry)
     return {"tokens": [fmt.text(t, as_ids) for t in ids], "token_logprobs": [json_logprob(v) for v in logprobs],
             "top_logprobs": top_dicts, "text_offset": list(offsets)}
+
+
+def echo_logprobs(fmt: TokenFormatter, prompt_ids: Sequence[int], ids: Sequence[int],
+                  prompt_logprobs: Sequence[float], logprobs: Sequence[float],
+                  prompt_tops: Sequence[Sequence[tuple[int, float]]],
+                  tops: Sequence[Sequence[tuple[int, float]]], prompt_text: str, as_ids: bool
+                  ) -> dict[str, Any]:
+    """An echo's legacy block: the prompt's tokens, then the output's (the prompt's first token without a
+    logprob: nothing precedes it, as vLLM does), offsets into the prompt's text followed by the output's."""
+    both = [*prompt_ids, *ids]
+    block = completion_logprobs(fmt, both[1:], [*prompt_logprobs, *logprobs], [*prompt_tops, *tops], [],
+                                as_ids)
+    offsets = TextStream(fmt.tokenizer).offsets(prompt_ids)
+    offsets += [len(prompt_text) + o for o in TextStream(fmt.tokenizer).offsets(ids)]
+    return {"tokens": [fmt.text(both[0], as_ids), *block["tokens"]],
+            "token_logprobs": [None, *block["token_logprobs"]],
+            "top_logprobs": [None, *block["top_logprobs"]], "text_offset": offsets}
+
+
+def stop_reason(ids: Sequence[int], finish_reason: str, stop_token_ids: Sequence[int], stop: Sequence[str],
+                decode: Any) -> str | int | None:
+    """What stopped the output, as vLLM reports it: the stop string its text contained, a stop token id, or
+    None (EOS or length)."""
+    if finish_reason != "stop" or not ids:
+        return None
+    if ids[-1] in stop_token_ids:
+        return ids[-1]
+    hit = find_stop(decode(list(ids)), stop) if stop else None
+    return None if hit is None else hit.stop
 
 
 def chat_logprobs(fmt: TokenFormatter, ids: Sequence[int], logprobs: Sequence[float],

@@ -5,10 +5,10 @@ fixed order, the specs that apply to a deployment: at most one program per famil
 
 | family | program (module) | applies when |
 |---|---|---|
-| attention | `fa3`, `fa3_vllm`, `fa3_sglang` (fa3) | FA3 (sm90): the vLLM fork when vLLM ships it, sgl-attn for SGLang, else upstream |
+| attention | `fa3`, `fa3_vllm`, `fa3_sglang` (fa3) | FA3 (sm90): vLLM's fork, SGLang's sgl-attn, upstream |
 | attention | `flashinfer_prefill` (flashinfer) | vLLM with the FlashInfer backend (its planner) |
 | moe | `fused_moe` (fused_moe) | the model has experts (vllm, sglang) |
-| all_reduce | `all_reduce_vllm`, `all_reduce_sglang` (all_reduce) | TP > 1, by engine (SGLang: sm90 tables only) |
+| all_reduce | `all_reduce_vllm`, `all_reduce_sglang` | TP > 1, by engine (SGLang: sm90 tables only) |
 | gemm | `gemm` (gemm) | vllm and sglang |
 | embedded.gemm, embedded.attention, embedded.moe | (embedded) | the detent engine (moe: with experts) |
 | embedded.all_reduce | (embedded) | the detent engine at tensor_parallel_size > 1 |
@@ -84,8 +84,8 @@ _SPECS = (
 )
 
 FAMILIES: dict[str, FamilySpec] = {spec.key: spec for spec in _SPECS}
-FAMILY_ORDER = ("attention", "moe", "all_reduce", "gemm", "embedded.attention", "embedded.moe", "embedded.gemm",
-                "embedded.all_reduce")
+FAMILY_ORDER = ("attention", "moe", "all_reduce", "gemm", "embedded.attention", "embedded.moe",
+                "embedded.gemm", "embedded.all_reduce")
 
 
 def families_for(dep: Deployment) -> list[FamilySpec]:
@@ -103,7 +103,8 @@ def families_for(dep: Deployment) -> list[FamilySpec]:
     if _stock(dep) and not any(spec.name == "attention" for spec in out):
         e = dep.engine
         raise NotTranscribed(
-            f"{dep.name}: the attention selection of {e.name} {e.version} with backend {e.attention_backend!r} "
-            f"on {dep.gpu.arch} is not transcribed", remedy="transcribed: FA3 on sm90 (vLLM fork, sgl-attn, "
-            "upstream) and vLLM's FlashInfer backend; add a program to detent_audit.selection.programs")
+            f"{dep.name}: the attention selection of {e.name} {e.version} with backend "
+            f"{e.attention_backend!r} on {dep.gpu.arch} is not transcribed",
+            remedy="transcribed: FA3 on sm90 (vLLM fork, sgl-attn, upstream) and vLLM's FlashInfer backend; "
+                   "add a program to detent_audit.selection.programs")
     return out

@@ -107,7 +107,8 @@ def embedded_gemm(d: EmbeddedFacts, num_tokens: Runtime[int]) -> EmbeddedGemmCho
     else:
         require(chunk != 12, "a chunk of 12 rows is a pad size only")
         chunk_rows = num_tokens if chunk == 0 else chunk     # stock: the whole batch in one call
-    # what the kernel runs with (a pin fixes chunk_rows itself): the pad form's rows as proven, the row form's 1
+    # what the kernel runs with (a pin fixes chunk_rows itself): the pad form's rows as proven, the row
+    # form's 1
     require(form != "pad" or chunk_rows >= d.gemm_pad_rows, "the pad form pads to at least the proven rows")
     require(form != "row" or chunk_rows == 1, "the row form: one row per product")
     return EmbeddedGemmChoice(form=form, chunk_rows=chunk_rows)

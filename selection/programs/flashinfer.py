@@ -81,7 +81,8 @@ def flashinfer_prefill(d: FlashInferFacts, num_tokens: Runtime[int], num_seqs: R
     min_chunk = max(128 // d.page_size, 1)
     max_batch_if_split = (BLOCKS_PER_SM * d.num_sms) // d.num_kv_heads
     # scheduler.cuh:632: a sliding window bounds the KV a request reads
-    kv = min(cdiv(d.window_left + cta_tile_q, d.page_size), max_kv_pages) if d.window_left >= 0 else max_kv_pages
+    kv = min(cdiv(d.window_left + cta_tile_q, d.page_size),
+             max_kv_pages) if d.window_left >= 0 else max_kv_pages
     # scheduler.cuh:101-129 PrefillBinarySearchKVChunkSize: the smallest chunk whose work fits the grid
     kv_chunk_size = min_chunk  # `low`
     high = max(kv, 1)

@@ -44,7 +44,7 @@ class MoeFacts:
     num_stages: dict
     batch_invariant: bool
     sum_switch_tokens: int           # SGLang: 32 (torch.compile sum at or below); 0: no switch (vLLM)
-    sum_impl: str                    # the combine kernel otherwise: "moe_sum" (vLLM), "moe_sum_reduce" (SGLang)
+    sum_impl: str                    # the combine otherwise: "moe_sum" (vLLM), "moe_sum_reduce" (SGLang)
     has_down_table: bool             # SGLang: a down-projection table exists (and the engine reads it)
     down_keys: tuple
     down_block_size_n: dict

@@ -123,7 +123,8 @@ def gemm(d: GemmFacts, num_tokens: Runtime[int], num_tokens_actual: Unpinnable[i
     backend = d.stock_backend if choice == "stock" else choice
     m_rows = round_up(num_tokens, pad)           # padding rows are zeros, dropped after the call
     cublas_m = m_rows if backend == "cublas" else 0
-    require(backend != "cublas" or cublas_m >= num_tokens_actual, "cuBLAS is called with every row of the batch")
+    require(backend != "cublas" or cublas_m >= num_tokens_actual,
+            "cuBLAS is called with every row of the batch")
     bucket = m_bucket(d, m_rows)
     qkv_m, qkv_n, qkv_k = tile(d, d.qkv, bucket)
     o_m, o_n, o_k = tile(d, d.o, bucket)

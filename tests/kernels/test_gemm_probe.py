@@ -74,7 +74,8 @@ def test_least_pad_rows_walks_up_past_the_failures(monkeypatch):
 
     def linear(x, w, bias=None, *, params=None):  # a BLAS whose bits settle only from 9 rows on
         out = real(x, w, bias, params=params)
-        blas_m = max(x.shape[0], params.chunk_rows) if params is not None and params.form == "pad" else x.shape[0]
+        blas_m = max(x.shape[0],
+                     params.chunk_rows) if params is not None and params.form == "pad" else x.shape[0]
         return out + 1e-3 if blas_m < 9 else out
     monkeypatch.setattr(gemm, "linear", linear)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the pad form is walked at one thread only

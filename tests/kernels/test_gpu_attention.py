@@ -35,12 +35,14 @@ def _run(k, v, tables, q, seqs, starts, ends, cfg):
     qq = torch.cat([q[s][a:b] for s, a, b in zip(seqs, starts, ends)])
     sizes = [b - a for a, b in zip(starts, ends)]
     cu = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    out = ta.paged_attention(qq, k, v, cu, torch.tensor(starts, dtype=torch.int32, device="cuda"), tables[seqs],
-                             D ** -0.5, cfg)
+    out = ta.paged_attention(qq, k, v, cu, torch.tensor(starts, dtype=torch.int32, device="cuda"),
+                             tables[seqs], D ** -0.5, cfg)
     return list(out.split(sizes))
 
 
-@pytest.mark.parametrize("cfg", [ta.TritonAttentionConfig(64, 64, 256, 4, 2), ta.TritonAttentionConfig(64, 32, 64, 4, 2)])
+@pytest.mark.parametrize("cfg",
+                         [ta.TritonAttentionConfig(64, 64, 256, 4, 2),
+                          ta.TritonAttentionConfig(64, 32, 64, 4, 2)])
 def test_token_bits_do_not_depend_on_chunking_decode_or_neighbours(cfg) -> None:
     lens = [1, 40, 300, 777]
     k, v, tables, q = _setup(lens, seed=3)
@@ -61,7 +63,8 @@ def test_token_bits_do_not_depend_on_chunking_decode_or_neighbours(cfg) -> None:
     idx = tables[s, : -(-lens[s] // PAGE)].long()
     kk = k[idx].reshape(-1, HKV, D)[: lens[s]].float().repeat_interleave(H // HKV, 1).transpose(0, 1)
     vv = v[idx].reshape(-1, HKV, D)[: lens[s]].float().repeat_interleave(H // HKV, 1).transpose(0, 1)
-    ref = torch.nn.functional.scaled_dot_product_attention(q[s].float().transpose(0, 1), kk, vv, is_causal=True)
+    qq = q[s].float().transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
     err = ((alone[s].float() - ref.transpose(0, 1)).norm() / ref.norm()).item()
     assert err < 1e-2
 

@@ -11,9 +11,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 triton_gemm = pytest.importorskip("detent_audit.kernels.triton_gemm")
 
-CONFIGS = [triton_gemm.TritonGemmConfig(64, 128, 64, 8, 4, 4), triton_gemm.TritonGemmConfig(128, 256, 64, 8, 8, 3),
-           triton_gemm.TritonGemmConfig(16, 64, 64, 8, 4, 4), triton_gemm.TritonGemmConfig(64, 64, 128, 8, 4, 3),
-           triton_gemm.TritonGemmConfig(16, 32, 256, 8, 4, 4), triton_gemm.TritonGemmConfig(16, 64, 256, 8, 4, 4)]
+CONFIGS = [triton_gemm.TritonGemmConfig(64, 128, 64, 8, 4, 4),
+           triton_gemm.TritonGemmConfig(128, 256, 64, 8, 8, 3),
+           triton_gemm.TritonGemmConfig(16, 64, 64, 8, 4, 4),
+           triton_gemm.TritonGemmConfig(64, 64, 128, 8, 4, 3),
+           triton_gemm.TritonGemmConfig(16, 32, 256, 8, 4, 4),
+           triton_gemm.TritonGemmConfig(16, 64, 256, 8, 4, 4)]
 
 
 @pytest.mark.parametrize(("k", "n"), [(4096, 4096), (14336, 4096), (512, 1000)])

@@ -30,7 +30,8 @@ WEIGHT_RTOL, WEIGHT_ATOL = 1e-5, 1e-7
 
 def _rnd(seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return lambda *shape, scale=1.0: (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+    return lambda *shape, scale=1.0: (torch.randn(*shape, device="cuda",
+                                                  generator=g) * scale).to(torch.bfloat16)
 
 
 def _rows(shape, rows: int, seed: int):
@@ -43,7 +44,8 @@ def _problem(shape, rows: int, seed: int):
     """x, logits and the experts' weights w13: [E, 2I, H], w2: [E, H, I] at a Qwen3-MoE-like scale."""
     e, h, inter = shape
     rnd = _rnd(seed + 1000)
-    return (*_rows(shape, rows, seed), rnd(e, 2 * inter, h, scale=h**-0.5), rnd(e, h, inter, scale=inter**-0.5))
+    return (*_rows(shape, rows, seed), rnd(e, 2 * inter, h, scale=h**-0.5),
+            rnd(e, h, inter, scale=inter**-0.5))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}")
@@ -132,7 +134,8 @@ def test_rows_keep_their_bits_when_the_tile_follows_m(shape) -> None:
 
     def run(m: int, perm=None):
         xx, ll = (x[:m], logits[:m]) if perm is None else (x[perm], logits[perm])
-        return triton_moe.fused_moe(xx, ll, w13, w2, TOP_K, True, moe_tile(xx.shape[0], e, shape[1], shape[2], TOP_K))
+        return triton_moe.fused_moe(xx, ll, w13, w2, TOP_K, True,
+                                    moe_tile(xx.shape[0], e, shape[1], shape[2], TOP_K))
 
     full = run(rows)
     for m in (1, 2, 7, e - 1, e, e + 1, rows - 1):

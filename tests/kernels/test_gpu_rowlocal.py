@@ -49,8 +49,10 @@ def test_silu_and_mul_rows_are_batch_invariant(inter: int) -> None:
     assert _rel(full, rowlocal.silu_and_mul(x.float())) < 1e-2
 
 
-@pytest.mark.parametrize(("h", "hkv", "d", "norm"), [(32, 8, 128, False), (32, 8, 64, False), (32, 4, 128, True)])
-def test_qkv_prologue_matches_the_cpu_ops_and_is_batch_invariant(h: int, hkv: int, d: int, norm: bool) -> None:
+@pytest.mark.parametrize(("h", "hkv", "d", "norm"),
+                         [(32, 8, 128, False), (32, 8, 64, False), (32, 4, 128, True)])
+def test_qkv_prologue_matches_the_cpu_ops_and_is_batch_invariant(h: int, hkv: int, d: int,
+                                                                 norm: bool) -> None:
     g = torch.Generator(device="cuda").manual_seed(h * d + norm)
     t, page, blocks = 300, 16, 40
     qkv = torch.randn(t, (h + 2 * hkv) * d, device="cuda", dtype=DT, generator=g)
@@ -64,7 +66,8 @@ def test_qkv_prologue_matches_the_cpu_ops_and_is_batch_invariant(h: int, hkv: in
     def run(rows: slice):
         kc = torch.full((blocks, page, hkv, d), float("nan"), device="cuda", dtype=DT)
         vc = torch.full_like(kc, float("nan"))
-        q = tr.qkv_prologue(qkv[rows], positions[rows], cos, sin, (h, hkv, d), kc, vc, slots[rows], qn, kn, 1e-6)
+        q = tr.qkv_prologue(qkv[rows], positions[rows], cos, sin, (h, hkv, d), kc, vc, slots[rows], qn,
+                            kn, 1e-6)
         return q, kc.view(-1, hkv, d)[slots[rows]], vc.view(-1, hkv, d)[slots[rows]]
 
     q, k, v = run(slice(0, t))

@@ -9,7 +9,8 @@ What kernels/attention.py relies on, measured on a CPU (torch 2.13 / MKL, fp32, 
 - the operand layout does change bits (a [D, tile] operand given transposed vs contiguous), so both paths
   build Q [G, D] and P [G, tile] contiguous, K^T as the transpose of a contiguous [tile, D], V a contiguous
   [tile, D];
-- exp, amax/sum over the last dim and the elementwise updates are position-invariant (test_kernel_rowlocal.py);
+- exp, amax/sum over the last dim and the elementwise updates are position-invariant
+  (test_kernel_rowlocal.py);
 - stock SDPA: a sequence's bits change when a longer neighbour raises max_seqlen_k (fp32 and bf16, 1 and 2
   threads), and in fp32 a token decoded alone differs from the same token's row in its prefill.
 The group-7 case below makes a lone decode token one bmm element, so the padding is exercised.
@@ -61,7 +62,8 @@ class World:
 
     def cache_prefix(self, name: str, seq: Seq, upto: int) -> None:
         """A prefix-cache hit: positions < upto are already in the cache (written by someone else)."""
-        slots = torch.tensor([self.tables[name][p // BLOCK] * BLOCK + p % BLOCK for p in range(upto)], dtype=torch.int64)
+        slots = torch.tensor([self.tables[name][p // BLOCK] * BLOCK + p % BLOCK for p in range(upto)],
+                             dtype=torch.int64)
         write_kv(seq.k[:upto], seq.v[:upto], self.k_cache, self.v_cache, slots)
 
     def batch(self, entries: list[tuple[str, Seq, int, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -109,7 +111,8 @@ def outputs_per_schedule(world_type: type[World], gen, heads, dtype, params, *, 
             seq = world.seq("t", length)._replace(**template._asdict())
             got = []
             for start, end in schedule:
-                others = _neighbours(world, gen, int(torch.randint(1, 5, (1,), generator=gen))) if crowded else []
+                others = _neighbours(world, gen,
+                                     int(torch.randint(1, 5, (1,), generator=gen))) if crowded else []
                 at = int(torch.randint(0, len(others) + 1, (1,), generator=gen))
                 entries = others[:at] + [("t", seq, start, end - start)] + others[at:]
                 got.append(world.step(entries)[at])
@@ -120,7 +123,8 @@ def outputs_per_schedule(world_type: type[World], gen, heads, dtype, params, *, 
         world.cache_prefix("t", seq, hit)
         others = _neighbours(world, gen, 3) if crowded else []
         after = world.step(others + [("t", seq, hit, length - hit)])[-1]
-        outputs[f"prefix_hit{'+neighbours' if crowded else ''}"] = torch.cat([outputs["one_chunk"][:hit], after])
+        name = f"prefix_hit{'+neighbours' if crowded else ''}"
+        outputs[name] = torch.cat([outputs["one_chunk"][:hit], after])
     return outputs
 
 
@@ -166,7 +170,8 @@ def test_close_to_float64_reference(gen, dtype, params):
     meta_entries = [(c, n) for _, _, c, n in entries]
     width = max(len(t) for t in world.tables.values())
     tables = torch.tensor([world.tables[e[0]] + [-1] * (width - len(world.tables[e[0]])) for e in entries])
-    meta = AttentionMetadata.from_lengths([c for c, _ in meta_entries], [n for _, n in meta_entries], tables, BLOCK)
+    meta = AttentionMetadata.from_lengths([c for c, _ in meta_entries], [n for _, n in meta_entries],
+                                          tables, BLOCK)
     q = torch.cat([s.q[a : a + n] for _, s, a, n in entries])
     ref = reference.paged_attention(q, world.k_cache, world.v_cache, meta, scale=32**-0.5)
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
@@ -203,7 +208,8 @@ def test_metadata_validation_and_int32_inputs():
     assert meta.slot_mapping.tolist() == [14, 15, 4, 0] and meta.cu_seqlens_q.tolist() == [0, 3, 4]
     assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.num_seqs, meta.num_tokens) == (3, 5, 2, 4)
     as_int32 = AttentionMetadata(
-        cu_seqlens_q=meta.cu_seqlens_q.int(), context_lens=meta.context_lens.int(), seq_lens=meta.seq_lens.int(),
+        cu_seqlens_q=meta.cu_seqlens_q.int(), context_lens=meta.context_lens.int(),
+                                 seq_lens=meta.seq_lens.int(),
         block_tables=tables, slot_mapping=meta.slot_mapping, max_seqlen_q=3, max_seqlen_k=5)
     assert as_int32.block_tables.dtype == torch.int64 and as_int32.context_lens.dtype == torch.int64
     with pytest.raises(BadInput):

@@ -1,5 +1,6 @@
-"""The C attention (kernels/attention_c.py): a token's bits depend on its own KV and position only, however its
-prompt is scheduled, at 1 and 2 threads, with or without -mavx2; close to float64; refuses what it cannot run.
+"""The C attention (kernels/attention_c.py): a token's bits depend on its own KV and position only,
+however its prompt is scheduled, at 1 and 2 threads, with or without -mavx2; close to float64; refuses what
+it cannot run.
 
 The same worlds as test_kernel_attention.py (NaN-filled caches, random block placement, random neighbours).
 """
@@ -15,7 +16,8 @@ from detent_audit.kernels.attention import AttentionMetadata
 from detent_audit.kernels.params import AttentionParams
 from tests.kernels.test_kernel_attention import BLOCK, HEADS, World, _neighbours, outputs_per_schedule
 
-pytestmark = pytest.mark.skipif(not attention_c.available(), reason="no C compiler builds the C attention here")
+pytestmark = pytest.mark.skipif(not attention_c.available(),
+                                reason="no C compiler builds the C attention here")
 PARAMS = [AttentionParams(16), AttentionParams(16, split_stride=32), AttentionParams(32, split_stride=64),
           AttentionParams(64, split_stride=4096)]
 
@@ -26,8 +28,8 @@ class CWorld(World):
     arch_flags: tuple[str, ...] | None = None
 
     def attend(self, q, meta, params):
-        return attention_c.paged_attention(q, self.k_cache, self.v_cache, meta, scale=self.dim**-0.5, params=params,
-                                           arch_flags=self.arch_flags)
+        return attention_c.paged_attention(q, self.k_cache, self.v_cache, meta, scale=self.dim**-0.5,
+                                           params=params, arch_flags=self.arch_flags)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
@@ -58,7 +60,8 @@ def test_close_to_float64_reference(gen, params):
 
 
 def test_thread_count_and_avx2_do_not_change_bits(gen):
-    """The bits are the C source's: 1, 2 and 3 threads, the -mavx2 build and the baseline x86-64 build agree."""
+    """The bits are the C source's: 1, 2 and 3 threads, the -mavx2 build and the baseline x86-64 build
+    agree."""
     params = AttentionParams(32, split_stride=64)
     q, world, meta = _random_step(gen, params, count=12)
     runs = [attention_c.paged_attention(q, world.k_cache, world.v_cache, meta, scale=0.125, params=params,
@@ -83,7 +86,8 @@ def test_a_flipped_kv_bit_changes_only_the_tokens_that_read_it(gen):
     flat = world.v_cache.view(-1, 2, 32)
     flat[slot, 1, 3] = (flat[slot, 1, 3].view(torch.int32) ^ (1 << 20)).view(torch.float32)
     meta = AttentionMetadata.from_lengths([0], [40], torch.tensor([world.tables["t"]]), BLOCK)
-    after = attention_c.paged_attention(seq.q, world.k_cache, world.v_cache, meta, scale=32**-0.5, params=params)
+    after = attention_c.paged_attention(seq.q, world.k_cache, world.v_cache, meta, scale=32**-0.5,
+                                        params=params)
     changed = (after != before).any(-1).any(-1)
     assert not changed[:25].any() and changed[25:].any()
     # only KV head 1 read it: query heads 2 and 3 (group 2)
@@ -97,13 +101,14 @@ def test_refuses_what_it_cannot_run():
         attention_c.paged_attention(torch.zeros(3, 1, 8, dtype=torch.bfloat16), cache, cache, meta, scale=1.0,
                                     params=AttentionParams(16))
     with pytest.raises(BadInput, match="multiple of KV heads"):
-        attention_c.paged_attention(torch.zeros(3, 3, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), meta,
-                                    scale=1.0, params=AttentionParams(16))
+        attention_c.paged_attention(torch.zeros(3, 3, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8),
+                                    meta, scale=1.0, params=AttentionParams(16))
     with pytest.raises(BadInput, match="head size"):
         attention_c.paged_attention(torch.zeros(3, 1, 12), torch.zeros(1, 4, 1, 12), torch.zeros(1, 4, 1, 12),
                                     meta, scale=1.0, params=AttentionParams(16))
     with pytest.raises(BadInput, match="tokens"):
-        attention_c.paged_attention(torch.zeros(2, 1, 8), cache, cache, meta, scale=1.0, params=AttentionParams(16))
+        attention_c.paged_attention(torch.zeros(2, 1, 8), cache, cache, meta, scale=1.0,
+                                    params=AttentionParams(16))
     with pytest.raises(BadInput, match="block table"):
         attention_c.paged_attention(torch.zeros(3, 1, 8), cache, cache,
                                     AttentionMetadata.from_lengths([2], [1], torch.tensor([[0]]), 2),

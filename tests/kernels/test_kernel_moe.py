@@ -16,7 +16,8 @@ REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 def _weights(randn, dtype):
-    return randn(E, 2 * INTER, H, dtype=dtype, scale=H**-0.5), randn(E, H, INTER, dtype=dtype, scale=INTER**-0.5)
+    return randn(E, 2 * INTER, H, dtype=dtype, scale=H**-0.5), randn(E, H, INTER, dtype=dtype,
+                                                                     scale=INTER**-0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -124,7 +124,8 @@ def test_torch_wide_row_sum_is_not_invariant_at_two_threads(randn, with_threads)
 
 
 def test_torch_fp32_silu_depends_on_tensor_size(randn):
-    """Recorded fact: fp32 F.silu gives an element other bits in the vector tail than in the body; ours not."""
+    """Recorded fact: fp32 F.silu gives an element other bits in the vector tail than in the body; ours
+    not."""
     x = randn(4096, scale=5.0)
     gate_up = torch.stack([x, torch.ones_like(x)], dim=-1)  # [4096, 2]: gate x, up 1
     ours = rowlocal.silu_and_mul(gate_up)

@@ -1,7 +1,7 @@
-"""Opt-in CPU tier (Triton's interpreter): the paged attention's logic, and its streaming mode's claim that the
-in-program fold and the parallel splits with a streaming combine give a token the same bits. The interpreter
-computes in numpy, not in the GPU's instructions, so this checks the arithmetic is the same arithmetic, not
-the device's bits (tests/kernels/test_gpu_attention.py does that on a GPU).
+"""Opt-in CPU tier (Triton's interpreter): the paged attention's logic, and its streaming mode's claim that
+the in-program fold and the parallel splits with a streaming combine give a token the same bits. The
+interpreter computes in numpy, not in the GPU's instructions, so this checks the arithmetic is the same
+arithmetic, not the device's bits (tests/kernels/test_gpu_attention.py does that on a GPU).
 
 Runs only with DETENT_TRITON_INTERPRET=1 and Triton importable:
     DETENT_TRITON_INTERPRET=1 .venv/bin/pytest -q tests/kernels/test_triton_attention_interpret.py
@@ -46,7 +46,8 @@ def _run(k, v, tables, q, seqs, starts, ends, cfg):
     qq = torch.cat([q[s][a:b] for s, a, b in zip(seqs, starts, ends)])
     sizes = [b - a for a, b in zip(starts, ends)]
     cu = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
-    out = ta.paged_attention(qq, k, v, cu, torch.tensor(starts, dtype=torch.int32), tables[seqs], D ** -0.5, cfg)
+    out = ta.paged_attention(qq, k, v, cu, torch.tensor(starts, dtype=torch.int32), tables[seqs],
+                             D ** -0.5, cfg)
     return list(out.split(sizes))
 
 
@@ -59,12 +60,14 @@ def _reference(k, v, tables, q, s: int, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-@pytest.mark.parametrize("in_program", [0, 1 << 30])  # the streaming mode's threshold: always / never fold in one
+@pytest.mark.parametrize("in_program",
+                         [0, 1 << 30])  # the streaming mode's threshold: always / never fold in one
 def test_streaming_fold_gives_a_token_the_same_bits(streaming: bool, in_program: int, monkeypatch) -> None:
     monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", in_program)
     lens = [3, 13, 22]
     k, v, tables, q = _cache(lens, seed=len(lens) + in_program % 7)
-    cfg = ta.TritonAttentionConfig(block_m=16, block_n=4, split=8, num_warps=1, num_stages=1, streaming=streaming)
+    cfg = ta.TritonAttentionConfig(block_m=16, block_n=4, split=8, num_warps=1, num_stages=1,
+                                   streaming=streaming)
     n = len(lens)
     alone = [_run(k, v, tables, q, [s], [0], [lens[s]], cfg)[0] for s in range(n)]
     batch = _run(k, v, tables, q, list(range(n)), [0] * n, lens, cfg)
@@ -88,8 +91,8 @@ def test_the_two_streaming_paths_agree_bit_for_bit(monkeypatch) -> None:
 
 @pytest.mark.parametrize(("block_n", "split"), [(4, 8), (4, 4), (8, 24)])
 def test_the_one_pass_fold_gives_the_loop_per_split_bits(block_n: int, split: int, monkeypatch) -> None:
-    """`_attn_folded_one_pass` (folds where a split ends, one pass over the tiles) against `_attn_folded` (a loop
-    per split) and against the parallel splits with the streaming combine: the same bits for every token,
+    """`_attn_folded_one_pass` (folds where a split ends, one pass over the tiles) against `_attn_folded` (a
+    loop per split) and against the parallel splits with the streaming combine: the same bits for every token,
     prefilled whole, in chunks and decoded, with splits of one tile and of several."""
     lens = [1, 7, 29, 40]
     k, v, tables, q = _cache(lens, seed=split + block_n)

@@ -140,7 +140,8 @@ def test_bf16_close_to_float64(randn, bf16_fixes, config) -> None:
 
 
 def test_rows_keep_their_bits_in_the_interpreter(randn, gen, bf16_fixes) -> None:
-    """The kernels' logic gathers and scatters the right rows: prefixes and permutations give the same rows."""
+    """The kernels' logic gathers and scatters the right rows: prefixes and permutations give the same
+    rows."""
     x, logits, w13, w2 = _problem(randn, 17, 8, 32, 16, torch.bfloat16)
     run = lambda a, b: triton_moe.fused_moe(a, b, w13, w2, 2, True, CONFIGS[0])  # noqa: E731
     full = run(x, logits)
@@ -162,7 +163,8 @@ def test_shape_errors_and_empty() -> None:
 
 @pytest.mark.parametrize(("rows", "top_k", "experts", "block_m"),
                          [(1, 8, 128, 64), (3, 2, 8, 16), (32, 8, 128, 16), (17, 4, 20, 32), (64, 4, 6, 16)])
-def test_the_one_launch_alignment_equals_the_torch_one(rows: int, top_k: int, experts: int, block_m: int) -> None:
+def test_the_one_launch_alignment_equals_the_torch_one(rows: int, top_k: int, experts: int,
+                                                       block_m: int) -> None:
     g = torch.Generator().manual_seed(rows * experts + block_m)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)]).to(torch.int32)
     assert ids.numel() <= triton_moe.ALIGN_KERNEL_MAX_ENTRIES

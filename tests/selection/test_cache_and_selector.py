@@ -64,7 +64,8 @@ def test_cached_result_is_the_same_typed_value(tmp_path) -> None:
     assert all(type(g) is LegalGroup and all(type(r) is tuple for r in g.rows) for g in second.legal_groups)
     assert all(type(c) is FoldedConstant for c in second.constants)
     again = SolveResult.from_json(json.loads(json.dumps(first.to_json())))
-    assert again == first and json.dumps(again.report(), sort_keys=True) == json.dumps(first.report(), sort_keys=True)
+    assert again == first and json.dumps(again.report(),
+                                         sort_keys=True) == json.dumps(first.report(), sort_keys=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.pins = ()  # type: ignore[misc]
     with pytest.raises(SelIRError, match="no @record class"):
@@ -104,7 +105,8 @@ def test_miss_on_facts_change(tmp_path) -> None:
     assert _solve(tmp_path, num_sms=16).cache == "hit"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "wrong_key", "empty", "reshaped", "mistyped"])
+@pytest.mark.parametrize("damage",
+                         ["truncate", "flip", "garbage", "wrong_key", "empty", "reshaped", "mistyped"])
 def test_corrupt_entry_is_detected_and_solved_again(tmp_path, damage: str) -> None:
     good = _solve(tmp_path)
     (entry,) = list(tmp_path.rglob("*.json"))

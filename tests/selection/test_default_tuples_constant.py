@@ -1,7 +1,7 @@
-"""Property, per shipped deployment and family: the compiled selector of the default tuple is constant over the
-whole runtime domain. For any request-only inputs, two runtime points anywhere in the domain (drawn uniformly
-and at the edges, powers of two and their neighbours) give the same selection, and the selector never refuses
-a point inside the domain."""
+"""Property, per shipped deployment and family: the compiled selector of the default tuple is constant over
+the whole runtime domain. For any request-only inputs, two runtime points anywhere in the domain (drawn
+uniformly and at the edges, powers of two and their neighbours) give the same selection, and the selector
+never refuses a point inside the domain."""
 
 from __future__ import annotations
 

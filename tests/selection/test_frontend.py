@@ -113,11 +113,13 @@ def test_syntax_error_is_a_selir_error() -> None:
 
 
 def test_an_unconditional_helper_assume_bounds_the_domain_a_conditional_one_does_not() -> None:
+    bounded_helper = 'def helper(x):\n    assume(1 <= x <= 64, "bounded")\n    return x + 1'
     base = HEADER.replace('    assume(1 <= m <= 64, "bounded")\n', "").replace(
-        "def helper(x):\n    return x + 1", 'def helper(x):\n    assume(1 <= x <= 64, "bounded")\n    return x + 1')
+        "def helper(x):\n    return x + 1", bounded_helper)
     src = source_from_text(base + "    y = helper(m)\n    return Choice(a=y)\n", filename="prog.py")
     result = solve((src, "prog"), src.namespace["Facts"](n=3, table=(1, 2)))
     assert result.points_tried == 64 and result.exhaustive
-    cond = source_from_text(base + "    y = helper(m) if m > 3 else 0\n    return Choice(a=y)\n", filename="prog.py")
+    cond = source_from_text(base + "    y = helper(m) if m > 3 else 0\n    return Choice(a=y)\n",
+                            filename="prog.py")
     with pytest.raises(SelIRError, match="runtime input `m` has no bounds"):
         solve((cond, "prog"), cond.namespace["Facts"](n=3, table=(1, 2)))

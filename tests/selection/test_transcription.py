@@ -1,6 +1,6 @@
-"""The programs say what the engines do: NCCL only on a pinned path, SGLang's all-reduce as one value, SGLang's
-FA3 build (sgl-attn) and its page-table max_seqlen_k, vLLM's cascade attention, the MoE switches, FlashInfer's
-planner. Each test fails on a transcription that misses the upstream behaviour."""
+"""The programs say what the engines do: NCCL only on a pinned path, SGLang's all-reduce as one value,
+SGLang's FA3 build (sgl-attn) and its page-table max_seqlen_k, vLLM's cascade attention, the MoE switches,
+FlashInfer's planner. Each test fails on a transcription that misses the upstream behaviour."""
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def test_sglang_hdim64_decode_and_mixed_batches_get_different_kv_tiles() -> None
     assert (decode.is_causal, decode.block_n) == (False, 192)
     assert (mixed.is_causal, mixed.block_n) == (True, 128)
     # Dao-AILab HEAD adds the paged-non-TMA term: 128 either way
-    assert {fa3.fa3(d, 8, 8, 1, 1000, 64, 1000).block_n, fa3.fa3(d, 600, 8, 593, 1000, 64, 1000).block_n} == {128}
+    assert {fa3.fa3(d, 8, 8, 1, 1000, 64, 1000).block_n,
+            fa3.fa3(d, 600, 8, 593, 1000, 64, 1000).block_n} == {128}
     # hdim 64 / dv 256: (128, 112) in sgl-attn, (128, 96) upstream
     assert fa3.tile_size_fwd_sm90_sgl(64, 256, True, False, 2, True, False) == (128, 112)
     assert fa3.tile_size_fwd_sm90(64, 256, True, False, 2, True, False) == (128, 96)
@@ -108,7 +109,8 @@ def test_sglang_heuristic_reads_the_page_table_width() -> None:
     assert graph == {fa3.fa3(d, 4, 4, 1, 32768, 64, 32768).num_splits}
     # eagerly (a prefill) the table is max_seqlen_k wide, as upstream with max_seqlen_k
     for k in (2000, 30000):
-        assert fa3.fa3_sglang(d, 600, 4, 593, k, 64, k).num_splits == fa3.fa3(d, 600, 4, 593, k, 64, k).num_splits
+        assert fa3.fa3_sglang(d, 600, 4, 593, k, 64,
+                              k).num_splits == fa3.fa3(d, 600, 4, 593, k, 64, k).num_splits
     # so the solver sees one value for the graph path's seqlen_k: its split count is the context's
     spec, r = solved("llama-3.1-70b-instruct-tp4-h100-sglang", "attention")
     assert r.program == "fa3_sglang"
@@ -138,7 +140,8 @@ def test_cascade_is_a_pin_legal_only_off_and_absent_when_disabled() -> None:
     assert pin.candidates == (False, True) and pin.legal_values == (False,)
     assert "cascade" in on.batch_dependent_points and on.default["cascade"] is False
     sel = on.selector()
-    assert {sel(64, 64, 1, 5000, 64, 5000, 4096).cascade, sel(600, 8, 100, 1000, 64, 1000, 300).cascade} == {False}
+    assert {sel(64, 64, 1, 5000, 64, 5000, 4096).cascade,
+            sel(600, 8, 100, 1000, 64, 1000, 300).cascade} == {False}
     d = dep("llama-3.1-8b-instruct-tp1-h100-vllm")
     off = dataclasses.replace(d, engine=dataclasses.replace(d.engine, disable_cascade_attn=True))
     _, r = solved("", "attention", off)
@@ -189,9 +192,10 @@ def test_flashinfer_cta_tile_q_from_the_packed_query_length() -> None:
 
     d = flashinfer.facts(dep("llama-3.1-8b-instruct-tp1-b200-vllm"))   # 32 heads / 8 KV heads: packed x 4
     tile = lambda t, s, q: flashinfer.flashinfer_prefill(d, t, s, q, 100, 8, 1600).cta_tile_q  # noqa: E731
-    # eagerly: the batch's average packed length (num_tokens x 4 // num_seqs): > 64 -> 128, > 16 -> 64, else 16
-    assert [tile(2000, 100, 50), tile(1620, 100, 50), tile(500, 100, 50), tile(400, 100, 50)] == [128, 64,
-                                                                                                 64, 16]
+    # eagerly: the batch's average packed length (num_tokens x 4 // num_seqs): > 64 -> 128, > 16 -> 64,
+    # else 16
+    tiles = [tile(2000, 100, 50), tile(1620, 100, 50), tile(500, 100, 50), tile(400, 100, 50)]
+    assert tiles == [128, 64, 64, 16]
     # in a decode graph: (num_tokens - num_seqs + 1) x 4 = 4 -> 16, whatever the batch
     assert tile(200, 200, 1) == 16
 

@@ -283,7 +283,8 @@ def test_anchors_must_be_distinct_and_legal():
         FamilyGrid("attention", axes, legal, legal[0], ({"kv_tile": 32, "split_stride": 512},))
     with pytest.raises(BadInput, match="anchors"):
         FamilyGrid("attention", axes, legal, legal[0], (legal[1], legal[1]))
-    assert FamilyGrid("attention", axes, legal, legal[0], ({"kv_tile": 16, "split_stride": 512},)).anchors == (
+    assert FamilyGrid("attention", axes, legal, legal[0],
+                      ({"kv_tile": 16, "split_stride": 512},)).anchors == (
         Assignment(kv_tile=16, split_stride=512),)
 
 

@@ -39,6 +39,9 @@ _V2_ALGOS = {"custom/1shot_push": ("ONE_SHOT_PUSH", False), "custom/1shot_pull":
              "custom/2shot_pull": ("TWO_SHOT_PULL", False), "custom/2shot_pull_mc": ("TWO_SHOT_PULL", True)}
 _NCCL_ENV = {"tree": "Tree", "ring": "Ring", "Simple": "Simple", "LL": "LL", "LL128": "LL128"}
 SAMPLE = 256  # runtime points drawn to check that a pinned value is one constant
+# SGLang's fused-MoE configs, the up projection's and the down projection's: Triton's launch fields by name
+MoeConfigs = tuple[dict[str, int], dict[str, int]]
+Hook = tuple[str, Any]  # how it is applied ("AFTER" the target, or "REPLACE" it) and the function
 
 
 def _sample_inputs(d: Deployment, rng: random.Random) -> dict[str, int]:
@@ -91,7 +94,7 @@ class CudaHooks:
                            remedy="commit a tuple with split_stride 0 and a pinned num_splits")
         return int(values.pop())
 
-    def moe_config(self, m: int) -> tuple[dict, dict]:
+    def moe_config(self, m: int) -> MoeConfigs:
         c = self.selectors["moe"](num_tokens=max(1, min(m, self.deployment.engine.max_num_batched_tokens)))
         up = {"BLOCK_SIZE_M": c.block_size_m, "BLOCK_SIZE_N": c.block_size_n, "BLOCK_SIZE_K": c.block_size_k,
               "GROUP_SIZE_M": c.group_size_m, "num_warps": c.num_warps, "num_stages": c.num_stages}
@@ -126,8 +129,8 @@ class CudaHooks:
         return env
 
     # ---- the hooks
-    def hooks(self) -> dict[str, tuple[str, Any]]:
-        out: dict[str, tuple[str, Any]] = {}
+    def hooks(self) -> dict[str, Hook]:
+        out: dict[str, Hook] = {}
         if "attention" in self.selectors:
             splits = self.fa3_num_splits()
 

@@ -37,6 +37,7 @@ from detent_audit.engine.named_models import ResolvedModel
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.stop_strings import find_stop, output_text
 from detent_audit.engine_api import Rescored
+from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
     HostedEngine,
@@ -59,7 +60,7 @@ _SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrati
 class SglangUnavailable(DetentError):
     """SGLang cannot run here as asked."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,12 @@ class SglangRequest(HostedRequest):
         self.prompt_top: list[list[tuple[int, float]]] | None = None
         self.rid = f"detent-{seq_id}"
         self.future: concurrent.futures.Future | None = None
+
+    def submitted(self) -> concurrent.futures.Future:
+        """SGLang's future of this request (`add_request` sets it)."""
+        if self.future is None:
+            raise RuntimeError(f"request {self.rid} was never submitted to SGLang")
+        return self.future
 
 
 def sglang_params(params: SamplingParams, max_tokens: int | None = None) -> dict[str, Any]:
@@ -249,6 +256,8 @@ class SglangEngine(HostedEngine[SglangRequest]):
 
     def selection_deployment(self) -> dict:
         """The deployment the CPU selection was solved for, with what the GEMM probe proved here."""
+        if self.selection is None or self.selection.deployment is None:
+            raise RuntimeError("this SGLang engine solved no CPU selection (stock mode)")
         return self.selection.deployment.to_canonical()
 
     def _submit(self, coro: Any) -> concurrent.futures.Future:
@@ -277,7 +286,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
         return seq
 
     def _finish(self, seq: SglangRequest) -> None:
-        out = seq.future.result()
+        out = seq.submitted().result()
         meta = out["meta_info"]
         seq.token_ids = [int(t) for t in out["output_ids"]]
         lps = meta.get("output_token_logprobs") or []
@@ -313,11 +322,11 @@ class SglangEngine(HostedEngine[SglangRequest]):
     def step(self) -> list[SglangRequest]:
         if not self._live:
             return []
-        futures = [s.future for s in self._live.values()]
+        futures = [s.submitted() for s in self._live.values()]
         concurrent.futures.wait(futures, timeout=STEP_SLICE_S, return_when=concurrent.futures.FIRST_COMPLETED)
         finished = []
         for rid, seq in list(self._live.items()):
-            if seq.future.done():
+            if seq.submitted().done():
                 del self._live[rid]
                 self._finish(seq)
                 finished.append(seq)
@@ -336,7 +345,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
     def abort(self, seq: SglangRequest) -> None:
         if self._live.pop(seq.rid, None) is not None:
             self._loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, seq.rid)
-            seq.future.cancel()
+            seq.submitted().cancel()
 
     def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
         """Forget every request and the radix cache. `max_prefill_chunk` sets SGLang's chunked-prefill size in

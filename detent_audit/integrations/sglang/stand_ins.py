@@ -15,9 +15,19 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
+from collections.abc import Callable
+from typing import NoReturn
 
 
-def _rotary_embedding(*args, **kwargs):
+class _StandIn(types.ModuleType):
+    """A module made here in place of vLLM's, marked so that it is told from the real one."""
+
+    __detent_stand_in__ = True
+    rotary_embedding: Callable[..., NoReturn]
+    _custom_ops: types.ModuleType
+
+
+def _rotary_embedding(*args: object, **kwargs: object) -> NoReturn:
     raise RuntimeError("vLLM's rotary_embedding kernel is not available here (a stand-in): SGLang on a CPU "
                        "should run RotaryEmbedding.forward_native")
 
@@ -29,14 +39,12 @@ def install_stand_ins(shadow_real: bool = False) -> list[str]:
         return []
     if not shadow_real and importlib.util.find_spec("vllm") is not None:
         return []
-    parent = types.ModuleType("vllm")
+    parent = _StandIn("vllm")
     parent.__path__ = []  # a package, so that `vllm._custom_ops` resolves
     parent.__spec__ = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
-    parent.__detent_stand_in__ = True
-    ops = types.ModuleType("vllm._custom_ops")
+    ops = _StandIn("vllm._custom_ops")
     ops.__spec__ = importlib.machinery.ModuleSpec("vllm._custom_ops", None)
     ops.rotary_embedding = _rotary_embedding
-    ops.__detent_stand_in__ = True
     parent._custom_ops = ops
     sys.modules["vllm"], sys.modules["vllm._custom_ops"] = parent, ops
     return ["vllm", "vllm._custom_ops"]
