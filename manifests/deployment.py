@@ -317,8 +317,8 @@ class Deployment:
               "when TP exceeds them)", section="parallel")
         mlp = m.moe_intermediate_size if m.is_moe else m.intermediate_size
         check(mlp % tp == 0, f"tensor_parallel_size ({tp}) must divide the MLP size ({mlp})", section="parallel")
-        check(tp == 1 or self.gpu.arch != "cpu", "tensor_parallel_size: a CPU deployment runs on one device",
-              section="parallel")
+        check(tp == 1 or self.gpu.arch != "cpu" or e.name == "detent", "tensor_parallel_size: on a CPU only the "
+              "detent engine runs tensor-parallel (its ranks as processes over gloo)", section="parallel")
         check(e.max_model_len <= m.max_position_embeddings, f"max_model_len ({e.max_model_len}) exceeds "
               f"[model] max_position_embeddings ({m.max_position_embeddings})", section="engine")
         check(e.attention_backend != "fa3" or self.gpu.arch == "sm90",

@@ -59,9 +59,24 @@ def _get(facts: Mapping[str, Any], *path: str) -> Any:
     return node
 
 
+def served_tensor_parallel(facts: Mapping[str, Any], native: int | None) -> tuple[int, str]:
+    """The receipt's tensor-parallel size and how to re-execute it: natively at that size (`native`, the
+    verifier's --tensor-parallel-size, must equal it) or, by default, every rank emulated in this process."""
+    parallel = facts.get("parallel", {"tensor_parallel_size": 1})
+    size = parallel.get("tensor_parallel_size") if isinstance(parallel, Mapping) else None
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 512:
+        raise BadInput(f"the receipt's parallel.tensor_parallel_size is {size!r}, not a rank count")
+    if native is not None and native != size:
+        raise NotComparable(["parallel.tensor_parallel_size"], f"the receipt was served at TP={size}; "
+                            f"--tensor-parallel-size {native} re-executes another split (omit it to emulate "
+                            f"the {size} ranks in one process)")
+    return size, "processes" if native is not None and size > 1 else "emulated"
+
+
 def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                   cache_dir: str | None = None, threads: int | None = None,
-                  tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0) -> EngineConfig:
+                  tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0,
+                  tensor_parallel: int | None = None) -> EngineConfig:
     """The EngineConfig a receipt's facts and tuple describe, on the local checkpoint `model`; `threads` and
     `tuple_override` replace the receipt's (a verifier stating its own deployment). The KV pool (not a
     bit-relevant fact: the kernels' bits do not depend on where a block lives or on preemption) holds at least
@@ -77,7 +92,9 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
         raise BadInput(f"--tuple applies to detent receipts only; this receipt was served in {mode} mode")
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
     _get(facts, "checkpoint")
+    tp_size, tp_ranks = served_tensor_parallel(facts, tensor_parallel)
     return EngineConfig(
+        tensor_parallel_size=tp_size, tensor_parallel_ranks=tp_ranks,
         model=str(model) if model else None, mode=mode, dtype=runtime["dtype"],
         device="cpu" if device == "cpu" else "cuda",
         num_threads=threads or served_threads,
@@ -107,7 +124,8 @@ def differing_fields(expected: Any, got: Any, prefix: str = "") -> list[str]:
 
 def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                 cache_dir: str | None = None, threads: int | None = None,
-                tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0) -> Engine:
+                tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0,
+                tensor_parallel: int | None = None) -> Engine:
     """Step (7), the deployment and its tuple: the local engine for these facts, of the engine they name (the embedded
     one or vLLM); raises NotComparable, also for an engine this installation does not have."""
     try:
@@ -120,7 +138,8 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
         return reconstruct_sglang(facts, tuple_values, model, threads, tuple_override)
     if name != EMBEDDED:
         return _reconstruct_vllm(facts, tuple_values, model, threads, tuple_override, kv_tokens=kv_tokens)
-    config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override, kv_tokens=kv_tokens)
+    config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override, kv_tokens=kv_tokens,
+                           tensor_parallel=tensor_parallel)
     if config.mode == "stock":
         raise NotComparable(["tuple.mode.name"], "stock mode is not batch-invariant: its bits depend on the batch "
                                                  "the request was served in, which no verifier can rebuild")
@@ -132,7 +151,7 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
                                                     "this machine has no CUDA device")
     # (7), first: what is known before building (the checkpoint is the verifier's: its files are hashed, not loaded)
     expected = {k: dict(facts[k]) if isinstance(facts.get(k), Mapping) else facts.get(k)
-                for k in ("engine", "checkpoint", "runtime")}
+                for k in ("engine", "checkpoint", "runtime", "parallel") if k in facts}
     if isinstance(expected["checkpoint"], dict):
         expected["checkpoint"].pop("eos_token_ids", None)
     check_comparable(expected, static_facts(config))

@@ -40,6 +40,7 @@ class Options:
     # engine caps it at its own model's context, so a receipt's claims cannot size another group's memory)
     kv_tokens: dict = field(default_factory=dict)
     published: bool = False  # the facts were checked against a published deployment (verify --deployment)
+    tensor_parallel: int | None = None  # re-execute TP receipts natively at this size (None: rank emulation)
 
 
 def run_batch(batch: list[tuple[Path, Receipt]], options: Options, engines: dict) -> list[Outcome]:
@@ -71,7 +72,8 @@ def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Any:
     exit 3; facts that cannot be rebuilt, exit 2)."""
     try:
         return reconstruct(first.deployment_facts, first.tuple_values, options.model, options.cache_dir,
-                           options.threads, options.tuple_override, kv_tokens=options.kv_tokens.get(key, 0))
+                           options.threads, options.tuple_override, kv_tokens=options.kv_tokens.get(key, 0),
+                           tensor_parallel=options.tensor_parallel)
     except DeploymentError as exc:  # NotComparable
         return exc
     except DetentError as exc:  # facts that cannot be rebuilt: the group's receipts are bad input
@@ -125,6 +127,7 @@ def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[
     # (7)-(9): what the receipt's content already refutes is not re-executed: a tuple that is not its facts',
     # out-of-vocabulary ids, a wrong finish, a request that is not the client's
     max_chars = _max_prompt_chars(llm)
+    parallel = getattr(llm, "parallel_note", "")  # how a tensor-parallel receipt was re-executed
     refuted = {p: refutation(r, llm, eos, max_chars) for p, r in batch}
     usable = [(p, r) for p, r in batch if refuted[p] is None]
     # (10): re-execute, all of the batch together. An echo receipt's prompt is scored by the same teacher-forced
@@ -160,8 +163,9 @@ def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[
             continue
         rid = r.request.request_id
         scored_note = f", {r.scoring.num_positions} prompt positions" if r.scoring is not None else ""
+        how = ", ".join([mode, *([parallel] if parallel else [])])
         out.append(Outcome(str(p), "receipt", "OK", f"request {rid}: the client's request, {len(results[p][0])} "
-                                                   f"tokens, text and bits equal{scored_note} ({mode})"
+                                                   f"tokens, text and bits equal{scored_note} ({how})"
                                                    + stated_claims(r, llm.max_model_len, published), rid))
     return out
 

@@ -39,7 +39,7 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
            sample: float | None = None, seed: int | None = None, cache_dir: str | None = None,
            threads: int | None = None, tuple_override: dict | None = None, workers: int | str = 1,
            progress: Callable[[int, int], None] | None = None,
-           deployments: dict[str, dict | None] | None = None) -> Report:
+           deployments: dict[str, dict | None] | None = None, tensor_parallel: int | None = None) -> Report:
     """Verify every receipt and run manifest under `paths`; never raises for a bad receipt: reports it.
     `workers`: processes that re-execute (`plan.auto_workers` for "auto"). `deployments`: the published ones
     (`load_deployments`); every receipt's deployment must be one of them (None: facts are self-asserted)."""
@@ -84,7 +84,7 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
     batches = plan.batches(groups, count)
     kv_tokens = {key: max(plan.kv_tokens(opened[p], mode) for p in group) for key, group in groups.items()}
     options = Options(None if model is None else str(model), mode, cache_dir, threads, tuple_override,
-                      kv_tokens, published=deployments is not None)
+                      kv_tokens, published=deployments is not None, tensor_parallel=tensor_parallel)
     outcomes += _run_batches(batches, opened, options, count, progress)
     order = {str(p): i for i, p in enumerate([*files.receipts, *files.manifests])}
     outcomes.sort(key=lambda o: (order.get(o.path, -1), o.path))

@@ -71,12 +71,17 @@ def verify(
     threads: int = typer.Option(None, "--threads", help="Run with this many CPU threads (default: the "
                                                         "receipt's); a different count is not comparable."),
     tuple_file: Path = typer.Option(None, "--tuple", help="Verify as this tuple (default: the receipt's)."),
-    workers: str = WORKERS, deployment: list[str] = DEPLOYMENTS, as_json: bool = JSON,
+    workers: str = WORKERS, deployment: list[str] = DEPLOYMENTS,
+    tensor_parallel: int = typer.Option(None, "--tensor-parallel-size", "-tp", min=1, show_default=False,
+                                        help="Re-execute tensor-parallel receipts natively, one process per rank "
+                                             "(must be the receipt's size) [default: every rank emulated in "
+                                             "one process, the same bits on fewer devices]."),
+    as_json: bool = JSON,
 ) -> None:
     """Verify receipts: signature, the client's request, deployment, tuple, re-execution, bits; folders: that
     run manifests cover every receipt. Exit 0 pass, 1 mismatch, 2 bad input, 3 not comparable."""
     _verify(paths, key, trusted_keys, model, mode, sample, seed, cache_dir, threads, tuple_file, workers,
-            deployment, as_json)
+            deployment, as_json, tensor_parallel=tensor_parallel)
 
 
 def verify_response(
@@ -104,7 +109,7 @@ def verify_response(
 def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, model: str | None, mode: str,
             sample: float | None, seed: int | None, cache_dir: Path | None, threads: int | None,
             tuple_file: Path | None, workers: str, deployment: list[str] | None, as_json: bool,
-            response: tuple[Any, Any, str | None] | None = None) -> None:
+            response: tuple[Any, Any, str | None] | None = None, tensor_parallel: int | None = None) -> None:
     """`verify`, and `verify-response` (with `response` = the request and response documents and the
     endpoint called)."""
     from rich.console import Console
@@ -140,7 +145,8 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
         override = load_tuple(tuple_file)
     options: dict[str, Any] = dict(model=model, mode=mode, sample=sample, seed=seed,
                                    cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
-                                   tuple_override=override, workers=worker_count, deployments=deployments)
+                                   tuple_override=override, workers=worker_count, deployments=deployments,
+                                   tensor_parallel=tensor_parallel)
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task("re-executing", total=None)
         show = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731

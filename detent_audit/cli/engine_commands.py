@@ -18,6 +18,7 @@ from detent_audit.cli.options import (
     MAX_MODEL_LEN,
     MODE,
     MODEL,
+    TENSOR_PARALLEL,
     THREADS,
     TUPLE,
 )
@@ -57,7 +58,7 @@ def battery(
     target_len: int = typer.Option(None, "--target-len", min=3, show_default=False,
                                    help="Tokens of the target prompt [default: 40 with 16-token KV pages, "
                                         "600 with larger ones (vLLM CPU), which crosses its KV splits]."),
-    engine: str = ENGINE, as_json: bool = JSON,
+    engine: str = ENGINE, tensor_parallel_size: int = TENSOR_PARALLEL, as_json: bool = JSON,
 ) -> None:
     """Run the 35-cell invariance battery; exit 1 if any cell fails. The prefix cells share whole KV pages of
     the engine (16 tokens on the embedded engine, 32 on vLLM CPU)."""
@@ -67,21 +68,29 @@ def battery(
 
     from detent_audit.engine.battery import cells, default_target_len, prefix_block, run_battery
 
-    llm = open_engine(model, mode, dtype, threads, device=device, engine=engine)
+    extra = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
+    llm = open_engine(model, mode, dtype, threads, device=device, engine=engine, **extra)
     block = prefix_block(llm)
     target_len = default_target_len(block) if target_len is None else target_len
-    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-        task = progress.add_task("battery", total=len(cells(block)))
-        results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task), target_len=target_len,
-                              block=block)
+    try:
+        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+            task = progress.add_task("battery", total=len(cells(block)))
+            results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task),
+                                  target_len=target_len, block=block)
+    finally:
+        close = getattr(llm, "shutdown", None)
+        if close is not None:
+            close()
     failed = [r for r in results if not r.passed]
     if as_json:
         typer.echo(json.dumps({"engine": engine, "mode": mode, "dtype": dtype, "threads": threads,
+                               "tensor_parallel_size": tensor_parallel_size,
                                "target_len": target_len, "prefix_block": block,
                                "passed": len(results) - len(failed), "total": len(results),
                                "cells": [r.to_json() for r in results]}, indent=2))
     else:
-        table = Table(title=f"invariance battery: {engine} engine, mode {mode}, {dtype}, {threads} threads")
+        table = Table(title=f"invariance battery: {engine} engine, mode {mode}, {dtype}, {threads} threads"
+                            + (f" per rank, TP={tensor_parallel_size}" if tensor_parallel_size > 1 else ""))
         for col in ("cell", "group", "what changes", "result", "first diff", "expected bits", "got bits"):
             table.add_column(col)
         for r in results:

@@ -25,6 +25,9 @@ def open_engine(model: str | None, mode: str, dtype: str, threads: int, tuple_fi
         from detent_audit.engine.tuples import load_tuple
 
         committed = load_tuple(tuple_file)
+    if engine != "embedded" and extra.get("tensor_parallel_size", 1) > 1:
+        raise BadInput(f"--tensor-parallel-size runs on the embedded engine here, not {engine}",
+                       remedy="drop --engine, or --tensor-parallel-size")
     if engine == "sglang":
         if extra.get("device", "cpu") != "cpu" or extra.get("attention_streaming"):
             raise BadInput("--engine sglang runs SGLang's CPU path here", remedy="drop --device/--attention-streaming")

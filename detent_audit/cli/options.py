@@ -36,6 +36,9 @@ ATTENTION_STREAMING = typer.Option(False, "--attention-streaming", help="GPU: th
                                    "(small split strides stop costing prefill; a deployment fact: tune and "
                                    "serve with the same flag).")
 CACHE_DIR = typer.Option(None, "--cache-dir", help="JIT cache directory.")
+TENSOR_PARALLEL = typer.Option(1, "--tensor-parallel-size", "-tp", min=1, help="Ranks the model is split over "
+                               "(embedded engine: one process per rank, gloo on a CPU, NCCL on CUDA; a fact). "
+                               "--threads is per rank.")
 
 # ---- keys
 PASSPHRASE_ENV = typer.Option(None, "--passphrase-env", help="Environment variable holding the private key's "

@@ -18,6 +18,7 @@ from detent_audit.cli.options import (
     MODE,
     MODEL,
     PASSPHRASE_ENV,
+    TENSOR_PARALLEL,
     THREADS,
     TUPLE,
     passphrase,
@@ -44,7 +45,7 @@ def serve(
     served_model_name: str = typer.Option(None, "--served-model-name", help="Model name clients ask for "
                                                                             "(default: the model folder's name)."),
     max_queued: int = typer.Option(256, "--max-queued", help="Requests queued or running at most (then 503)."),
-    engine: str = ENGINE,
+    engine: str = ENGINE, tensor_parallel_size: int = TENSOR_PARALLEL,
     input_path: Path = typer.Option(None, "--input", help="Serve this JSONL file of requests offline, then exit."),
     output_path: Path = typer.Option(None, "--output", help="Where --input writes its results (JSONL)."),
     publish_deployment: Path = typer.Option(None, "--publish-deployment", help="Write the deployment (facts and "
@@ -55,7 +56,6 @@ def serve(
     to 60 s: what is still running then is cut off, without a receipt), writes the run manifest and exits."""
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_private_key
-    from detent_audit.server.node import ServingNode
 
     if old_key is not None:
         typer.echo("detent-audit: serve --key is deprecated: pass the private signing key as --signing-key",
@@ -85,7 +85,24 @@ def serve(
         raise BadInput(f"--manifest-out {manifest_out} is a file", remedy="name a folder (it is created if new)")
     private_key = load_private_key(signing_key, passphrase(passphrase_env))
     llm = open_engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
-                      attention_streaming=attention_streaming, max_model_len=max_model_len, engine=engine)
+                      attention_streaming=attention_streaming, max_model_len=max_model_len, engine=engine,
+                      **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
+    try:
+        _serve_with(llm, engine, private_key, manifest_out, rotate, publish_deployment, input_path, output_path,
+                    max_model_len, served_model_name, host, port, max_queued)
+    finally:  # a tensor-parallel engine's other ranks stop with it, however serving ended
+        stop = getattr(llm, "shutdown", None)
+        if callable(stop):
+            stop()
+
+
+def _serve_with(llm: Any, engine: str, private_key: Any, manifest_out: Path, rotate: int | None,
+                publish_deployment: Path | None, input_path: Path | None, output_path: Path | None,
+                max_model_len: int | None, served_model_name: str | None, host: str, port: int,
+                max_queued: int) -> None:
+    from detent_audit.errors import BadInput
+    from detent_audit.server.node import ServingNode
+
     positions = (llm.model_config if engine != "embedded" else llm.model.config).max_position_embeddings
     if max_model_len is not None and max_model_len > positions:
         raise BadInput(f"--max-model-len {max_model_len} exceeds the model's {positions} positions",
@@ -93,7 +110,7 @@ def serve(
     node = ServingNode(llm, private_key, manifest_out, rotate)
     if publish_deployment is not None:
         typer.echo(f"published deployment {node.publish(publish_deployment)} to {publish_deployment}", err=True)
-    if input_path is not None:
+    if input_path is not None and output_path is not None:
         _serve_file(llm, node, input_path, output_path, manifest_out)
         return
     default_name = llm.model_name if engine != "embedded" else llm.config.resolved_model.name

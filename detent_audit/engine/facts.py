@@ -28,6 +28,7 @@ from detent_audit import __version__
 from detent_audit.atomic import write_atomically
 from detent_audit.cache_dir import cache_root
 from detent_audit.engine.generated import is_generated
+from detent_audit.engine.tensor_parallel import ACCUMULATE, BACKEND, ORDERED
 
 if TYPE_CHECKING:
     from detent_audit.engine.llm import LLM
@@ -107,7 +108,7 @@ def static_facts(cfg: Any) -> dict[str, Any]:
     """The facts of an `EngineConfig` known before its model is built: engine, checkpoint files (hashed, not
     loaded) with the model's name and source, runtime. `collect_facts` extends them."""
     named = cfg.resolved_model
-    return {
+    facts = {
         "engine": {"name": "detent-audit", "version": __version__, "mode": cfg.mode,
                    "sources": {k: source_hash(v) for k, v in sorted(_ROOTS.items())}},
         "checkpoint": {**({"generated": cfg.model, "config": file_hash(cfg.model_path / "config.json")}
@@ -117,6 +118,10 @@ def static_facts(cfg: Any) -> dict[str, Any]:
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "num_threads": cfg.num_threads, "dtype": cfg.dtype},
     }
+    if cfg.tensor_parallel_size > 1:  # how the ranks' partial sums meet (tensor_parallel.py); threads are per rank
+        facts["parallel"] = {"tensor_parallel_size": cfg.tensor_parallel_size,
+                             "all_reduce": BACKEND if cfg.mode == "stock" else ORDERED, "accumulate": ACCUMULATE}
+    return facts
 
 
 def collect_facts(llm: LLM) -> dict[str, Any]:

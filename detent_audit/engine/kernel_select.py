@@ -65,7 +65,7 @@ EMBEDDED_PREFERENCES: dict[str, dict[str, Any]] = {
 def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, block_size: int,
                       max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                       prefix_caching: bool, name: str = "embedded", attention_backend: str = "detent",
-                      batch_invariant: bool = True) -> Deployment:
+                      batch_invariant: bool = True, tensor_parallel_size: int = 1) -> Deployment:
     """The embedded engine's deployment facts, in the shipped files' schema (`batch_invariant`: False for
     stock mode, whose kernels read the batch)."""
     data = {
@@ -88,7 +88,7 @@ def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, bloc
                    "chunked_prefill": True, "batch_invariant": batch_invariant, "custom_all_reduce": False,
                    "custom_all_reduce_algo": "auto", "nccl_symm_mem": False, "torch_symm_mem": False,
                    "flashinfer_all_reduce": False},
-        "parallel": {"tensor_parallel_size": 1},
+        "parallel": {"tensor_parallel_size": tensor_parallel_size},
         "tables": {"fused_moe": {}, "matmul": []},
     }
     return Deployment.from_canonical(data, source="the embedded engine")

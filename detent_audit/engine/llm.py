@@ -7,6 +7,8 @@ CPU thread count is fixed when the engine starts (it changes BLAS bits) and reco
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 from collections import Counter
 from collections.abc import Iterable
@@ -16,19 +18,31 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from detent_audit.engine.base import EngineBase, RequestOutput
 from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.engine.generated import generate_model, is_generated
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
 from detent_audit.engine.loader import load_model
+from detent_audit.engine.model import CausalLM
 from detent_audit.engine.named_models import ResolvedModel, resolve_model
 from detent_audit.engine.runner import ModelRunner, ScoreSpec
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
 from detent_audit.engine.sequence import Sequence
 from detent_audit.engine.stop_strings import output_text
+from detent_audit.engine.tensor_parallel import (
+    BACKEND,
+    ORDERED,
+    EmulatedRanks,
+    TensorParallelLM,
+    TPLayout,
+    tensor_parallel_model,
+)
 from detent_audit.engine.threads import set_threads
 from detent_audit.engine.tokenizer import Tokenizer
+from detent_audit.engine.tp_ranks import DrivenModel, ProcessRanks, RankProcesses, follow, init_group
 from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
@@ -63,6 +77,10 @@ class EngineConfig:
     tuple: dict | None = None           # family -> axis -> value (detent mode); None: the preferred legal one
     attention_streaming: bool = False   # GPU det/detent: the Triton attention's streaming fold (a fact)
     cache_dir: str | None = None        # JIT cache directory
+    tensor_parallel_size: int = 1       # ranks the model is split over (a fact; tensor_parallel.py)
+    tensor_parallel_ranks: str = "processes"  # processes: one per rank (rank 0 here); emulated: all here
+    tensor_parallel_rank: int = 0       # a follower process's rank (set by the engine that starts it)
+    tensor_parallel_init: str = ""      # a follower's process-group address (set by the engine that starts it)
 
     def __post_init__(self) -> None:
         if self.mode not in {m.value for m in Mode}:
@@ -77,6 +95,12 @@ class EngineConfig:
             raise BadInput("attention_streaming is a mode of the GPU attention kernel", remedy="use device cuda")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise BadInput(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise BadInput(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_ranks not in ("processes", "emulated"):
+            raise BadInput(f"tensor_parallel_ranks must be processes or emulated, got {self.tensor_parallel_ranks!r}")
+        if self.tensor_parallel_size > 1 and self.device == "cuda" and self.cuda_graphs:
+            raise BadInput("CUDA graphs are not captured for tensor-parallel models yet", remedy="pass --eager")
         if self.tuple is not None and self.mode != "detent":
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
@@ -104,21 +128,27 @@ class LLM(EngineBase[Sequence]):
         set_threads(config.num_threads)
         self.tokenizer = Tokenizer.from_pretrained(config.model_path)
         if is_generated(config.model):
-            self.model = generate_model(config.model, DTYPES[config.dtype], config.device)
+            full = generate_model(config.model, DTYPES[config.dtype], config.device)
         else:
-            self.model = load_model(config.model_path, DTYPES[config.dtype], device=config.device)
-        mc = self.model.config
+            full = load_model(config.model_path, DTYPES[config.dtype], device=config.device)
+        self.ranks: RankProcesses | None = None
+        self.rank_group: ProcessRanks | None = None
+        self.model = self._split(full) if config.tensor_parallel_size > 1 else full
+        mc = full.config
         max_len = self._max_model_len(config, mc.max_position_embeddings)
         self.deployment = engine_deployment(
             mc, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
             attention_backend="detent-streaming" if config.attention_streaming else "detent",
-            batch_invariant=config.mode != "stock")
+            batch_invariant=config.mode != "stock", tensor_parallel_size=config.tensor_parallel_size)
         self.selection: Selection = select_kernels(
             config.mode, self.deployment, config.tuple, config.cache_dir, device=config.device,
             gemm_shapes=self.model.gemm_shapes() if config.device == "cpu" else None)
         self.deployment = self.selection.deployment or self.deployment  # with the GEMM probe's facts
+        reduce = self.selection.tuple.get("embedded.all_reduce", {}).get("embedded.all_reduce.algorithm")
+        if reduce is not None and reduce != ORDERED:  # the solver pins it: only the ordered sum is legal
+            raise BadInput(f"the tuple's all-reduce {reduce!r} is not batch-invariant", remedy=f"use {ORDERED}")
         # a verifier sizes the pool for its longest receipt: never past what this model's own context holds
         num_kv_blocks = max(config.num_kv_blocks, -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2)
         usable_blocks = num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)
@@ -144,6 +174,54 @@ class LLM(EngineBase[Sequence]):
         self._tops: dict[int, list[list[tuple[int, float]]]] = {}
         # steps run, by how many sequences shared them (how much co-batching a workload really got)
         self.step_batch_sizes: Counter[int] = Counter()
+
+    def _split(self, full: CausalLM) -> CausalLM | TensorParallelLM | DrivenModel:
+        """The model over `tensor_parallel_size` ranks: all emulated here, or this process's rank of a group
+        (rank 0 starts the others and drives them: tp_ranks.py)."""
+        config, size = self.config, self.config.tensor_parallel_size
+        algorithm = BACKEND if config.mode == Mode.STOCK else ORDERED
+        if config.tensor_parallel_ranks == "emulated":
+            return tensor_parallel_model(full, size, EmulatedRanks(size, algorithm))
+        TPLayout(full.config, size)  # refuse a split that does not divide before any process starts
+        backend = "nccl" if config.device == "cuda" else "gloo"
+        rank, init_method = config.tensor_parallel_rank, config.tensor_parallel_init
+        if not init_method:  # rank 0 starts the others (else a launcher started every rank at this address)
+            if rank != 0:
+                raise BadInput(f"tensor-parallel rank {rank} needs its group's address (tensor_parallel_init)")
+            self.ranks = RankProcesses(size, functools.partial(_follow_as_rank, config))
+            init_method = self.ranks.init_method
+        if config.device == "cuda":
+            torch.cuda.set_device(rank)
+        try:
+            init_group(backend, init_method, rank, size)
+        except Exception:
+            if self.ranks is not None:
+                self.ranks.close(None)
+            raise
+        self.rank_group = ProcessRanks(size, rank, algorithm)
+        model = tensor_parallel_model(full, size, self.rank_group,
+                                      device=f"cuda:{rank}" if config.device == "cuda" else None)
+        if rank != 0:
+            return model
+        return DrivenModel(model, self.rank_group, self.ranks.alive if self.ranks is not None else lambda: None)
+
+    @property
+    def parallel_note(self) -> str:
+        """How this engine runs a tensor-parallel model ("" at TP=1): what a verifier's OK line says."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return ""
+        return f"TP={size} by rank emulation" if self.config.tensor_parallel_ranks == "emulated" else f"TP={size}"
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the other tensor-parallel ranks to stop, and stop the processes this engine started
+        (no-op without tensor parallelism). Idempotent."""
+        if self.ranks is not None:
+            self.ranks.close(self.rank_group)
+            self.ranks = None
+        elif self.rank_group is not None and self.rank_group.rank == 0:
+            self.rank_group.send(("stop",))
+            self.rank_group = None
 
     @staticmethod
     def _max_model_len(config: EngineConfig, positions: int) -> int:
@@ -309,3 +387,13 @@ class LLM(EngineBase[Sequence]):
                 raise RuntimeError(f"{len(scores.logprobs)} prompt logprobs for a prompt of {seq.num_prompt_tokens}")
             out.prompt_logprobs, out.prompt_top_logprobs = scores.logprobs, scores.tops
         return out
+
+
+def _follow_as_rank(config: EngineConfig, rank: int, init_method: str) -> None:
+    """A follower process: build the same engine as rank `rank` of the group at `init_method`, then run the
+    steps rank 0 sends until it says stop."""
+    llm = LLM(dataclasses.replace(config, tensor_parallel_rank=rank, tensor_parallel_init=init_method))
+    group = llm.rank_group
+    if group is None or not isinstance(llm.model, TensorParallelLM):
+        raise RuntimeError("a follower rank built no tensor-parallel group")
+    follow(llm.model, group, llm.runner.kv_caches, llm.selection.kernels)

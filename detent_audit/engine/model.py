@@ -241,6 +241,13 @@ class CausalLM(nn.Module):
             return self.norm(x, ks)
         return ks.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
+    def new_kv_caches(self, num_blocks: int, block_size: int, device: torch.device | str) -> list[KVCache]:
+        """Zeroed paged KV caches, one (k, v) per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+        c, dtype = self.config, self.embed_tokens.weight.dtype
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(c.num_hidden_layers)]
+
     def gemm_shapes(self) -> list[tuple[int, int]]:
         """(N, K) of every weight the gemm family multiplies: the projections and the LM head."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

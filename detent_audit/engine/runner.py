@@ -16,6 +16,7 @@ import torch
 from detent_audit.engine.model import CausalLM
 from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import SchedulerOutput
+from detent_audit.engine.tensor_parallel import TensorParallelLM
 from detent_audit.kernels import AttentionMetadata, Kernels
 from detent_audit.kernels import sampling as sampling_ops
 
@@ -66,15 +67,12 @@ class SeqResult:
 class ModelRunner:
     """Owns the paged KV cache of every layer. `execute` runs one scheduled step."""
 
-    def __init__(self, model: CausalLM, kernels: Kernels, num_blocks: int, block_size: int,
+    def __init__(self, model: CausalLM | TensorParallelLM, kernels: Kernels, num_blocks: int, block_size: int,
                  device: str = "cpu", graphs: DecodeGraphs | None = None) -> None:
-        c = model.config
         self.model, self.kernels, self.block_size, self.device = model, kernels, block_size, device
-        dtype = model.embed_tokens.weight.dtype
-        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        # kv_caches[layer] = (k, v), each [num_blocks, block_size, kv_heads, head_dim]
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(c.num_hidden_layers)]
+        # kv_caches[layer] = (k, v), each [num_blocks, block_size, kv_heads, head_dim] (a tensor-parallel
+        # model: one such pair per rank it holds)
+        self.kv_caches = model.new_kv_caches(num_blocks, block_size, device)
         self.graphs = graphs  # DecodeGraphs (GPU) or None: decode-only steps replay a captured graph
 
     def _graph_logits(self, entries, slots: dict[int, list[int]], score_from: dict) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ fixed order, the specs that apply to a deployment: at most one program per famil
 | all_reduce | `all_reduce_vllm`, `all_reduce_sglang` | TP > 1, by engine (SGLang: sm90 tables only) |
 | gemm | `gemm` (gemm) | vllm and sglang |
 | embedded.gemm, embedded.attention, embedded.moe | (embedded) | the detent engine (moe: with experts) |
+| embedded.all_reduce | (embedded) | the detent engine at tensor_parallel_size > 1 |
 
 Not transcribed: SGLang's FlashInfer, Triton attention, FA2 (`families_for` raises `NotTranscribed`, exit 3),
 SGLang's all-reduce on other archs.
@@ -78,11 +79,13 @@ _SPECS = (
                lambda dep: dep.engine.name == "detent"),
     FamilySpec("embedded.moe", "embedded", embedded.embedded_moe, embedded.facts,
                lambda dep: dep.engine.name == "detent" and dep.model.is_moe),
+    FamilySpec("embedded.all_reduce", "embedded", embedded.embedded_all_reduce, embedded.all_reduce_facts,
+               lambda dep: dep.engine.name == "detent" and dep.parallel.tensor_parallel_size > 1),
 )
 
 FAMILIES: dict[str, FamilySpec] = {spec.key: spec for spec in _SPECS}
 FAMILY_ORDER = ("attention", "moe", "all_reduce", "gemm", "embedded.attention", "embedded.moe",
-                "embedded.gemm")
+                "embedded.gemm", "embedded.all_reduce")
 
 
 def families_for(dep: Deployment) -> list[FamilySpec]:

@@ -18,10 +18,14 @@ Knob value 0 of a chunk or stride knob means the stock behaviour.
 
 from __future__ import annotations
 
-from detent_audit.manifests.deployment import Deployment
+from detent_audit.manifests.deployment import DTYPE_BYTES, Deployment
 from detent_audit.selection.lang import Request, Runtime, assume, cdiv, clamp, knob, program, record, require
 
 MAX_SPLITS = 16          # most KV splits per sequence the embedded attention kernel combines
+# A collective backend picks its algorithm per message: NCCL's tuner between tree and ring by size
+# (src/enqueue.cc, topoGetAlgoInfo), gloo between its ring and halving-doubling forms. Any such switch makes
+# the order of a token's additions a function of the step's size; 256 KiB stands for it here.
+BACKEND_SWITCH_BYTES = 256 << 10
 
 
 @record
@@ -53,6 +57,29 @@ class EmbeddedAttentionChoice:
 @record
 class EmbeddedMoeChoice:
     chunk_rows: int      # rows per expert matmul call
+
+
+@record
+class EmbeddedAllReduceFacts:
+    tensor_parallel_size: int
+    hidden_size: int         # elements of one token's partial sum
+    dtype_bytes: int
+    max_num_batched_tokens: int
+    backend_switch_bytes: int  # the message size where the backend changes algorithm (and so the order)
+
+
+@record
+class EmbeddedAllReduceChoice:
+    algorithm: str           # ordered-gather-sum | backend
+    order: str               # the order in which a token's partials are added: rank | tree | ring
+
+
+def all_reduce_facts(dep: Deployment) -> EmbeddedAllReduceFacts:
+    """The tensor-parallel all-reduce's view of a deployment (plain Python, not SelIR)."""
+    return EmbeddedAllReduceFacts(tensor_parallel_size=dep.parallel.tensor_parallel_size,
+                                  hidden_size=dep.model.hidden_size, dtype_bytes=DTYPE_BYTES[dep.model.dtype],
+                                  max_num_batched_tokens=dep.engine.max_num_batched_tokens,
+                                  backend_switch_bytes=BACKEND_SWITCH_BYTES)
 
 
 def facts(dep: Deployment) -> EmbeddedFacts:
@@ -117,3 +144,21 @@ def embedded_moe(d: EmbeddedFacts, expert_rows: Runtime[int]) -> EmbeddedMoeChoi
     chunk = knob("embedded.moe.chunk_rows", (0, 1, 2, 4, 8, 16, 32, 64), 0)
     chunk_rows = expert_rows if chunk == 0 else chunk    # stock: all the expert's rows in one call
     return EmbeddedMoeChoice(chunk_rows=chunk_rows)
+
+
+@program(family="embedded.all_reduce")
+def embedded_all_reduce(d: EmbeddedAllReduceFacts, num_tokens: Runtime[int]) -> EmbeddedAllReduceChoice:
+    """How the ranks' partial sums of a step meet. Stock: the backend's own all-reduce, whose algorithm (and
+    so the order a token's partials are added in) follows the message size, the step's tokens; the ordered
+    gather-and-sum adds them in rank order whatever the step (tensor_parallel.py)."""
+    assume(1 <= num_tokens <= d.max_num_batched_tokens, "a step holds at most max_num_batched_tokens tokens")
+    algorithm = knob("embedded.all_reduce.algorithm", ("backend", "ordered-gather-sum"), "backend")
+    if algorithm == "backend":
+        # the order is also the backend's own beyond size (ring positions, channels): no process with fewer
+        # devices can repeat it, so it is never a detent choice, whether or not the size moves it
+        require(d.tensor_parallel_size == 1, "the backend's sum order cannot be repeated by rank emulation")
+        message = num_tokens * d.hidden_size * d.dtype_bytes
+        order = "ring" if message >= d.backend_switch_bytes else "tree"
+    else:
+        order = "rank"
+    return EmbeddedAllReduceChoice(algorithm=algorithm, order=order)
