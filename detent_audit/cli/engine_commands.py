@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -68,7 +69,7 @@ def battery(
 
     from detent_audit.engine.battery import cells, default_target_len, prefix_block, run_battery
 
-    extra = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
+    extra: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
     llm = open_engine(model, mode, dtype, threads, device=device, engine=engine, **extra)
     block = prefix_block(llm)
     target_len = default_target_len(block) if target_len is None else target_len

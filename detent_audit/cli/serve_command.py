@@ -89,7 +89,7 @@ def serve(
                       **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
     try:
         _serve_with(llm, engine, private_key, manifest_out, rotate, publish_deployment, input_path, output_path,
-                    max_model_len, served_model_name, host, port, max_queued)
+                    max_model_len, served_model_name, host, port, max_queued, api_key)
     finally:  # a tensor-parallel engine's other ranks stop with it, however serving ended
         stop = getattr(llm, "shutdown", None)
         if callable(stop):
@@ -99,7 +99,7 @@ def serve(
 def _serve_with(llm: Any, engine: str, private_key: Any, manifest_out: Path, rotate: int | None,
                 publish_deployment: Path | None, input_path: Path | None, output_path: Path | None,
                 max_model_len: int | None, served_model_name: str | None, host: str, port: int,
-                max_queued: int) -> None:
+                max_queued: int, api_key: str | None) -> None:
     from detent_audit.errors import BadInput
     from detent_audit.server.node import ServingNode
 

@@ -207,9 +207,14 @@ class RankGroup(Protocol):
     returns the group's sum, the same tensor on every rank; `all_gather(parts)` returns every rank's part in
     rank order. `algorithm` names the all-reduce (`ORDERED` or `BACKEND`): a fact."""
 
-    size: int
-    local_ranks: tuple[int, ...]
-    algorithm: str
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]: ...
+
+    @property
+    def algorithm(self) -> str: ...
 
     def all_reduce(self, partials: list[torch.Tensor]) -> torch.Tensor: ...
 
@@ -308,8 +313,8 @@ def tensor_parallel_model(full: CausalLM, size: int, group: RankGroup | None = N
                           device: torch.device | str | None = None) -> TensorParallelLM:
     """`full` split over `size` ranks; the shards of `group`'s local ranks (default: every rank, emulated)."""
     layout = TPLayout(full.config, size)
-    group = group if group is not None else EmulatedRanks(size)
-    if group.size != size:
-        raise RuntimeError(f"a group of {group.size} ranks for a split over {size}")
-    return TensorParallelLM(layout, {r: shard_from_full(full, layout, r, device) for r in group.local_ranks},
-                            group)
+    ranks: RankGroup = group if group is not None else EmulatedRanks(size)
+    if ranks.size != size:
+        raise RuntimeError(f"a group of {ranks.size} ranks for a split over {size}")
+    return TensorParallelLM(layout, {r: shard_from_full(full, layout, r, device) for r in ranks.local_ranks},
+                            ranks)

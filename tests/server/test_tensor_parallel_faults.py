@@ -33,7 +33,7 @@ def test_a_rank_killed_mid_stream_fails_the_stream_then_503_and_no_process_is_le
     out = tmp_path / "run"
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "detent_audit.cli", "serve", "--model", MODEL, "--tensor-parallel-size", "2",
-           "--key", str(key.private_path), "--manifest-out", str(out), "--port", str(port)]
+           "--signing-key", str(key.private_path), "--manifest-out", str(out), "--port", str(port)]
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
