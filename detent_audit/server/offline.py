@@ -5,7 +5,7 @@ Input lines: `{"id"?, "prompt": str | "prompt_token_ids": [int] | "messages": [{
 server takes them), "ignore_eos"?}`. Output lines (one
 per request, in input order, written after its receipt is on disk): `{"id", "text", "token_ids", "logprobs",
 "top_logprobs" (with "logprobs": n), "finish_reason", "seed", "receipt_id", "receipt"}` (a sampled line without
-a seed gets a fresh one, recorded in its receipt). A bad line, or an id that has
+a seed gets one derived from the run and the line, manifests/seeds.py, recorded in its receipt). A bad line, or an id that has
 a receipt in the folder already, stops the run before any request is served.
 """
 
@@ -114,7 +114,8 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
 
     All requests are submitted at once, or, with `max_in_flight`, as a closed loop of that many clients (a new
     request joins when one finishes), as an online server under that concurrency would see them."""
-    requests = read_requests(llm, Path(input_path))
+    requests = [(rid, ids, node.seeded(params, client), client)
+                for rid, ids, params, client in read_requests(llm, Path(input_path))]
     taken = [rid for rid, _, _, _ in requests if node.receipt_path(rid).exists()]
     if taken:
         raise BadInput(f"{len(taken)} request id(s) already have a receipt in {node.out}: "
