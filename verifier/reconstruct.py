@@ -173,11 +173,12 @@ def older_checkpoint_form(checkpoint: Mapping[str, Any]) -> str | None:
     from detent_audit.engine.tensor_files import WEIGHTS_FORM
 
     weights, tokenizer = checkpoint.get("weights"), checkpoint.get("tokenizer")
-    if not (isinstance(weights, str) and not weights.startswith(f"{WEIGHTS_FORM}:") or isinstance(tokenizer, str)):
+    older_weights = isinstance(weights, str) and not weights.startswith(f"{WEIGHTS_FORM}:")
+    if not (older_weights or isinstance(tokenizer, str)):
         return None
     return ("the receipt's checkpoint hashes are of an older form (the weights files' bytes, tokenizer.json "
-            "alone), which this detent-audit no longer computes: its weights are hashed as tensors and every file "
-            "that shapes the prompt is hashed; verify the receipt with the detent-audit version that served it")
+            "alone), which this detent-audit no longer computes: it hashes the weights as tensors and every "
+            "file that shapes the prompt; verify the receipt with the detent-audit version that served it")
 
 
 def served_from(facts: Mapping[str, Any], local: Mapping[str, Any]) -> str:

@@ -2,7 +2,8 @@
 
 Collected automatically: engine version and mode, source hashes of the kernels and selection programs, the
 deployment the selection was solved for (model shape, limits, page size, chunking), checkpoint hashes
-(config; every file that shapes the prompt's tokens; the weights as tensors, `checkpoint_hashes`), the model's name and source (what `--model` to pass: descriptive, the hashes are
+(config; every file that shapes the prompt's tokens; the weights as tensors: `checkpoint_hashes`), the
+model's name and source (what `--model` to pass: descriptive, the hashes are
 its identity) and its EOS ids, dtype, device and its properties, torch version, the CPU thread count (fixed
 at start: it changes BLAS bits), the tuple as the kernels read it (the axes of the committed assignment that
 change a kernel's params: `kernel_select.used_axes`) and the params the kernels get with it. Weight hashes are cached by (path, device, inode,
@@ -97,17 +98,17 @@ PROMPT_FOLDERS = ("additional_chat_templates",)
 
 
 def prompt_files(path: Path) -> list[Path]:
-    """The files of `path` that shape the prompt's tokens (`PROMPT_FILES`, and those under `PROMPT_FOLDERS`)."""
+    """The files of `path` that shape the prompt's tokens (`PROMPT_FILES`, and those in `PROMPT_FOLDERS`)."""
     found = [path / name for name in PROMPT_FILES if (path / name).is_file()]
-    for folder in PROMPT_FOLDERS:
-        found += sorted(f for f in (path / folder).rglob("*") if f.is_file()) if (path / folder).is_dir() else []
+    for folder in (path / name for name in PROMPT_FOLDERS):
+        found += sorted(f for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else []
     return found
 
 
 def checkpoint_hashes(path: Path) -> dict[str, Any]:
-    """A checkpoint folder's identity: config.json's SHA-256; `tokenizer`: the SHA-256 of every file that shapes
-    the prompt's tokens, by its path in the folder; `weights`: the tensors' names, dtypes, shapes and data in
-    name order, whatever file holds them (`tensor_files.weights_hash`; per file cached by its stat)."""
+    """A checkpoint folder's identity: config.json's SHA-256; `tokenizer`: the SHA-256 of every file that
+    shapes the prompt's tokens, by its path in the folder; `weights`: the tensors' names, dtypes, shapes and
+    data in name order, whatever file holds them (`tensor_files.weights_hash`; cached per file by stat)."""
     from detent_audit.engine.tensor_files import WEIGHTS_FORM, tensor_lines, weights_hash
 
     with hash_cache(_hash_cache_file()) as cache:

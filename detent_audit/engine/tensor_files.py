@@ -5,10 +5,11 @@ header's JSON with sorted keys and no whitespace (padded with spaces to 8 bytes,
 in tensor-name order. (safetensors' own writer emits `__metadata__` from a hash map, in an order that changes
 from one call to the next.)
 
-`tensor_lines` reads a file's header (bounded, every offset checked) and hashes each tensor's data; the weights
-hash of a checkpoint (`weights_hash`) is the SHA-256 over the lines `name<TAB>dtype<TAB>d0,d1,..<TAB>sha256
-(data)<LF>` of all its tensors in name order (UTF-8 byte order), whatever file or shard holds them: the header's
-metadata, its key order, padding and the tensors' placement carry no weight and change no hash.
+`tensor_lines` reads a file's header (bounded, every offset checked) and hashes each tensor's data; the
+weights hash of a checkpoint (`weights_hash`) is the SHA-256 over the lines
+`name<TAB>dtype<TAB>d0,d1,..<TAB>sha256(data)<LF>` of all its tensors in name order (UTF-8 byte order),
+whatever file or shard holds them: the header's metadata, its key order, padding and the tensors' placement
+carry no weight and change no hash.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from detent_audit.engine.errors import BadCheckpoint
 WEIGHTS_FORM = "tensors-sha256"  # the prefix of a weights hash of this form (older receipts: bare file bytes)
 MAX_HEADER = 100 << 20  # safetensors' own bound on the header
 DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.bool: "BOOL"}
-ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-              "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+               torch.uint8: "U8", torch.bool: "BOOL"}
+ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+              "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 _CHUNK = 1 << 20
 
 
@@ -49,7 +50,8 @@ def write_canonical(path: Path, tensors: Mapping[str, torch.Tensor], metadata: M
         if t.dtype not in DTYPE_NAMES:
             raise BadCheckpoint(f"tensor {name}: dtype {t.dtype} has no safetensors name")
         size = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)
@@ -78,7 +80,8 @@ def _header(path: Path, size: int, f) -> tuple[dict, int]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        ok = (not any(c in name for c in "\t\n") and isinstance(entry, dict) and entry.get("dtype") in ITEM_BYTES
+        ok = (not any(c in name for c in "\t\n") and isinstance(entry, dict)
+              and entry.get("dtype") in ITEM_BYTES
               and isinstance(entry.get("shape"), list) and isinstance(entry.get("data_offsets"), list)
               and all(type(d) is int and d >= 0 for d in entry["shape"])
               and len(entry["data_offsets"]) == 2 and all(type(o) is int for o in entry["data_offsets"]))
@@ -87,8 +90,8 @@ def _header(path: Path, size: int, f) -> tuple[dict, int]:
         begin, end = entry["data_offsets"]
         expected = math.prod(entry["shape"]) * ITEM_BYTES[entry["dtype"]]
         if not 0 <= begin <= end <= data_size or end - begin != expected:
-            raise BadCheckpoint(f"{path}: tensor {name!r} has data_offsets {[begin, end]}, not {expected} bytes "
-                                f"within the file's {data_size}")
+            raise BadCheckpoint(f"{path}: tensor {name!r} has data_offsets {[begin, end]}, not {expected} "
+                                f"bytes within the file's {data_size}")
     return header, 8 + n
 
 

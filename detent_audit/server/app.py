@@ -180,7 +180,8 @@ def create_app(engine: AsyncEngine, node: ServingNode, model_name: str) -> FastA
                 del raw
                 req = await run_in_threadpool(parse_request, body, chat, limits, engine.tokenizer)
                 client = await run_in_threadpool(_bind, body, chat)
-                req = dataclasses.replace(req, params=node.seeded(req.params, client, body.get("seed") is not None))
+                named_seed = body.get("seed") is not None
+                req = dataclasses.replace(req, params=node.seeded(req.params, client, named_seed))
                 del body  # what stays is the prompt's ids (bounded by the context) and the canonical body
             finally:
                 budget.give(held[0])  # held while the body and its parsed objects are alive

@@ -135,7 +135,8 @@ class ServingNode:
 
     # ---- signing
 
-    def seeded(self, params: SamplingParams, client: ClientRequest, named: bool | None = None) -> SamplingParams:
+    def seeded(self, params: SamplingParams, client: ClientRequest, named: bool | None = None
+               ) -> SamplingParams:
         """`params` with the seed of a sampled request whose client named none (`named`: whether it did; None:
         read from the bound body) derived from this run and the bound request (`manifests/seeds.py`), so that
         the node cannot choose it once it has seen the request; a seeded or greedy request keeps its own."""

@@ -4,9 +4,9 @@ Input lines: `{"id"?, "prompt": str | "prompt_token_ids": [int] | "messages": [{
 "temperature"?, "top_p"?, "top_k"?, "seed"?, "logprobs"?, "stop_token_ids"?, "stop"? (strings, as the HTTP
 server takes them), "ignore_eos"?}`. Output lines (one
 per request, in input order, written after its receipt is on disk): `{"id", "text", "token_ids", "logprobs",
-"top_logprobs" (with "logprobs": n), "finish_reason", "seed", "receipt_id", "receipt"}` (a sampled line without
-a seed gets one derived from the run and the line, manifests/seeds.py, recorded in its receipt). A bad line, or an id that has
-a receipt in the folder already, stops the run before any request is served.
+"top_logprobs" (with "logprobs": n), "finish_reason", "seed", "receipt_id", "receipt"}` (a sampled line
+without a seed gets one derived from the run and the line, manifests/seeds.py, recorded in its receipt). A
+bad line, or an id that has a receipt in the folder already, stops the run before any request is served.
 """
 
 from __future__ import annotations

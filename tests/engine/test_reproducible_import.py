@@ -25,7 +25,8 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", seed=int.from_bytes(os.urandom(2), "little"))
+    seed = int.from_bytes(os.urandom(2), "little")
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", seed=seed)
 
 
 def folder_bytes(folder: Path) -> dict[str, str]:
@@ -33,9 +34,9 @@ def folder_bytes(folder: Path) -> dict[str, str]:
 
 
 def _popen(code: str, *args: str, **env: str) -> subprocess.Popen:
+    path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env,
-                                 "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env, "PYTHONPATH": path})
 
 
 def test_gguf_import_writes_the_same_bytes_every_time_in_one_process(gguf_file: Path, tmp_path: Path) -> None:
@@ -48,7 +49,8 @@ def test_gguf_import_writes_the_same_bytes_every_time_in_one_process(gguf_file: 
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "0" / "model.safetensors"), "pt") as f:
-        assert f.metadata() == {"format": "pt", "gguf_sha256": hashlib.sha256(gguf_file.read_bytes()).hexdigest()}
+        sha = hashlib.sha256(gguf_file.read_bytes()).hexdigest()
+        assert f.metadata() == {"format": "pt", "gguf_sha256": sha}
         assert len(list(f.keys())) == 20
 
 
@@ -127,12 +129,14 @@ def test_weights_hash_is_the_tensors_not_the_container_bytes(tmp_path: Path, mon
 
     monkeypatch.setenv("DETENT_AUDIT_CACHE", str(tmp_path / "cache"))
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    tensors = {"b.weight": torch.randn(5, 3, generator=g), "a.weight": torch.randn(7, generator=g).to(torch.bfloat16),
+    tensors = {"b.weight": torch.randn(5, 3, generator=g),
+               "a.weight": torch.randn(7, generator=g).to(torch.bfloat16),
                "c.bias": torch.randn(2, 2, 2, generator=g).half()}
     base = checkpoint_hashes(_checkpoint_of(tensors, tmp_path / "base"))["weights"]
     # other metadata, in either order, and the tensors split over three files: the same weights
     for name, meta, shards in (("meta", {"format": "pt", "x": "1", "y": "2"}, 1), ("shards", None, 3)):
-        assert checkpoint_hashes(_checkpoint_of(tensors, tmp_path / name, meta, shards))["weights"] == base, name
+        folder = _checkpoint_of(tensors, tmp_path / name, meta, shards)
+        assert checkpoint_hashes(folder)["weights"] == base, name
     # a bit of data, a name, a shape or a dtype changed: other weights
     flipped = dict(tensors, **{"b.weight": tensors["b.weight"].clone()})
     flipped["b.weight"].view(torch.int32)[2, 1] ^= 1
@@ -157,7 +161,8 @@ def test_weights_hash_is_the_tensors_not_the_container_bytes(tmp_path: Path, mon
 
 
 @pytest.mark.slow  # four imports of the 135M model (about 15 s each on one core)
-def test_default_model_imports_to_the_same_bytes_and_facts_in_two_processes_and_caches(tmp_path: Path) -> None:
+def test_default_model_imports_to_the_same_bytes_and_facts_in_two_processes_and_caches(tmp_path: Path
+                                                                                         ) -> None:
     code = """
         import json, sys
         from detent_audit.engine.facts import checkpoint_hashes
@@ -169,9 +174,9 @@ def test_default_model_imports_to_the_same_bytes_and_facts_in_two_processes_and_
 
     outs = []
     for seed, cache in (("1", "a"), ("2", "b")):
-        res = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(tmp_path / cache)], capture_output=True,
-                             text=True, timeout=600, env={**os.environ, "PYTHONHASHSEED": seed,
-                                                          "DETENT_AUDIT_CACHE": str(tmp_path / cache)})
+        env = {**os.environ, "PYTHONHASHSEED": seed, "DETENT_AUDIT_CACHE": str(tmp_path / cache)}
+        res = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(tmp_path / cache)],
+                             capture_output=True, text=True, timeout=600, env=env)
         assert res.returncode == 0, res.stderr
         outs.append(json.loads(res.stdout))
     assert outs[0]["hashes"] == outs[1]["hashes"]

@@ -1,4 +1,4 @@
-"""A tiny llama GGUF file written with gguf's own writer, seeded: what `import-gguf` reads, in milliseconds."""
+"""A tiny llama GGUF file written with gguf's own writer, seeded: what `import-gguf` reads, in ms."""
 
 from __future__ import annotations
 

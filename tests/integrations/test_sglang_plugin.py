@@ -86,7 +86,8 @@ def _served_facts(**over) -> dict:
              "scheduler": {"max_model_len": 2048, "max_num_seqs": 64, "chunked_prefill_size": 8192,
                            "prefix_caching": True},
              "checkpoint": {"name": "random-20m", "source": "generated:default-20m", "config": "0" * 64,
-                            "tokenizer": {"tokenizer.json": "0" * 64}, "weights": "tensors-sha256:" + "0" * 64}}
+                            "tokenizer": {"tokenizer.json": "0" * 64},
+                            "weights": "tensors-sha256:" + "0" * 64}}
     for path, value in over.items():
         node = facts
         *parents, leaf = path.split("__")

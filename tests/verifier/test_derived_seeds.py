@@ -41,7 +41,8 @@ def test_a_receipt_of_an_unseeded_request_with_a_node_chosen_seed_fails(new_node
     assert serve_offline(n.llm, n.node, tmp_path / "in.jsonl", tmp_path / "out.jsonl") == 3
     served = {r["id"]: r["seed"] for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     honest = ClientRequest.of(API, lines[0])
-    assert served == {"honest": derived_seed(n.node.run_id, API, honest.body_sha256), "seeded": 5, "greedy": 0}
+    expected = derived_seed(n.node.run_id, API, honest.body_sha256)
+    assert served == {"honest": expected, "seeded": 5, "greedy": 0}
 
     # the node grinds: the same kind of unseeded request, answered with the seed of its choice (the answer
     # it wanted), computed and signed honestly otherwise
