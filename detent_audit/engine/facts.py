@@ -115,7 +115,8 @@ def checkpoint_hashes(path: Path) -> dict[str, Any]:
         lines: list[str] = []
         for f in sorted(path.glob("*.safetensors")):
             key = f"{WEIGHTS_FORM}|{_stat_key(f)}"
-            if key not in cache:
+            cached = cache.get(key)
+            if not (isinstance(cached, list) and all(isinstance(line, str) for line in cached)):
                 cache[key] = tensor_lines(f)
             lines += cache[key]
     return {"config": file_hash(path / "config.json"),
