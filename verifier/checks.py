@@ -95,6 +95,7 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
     its api on this deployment (whose context and vocabulary the verifier's engine has), gives exactly the
     receipt's prompt ids, sampling and seed, and would have been admitted. The returned text must be the
     output tokens' text."""
+    from detent_audit.manifests.seeds import derived_seed
     from detent_audit.server.offline import API as OFFLINE_API
     from detent_audit.server.offline import parse_line
     from detent_audit.server.protocol import Limits, parse_request
@@ -138,8 +139,8 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
              "top_k": params.top_k, "max_tokens": asked_max, "stop_token_ids": tuple(params.stop_token_ids),
              "ignore_eos": params.ignore_eos, "logprobs": params.logprobs, "seed": params.seed,
              "stop": tuple(params.stop), "echo": echo}
-    if body.get("seed") is None:  # a seed the client left to the node is the node's draw (returned as `seed`)
-        del ran["seed"], asked["seed"]
+    if body.get("seed") is None and not params.is_greedy:  # the seed the node derives, never chooses
+        asked["seed"] = derived_seed(r.run.run_id, client.api, client.body_sha256)
     differ = [k for k in ran if ran[k] != asked[k]]
     if differ:
         return "the sampling run is not the client's request: " + ", ".join(

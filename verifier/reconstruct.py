@@ -186,11 +186,28 @@ DESCRIPTIVE_FIELDS = ("checkpoint.name", "checkpoint.source")
 _SHOWN = 200  # characters of a receipt's name or source shown in a verdict
 
 
+def older_checkpoint_form(checkpoint: Mapping[str, Any]) -> str | None:
+    """What a receipt's checkpoint hashes of the older form (a SHA-256 of the weights files' bytes, of
+    tokenizer.json alone) mean here, or None: no folder gives them now, whichever model it holds."""
+    from detent_audit.engine.tensor_files import WEIGHTS_FORM
+
+    weights, tokenizer = checkpoint.get("weights"), checkpoint.get("tokenizer")
+    older_weights = isinstance(weights, str) and not weights.startswith(f"{WEIGHTS_FORM}:")
+    if not (older_weights or isinstance(tokenizer, str)):
+        return None
+    return ("the receipt's checkpoint hashes are of an older form (the weights files' bytes, tokenizer.json "
+            "alone), which this detent-audit no longer computes: it hashes the weights as tensors and every "
+            "file that shapes the prompt; verify the receipt with the detent-audit version that served it")
+
+
 def served_from(facts: Mapping[str, Any], local: Mapping[str, Any]) -> str:
     """Which model the receipt names, and the `--model` to pass for it."""
     checkpoint = facts.get("checkpoint")
     if not isinstance(checkpoint, Mapping):
         checkpoint = {}
+    older = older_checkpoint_form(checkpoint)
+    if older:
+        return older
     name, source = checkpoint.get("name"), checkpoint.get("source")
     here = f"(here: {local['checkpoint']['name']})"
     if not isinstance(name, str) or not isinstance(source, str):

@@ -2,7 +2,8 @@
 
 Collected automatically: engine version and mode, source hashes of the kernels and selection programs, the
 deployment the selection was solved for (model shape, limits, page size, chunking), checkpoint hashes
-(config, weights, tokenizer), the model's name and source (what `--model` to pass: descriptive, the hashes are
+(config; every file that shapes the prompt's tokens; the weights as tensors: `checkpoint_hashes`), the
+model's name and source (what `--model` to pass: descriptive, the hashes are
 its identity) and its EOS ids, dtype, device and its properties, torch version, the CPU thread count (fixed
 at start: it changes BLAS bits), the tuple as the kernels read it (the axes of the committed assignment that
 change a kernel's params: `kernel_select.used_axes`) and the params the kernels get with it. Weight hashes are cached by (path, device, inode,
@@ -47,9 +48,13 @@ def source_hash(package: str) -> str:
     return h.hexdigest()
 
 
-def file_hash(path: Path, cache: dict | None = None) -> str:
+def _stat_key(path: Path) -> str:
     st = path.stat()
-    key = f"{path.resolve()}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    return f"{path.resolve()}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+
+def file_hash(path: Path, cache: dict | None = None) -> str:
+    key = _stat_key(path)
     if cache is not None and key in cache:
         return cache[key]
     h = hashlib.sha256()
@@ -84,14 +89,40 @@ def hash_cache(cache_file: Path) -> Iterator[dict]:
             pass
 
 
-def checkpoint_hashes(path: Path) -> dict[str, str]:
-    """config, tokenizer and weights hashes of a checkpoint folder (weights: a hash over the per-file ones)."""
+# every file of a checkpoint folder that shapes a prompt's tokens or what its sampling defaults to, where the
+# embedded engine, transformers, vLLM or SGLang read one: the tokenizer, its configuration and special tokens,
+# the chat template (alone or among named ones), the generation config
+PROMPT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                "generation_config.json")
+PROMPT_FOLDERS = ("additional_chat_templates",)
+
+
+def prompt_files(path: Path) -> list[Path]:
+    """The files of `path` that shape the prompt's tokens (`PROMPT_FILES`, and those in `PROMPT_FOLDERS`)."""
+    found = [path / name for name in PROMPT_FILES if (path / name).is_file()]
+    for folder in (path / name for name in PROMPT_FOLDERS):
+        found += sorted(f for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else []
+    return found
+
+
+def checkpoint_hashes(path: Path) -> dict[str, Any]:
+    """A checkpoint folder's identity: config.json's SHA-256; `tokenizer`: the SHA-256 of every file that
+    shapes the prompt's tokens, by its path in the folder; `weights`: the tensors' names, dtypes, shapes and
+    data in name order, whatever file holds them (`tensor_files.weights_hash`; cached per file by stat)."""
+    from detent_audit.engine.tensor_files import WEIGHTS_FORM, tensor_lines, weights_hash
+
     with hash_cache(_hash_cache_file()) as cache:
-        weights = sorted(path.glob("*.safetensors"))
-        per_file = [f"{f.name}:{file_hash(f, cache)}" for f in weights]
+        lines: list[str] = []
+        for f in sorted(path.glob("*.safetensors")):
+            key = f"{WEIGHTS_FORM}|{_stat_key(f)}"
+            cached = cache.get(key)
+            if not (isinstance(cached, list) and all(isinstance(line, str) for line in cached)):
+                cache[key] = tensor_lines(f)
+            lines += cache[key]
     return {"config": file_hash(path / "config.json"),
-            "tokenizer": file_hash(path / "tokenizer.json") if (path / "tokenizer.json").exists() else "",
-            "weights": hashlib.sha256("\n".join(per_file).encode()).hexdigest()}
+            "tokenizer": {f.relative_to(path).as_posix(): file_hash(f) for f in prompt_files(path)},
+            "weights": weights_hash(lines)}
 
 
 def _device(device: str) -> str:
@@ -128,8 +159,8 @@ def collect_facts(llm: LLM) -> dict[str, Any]:
     """The engine's bit-relevant facts (plain JSON types, no floats)."""
     cfg = llm.config
     facts = static_facts(cfg)
-    # the stop set a finish is checked against: from tokenizer_config.json, generation_config.json and
-    # config.json, files the hashes above do not all cover
+    # the stop set a finish is checked against (from tokenizer_config.json, generation_config.json and
+    # config.json, all hashed above), stated for the checks that read it
     facts["checkpoint"]["eos_token_ids"] = list(llm.tokenizer.eos_token_ids)
     return {
         **facts,

@@ -8,12 +8,15 @@ The file is read with the `gguf` package (`GGUFReader`) and its tensors dequanti
 - tokenizer.json built with `tokenizers` from the GGUF vocabulary, merges and control tokens (byte-level BPE,
   as transformers' own GGUF loader builds it), tokenizer_config.json, chat_template.jinja from
   `tokenizer.chat_template`, generation_config.json with the BOS/EOS ids.
-The folder is written under a temporary sibling and renamed into place, so a crash leaves no partial model.
-The same file and dtype give byte-identical files (sorted JSON keys, sorted tensors).
+The folder is written under a temporary sibling and renamed into place, so a crash leaves no partial model,
+and of two imports racing for one folder the first rename wins and the other is `ImportRaced` (its copy
+dropped). The same file and dtype give byte-identical files in any process (sorted JSON keys; the
+safetensors file in `tensor_files.write_canonical`'s form).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -30,9 +33,10 @@ import torch
 
 from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.engine.errors import UnsupportedModel
+from detent_audit.engine.tensor_files import write_canonical
 from detent_audit.errors import BadInput
 
-IMPORT_VERSION = 1  # bump when the written files change, so cached imports are redone
+IMPORT_VERSION = 2  # bump when the written files change, so cached imports are redone
 GGUF_MAGIC = b"GGUF"
 # the quantizations `gguf.quants.dequantize` handles that this importer accepts
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -53,6 +57,12 @@ TENSOR_MAP = {
 }
 _PATTERNS = [(re.compile(re.escape(g).replace(r"\{L\}", r"(?P<L>\d+)")), h) for g, h in TENSOR_MAP.items()]
 _CONTROL = 3  # tokenizer.ggml.token_type of a control (special) token
+
+
+class ImportRaced(BadInput):
+    """Another import filled the target folder first (two first uses of a model at once)."""
+
+    remedy = "use the folder the other import wrote, or choose a new --out folder"
 
 
 @dataclass(frozen=True)
@@ -219,8 +229,6 @@ def _write_json(file: Path, data: Any) -> None:
 def write_checkpoint(reader: Any, folder: Path, dtype: str, sha256: str,
                      progress: Callable[[int, int], None] | None = None) -> tuple[int, tuple[str, ...]]:
     """Write the HF files of `reader` into the (empty) `folder`; returns (tensors, quantizations)."""
-    from safetensors.torch import save_file
-
     config = gguf_config(reader)
     config["torch_dtype"] = dtype
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -242,8 +250,7 @@ def write_checkpoint(reader: Any, folder: Path, dtype: str, sha256: str,
         tensors[name] = torch.from_numpy(np.array(values)).to(DTYPES[dtype])
         if progress is not None:
             progress(i + 1, len(reader.tensors))
-    save_file(dict(sorted(tensors.items())), str(folder / "model.safetensors"),
-              metadata={"format": "pt", "gguf_sha256": sha256})
+    write_canonical(folder / "model.safetensors", tensors, {"format": "pt", "gguf_sha256": sha256})
     _write_json(folder / "config.json", config)
     _write_json(folder / "generation_config.json",
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
@@ -284,9 +291,14 @@ def import_gguf(file: str | Path, out: str | Path, dtype: str = "float32",
         for f in tmp.iterdir():
             with f.open("rb") as handle:
                 os.fsync(handle.fileno())
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.rename(tmp, out)
+        try:
+            if out.exists():
+                out.rmdir()  # empty (checked above), unless another import filled it since
+            os.rename(tmp, out)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise ImportRaced(f"{out} was filled by another import while this one ran") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return GGUFImport(out, sha256, count, qtypes)

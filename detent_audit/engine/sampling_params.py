@@ -2,9 +2,9 @@
 
 A `SamplingParams` that exists is valid: every field is checked in `__post_init__` and a bad value raises
 `BadInput` naming the field, the value and the legal range. The seed is always explicit (default 0, never
-derived from a request id or the global RNG), so a receipt carries everything needed to redraw a token. A
-server gives a sampled request that names no seed a fresh one (`fresh_seed`), returns it and records it: the
-same unseeded request then draws a different sample each time, as a client expects.
+drawn from the global RNG), so a receipt carries everything needed to redraw a token. `seed_for` gives a
+sampled request that names no seed a fresh one (`fresh_seed`); a serving node replaces it with one derived
+from its run and the bound request (`ServingNode.seeded`, manifests/seeds.py), returns it and records it.
 """
 
 from __future__ import annotations

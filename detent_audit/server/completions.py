@@ -103,6 +103,8 @@ async def read_request(state: ServerState, request: Request, chat: bool
         del raw
         req = await run_in_threadpool(parse_request, body, chat, state.limits, state.engine.tokenizer)
         client = await run_in_threadpool(_bind, body, chat)
+        # a sampled request without a seed gets one derived from the run and the body (manifests/seeds.py)
+        req = dataclasses.replace(req, params=state.node.seeded(req.params, client, body.get("seed") is not None))
         return req, client  # what stays is the prompt's ids (bounded by the context) and the canonical body
     finally:
         state.budget.give(held[0])  # held while the body and its parsed objects are alive

@@ -19,6 +19,7 @@ request or /health); `close` writes the final manifest if it can and says so if 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -52,6 +53,7 @@ from detent_audit.manifests.receipt import (
     sign_receipt,
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest, verify_run_manifest
+from detent_audit.manifests.seeds import derived_seed
 
 RECEIPT_SUFFIX = ".receipt"
 MANIFEST_SUFFIX = ".manifest"
@@ -134,6 +136,17 @@ class ServingNode:
         self.recovered = self._seal_uncovered()
 
     # ---- signing
+
+    def seeded(self, params: SamplingParams, client: ClientRequest, named: bool | None = None
+               ) -> SamplingParams:
+        """`params` with the seed of a sampled request whose client named none (`named`: whether it did; None:
+        read from the bound body) derived from this run and the bound request (`manifests/seeds.py`), so that
+        the node cannot choose it once it has seen the request; a seeded or greedy request keeps its own."""
+        if named is None:
+            named = client.body().get("seed") is not None
+        if named or params.is_greedy:
+            return params
+        return dataclasses.replace(params, seed=derived_seed(self.run_id, client.api, client.body_sha256))
 
     def sign(self, output: RequestOutput, params: SamplingParams, request_id: str | None = None,
              client: ClientRequest | None = None, *, max_tokens: int | None = None) -> SignedReceipt:

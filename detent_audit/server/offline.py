@@ -4,9 +4,9 @@ Input lines: `{"id"?, "prompt": str | "prompt_token_ids": [int] | "messages": [{
 "temperature"?, "top_p"?, "top_k"?, "seed"?, "logprobs"?, "stop_token_ids"?, "stop"? (strings, as the HTTP
 server takes them), "ignore_eos"?}`. Output lines (one
 per request, in input order, written after its receipt is on disk): `{"id", "text", "token_ids", "logprobs",
-"top_logprobs" (with "logprobs": n), "finish_reason", "seed", "receipt_id", "receipt"}` (a sampled line without
-a seed gets a fresh one, recorded in its receipt). A bad line, or an id that has
-a receipt in the folder already, stops the run before any request is served.
+"top_logprobs" (with "logprobs": n), "finish_reason", "seed", "receipt_id", "receipt"}` (a sampled line
+without a seed gets one derived from the run and the line, manifests/seeds.py, recorded in its receipt). A
+bad line, or an id that has a receipt in the folder already, stops the run before any request is served.
 
 A receipt binds the line with its id (a line without one is bound with the id it got, `req-<line>`): the HTTP
 endpoints refuse a body with an `id`, so no body is both a line and an HTTP request, and a node cannot sign
@@ -119,7 +119,8 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
 
     All requests are submitted at once, or, with `max_in_flight`, as a closed loop of that many clients (a new
     request joins when one finishes), as an online server under that concurrency would see them."""
-    requests = read_requests(llm, Path(input_path))
+    requests = [(rid, ids, node.seeded(params, client), client)
+                for rid, ids, params, client in read_requests(llm, Path(input_path))]
     taken = [rid for rid, _, _, _ in requests if node.receipt_path(rid).exists()]
     if taken:
         raise BadInput(f"{len(taken)} request id(s) already have a receipt in {node.out}: "

@@ -1,7 +1,8 @@
 """The OpenAI-compatible request schema: JSON bodies checked field by field into a `ParsedRequest`.
 
 Supported (both endpoints): model (must name the served model), max_tokens, temperature, top_p, seed (recorded
-in the receipt and returned as `seed`; a sampled request without one gets a fresh seed, a greedy one 0), stop
+in the receipt and returned as `seed`; a sampled request without one gets the node's derived seed, a greedy
+one 0), stop
 (a string or a list of strings: vLLM's rule, stop_strings.py; recorded in the receipt), stream,
 stream_options.include_usage, user (ignored), and the vLLM-style extensions top_k (0 or -1 = off),
 stop_token_ids, ignore_eos, return_tokens_as_token_ids. /v1/completions: prompt (a string, a list of token

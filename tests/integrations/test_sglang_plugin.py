@@ -85,7 +85,9 @@ def _served_facts(**over) -> dict:
     facts = {"engine": {"name": "sglang", "version": sglang_version()}, "runtime": {"num_threads": 1},
              "scheduler": {"max_model_len": 2048, "max_num_seqs": 64, "chunked_prefill_size": 8192,
                            "prefix_caching": True},
-             "checkpoint": {"name": "random-20m", "source": "generated:default-20m", "config": "0" * 64, "tokenizer": "", "weights": "0" * 64}}
+             "checkpoint": {"name": "random-20m", "source": "generated:default-20m", "config": "0" * 64,
+                            "tokenizer": {"tokenizer.json": "0" * 64},
+                            "weights": "tensors-sha256:" + "0" * 64}}
     for path, value in over.items():
         node = facts
         *parents, leaf = path.split("__")
@@ -104,7 +106,9 @@ def _served_facts(**over) -> dict:
     ({"scheduler__chunked_prefill_size": 0}, "detent", {}, "BadInput", "chunked_prefill_size is 0"),
     ({"scheduler__prefix_caching": "yes"}, "detent", {}, "BadInput", "not a boolean"),
     # other weights: refused from the file hashes, before SGLang starts, with the --model to pass
-    ({}, "detent", {}, "NotComparable", ["checkpoint.config", "checkpoint.tokenizer", "checkpoint.weights"]),
+    ({}, "detent", {}, "NotComparable", ["checkpoint.config", "checkpoint.tokenizer.generation_config.json",
+                                         "checkpoint.tokenizer.tokenizer.json",
+                                         "checkpoint.tokenizer.tokenizer_config.json", "checkpoint.weights"]),
 ])
 def test_verify_refuses_before_sglang_starts(over, tuple_mode, kwargs, error, fields_or_message, monkeypatch):
     from detent_audit.integrations.sglang import engine

@@ -1,5 +1,5 @@
 """What a new user met serving a real checkpoint: the context length is settable and reported, an unseeded
-sampled request gets a fresh seed (returned and signed), receipts name their model and a verdict says which
+sampled request gets a derived seed (returned and signed), receipts name their model and a verdict says which
 `--model` to pass, chat templates are read where checkpoints keep them, GGUF input errors are clear."""
 
 from __future__ import annotations
@@ -44,17 +44,26 @@ def test_serve_refuses_a_context_beyond_the_models_positions(env: Env, tmp_path:
     assert res.exit_code == 2 and "exceeds the model's 4096 positions" in res.stderr, res.output
 
 
-def test_unseeded_sampled_requests_get_fresh_seeds_returned_and_signed(env: Env, start_server, tmp_path: Path
-                                                                      ) -> None:
+def test_unseeded_sampled_requests_get_derived_seeds_returned_and_signed(env: Env, start_server,
+                                                                        tmp_path: Path) -> None:
+    from detent_audit.manifests.receipt import ClientRequest
+    from detent_audit.manifests.seeds import derived_seed
+
+    unseeded = [{"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 1.0},
+                {"prompt": [3, 4, 6], "max_tokens": 4, "temperature": 1.0}]
     with start_server(tmp_path / "out") as live:
-        bodies = [httpx.post(f"{live.url}/v1/completions",
-                             json={"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 1.0}).json() for _ in range(3)]
+        bodies = [httpx.post(f"{live.url}/v1/completions", json=b).json() for b in [*unseeded, unseeded[0]]]
         greedy = httpx.post(f"{live.url}/v1/completions",
                             json={"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0}).json()
         seeded = httpx.post(f"{live.url}/v1/completions",
                             json={"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 1.0, "seed": 77}).json()
+        run_id = live.node.run_id
+    # the run's and the body's: the same body in one run draws the same seed, another body another
+    api = "openai/v1/completions"
+    expected = [derived_seed(run_id, api, ClientRequest.of(api, b).body_sha256)
+                for b in [*unseeded, unseeded[0]]]
     seeds = [b["seed"] for b in bodies]
-    assert len(set(seeds)) == 3 and greedy["seed"] == 0 and seeded["seed"] == 77
+    assert seeds == expected and seeds[0] != seeds[1] and greedy["seed"] == 0 and seeded["seed"] == 77
     for body in [*bodies, seeded]:
         raw = (tmp_path / "out" / "receipts" / f"{body['receipt_id']}.receipt").read_bytes()
         assert verify_envelope(raw, env.trusted).receipt.request.seed == body["seed"]

@@ -517,8 +517,8 @@ def test_a_response_cut_by_the_context_and_a_request_longer_than_the_default_kv_
 
 
 def test_a_checkpoint_with_another_eos_set_is_not_comparable(served, tmp_path) -> None:
-    """The EOS ids decide which finishes are legal, and generation_config.json is not among the hashed files:
-    they are a fact of their own, so a verifier whose copy stops on other ids is told so."""
+    """The EOS ids decide which finishes are legal: generation_config.json, which can add some, is among the
+    checkpoint's hashed files, so a verifier whose copy stops on other ids is told which file differs."""
     import shutil
 
     copy = tmp_path / "ckpt"
@@ -530,7 +530,7 @@ def test_a_checkpoint_with_another_eos_set_is_not_comparable(served, tmp_path) -
     res = runner.invoke(app, ["verify", str(served["out"] / "receipts" / "r1.receipt"), "--key",
                               str(served["key"].public_path), "--model", str(copy), "--json"])
     (o,) = json.loads(res.stdout)["outcomes"]
-    assert res.exit_code == 3 and o["fields"] == ["checkpoint.eos_token_ids"], o
+    assert res.exit_code == 3 and o["fields"] == ["checkpoint.tokenizer.generation_config.json"], o
 
 
 def test_an_empty_output_and_a_tuple_its_facts_do_not_record_fail(served, tmp_path) -> None:
