@@ -181,7 +181,7 @@ class EngineFacts:
     nccl_algo: str = ""                    # NCCL_ALGO as set for the server ("": NCCL's tuner picks by size)
     nccl_proto: str = ""                   # NCCL_PROTO ("": NCCL's tuner picks by size)
     nccl_channels: int = 0                 # NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS (0: not pinned)
-    # vLLM --disable-cascade-attn: True is vLLM's default since PR #36318 (engine_defaults.ENGINE_DEFAULTS cites it)
+    # vLLM --disable-cascade-attn: True, vLLM's default since PR #36318 (engine_defaults.py cites it)
     disable_cascade_attn: bool = True
     fa3_source: str = ""                   # the FlashAttention-3 build: "<owner>/<repo>@<commit>" ("": unknown)
     nccl_chain_order: str = ""             # NCCL's per-channel intra-node chain order ("": not recorded)

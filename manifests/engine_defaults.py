@@ -1,4 +1,5 @@
-"""The engines' own defaults for the deployment facts the solver reads, each with the upstream line it is read from.
+"""The engines' own defaults for the deployment facts the solver reads, each with the upstream line that
+says so.
 
 A shipped deployment file describes an engine as its version runs out of the box, so every fact listed here
 for its engine and version must equal the upstream default, and a fact a file leaves out takes
@@ -23,9 +24,10 @@ class UpstreamDefault:
 
 
 VLLM_0_33 = (
-    # vllm-project/vllm v0.33.0 (commit 4ba787ec9, vllm/_version.py of the PyPI sdist): vllm/config/model.py:316
-    # `disable_cascade_attn: bool = True`, the default since PR #36318 (merged 2026-03-07); in 0.33 the
-    # runner keeps cascade off whatever the setting (vllm/v1/worker/gpu_model_runner.py:539-541)
+    # vllm-project/vllm v0.33.0 (commit 4ba787ec9, vllm/_version.py of the PyPI sdist):
+    # vllm/config/model.py:316 `disable_cascade_attn: bool = True`, the default since PR #36318 (merged
+    # 2026-03-07); in 0.33 the runner keeps cascade off whatever the setting
+    # (vllm/v1/worker/gpu_model_runner.py:539-541)
     UpstreamDefault("disable_cascade_attn", True,
                     "vllm-project/vllm v0.33.0 (4ba787ec9) vllm/config/model.py:316; PR #36318"),
 )
@@ -50,5 +52,6 @@ def upstream_defaults(dep: Deployment) -> tuple[UpstreamDefault, ...]:
 
 def departures(dep: Deployment) -> list[str]:
     """Each fact of `dep` that differs from its engine version's recorded default, as a sentence."""
-    return [f"{d.fact} = {getattr(dep.engine, d.fact)!r}, but {dep.engine.name} {dep.engine.version} defaults "
-            f"to {d.value!r} ({d.source})" for d in upstream_defaults(dep) if getattr(dep.engine, d.fact) != d.value]
+    e = dep.engine
+    return [f"{d.fact} = {getattr(e, d.fact)!r}, but {e.name} {e.version} defaults to {d.value!r} "
+            f"({d.source})" for d in upstream_defaults(dep) if getattr(e, d.fact) != d.value]

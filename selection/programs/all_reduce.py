@@ -136,8 +136,8 @@ def facts(dep: Deployment) -> AllReduceFacts:
         nccl_symm_mem=e.nccl_symm_mem and not e.batch_invariant, torch_symm_mem=torch_symm,
         symm_mem_max_size=symm_cap,
         symm_mem_multimem=(cc == "9.0" and ws in (4, 6, 8)) or (cc.startswith("10.") and ws in (6, 8)),
-        multicast=dep.gpu.fully_connected and ws >= 4, v2_graph=graph, v2_eager=eager, nccl_path=nccl_path(dep),
-        nccl_chain_order=e.nccl_chain_order)
+        multicast=dep.gpu.fully_connected and ws >= 4, v2_graph=graph, v2_eager=eager,
+        nccl_path=nccl_path(dep), nccl_chain_order=e.nccl_chain_order)
 
 
 @program(family="all_reduce")

@@ -120,7 +120,8 @@ def facts(dep: Deployment) -> Fa3Facts:
         graph_num_splits_arg=1 if e.batch_invariant else e.fa_max_num_splits_for_cuda_graph,
         max_cuda_graph_size=e.max_cuda_graph_size if e.full_cuda_graph else 0,
         # vLLM gpu_model_runner: cascade_attn_enabled = not model_config.disable_cascade_attn, forced off under
-        # VLLM_BATCH_INVARIANT; the common prefix comes from the prefix cache's shared blocks
+        # VLLM_BATCH_INVARIANT; the common prefix comes from the prefix cache's shared blocks. The setting
+        # defaults to True (off) since PR #36318 (v0.33.0 vllm/config/model.py:316): only an opt-in sets it
         cascade_enabled=e.name == "vllm" and not e.disable_cascade_attn and not e.batch_invariant
         and e.prefix_caching,
         alibi=False)
@@ -235,7 +236,8 @@ def fa3_sglang(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], ma
     # hopper/flash_api.cpp:749 (mha_fwd): paged KV without cu_seqlens_k (which paged KV refuses, :735) takes
     # seqlen_k = the page table's width x page_size; max_seqlen_k is read only with cu_seqlens_k. SGLang's
     # graphs' page table is ceil(context_len / page_size) wide (flashattention_backend.py
-    # init_cuda_graph_state, decode_cuda_graph_metadata["page_table"]); eagerly req_to_token[:, :max_seq_len_k]
+    # init_cuda_graph_state, decode_cuda_graph_metadata["page_table"]); eagerly it is
+    # req_to_token[:, :max_seq_len_k]
     kernel_seqlen_k = round_up(d.max_model_len, d.page_size) if in_graph else round_up(max_seqlen_k, d.page_size)
     is_causal, is_local = attention_flags(d, max_seqlen_q, kernel_seqlen_k)
     # flash_api.cpp:395-404 get_pagedkv_tma: the probe tile assumes TMA; tile_size.h tile_size_fwd_sm90 is

@@ -1,5 +1,6 @@
-"""Every shipped deployment states its engine version's defaults, as upstream's own config reads them, and the
-facts a file leaves out default to upstream's values; SGLang's FA3 build is the one `fa3_sglang` transcribes."""
+"""Every shipped deployment states its engine version's defaults, as upstream's own config reads them, and
+the facts a file leaves out default to upstream's values; SGLang's FA3 build is the one `fa3_sglang`
+transcribes."""
 
 from __future__ import annotations
 

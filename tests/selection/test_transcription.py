@@ -45,8 +45,8 @@ def test_nccl_is_legal_only_pinned_with_its_chain_order_recorded() -> None:
     _, r = solved("", "all_reduce", pinned)
     assert "nccl/allreduce:tree.Simple.4ch" not in {a["path"] for a in r.legal_assignments()}
     # ... legal once the deployment records every channel's chain order
-    ordered = dataclasses.replace(pinned, engine=dataclasses.replace(pinned.engine,
-                                                                     nccl_chain_order="0,1,2,3 on every channel"))
+    chain = dataclasses.replace(pinned.engine, nccl_chain_order="0,1,2,3 on every channel")
+    ordered = dataclasses.replace(pinned, engine=chain)
     _, r = solved("", "all_reduce", ordered)
     assert "nccl/allreduce:tree.Simple.4ch" in {a["path"] for a in r.legal_assignments()}
     # algorithm pinned but not the protocol: still NCCL's choice by size
@@ -66,7 +66,8 @@ def test_ordered_all_reduce_is_the_legal_path_of_both_engines() -> None:
         assert all_reduce.ORDERED_PATH in {a["path"] for a in r.legal_assignments()}, name
         with knob_settings({"all_reduce.ordered": True}):
             facts = spec.facts(dep(name))
-            args = [(n, n) if spec.key == "all_reduce_vllm" else (n, g, n) for n in (1, 700, 8192) for g in (0, 1)]
+            args = [(n, n) if spec.key == "all_reduce_vllm" else (n, g, n)
+                    for n in (1, 700, 8192) for g in (0, 1)]
             assert {spec.program(facts, *a).path for a in args} == {all_reduce.ORDERED_PATH}, name
 
 
@@ -129,7 +130,8 @@ def test_sglang_splits_dynamically_above_992_sequences() -> None:
     # f20a5232 flash_api.cpp:958: the prepare kernel runs at every batch size (39da714b stopped at 992),
     # so get_num_splits counts one sequence whatever the batch: the same static count at 8 and 1000 sequences
     d = dataclasses.replace(fa3.facts(dep("llama-3.1-70b-instruct-tp4-h100-sglang")), max_num_seqs=2048)
-    few, many = fa3.fa3_sglang(d, 600, 8, 2, 30000, 64, 30000), fa3.fa3_sglang(d, 1100, 1000, 2, 30000, 64, 30000)
+    few = fa3.fa3_sglang(d, 600, 8, 2, 30000, 64, 30000)
+    many = fa3.fa3_sglang(d, 1100, 1000, 2, 30000, 64, 30000)
     assert few.num_splits == many.num_splits > 1
 
 
