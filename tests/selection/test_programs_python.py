@@ -54,8 +54,10 @@ def test_every_program_runs_on_every_shipped_deployment(name: str) -> None:
         for args in _points(facts, params):
             try:
                 choice = spec.program(facts, *args)
-            except SelectionFailure as exc:  # unpinned, a large all-reduce goes to NCCL's size-based tuner
-                assert spec.name == "all_reduce" and "NCCL picks its algorithm" in str(exc), exc
+            except SelectionFailure as exc:  # unpinned, a large all-reduce goes to NCCL (by size, or along
+                # a channel chain no fact records)
+                assert spec.name == "all_reduce" and ("NCCL picks its algorithm" in str(exc)
+                                                      or "NCCL sums each element" in str(exc)), exc
                 continue
             for field in dataclasses.fields(choice):
                 assert isinstance(getattr(choice, field.name), (int, bool, str)), (spec.key, field.name)
@@ -221,7 +223,7 @@ def test_vllm_nccl_symm_mem_bands() -> None:
     d = all_reduce.facts(dep("llama-3.1-70b-instruct-tp4-h100-vllm"))
     # 16 bytes a token, so token counts are byte counts / 16; ws 4: <= 16 KiB or >= 512 KiB
     d = dataclasses.replace(d, nccl_symm_mem=True, hidden_size=8, max_num_batched_tokens=65536,
-                            nccl_path="nccl/allreduce:tree.Simple.1ch")
+                            nccl_path="nccl/allreduce:tree.Simple.1ch", nccl_chain_order="recorded")
     assert _ar(d, 16 * KiB // 16)[0] == "nccl_symm_mem"
     assert _ar(d, 16 * KiB // 16 + 1)[0] == "custom"
     assert _ar(d, 512 * KiB // 16 - 1)[0] == "custom"
@@ -247,7 +249,10 @@ def test_vllm_custom_all_reduce_cap_is_strict_and_algorithm_by_bytes() -> None:
     with pytest.raises(SelectionFailure, match="NCCL picks its algorithm"):
         _ar(d8, 4097)                                                      # NCCL by size: not legal
     pinned = dataclasses.replace(d8, nccl_path="nccl/allreduce:tree.Simple.8ch")
-    assert _ar(pinned, 4097) == ("nccl", "allreduce:tree.Simple.8ch")
+    with pytest.raises(SelectionFailure, match="NCCL sums each element"):
+        _ar(pinned, 4097)                                                  # pinned, but no chain order
+    chained = dataclasses.replace(pinned, nccl_chain_order="recorded")
+    assert _ar(chained, 4097) == ("nccl", "allreduce:tree.Simple.8ch")
     bi = dataclasses.replace(d, batch_invariant=True, custom_ar_algo="1stage", torch_symm_mem=False)
     assert {_ar(bi, n) for n in (1, 512, 8192)} == {("custom", "1stage")}
 
@@ -260,7 +265,10 @@ def test_sglang_v2_thresholds_by_context() -> None:
     assert pick(d, 24, 1, 24).path == "custom/1shot_push"                  # 384 KiB in a CUDA graph
     assert pick(d, 25, 1, 25).path == "custom/2shot_pull"
     assert pick(d, 1024, 1, 1024).path == "custom/2shot_pull"              # 16 MiB, the workspace cap
-    assert pick(d, 1025, 1, 1025).path == d.nccl_path == "nccl/allreduce:tree.Simple.8ch"  # the file pins NCCL
+    with pytest.raises(SelectionFailure, match="NCCL sums each element"):
+        pick(d, 1025, 1, 1025)                       # the file pins NCCL but records no chain order
+    chained = dataclasses.replace(d, nccl_chain_order="recorded")
+    assert pick(chained, 1025, 1, 1025).path == d.nccl_path == "nccl/allreduce:tree.Simple.8ch"
     with pytest.raises(SelectionFailure, match="NCCL picks its algorithm"):
         pick(dataclasses.replace(d, nccl_path=""), 1025, 1, 1025)
 
