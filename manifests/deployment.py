@@ -182,8 +182,10 @@ class EngineFacts:
     nccl_algo: str = ""                    # NCCL_ALGO as set for the server ("": NCCL's tuner picks by size)
     nccl_proto: str = ""                   # NCCL_PROTO ("": NCCL's tuner picks by size)
     nccl_channels: int = 0                 # NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS (0: not pinned)
-    disable_cascade_attn: bool = False     # vLLM --disable-cascade-attn (cascade attention on by default)
+    # vLLM --disable-cascade-attn: True, vLLM's default since PR #36318 (engine_defaults.py cites it)
+    disable_cascade_attn: bool = True
     fa3_source: str = ""                   # the FlashAttention-3 build: "<owner>/<repo>@<commit>" ("": unknown)
+    nccl_chain_order: str = ""             # NCCL's per-channel intra-node chain order ("": not recorded)
     # the embedded engine on a CPU: GEMM forms a probe proved batch-invariant where it runs (kernels/gemm_probe.py)
     gemm_pad_rows: int = 0                 # one product padded to >= this many rows (0: not proven)
     gemm_row_form: bool = False            # every row its own one-row product

@@ -1,5 +1,4 @@
-"""Tensor-parallel all-reduce dispatch as SelIR: vLLM 0.33 (`all_reduce_vllm`) and SGLang 0.5.23
-(`all_reduce_sglang`).
+"""Tensor-parallel all-reduce dispatch as SelIR: vLLM 0.33 (`all_reduce_vllm`) and SGLang 0.5.23 (`all_reduce_sglang`).
 
 vLLM: `vllm/distributed/device_communicators/cuda_communicator.py` (`CudaCommunicator.all_reduce`, first
 match wins), `all_reduce_utils.py` (`should_nccl_symm_mem_allreduce`, the max-size tables),
@@ -16,13 +15,25 @@ after attention's o_proj and the MLP's down_proj).
 
 Knobs: `all_reduce.max_size`, the custom all-reduce buffer (vLLM's `max_size`, SGLang V2's workspace cap);
 `all_reduce.chunked` (detent's, vLLM's batch-invariant loop): custom all-reduce takes any size in max_size
-chunks.
+chunks; `all_reduce.ordered` (detent's): the engine's all-reduce is replaced by detent's ordered all-reduce
+(`ORDERED_PATH`: an all-gather of every rank's partial, then a sum in rank order), whose order is the rank
+order at every size: the legal path of both engines wherever NCCL's order is not recorded.
+
+NCCL is legal only with its chain order recorded (`EngineFacts.nccl_chain_order`). NCCL splits a message
+across channels by its total count (NVIDIA/nccl @ 5067397c src/include/device.h:337-361, `ncclCollCbdPart`:
+a channel's part starts at countLo + mid x countMid, set from the whole count), and each channel runs its own
+intra-node chain (src/graph/connect.cc:42-62: channel c takes its order from `graphs[algo]->intra + c x
+localRanks`, tree up/down from its position there). An element's summation order is the chain of the channel
+its offset falls in, which moves with the message size: it is independent of the batch only if every
+channel's chain is the same, which only a recorded chain order shows.
 """
 
 from __future__ import annotations
 
 from detent_audit.manifests.deployment import Deployment
 from detent_audit.selection.lang import Runtime, Unpinnable, assume, knob, program, record, require
+
+ORDERED_PATH = "detent/ordered-gather-sum"   # detent's ordered all-reduce: all-gather, then a rank-order sum
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -43,8 +54,7 @@ CUSTOM_AR_SUPPORTED_WORLD_SIZES = (2, 4, 6, 8, 16)   # custom_all_reduce.py _SUP
 SGLANG_V2_SM90_GRAPH = {
     2: (16 * MiB, 128 * MiB, 128 * MiB, 0, 0), 3: (1280 * KiB, 1280 * KiB, 128 * MiB, 0, 0),
     4: (384 * KiB, 384 * KiB, 128 * MiB, 0, 0), 5: (192 * KiB, 192 * KiB, 32 * MiB, 0, 0),
-    6: (128 * KiB, 128 * KiB, 32 * MiB, 8 * MiB, 32 * MiB),
-                        7: (128 * KiB, 128 * KiB, 32 * MiB, 1 * MiB, 32 * MiB),
+    6: (128 * KiB, 128 * KiB, 32 * MiB, 8 * MiB, 32 * MiB), 7: (128 * KiB, 128 * KiB, 32 * MiB, 1 * MiB, 32 * MiB),
     8: (128 * KiB, 128 * KiB, 32 * MiB, 512 * KiB, 128 * MiB),
 }
 SGLANG_V2_SM90_EAGER = {
@@ -74,7 +84,8 @@ class AllReduceFacts:
     multicast: bool              # SGLang V2: multicast 2shot_pull available
     v2_graph: tuple              # SGLang V2 thresholds in CUDA graphs (see SGLANG_V2_SM90_GRAPH)
     v2_eager: tuple              # ... eagerly
-    nccl_path: str               # NCCL's reduction order when pinned (see nccl_path); "": NCCL picks by size
+    nccl_path: str               # NCCL's reduction order when pinned (see nccl_path); "" when NCCL picks by size
+    nccl_chain_order: str        # NCCL's per-channel chain order as recorded; "": not recorded (NCCL illegal)
 
 
 @record
@@ -90,10 +101,10 @@ def nccl_path(dep: Deployment) -> str:
     NCCL's tuner picks algorithm, protocol and channel count from the message size (each a different
     reduction order), so a pinned NCCL path is batch-invariant only with all three fixed: by the deployment's
     NCCL_ALGO / NCCL_PROTO / NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS facts, or by the engine's deterministic
-    mode: vLLM's override_envs_for_invariance (tree, Simple, 1 channel;
-    model_executor/layers/batch_invariant.py) and SGLang's --enable-deterministic-inference (allreduce:tree,
-    SGLANG_DETERMINISTIC_NCCL_NCHANNELS = 8 channels; the protocol is left to NCCL, which moves bytes but does
-    not reorder tree sums: the deterministic-mode tree, taken as upstream's determinism claim).
+    mode: vLLM's override_envs_for_invariance (tree, Simple, 1 channel; model_executor/layers/batch_invariant.py) and
+    SGLang's --enable-deterministic-inference (allreduce:tree, SGLANG_DETERMINISTIC_NCCL_NCHANNELS = 8
+    channels; the protocol is left to NCCL, which moves bytes but does not reorder tree sums: the
+    deterministic-mode tree, taken as upstream's determinism claim).
     """
     e = dep.engine
     if e.batch_invariant and e.name == "vllm":
@@ -126,7 +137,7 @@ def facts(dep: Deployment) -> AllReduceFacts:
         symm_mem_max_size=symm_cap,
         symm_mem_multimem=(cc == "9.0" and ws in (4, 6, 8)) or (cc.startswith("10.") and ws in (6, 8)),
         multicast=dep.gpu.fully_connected and ws >= 4, v2_graph=graph, v2_eager=eager,
-                          nccl_path=nccl_path(dep))
+        nccl_path=nccl_path(dep), nccl_chain_order=e.nccl_chain_order)
 
 
 @program(family="all_reduce")
@@ -138,10 +149,9 @@ def all_reduce_vllm(d: AllReduceFacts, num_tokens: Runtime[int],
     nbytes = num_tokens * d.hidden_size * d.dtype_bytes
     actual_bytes = num_tokens_actual * d.hidden_size * d.dtype_bytes
     # 256 KiB .. 64 MiB, default 8 MiB (knob arguments are literals)
-    max_size = knob("all_reduce.max_size",
-                    (262144, 524288, 1048576, 2097152, 4194304, 8388608, 16777216, 33554432, 67108864),
-                    8388608)
+    max_size = knob("all_reduce.max_size", (262144, 524288, 1048576, 2097152, 4194304, 8388608, 16777216, 33554432, 67108864), 8388608)
     chunked = knob("all_reduce.chunked", (False, True), False)
+    ordered = knob("all_reduce.ordered", (False, True), False)
     # custom_all_reduce.py: max_size (8 MiB by default) is capped by the table when torch symm-mem is on
     ca_max = min(max_size, d.custom_ar_table_cap) if d.custom_ar_table_cap > 0 else max_size
     # (1) all_reduce_utils.py should_nccl_symm_mem_allreduce: off below 4 GPUs; at 4 and 8 GPUs outside the
@@ -157,7 +167,9 @@ def all_reduce_vllm(d: AllReduceFacts, num_tokens: Runtime[int],
     custom = d.custom_ar and nbytes % 16 == 0 and (d.batch_invariant or chunked or nbytes < ca_max)
     # (8) symm_mem.py should_use_symm_mem: 4-byte multiples up to the table's size
     symm = d.torch_symm_mem and nbytes % 4 == 0 and nbytes <= d.symm_mem_max_size
-    if nccl_symm:
+    if ordered:
+        path = ORDERED_PATH          # detent's all-reduce replaces CudaCommunicator.all_reduce at every size
+    elif nccl_symm:
         path = "nccl_symm_mem/nccl"  # NCCL's own choice inside: legal only where NCCL's path is pinned
     elif custom:
         path = "custom/" + custom_ar_algorithm(d, nbytes)
@@ -177,6 +189,7 @@ def all_reduce_vllm(d: AllReduceFacts, num_tokens: Runtime[int],
             "NCCL symmetric memory is enabled and NCCL's algorithm, protocol and channels are pinned")
     require(path != "nccl/tuner", "NCCL picks its algorithm, protocol and channels by message size: pin "
             "NCCL_ALGO, NCCL_PROTO and the channel count (or run the engine's deterministic mode)")
+    require_nccl_order(d, path)
     return AllReduceChoice(path=path)
 
 
@@ -192,9 +205,7 @@ def all_reduce_sglang(d: AllReduceFacts, num_tokens: Runtime[int], in_cuda_graph
     actual_bytes = num_tokens_actual * d.hidden_size * d.dtype_bytes
     # the V2 workspace cap (SGLANG_CUSTOM_ALL_REDUCE_V2_MAX_SIZE_KB, 16 MiB); clipping the thresholds by it
     # follows a later SGLang's Heuristic.clip (inferred for 0.5.23)
-    cap = knob("all_reduce.max_size",
-               (262144, 524288, 1048576, 2097152, 4194304, 8388608, 16777216, 33554432, 67108864),
-               16777216)  # 256 KiB .. 64 MiB, default 16 MiB
+    cap = knob("all_reduce.max_size", (262144, 524288, 1048576, 2097152, 4194304, 8388608, 16777216, 33554432, 67108864), 16777216)  # 256 KiB .. 64 MiB, default 16 MiB
     # custom_all_reduce_v2.py _pick_config: separate thresholds inside CUDA graphs and eagerly
     one_push = min(cap, d.v2_graph[0]) if in_cuda_graph == 1 else min(cap, d.v2_eager[0])
     one_pull = min(cap, d.v2_graph[1]) if in_cuda_graph == 1 else min(cap, d.v2_eager[1])
@@ -202,8 +213,11 @@ def all_reduce_sglang(d: AllReduceFacts, num_tokens: Runtime[int], in_cuda_graph
     mc_lo = min(cap, d.v2_graph[3]) if in_cuda_graph == 1 else min(cap, d.v2_eager[3])
     mc_hi = min(cap, d.v2_graph[4]) if in_cuda_graph == 1 else min(cap, d.v2_eager[4])
     usable = d.custom_ar and not d.batch_invariant and nbytes % 16 == 0
+    ordered = knob("all_reduce.ordered", (False, True), False)
     # the backend and its algorithm are ONE decision (a path), as upstream takes them together
-    if usable and nbytes <= one_push:
+    if ordered:
+        path = ORDERED_PATH          # detent's all-reduce replaces GroupCoordinator.all_reduce at every size
+    elif usable and nbytes <= one_push:
         path = "custom/1shot_push"
     elif usable and nbytes <= one_pull:
         path = "custom/1shot_pull"
@@ -221,7 +235,17 @@ def all_reduce_sglang(d: AllReduceFacts, num_tokens: Runtime[int], in_cuda_graph
             "custom all-reduce carries 16-byte multiples up to its workspace")
     require(path != "nccl/tuner", "NCCL picks its algorithm, protocol and channels by message size: pin "
             "NCCL_ALGO, NCCL_PROTO and the channel count (or run the engine's deterministic mode)")
+    require_nccl_order(d, path)
     return AllReduceChoice(path=path)
+
+
+def require_nccl_order(d, path):
+    # NCCL (pinned or not) sums an element along the chain of the channel its offset falls in, a channel
+    # the message size picks: legal only where the deployment records every channel's chain order
+    require(path != d.nccl_path and path != "nccl_symm_mem/nccl" or d.nccl_chain_order != "",
+            "NCCL sums each element along its channel's chain, and the channel moves with the message size: "
+            "record the per-channel chain order (nccl_chain_order) or use the ordered all-reduce")
+    return 0
 
 
 def custom_ar_algorithm(d, nbytes):

@@ -1,5 +1,5 @@
-"""FlashAttention-3 (sm90) kernel selection as SelIR: upstream `hopper/` (`fa3`), the vLLM fork (`fa3_vllm`)
-and SGLang's sgl-attn build (`fa3_sglang`).
+"""FlashAttention-3 (sm90) kernel selection as SelIR: upstream `hopper/` (`fa3`), the vLLM fork (`fa3_vllm`) and
+SGLang's sgl-attn build (`fa3_sglang`).
 
 Transcribed from Dao-AILab/flash-attention @ 0251105a and vllm-project/flash-attention @ 617264c1
 (`hopper/flash_api.cpp`, `heuristics.h`, `tile_size.h`, `flash_prepare_scheduler.cu`), as the engines call
@@ -9,11 +9,13 @@ that drops `causal`, the paged-KV TMA switch that moves the tile, the fork's one
 the static split count with its CUDA-graph override, PackGQA, and the per-sequence split count the prepare
 kernel derives from the whole batch.
 
-SGLang's build (`fa3_sglang`): sgl-kernel's CMakeLists fetches sgl-project/sgl-attn, not Dao-AILab (the
-"# flash-attention" FetchContent block of sgl-project/sglang sgl-kernel/CMakeLists.txt, GIT_TAG f20a5232; the
-deployment records it as `fa3_source`). Transcribed from sgl-attn's branch `sgl-kernel` @ 39da714b
-(hopper/flash_api.cpp, tile_size.h; heuristics.h is upstream's): the older hdim-64 tile rows, the
-page-table-wide seqlen_k SGLang's calls give the heuristic, and no dynamic split above 992 sequences.
+SGLang's build (`fa3_sglang`): sgl-kernel's CMakeLists fetches sgl-project/sgl-attn (now sgl-flash-attn),
+not Dao-AILab (sgl-project/sglang @ 00390b86 sgl-kernel/CMakeLists.txt:91-98, the "# flash-attention"
+FetchContent block, GIT_TAG f20a5232). Transcribed from that commit, `SGLANG_FA3_SOURCE`, which the
+deployment must record as `fa3_source` (`facts` refuses any other build): upstream flash-attention 9dbed03
+plus attention sinks. Its hopper/tile_size.h and heuristics.h equal upstream's (byte for byte at 9dbed03,
+and at 0251105a, which `fa3` transcribes), and its mha_fwd equals upstream's but for the sinks argument; what
+SGLang's calls change is seqlen_k (the page table's width) and when a step runs in a CUDA graph.
 
 Knob `attention.split_stride` (detent's): 0 keeps FA3's count-based splitting; a stride S cuts each
 sequence's KV at multiples of S tokens, so a pinned tuple can still split long sequences while every split
@@ -29,6 +31,7 @@ caller computes it first). Request input: `seqlen_k`, the sequence's own KV leng
 from __future__ import annotations
 
 from detent_audit.manifests.deployment import Deployment
+from detent_audit.selection.errors import NotTranscribed
 from detent_audit.selection.lang import (
     Request,
     Runtime,
@@ -47,6 +50,8 @@ SIZE_L2 = 50 * 1024 * 1024             # heuristics.h num_splits_heuristic: assu
 MAX_SPLITS_HEURISTIC = 128             # flash_api.cpp get_num_splits: max_splits
 MAX_SPLITS_COMBINE = 256               # flash_api.cpp mha_fwd: "num_splits > 256 not supported"
 PREPARE_VARLEN_MAX_BATCHES_1CTA = 992  # flash_api.cpp: one prepare-kernel CTA covers 992 sequences
+# the FlashAttention-3 build SGLang's sgl-kernel compiles, which `fa3_sglang` transcribes
+SGLANG_FA3_SOURCE = "sgl-project/sgl-attn@f20a52329482ddca4a627b2f028f88c2959ee299"
 MIN_TILE = 64                          # smallest kBlockM / kBlockN of tile_size_fwd_sm90 (input bounds only)
 
 
@@ -72,7 +77,7 @@ class Fa3Facts:
     num_splits_arg: int        # num_splits the engine passes outside full CUDA graphs (0: FA3's heuristic)
     graph_num_splits_arg: int  # ... inside full CUDA graphs
     max_cuda_graph_size: int   # 0: no full CUDA graphs
-    cascade_enabled: bool      # vLLM: cascade attention possible (not disabled, not batch-invariant, prefix)
+    cascade_enabled: bool      # vLLM: cascade attention possible (not disabled, not batch-invariant, prefix cache)
     alibi: bool                # ALiBi slopes (cascade does not support them)
 
 
@@ -90,8 +95,14 @@ class Fa3Choice:
 
 
 def facts(dep: Deployment) -> Fa3Facts:
-    """FA3's view of a deployment (plain Python, not SelIR)."""
+    """FA3's view of a deployment (plain Python, not SelIR). Raises `NotTranscribed` for an SGLang deployment
+    whose recorded FA3 build is not `SGLANG_FA3_SOURCE`, the one `fa3_sglang` is transcribed from."""
     e, m = dep.engine, dep.model
+    if e.name == "sglang" and e.fa3_source != SGLANG_FA3_SOURCE:
+        raise NotTranscribed(f"{dep.name}: fa3_source {e.fa3_source!r} is not the FlashAttention-3 build "
+                             f"fa3_sglang is transcribed from ({SGLANG_FA3_SOURCE})",
+                             remedy="record the commit sgl-kernel/CMakeLists.txt fetches as fa3_source, and "
+                             "transcribe fa3_sglang from it when it differs")
     heads, kv_heads = dep.num_heads_per_rank, dep.num_kv_heads_per_rank
     # vLLM flash_attn.py build(): max_num_splits = 1 in batch-invariant mode, else 0 (FA3's heuristic), or
     # flash_attn_max_num_splits_for_cuda_graph for a step that fits a full CUDA graph. SGLang passes 0
@@ -99,8 +110,7 @@ def facts(dep: Deployment) -> Fa3Facts:
     return Fa3Facts(
         num_sms=dep.gpu.num_sms, head_dim=m.head_dim, head_dim_v=m.head_dim, num_heads=heads,
         num_kv_heads=kv_heads, element_size=2, softcap=False, causal=True,
-        window_left=m.sliding_window - 1 if m.sliding_window > 0 else -1, paged_kv=True,
-                    page_size=e.page_size,
+        window_left=m.sliding_window - 1 if m.sliding_window > 0 else -1, paged_kv=True, page_size=e.page_size,
         varlen=True, max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
         max_query_len=min(e.max_num_batched_tokens, e.max_model_len),
@@ -109,8 +119,9 @@ def facts(dep: Deployment) -> Fa3Facts:
         num_splits_arg=1 if e.batch_invariant else 0,
         graph_num_splits_arg=1 if e.batch_invariant else e.fa_max_num_splits_for_cuda_graph,
         max_cuda_graph_size=e.max_cuda_graph_size if e.full_cuda_graph else 0,
-        # vLLM gpu_model_runner: cascade_attn_enabled = not model_config.disable_cascade_attn, forced
-        # off under VLLM_BATCH_INVARIANT; the common prefix comes from the prefix cache's shared blocks
+        # vLLM gpu_model_runner: cascade_attn_enabled = not model_config.disable_cascade_attn, forced off under
+        # VLLM_BATCH_INVARIANT; the common prefix comes from the prefix cache's shared blocks. The setting
+        # defaults to True (off) since PR #36318 (v0.33.0 vllm/config/model.py:316): only an opt-in sets it
         cascade_enabled=e.name == "vllm" and not e.disable_cascade_attn and not e.batch_invariant
         and e.prefix_caching,
         alibi=False)
@@ -176,8 +187,8 @@ def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_
     pagedkv_tma = (d.paged_kv and not is_local and d.page_size % probe_n == 0
                    and max_seqlen_q > probe_m // ratio)             # max_seqlen_q * ratio > probe_m
     paged_non_tma = d.paged_kv and not pagedkv_tma
-    block_m, block_n = tile_size_fwd_sm90_vllm(hdim, hdim_v, is_causal, is_local, d.element_size,
-                                               paged_non_tma, d.softcap, one_mma_wg)
+    block_m, block_n = tile_size_fwd_sm90_vllm(hdim, hdim_v, is_causal, is_local, d.element_size, paged_non_tma,
+                                               d.softcap, one_mma_wg)
     in_graph = d.max_cuda_graph_size > 0 and num_tokens <= d.max_cuda_graph_size
     num_splits = static_num_splits(d, in_graph, d.varlen, num_seqs, max_seqlen_q, max_seqlen_k, block_m,
                                    block_n, is_causal, is_local)
@@ -214,41 +225,43 @@ def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_
 @program(family="attention")
 def fa3_sglang(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_seqlen_q: Runtime[int],
                max_seqlen_k: Runtime[int], total_blocks: Runtime[int], seqlen_k: Request[int]) -> Fa3Choice:
-    """The FA3 SGLang runs: sgl-kernel's build of sgl-project/sgl-attn (branch sgl-kernel), called through
-    `flash_attn_with_kvcache` with a page table and no max_seqlen_k."""
+    """The FA3 SGLang runs: sgl-kernel's build of sgl-project/sgl-attn @ f20a5232 (`SGLANG_FA3_SOURCE`),
+    called through `flash_attn_with_kvcache` with a page table, cu_seqlens_q and cache_seqlens (varlen), and
+    no cu_seqlens_k. Citations are file:line of sgl-project/sgl-flash-attn @ f20a5232."""
     assume_inputs(d, num_tokens, num_seqs, max_seqlen_q, max_seqlen_k, total_blocks, seqlen_k)
     hdim, hdim_v = round_up_headdim(d.head_dim), round_up_headdim(d.head_dim_v)
     # SGLang's decode CUDA graphs (flashattention_backend.py init_cuda_graph_state) hold decode-only batches
     # up to cuda_graph_max_bs; prefill and extend run eagerly
     in_graph = d.max_cuda_graph_size > 0 and max_seqlen_q == 1 and num_tokens <= d.max_cuda_graph_size
-    # sgl-attn flash_api.cpp:689 (mha_fwd): paged KV without cu_seqlens_k takes seqlen_k =
-    # max_num_pages_per_seq * page_size, the page table's width. SGLang passes no max_seqlen_k: the graphs'
-    # page table is ceil(context_len / page_size) wide (flashattention_backend.py init_cuda_graph_state,
-    # decode_cuda_graph_metadata["page_table"]); eagerly it is req_to_token[:, :max_seq_len_k] in pages
-    kernel_seqlen_k = round_up(d.max_model_len,
-                               d.page_size) if in_graph else round_up(max_seqlen_k, d.page_size)
+    # hopper/flash_api.cpp:749 (mha_fwd): paged KV without cu_seqlens_k (which paged KV refuses, :735) takes
+    # seqlen_k = the page table's width x page_size; max_seqlen_k is read only with cu_seqlens_k. SGLang's
+    # graphs' page table is ceil(context_len / page_size) wide (flashattention_backend.py
+    # init_cuda_graph_state, decode_cuda_graph_metadata["page_table"]); eagerly it is
+    # req_to_token[:, :max_seq_len_k]
+    kernel_seqlen_k = round_up(d.max_model_len, d.page_size) if in_graph else round_up(max_seqlen_k, d.page_size)
     is_causal, is_local = attention_flags(d, max_seqlen_q, kernel_seqlen_k)
-    # sgl-attn flash_api.cpp:359-368 get_pagedkv_tma (as upstream): the probe tile assumes TMA
-    probe_m, probe_n = tile_size_fwd_sm90_sgl(hdim, hdim_v, is_causal, is_local, d.element_size, False,
-                                              d.softcap)
+    # flash_api.cpp:395-404 get_pagedkv_tma: the probe tile assumes TMA; tile_size.h tile_size_fwd_sm90 is
+    # upstream's (tile_size.h equals Dao-AILab 9dbed03's and 0251105a's)
+    probe_m, probe_n = tile_size_fwd_sm90(hdim, hdim_v, is_causal, is_local, d.element_size, False, d.softcap)
     pagedkv_tma = (d.paged_kv and d.page_size % probe_n == 0
                    and max_seqlen_q > probe_m // (d.num_heads // d.num_kv_heads))
     paged_non_tma = d.paged_kv and not pagedkv_tma
-    block_m, block_n = tile_size_fwd_sm90_sgl(hdim, hdim_v, is_causal, is_local, d.element_size,
-                                              paged_non_tma, d.softcap)
-    # sgl-attn flash_api.cpp:896-898: "992 = 32 * 31 is the max supported batch in
-    # prepare_varlen_num_blocks kernel": above it no dynamic split, and get_num_splits counts every sequence
-    dynamic = d.varlen and num_seqs <= PREPARE_VARLEN_MAX_BATCHES_1CTA
-    num_splits = static_num_splits(d, in_graph, dynamic, num_seqs, max_seqlen_q, kernel_seqlen_k, block_m,
+    block_m, block_n = tile_size_fwd_sm90(hdim, hdim_v, is_causal, is_local, d.element_size, paged_non_tma,
+                                          d.softcap)
+    # flash_api.cpp:958-964: use_prepare_varlen = is_varlen at every batch size (the 992 bound now only
+    # gates the one-CTA launch, :959), so get_num_splits (:422-455) counts one sequence (:448)
+    num_splits = static_num_splits(d, in_graph, d.varlen, num_seqs, max_seqlen_q, kernel_seqlen_k, block_m,
                                    block_n, is_causal, is_local)
     stride = knob("attention.split_stride", (0, 256, 512, 1024, 2048, 4096), 0)
     if stride > 0:
         num_splits = cdiv(max_seqlen_k, max(1, stride))
-    # sgl-attn flash_api.cpp:370-384 get_pack_gqa (as upstream)
+    # flash_api.cpp:406-420 get_pack_gqa (as upstream)
     pack_gqa = paged_non_tma or num_splits > 1 or (
         d.num_heads != d.num_kv_heads
         and should_pack_gqa(d.varlen, max_seqlen_q, d.num_heads // d.num_kv_heads, block_m))
-    dynamic_splits, blocks_per_split = per_sequence_splits(d, stride, dynamic, num_seqs, total_blocks,
+    # hopper/flash_prepare_scheduler.cu:124-143 (upstream 9dbed03's): above 992 sequences the prepare kernel
+    # runs on several CTAs and gives every sequence one split (per_sequence_splits)
+    dynamic_splits, blocks_per_split = per_sequence_splits(d, stride, d.varlen, num_seqs, total_blocks,
                                                            seqlen_k, block_n, pack_gqa, num_splits)
     require(1 <= num_splits <= MAX_SPLITS_COMBINE, "the combine kernel takes 1 to 256 splits")
     require(is_causal or is_local or not d.causal or max_seqlen_q == 1,
@@ -346,22 +359,6 @@ def tile_size_fwd_sm90(hdim, hdim_v, is_causal, is_local, element_size, paged_no
     return tile
 
 
-def tile_size_fwd_sm90_sgl(hdim, hdim_v, is_causal, is_local, element_size, paged_non_tma, softcap):
-    # sgl-project/sgl-attn (branch sgl-kernel) hopper/tile_size.h tile_size_fwd_sm90: upstream's table but
-    # for two hdim-64 rows. Dao-AILab hopper/tile_size.h:24 `use_blockN_128 = is_causal || is_local ||
-    # paged_kv_non_TMA` is sgl-attn tile_size.h:24 `is_causal || is_local` (no paged-non-TMA term: a decode
-    # batch, which drops causal, gets kBlockN 192, a mixed one 128); Dao tile_size.h:21 (128, 96) for
-    # hdim 64 / dv 256 is sgl-attn tile_size.h:21 (128, 112)
-    if element_size == 2 and hdim <= 64 and hdim_v != 512:
-        if hdim_v == 256:
-            tile = (128, 112)
-        else:
-            tile = (192, 128 if is_causal or is_local else 192)
-    else:
-        tile = tile_size_fwd_sm90(hdim, hdim_v, is_causal, is_local, element_size, paged_non_tma, softcap)
-    return tile
-
-
 def tile_size_fwd_sm90_vllm(hdim, hdim_v, is_causal, is_local, element_size, paged_non_tma, softcap,
                             one_mma_wg):
     # vLLM fork tile_size.h: 16-bit decode tiles with one MMA warpgroup, its own hdim 64/128/192 rows, FP8
@@ -430,8 +427,7 @@ def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, num_m_blocks, siz
     best = max(effs)
     # the smallest count within 85% of the best efficiency (the best qualifies, so one always does)
     first_good = min([s if s <= cap and split_efficiency(total_mblocks, s, num_sms) >= 0.85 * best
-                      else MAX_SPLITS_HEURISTIC + 1 for s in range(1,
-                                                                   min(MAX_SPLITS_HEURISTIC, num_sms) + 1)])
+                      else MAX_SPLITS_HEURISTIC + 1 for s in range(1, min(MAX_SPLITS_HEURISTIC, num_sms) + 1)])
     if total_mblocks >= 0.8 * num_sms:
         # "almost fills the GPU": 1 split, unless one KV head overflows L2, queries go over it at least
         # twice and attention is neither causal nor local

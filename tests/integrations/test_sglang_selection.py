@@ -19,6 +19,9 @@ pytest.importorskip("sglang")
 from detent_audit.integrations.sglang import control, cpu_kernels, cuda_selection  # noqa: E402
 from detent_audit.integrations.sglang.cuda_selection import CudaHooks  # noqa: E402
 from detent_audit.manifests.deployment import load_deployment  # noqa: E402
+from detent_audit.selection.compiler import solve  # noqa: E402
+from detent_audit.selection.programs import families_for  # noqa: E402
+from detent_audit.selection.programs.all_reduce import ORDERED_PATH  # noqa: E402
 
 DEPLOYMENTS = Path(__file__).parents[2] / "manifests" / "deployments"
 # CUDA-only packages SGLang imports at module level, stubbed where they are not installed (vLLM's CPU build
@@ -85,6 +88,16 @@ def sglang_modules():
 @pytest.fixture(scope="module")
 def qwen_hooks() -> CudaHooks:
     return CudaHooks.build(load_deployment(DEPLOYMENTS / "qwen3-30b-a3b-tp4-h100-sglang.toml"))
+
+
+@pytest.fixture(scope="module")
+def qwen_custom_hooks() -> CudaHooks:
+    """The same deployment with a legal tuple that pins one of SGLang's custom all-reduce paths."""
+    dep = load_deployment(DEPLOYMENTS / "qwen3-30b-a3b-tp4-h100-sglang.toml")
+    spec = next(s for s in families_for(dep) if s.name == "all_reduce")
+    result = solve(spec.program, spec.facts(dep), family=spec.name)
+    custom = next(a for a in result.legal_assignments() if a["path"].startswith("custom/"))
+    return CudaHooks.build(dep, {"all_reduce": custom})
 
 
 def _resolve(target: str):
@@ -168,7 +181,8 @@ def _v2_comm(sglang_modules):
     return comm
 
 
-def test_custom_all_reduce_v2_pick_config_stock_varies_plugin_pins(sglang_modules, qwen_hooks):
+def test_custom_all_reduce_v2_pick_config_stock_varies_plugin_pins(sglang_modules, qwen_custom_hooks):
+    qwen_hooks = qwen_custom_hooks
     comm = _v2_comm(sglang_modules)
     rng = random.Random(2)
     sizes = [rng.randint(1, 8192) * 2048 * 2 for _ in range(64)] + [2048 * 2, 8192 * 2048 * 2]
@@ -183,7 +197,8 @@ def test_custom_all_reduce_v2_pick_config_stock_varies_plugin_pins(sglang_module
     assert (got is None) if expected is None else (got.algo.name == expected[0])
 
 
-def test_resolve_all_reduce_method_stock_varies_plugin_pins(sglang_modules, qwen_hooks):
+def test_resolve_all_reduce_method_stock_varies_plugin_pins(sglang_modules, qwen_custom_hooks):
+    qwen_hooks = qwen_custom_hooks
     import torch
 
     comm = _v2_comm(sglang_modules)
@@ -199,6 +214,19 @@ def test_resolve_all_reduce_method_stock_varies_plugin_pins(sglang_modules, qwen
     pinned = {resolve(group, t) for t in tensors}
     assert len(pinned) == 1
     assert pinned.pop() == ("ca" if qwen_hooks.tuple["all_reduce"]["path"].startswith("custom/") else None)
+
+
+def test_resolve_refuses_the_ordered_all_reduce_it_does_not_install(sglang_modules, qwen_hooks):
+    import torch
+
+    # the default tuple names detent's ordered all-reduce; this process has none, and NCCL would sum in
+    # another order than the receipt names
+    assert qwen_hooks.tuple["all_reduce"]["path"] == ORDERED_PATH
+    group = object.__new__(sglang_modules.ps.GroupCoordinator)
+    group.ca_comm = _v2_comm(sglang_modules)
+    kind, resolve = qwen_hooks.hooks()[cuda_selection.TARGETS["resolve"]]
+    with pytest.raises(RuntimeError, match="does not install"):
+        resolve(group, torch.empty(3, 2048, dtype=torch.bfloat16))
 
 
 def test_fa3_num_splits_pinned_in_init_and_scheduler_metadata(sglang_modules, qwen_hooks):

@@ -36,8 +36,7 @@ def _points(facts, params: list[str]):
     for num_tokens, seq_k, num_seqs in itertools.product((1, 7, 512, tokens), (1, 300, ctx), (1, 3, 200)):
         num_seqs = min(num_seqs, getattr(facts, "max_num_seqs", num_seqs), num_tokens)
         values = {"num_tokens": num_tokens, "num_tokens_actual": num_tokens, "expert_rows": num_tokens,
-                  "num_seqs": num_seqs,
-                  "max_seqlen_q": min(num_tokens, getattr(facts, "max_query_len", tokens)),
+                  "num_seqs": num_seqs, "max_seqlen_q": min(num_tokens, getattr(facts, "max_query_len", tokens)),
                   "max_seqlen_k": seq_k, "seqlen_k": seq_k, "total_blocks": num_seqs * (seq_k // 64 + 1),
                   "in_cuda_graph": int(num_tokens <= 160), "common_prefix_len": min(seq_k, 300),
                   "max_kv_pages": max(1, seq_k // 16), "num_q_tiles": num_seqs}
@@ -55,8 +54,10 @@ def test_every_program_runs_on_every_shipped_deployment(name: str) -> None:
         for args in _points(facts, params):
             try:
                 choice = spec.program(facts, *args)
-            except SelectionFailure as exc:  # unpinned, a large all-reduce goes to NCCL's size-based tuner
-                assert spec.name == "all_reduce" and "NCCL picks its algorithm" in str(exc), exc
+            except SelectionFailure as exc:  # unpinned, a large all-reduce goes to NCCL (by size, or along
+                # a channel chain no fact records)
+                assert spec.name == "all_reduce" and ("NCCL picks its algorithm" in str(exc)
+                                                      or "NCCL sums each element" in str(exc)), exc
                 continue
             for field in dataclasses.fields(choice):
                 assert isinstance(getattr(choice, field.name), (int, bool, str)), (spec.key, field.name)
@@ -205,11 +206,9 @@ def test_moe_default_config_and_sglang_combine_switch() -> None:
     assert (small.block_size_m, small.block_size_n, small.block_size_k, small.group_size_m) == (16, 32, 64, 1)
     assert (large.block_size_m, large.block_size_n, large.block_size_k, large.group_size_m) == (64, 64, 32, 8)
     bi = dataclasses.replace(d, batch_invariant=True)
-    assert {(c.block_size_m, c.block_size_k) for c in (moe.fused_moe(bi, 1),
-                                                       moe.fused_moe(bi, 8000))} == {(64, 32)}
+    assert {(c.block_size_m, c.block_size_k) for c in (moe.fused_moe(bi, 1), moe.fused_moe(bi, 8000))} == {(64, 32)}
     sgl = dataclasses.replace(d, sum_switch_tokens=32, sum_impl="moe_sum_reduce")
-    assert (moe.fused_moe(sgl, 32).combine,
-            moe.fused_moe(sgl, 33).combine) == ("torch_compile_sum", "moe_sum_reduce")
+    assert (moe.fused_moe(sgl, 32).combine, moe.fused_moe(sgl, 33).combine) == ("torch_compile_sum", "moe_sum_reduce")
     assert moe.fused_moe(dataclasses.replace(sgl, batch_invariant=True), 5).combine == "moe_sum_reduce"
     assert moe.fused_moe(dataclasses.replace(sgl, top_k=2), 5).combine == "add"
 
@@ -224,7 +223,7 @@ def test_vllm_nccl_symm_mem_bands() -> None:
     d = all_reduce.facts(dep("llama-3.1-70b-instruct-tp4-h100-vllm"))
     # 16 bytes a token, so token counts are byte counts / 16; ws 4: <= 16 KiB or >= 512 KiB
     d = dataclasses.replace(d, nccl_symm_mem=True, hidden_size=8, max_num_batched_tokens=65536,
-                            nccl_path="nccl/allreduce:tree.Simple.1ch")
+                            nccl_path="nccl/allreduce:tree.Simple.1ch", nccl_chain_order="recorded")
     assert _ar(d, 16 * KiB // 16)[0] == "nccl_symm_mem"
     assert _ar(d, 16 * KiB // 16 + 1)[0] == "custom"
     assert _ar(d, 512 * KiB // 16 - 1)[0] == "custom"
@@ -250,7 +249,10 @@ def test_vllm_custom_all_reduce_cap_is_strict_and_algorithm_by_bytes() -> None:
     with pytest.raises(SelectionFailure, match="NCCL picks its algorithm"):
         _ar(d8, 4097)                                                      # NCCL by size: not legal
     pinned = dataclasses.replace(d8, nccl_path="nccl/allreduce:tree.Simple.8ch")
-    assert _ar(pinned, 4097) == ("nccl", "allreduce:tree.Simple.8ch")
+    with pytest.raises(SelectionFailure, match="NCCL sums each element"):
+        _ar(pinned, 4097)                                                  # pinned, but no chain order
+    chained = dataclasses.replace(pinned, nccl_chain_order="recorded")
+    assert _ar(chained, 4097) == ("nccl", "allreduce:tree.Simple.8ch")
     bi = dataclasses.replace(d, batch_invariant=True, custom_ar_algo="1stage", torch_symm_mem=False)
     assert {_ar(bi, n) for n in (1, 512, 8192)} == {("custom", "1stage")}
 
@@ -263,8 +265,10 @@ def test_sglang_v2_thresholds_by_context() -> None:
     assert pick(d, 24, 1, 24).path == "custom/1shot_push"                  # 384 KiB in a CUDA graph
     assert pick(d, 25, 1, 25).path == "custom/2shot_pull"
     assert pick(d, 1024, 1, 1024).path == "custom/2shot_pull"              # 16 MiB, the workspace cap
-    assert pick(d, 1025, 1,
-                1025).path == d.nccl_path == "nccl/allreduce:tree.Simple.8ch"  # the file pins NCCL
+    with pytest.raises(SelectionFailure, match="NCCL sums each element"):
+        pick(d, 1025, 1, 1025)                       # the file pins NCCL but records no chain order
+    chained = dataclasses.replace(d, nccl_chain_order="recorded")
+    assert pick(chained, 1025, 1, 1025).path == d.nccl_path == "nccl/allreduce:tree.Simple.8ch"
     with pytest.raises(SelectionFailure, match="NCCL picks its algorithm"):
         pick(dataclasses.replace(d, nccl_path=""), 1025, 1, 1025)
 
@@ -303,8 +307,7 @@ def test_embedded_programs() -> None:
     with knob_settings({"embedded.gemm.chunk_rows": 16}):
         assert {embedded.embedded_gemm(d, n).chunk_rows for n in (3, 300)} == {16}
     # stock attention: 64 cores / (1 seq x 8 KV heads) = 8 splits; 8 sequences -> 1 split
-    alone, crowded = embedded.embedded_attention(d, 1, 4096,
-                                                 4096), embedded.embedded_attention(d, 8, 4096, 4096)
+    alone, crowded = embedded.embedded_attention(d, 1, 4096, 4096), embedded.embedded_attention(d, 8, 4096, 4096)
     assert (alone.num_splits, alone.tiles_per_split) == (8, 8)
     assert (crowded.num_splits, crowded.tiles_per_split) == (1, 64)
     with knob_settings({"embedded.attention.split_stride": 1024}):

@@ -1,6 +1,7 @@
-"""The programs say what the engines do: NCCL only on a pinned path, SGLang's all-reduce as one value,
-SGLang's FA3 build (sgl-attn) and its page-table max_seqlen_k, vLLM's cascade attention, the MoE switches,
-FlashInfer's planner. Each test fails on a transcription that misses the upstream behaviour."""
+"""The programs say what the engines do: NCCL only on a pinned path with its chain order recorded, detent's
+ordered all-reduce, SGLang's all-reduce as one value, SGLang's FA3 build (sgl-attn @ f20a5232) and its
+page-table seqlen_k, vLLM's cascade attention, the MoE switches, FlashInfer's planner. Each test fails on a
+transcription that misses the upstream behaviour."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from detent_audit.manifests.deployment import load_deployment, shipped_deployments
 from detent_audit.selection.compiler import solve
-from detent_audit.selection.lang import SelectionFailure
+from detent_audit.selection.lang import SelectionFailure, knob_settings
 from detent_audit.selection.programs import all_reduce, families_for
 
 
@@ -34,13 +35,19 @@ def test_vllm_tp4_default_never_takes_nccl_by_size() -> None:
     assert all(a["path"] != "nccl/tuner" for a in r.legal_assignments())
 
 
-def test_nccl_is_legal_only_pinned() -> None:
-    # the same deployment with NCCL_ALGO / NCCL_PROTO / channels pinned: NCCL becomes a legal path
+def test_nccl_is_legal_only_pinned_with_its_chain_order_recorded() -> None:
+    # the same deployment with NCCL_ALGO / NCCL_PROTO / channels pinned: still not legal, as the channel an
+    # element falls in (and so its chain) moves with the message size
     d = dep("llama-3.1-70b-instruct-tp4-h100-vllm")
     pinned = dataclasses.replace(d, engine=dataclasses.replace(d.engine, nccl_algo="allreduce:tree",
                                                                nccl_proto="Simple", nccl_channels=4))
     assert all_reduce.facts(pinned).nccl_path == "nccl/allreduce:tree.Simple.4ch"
     _, r = solved("", "all_reduce", pinned)
+    assert "nccl/allreduce:tree.Simple.4ch" not in {a["path"] for a in r.legal_assignments()}
+    # ... legal once the deployment records every channel's chain order
+    chain = dataclasses.replace(pinned.engine, nccl_chain_order="0,1,2,3 on every channel")
+    ordered = dataclasses.replace(pinned, engine=chain)
+    _, r = solved("", "all_reduce", ordered)
     assert "nccl/allreduce:tree.Simple.4ch" in {a["path"] for a in r.legal_assignments()}
     # algorithm pinned but not the protocol: still NCCL's choice by size
     half = dataclasses.replace(d, engine=dataclasses.replace(d.engine, nccl_algo="allreduce:tree"))
@@ -52,23 +59,39 @@ def test_nccl_is_legal_only_pinned() -> None:
 SGLANG_PATHS = {"custom/1shot_push", "custom/1shot_pull", "custom/2shot_pull_mc", "custom/2shot_pull"}
 
 
+def test_ordered_all_reduce_is_the_legal_path_of_both_engines() -> None:
+    for name in ("llama-3.1-70b-instruct-tp4-h100-vllm", "llama-3.1-70b-instruct-tp4-h100-sglang",
+                 "qwen3-30b-a3b-tp4-h100-vllm", "qwen3-30b-a3b-tp4-h100-sglang"):
+        spec, r = solved(name, "all_reduce")
+        assert all_reduce.ORDERED_PATH in {a["path"] for a in r.legal_assignments()}, name
+        with knob_settings({"all_reduce.ordered": True}):
+            facts = spec.facts(dep(name))
+            args = [(n, n) if spec.key == "all_reduce_vllm" else (n, g, n)
+                    for n in (1, 700, 8192) for g in (0, 1)]
+            assert {spec.program(facts, *a).path for a in args} == {all_reduce.ORDERED_PATH}, name
+
+
 def test_sglang_all_reduce_is_one_value_and_only_upstream_pairs() -> None:
     spec, r = solved("llama-3.1-70b-instruct-tp4-h100-sglang", "all_reduce")
     facts = spec.facts(dep("llama-3.1-70b-instruct-tp4-h100-sglang"))
     assert [p.name for p in r.pins] == ["path"]
     legal = {a["path"] for a in r.legal_assignments()}
-    assert legal <= SGLANG_PATHS | {facts.nccl_path} and legal
-    # the unpinned program produces only upstream pairs too, at every size, in and out of CUDA graphs
+    # the file pins NCCL's algorithm, protocol and channels but records no chain order: detent's path only
+    assert legal == {all_reduce.ORDERED_PATH}
+    # the unpinned program produces only upstream pairs too, at every size, in and out of CUDA graphs (with
+    # NCCL's chain order recorded, so that its pinned path runs)
+    facts = dataclasses.replace(facts, nccl_chain_order="recorded")
     seen = {spec.program(facts, n, g, n).path for n in range(1, 8193, 31) for g in (0, 1)}
     assert seen <= SGLANG_PATHS | {facts.nccl_path}
 
 
-def test_sglang_without_pinned_nccl_has_no_legal_all_reduce() -> None:
+def test_sglang_without_pinned_nccl_has_only_the_ordered_all_reduce() -> None:
     d = dep("llama-3.1-70b-instruct-tp4-h100-sglang")
     bare = dataclasses.replace(d, engine=dataclasses.replace(d.engine, nccl_algo="", nccl_proto="",
                                                              nccl_channels=0))
     _, r = solved("", "all_reduce", bare)
-    assert r.legal_count == 0 and r.default is None  # 128 MiB steps exceed every workspace: NCCL by size
+    # 128 MiB steps exceed every workspace, so the engine's own dispatch ends in NCCL by size
+    assert {a["path"] for a in r.legal_assignments()} == {all_reduce.ORDERED_PATH}
     with pytest.raises(SelectionFailure, match="NCCL picks"):
         all_reduce.all_reduce_sglang(all_reduce.facts(bare), 8192, 0, 8192)
 
@@ -76,28 +99,40 @@ def test_sglang_without_pinned_nccl_has_no_legal_all_reduce() -> None:
 # ---- FA3 as SGLang builds and calls it ----
 
 def test_sglang_runs_the_sgl_attn_build() -> None:
+    from detent_audit.selection.programs import fa3
+
     for name in shipped_deployments():
         d = dep(name)
         if d.engine.name == "sglang":
             assert [s.key for s in families_for(d)][0] == "fa3_sglang", name
-            assert d.engine.fa3_source.startswith("sgl-project/sgl-attn@"), name
+            assert d.engine.fa3_source == fa3.SGLANG_FA3_SOURCE, name
 
 
-def test_sglang_hdim64_decode_and_mixed_batches_get_different_kv_tiles() -> None:
+def test_sglang_hdim64_tiles_are_upstreams_at_f20a5232() -> None:
     from detent_audit.selection.programs import fa3
 
     d = fa3.facts(dep("llama-3.2-1b-tp1-h100-sglang"))            # head dim 64, 1-token pages (no TMA)
     decode = fa3.fa3_sglang(d, 8, 8, 1, 1000, 64, 1000)
     mixed = fa3.fa3_sglang(d, 600, 8, 593, 1000, 64, 1000)
-    # sgl-attn tile_size.h:24: kBlockN 128 only for causal/local; a decode batch drops causal -> 192
-    assert (decode.is_causal, decode.block_n) == (False, 192)
+    # f20a5232 tile_size.h (upstream 9dbed03's): kBlockN 128 for causal, local or paged KV without TMA, so a
+    # decode batch, which drops causal, keeps 128 on 1-token pages, as upstream does
+    assert (decode.is_causal, decode.block_n) == (False, 128)
     assert (mixed.is_causal, mixed.block_n) == (True, 128)
-    # Dao-AILab HEAD adds the paged-non-TMA term: 128 either way
-    assert {fa3.fa3(d, 8, 8, 1, 1000, 64, 1000).block_n,
-            fa3.fa3(d, 600, 8, 593, 1000, 64, 1000).block_n} == {128}
-    # hdim 64 / dv 256: (128, 112) in sgl-attn, (128, 96) upstream
-    assert fa3.tile_size_fwd_sm90_sgl(64, 256, True, False, 2, True, False) == (128, 112)
+    assert (decode.block_m, decode.block_n) == (fa3.fa3(d, 8, 8, 1, 1000, 64, 1000).block_m,
+                                                fa3.fa3(d, 8, 8, 1, 1000, 64, 1000).block_n)
+    # hdim 64 / dv 256: (128, 96), upstream's row
     assert fa3.tile_size_fwd_sm90(64, 256, True, False, 2, True, False) == (128, 96)
+
+
+def test_sglang_splits_dynamically_above_992_sequences() -> None:
+    from detent_audit.selection.programs import fa3
+
+    # f20a5232 flash_api.cpp:958: the prepare kernel runs at every batch size (39da714b stopped at 992),
+    # so get_num_splits counts one sequence whatever the batch: the same static count at 8 and 1000 sequences
+    d = dataclasses.replace(fa3.facts(dep("llama-3.1-70b-instruct-tp4-h100-sglang")), max_num_seqs=2048)
+    few = fa3.fa3_sglang(d, 600, 8, 2, 30000, 64, 30000)
+    many = fa3.fa3_sglang(d, 1100, 1000, 2, 30000, 64, 30000)
+    assert few.num_splits == many.num_splits > 1
 
 
 def test_sglang_heuristic_reads_the_page_table_width() -> None:
@@ -109,8 +144,7 @@ def test_sglang_heuristic_reads_the_page_table_width() -> None:
     assert graph == {fa3.fa3(d, 4, 4, 1, 32768, 64, 32768).num_splits}
     # eagerly (a prefill) the table is max_seqlen_k wide, as upstream with max_seqlen_k
     for k in (2000, 30000):
-        assert fa3.fa3_sglang(d, 600, 4, 593, k, 64,
-                              k).num_splits == fa3.fa3(d, 600, 4, 593, k, 64, k).num_splits
+        assert fa3.fa3_sglang(d, 600, 4, 593, k, 64, k).num_splits == fa3.fa3(d, 600, 4, 593, k, 64, k).num_splits
     # so the solver sees one value for the graph path's seqlen_k: its split count is the context's
     spec, r = solved("llama-3.1-70b-instruct-tp4-h100-sglang", "attention")
     assert r.program == "fa3_sglang"
@@ -118,10 +152,16 @@ def test_sglang_heuristic_reads_the_page_table_width() -> None:
 
 # ---- vLLM cascade attention ----
 
+def cascade_opted_in(name: str):
+    # vLLM's default keeps cascade attention off (disable_cascade_attn = True); these deployments opt in
+    d = dep(name)
+    return dataclasses.replace(d, engine=dataclasses.replace(d.engine, disable_cascade_attn=False))
+
+
 def test_vllm_cascade_switch_follows_the_batch() -> None:
     from detent_audit.selection.programs import fa3
 
-    d = fa3.facts(dep("llama-3.1-8b-instruct-tp1-h100-vllm"))   # 32 heads, 8 KV heads, 132 SMs
+    d = fa3.facts(cascade_opted_in("llama-3.1-8b-instruct-tp1-h100-vllm"))   # 32 heads, 8 KV heads, 132 SMs
     assert d.cascade_enabled
     # a mixed step of 8 requests sharing 300 tokens: no FlashDecoding, cascade
     assert fa3.fa3_vllm(d, 600, 8, 100, 1000, 64, 1000, 300).cascade is True
@@ -135,16 +175,13 @@ def test_vllm_cascade_switch_follows_the_batch() -> None:
 
 
 def test_cascade_is_a_pin_legal_only_off_and_absent_when_disabled() -> None:
-    _, on = solved("llama-3.1-8b-instruct-tp1-h100-vllm", "attention")
+    _, on = solved("", "attention", cascade_opted_in("llama-3.1-8b-instruct-tp1-h100-vllm"))
     pin = next(p for p in on.pins if p.name == "cascade")
     assert pin.candidates == (False, True) and pin.legal_values == (False,)
     assert "cascade" in on.batch_dependent_points and on.default["cascade"] is False
     sel = on.selector()
-    assert {sel(64, 64, 1, 5000, 64, 5000, 4096).cascade,
-            sel(600, 8, 100, 1000, 64, 1000, 300).cascade} == {False}
-    d = dep("llama-3.1-8b-instruct-tp1-h100-vllm")
-    off = dataclasses.replace(d, engine=dataclasses.replace(d.engine, disable_cascade_attn=True))
-    _, r = solved("", "attention", off)
+    assert {sel(64, 64, 1, 5000, 64, 5000, 4096).cascade, sel(600, 8, 100, 1000, 64, 1000, 300).cascade} == {False}
+    _, r = solved("llama-3.1-8b-instruct-tp1-h100-vllm", "attention")   # the shipped file: vLLM's default
     assert "cascade" not in r.batch_dependent_points and all(p.name != "cascade" for p in r.pins)
 
 
@@ -192,10 +229,9 @@ def test_flashinfer_cta_tile_q_from_the_packed_query_length() -> None:
 
     d = flashinfer.facts(dep("llama-3.1-8b-instruct-tp1-b200-vllm"))   # 32 heads / 8 KV heads: packed x 4
     tile = lambda t, s, q: flashinfer.flashinfer_prefill(d, t, s, q, 100, 8, 1600).cta_tile_q  # noqa: E731
-    # eagerly: the batch's average packed length (num_tokens x 4 // num_seqs): > 64 -> 128, > 16 -> 64,
-    # else 16
-    tiles = [tile(2000, 100, 50), tile(1620, 100, 50), tile(500, 100, 50), tile(400, 100, 50)]
-    assert tiles == [128, 64, 64, 16]
+    # eagerly: the batch's average packed length (num_tokens x 4 // num_seqs): > 64 -> 128, > 16 -> 64, else 16
+    assert [tile(2000, 100, 50), tile(1620, 100, 50), tile(500, 100, 50), tile(400, 100, 50)] == [128, 64,
+                                                                                                 64, 16]
     # in a decode graph: (num_tokens - num_seqs + 1) x 4 = 4 -> 16, whatever the batch
     assert tile(200, 200, 1) == 16
 

@@ -28,6 +28,7 @@ from detent_audit.errors import BadInput
 from detent_audit.manifests.deployment import Deployment, load_deployment
 from detent_audit.selection.compiler import solve
 from detent_audit.selection.programs import families_for
+from detent_audit.selection.programs.all_reduce import ORDERED_PATH
 
 TARGETS = {
     "fa3": "sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend.__init__",
@@ -151,6 +152,11 @@ class CudaHooks:
 
             def resolve(group: Any, input_: Any, should_use_pymscclpp_allreduce: Any = None) -> str | None:
                 path = self.all_reduce_path(input_.numel() * input_.element_size(), _in_graph())
+                if path == ORDERED_PATH:
+                    # the tuple names detent's ordered all-reduce: falling through to NCCL would run another
+                    # summation order than the receipt names
+                    raise RuntimeError(f"the tuple pins {path}, which this SGLang process does not install; "
+                                       "solve with NCCL's chain order recorded or a custom all-reduce path")
                 if not path.startswith("custom/"):
                     return None
                 if group.ca_comm is None or group.ca_comm.disabled:
