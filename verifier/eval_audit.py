@@ -25,7 +25,6 @@ import copy
 import io
 import json
 import math
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,8 +33,8 @@ from typing import Any
 
 from detent_audit.engine.stop_strings import output_text
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.verifier.eval_inputs import arguments, find_run, read_results, read_samples
 
-_RESULTS = re.compile(r"results_(.+)\.json")
 LOGPROB_FLOOR = -9999.0  # what the server writes for a logprob JSON cannot hold (server/responses.py)
 
 
@@ -114,66 +113,7 @@ class EvalReport:
                 "seconds": self.seconds, "exit_code": self.exit_code}
 
 
-# ---- (a): the run lm-eval wrote
-
-
-def find_run(path: Path) -> tuple[Path, dict[str, Path]]:
-    """The results file (`path`, or the newest results_*.json under the folder `path`) and its samples files
-    by task (same timestamp, same folder)."""
-    if path.is_dir():
-        found = sorted(path.rglob("results_*.json"), key=lambda p: p.name)
-        if not found:
-            raise BadInput(f"{path}: no lm-eval results_*.json in this folder",
-                           remedy="give lm-eval's --output_path folder (run with --log_samples)")
-        path = found[-1]
-    match = _RESULTS.fullmatch(path.name)
-    if not path.is_file() or match is None:
-        raise BadInput(f"{path}: not an lm-eval results_<time>.json file")
-    stamp = match.group(1)
-    samples = {p.name[len("samples_"):-len(f"_{stamp}.jsonl")]: p
-               for p in path.parent.glob(f"samples_*_{stamp}.jsonl")}
-    if not samples:
-        raise BadInput(f"{path.parent}: no samples_*_{stamp}.jsonl beside {path.name}",
-                       remedy="run lm-eval with --log_samples: the score is recomputed from each logged sample")
-    return path, samples
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"{path}: cannot read it as JSON ({exc})") from None
-
-
-def read_samples(path: Path) -> list[dict]:
-    """One logged sample per document (lm-eval writes one line per document and filter: the first is kept,
-    the requests and responses are the same in each)."""
-    seen: dict[int, dict] = {}
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise BadInput(f"{path}: cannot read it ({exc.strerror})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            sample = json.loads(line)
-            doc_id = int(sample["doc_id"])
-            sample["arguments"], sample["resps"]  # noqa: B018 (present)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BadInput(f"{path}:{n}: not an lm-eval logged sample ({exc})") from None
-        seen.setdefault(doc_id, sample)
-    return [seen[k] for k in sorted(seen)]
-
-
-def _arguments(sample: dict) -> list[tuple]:
-    """A logged sample's request arguments as lm-eval's `Instance.args`: lm-eval writes them as
-    {"gen_args_0": {"arg_0": ..., "arg_1": ...}, ...} (or as lists)."""
-    args = sample["arguments"]
-    if isinstance(args, dict):
-        return [tuple(v[f"arg_{i}"] for i in range(len(v))) for _, v in sorted(args.items(),
-                                                                               key=lambda kv: int(kv[0].split("_")[-1]))]
-    return [tuple(a) for a in args]
+# ---- (a): the run lm-eval wrote: `eval_inputs` reads it (bounded readers) and checks its shape
 
 
 # ---- (b): the requests, rebuilt with lm-eval's own model class
@@ -255,7 +195,7 @@ def _record_payloads(lm: Any, request_type: str, args: list[tuple]) -> list[tupl
 
 def rebuild_requests(lm: Any, task: str, request_type: str, sample: dict, tokenizer: Any) -> list[Request]:
     """The requests of one logged document, as the server received them (prompt ids as the server made them)."""
-    args = _arguments(sample)
+    args = arguments(sample)
     chat = type(lm).__name__ == "LocalChatCompletion"
     if chat:
         from lm_eval.models.api_models import JsonChatStr
@@ -359,7 +299,7 @@ def recompute(task_obj: Any, task: str, docs: list[dict], responses: dict[int, l
     for doc_id, resps in sorted(responses.items()):
         sample = by_doc[doc_id]
         insts = [Instance(task_obj.OUTPUT_TYPE, sample["doc"], a, i, (task, doc_id, 1))
-                 for i, a in enumerate(_arguments(sample))]
+                 for i, a in enumerate(arguments(sample))]
         for inst, resp in zip(insts, resps):
             inst.resps.append(resp if task_obj.OUTPUT_TYPE != "loglikelihood" and
                               task_obj.OUTPUT_TYPE != "multiple_choice" else tuple(resp))
@@ -400,8 +340,8 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     start = time.perf_counter()
     # (a): the run
     results_path, sample_paths = find_run(run)
-    results = _read_json(results_path)
-    reported = results.get("results") or {}
+    results = read_results(results_path)
+    reported = results["results"]
     tasks = sorted(t for t in sample_paths if t in reported)
     if not tasks:
         raise BadInput(f"{results_path}: its samples files name no task of its results")
@@ -429,7 +369,15 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
         request_type = "loglikelihood" if task_objs[t].OUTPUT_TYPE in ("loglikelihood", "multiple_choice") else \
             task_objs[t].OUTPUT_TYPE
         for sample in samples[t]:
-            requests[(t, int(sample["doc_id"]))] = rebuild_requests(lm, t, request_type, sample, tokenizer)
+            try:
+                requests[(t, sample["doc_id"])] = rebuild_requests(lm, t, request_type, sample, tokenizer)
+            except DetentError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (lm-eval's code, fed the logged arguments, raises many kinds)
+                raise BadInput(f"{sample_paths[t]}: doc {sample['doc_id']}: lm-eval cannot rebuild its "
+                               f"requests from the logged arguments ({type(exc).__name__}: {str(exc)[:200]})",
+                               remedy="give the folder lm-eval --output_path wrote with --log_samples, "
+                                      "unedited") from None
     seconds["rebuild_requests"] = time.perf_counter() - start
     # (c), second half: one receipt per request, of exactly that request
     pool: dict[tuple, list[Path]] = defaultdict(list)
