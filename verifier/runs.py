@@ -101,8 +101,8 @@ def check_coverage(opened: dict[Path, Receipt], manifests: dict[Path, RunManifes
     for folder, paths in sorted(by_folder.items()):
         if not manifests:  # a node's folder of receipts, no manifest: nothing shows that no answer was hidden
             out.append(Outcome.refuted(str(folder), "coverage", CoverageError(
-                f"{len(paths)} receipt(s) in this folder and no run manifest: a node's folder accounts for "
-                "every answer in its run manifests",
+                f"{len(paths)} receipt(s) in this folder and no run manifest that verified: a node's folder "
+                "accounts for every answer in its run manifests",
                 remedy="pass the node's whole --manifest-out folder (receipts/ and manifests/); to check "
                        "receipts without their runs, pass the receipt files themselves")))
             continue

@@ -173,7 +173,7 @@ def test_a_folder_of_receipts_without_any_manifest_fails(tmp_path) -> None:
     folder = node_folder(tmp_path / "out", run_of(rng, "0" * 32, 3), [])
     (bad,) = refuted([folder])
     assert bad["kind"] == "coverage" and bad["status"] == "FAIL" and bad["path"] == str(folder), bad
-    assert "3 receipt(s) in this folder and no run manifest" in bad["message"], bad
+    assert "3 receipt(s) in this folder and no run manifest that verified" in bad["message"], bad
     (receipts_only,) = refuted([folder / "receipts"])
     assert receipts_only["path"] == str(folder / "receipts") and receipts_only["status"] == "FAIL", (
         receipts_only
