@@ -105,7 +105,8 @@ def read_samples(path: Path) -> list[dict]:
     object, `arguments` each request's arguments (an object of `gen_args_<i>` objects of `arg_<j>`, or a
     list of lists; its first argument a string or a list), `resps` a list per request."""
     seen: dict[int, dict] = {}
-    for n, line in enumerate(_read_text(path, MAX_SAMPLES_BYTES, "lm-eval samples file").splitlines(), 1):
+    text = _read_text(path, MAX_SAMPLES_BYTES, "lm-eval samples file")
+    for n, line in enumerate(text.split("\n"), 1):  # JSON lines: a U+2028 inside a string ends no line
         if not line.strip():
             continue
         where = f"{path}:{n}"
