@@ -53,10 +53,16 @@ def _check_run(manifest: RunManifest, opened: dict[Path, Receipt]) -> None:
         # a run numbers its receipts without a gap (a number is taken once its receipt is on disk), and the
         # next start seals every one a killed run left: a hole in a recovery manifest is a receipt taken out
         listed = {r.run.seq for r in present}
-        holes = [s for s in range(manifest.seq_first, manifest.seq_last + 1) if s not in listed]
+        holes: list[int] = []
+        seq = manifest.seq_first
+        while len(holes) < 5 and seq <= manifest.seq_last:  # the range may span 2^64: the first 5 holes
+            holes += [] if seq in listed else [seq]
+            seq += 1
+        missing = span - manifest.receipt_count
+        shown = ", ".join(map(str, holes)) + (", ..." if missing > len(holes) else "")
         raise ManifestError(f"a recovery manifest of {manifest.receipt_count} receipts for the range "
-                            f"{manifest.seq_first}-{manifest.seq_last} of run {manifest.run_id}: receipt(s) "
-                            f"{_numbers(holes)} of its range are in it under no digest (a killed run's "
+                            f"{manifest.seq_first}-{manifest.seq_last} of run {manifest.run_id}: {missing} "
+                            f"of its sequence numbers are in it under no digest ({shown}; a killed run's "
                             "receipts are numbered without a gap, and the next start seals every one)")
     later = sorted(r.request.request_id for r in of_run if r.run.seq > manifest.seq_last)
     if manifest.kind in ("final", "recovery") and later:

@@ -133,7 +133,7 @@ def test_a_receipt_left_out_of_a_final_manifest_re_signed_as_a_recovery_manifest
     assert (
         bad["kind"] == "manifest"
         and bad["status"] == "FAIL"
-        and "receipt(s) 5 of its range" in bad["message"]
+        and "1 of its sequence numbers are in it under no digest (5;" in bad["message"]
     ), bad
 
 
@@ -216,3 +216,14 @@ def test_receipt_files_given_alone_verify_with_the_coverage_gap_stated_in_the_ve
     assert res.exit_code == 0 and json.loads(res.stdout)["coverage"]["gaps"], res.stdout
     res = CliRunner().invoke(app, ["verify", str(folder), "--key", str(pub), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["coverage"]["gaps"] == [], res.stdout
+
+
+def test_a_recovery_manifest_over_the_whole_64_bit_range_is_refused_in_seconds(tmp_path) -> None:
+    rng = random.Random(8)
+    run = run_of(rng, "9" * 32, 2)
+    folder = node_folder(tmp_path / "out", run, [manifest(run, "recovery", 0, (1 << 64) - 1)])
+    start = time.perf_counter()
+    (bad,) = refuted([folder])
+    assert time.perf_counter() - start < 5.0
+    assert bad["kind"] == "manifest" and f"{(1 << 64) - 2} of its sequence numbers" in bad["message"], bad
+    assert "(2, 3, 4, 5, 6, ...;" in bad["message"], bad
