@@ -90,6 +90,22 @@ def _vocabulary_problem(r: Receipt, vocab_size: int) -> str | None:
     return None
 
 
+def _prompt_chars(body: Any) -> int:
+    """The characters of prompt text in a client body (a prompt, a batch of prompts, or messages' contents),
+    counted without parsing them."""
+    if not isinstance(body, dict):
+        return 0
+    prompt, messages = body.get("prompt"), body.get("messages")
+    texts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, list) else []
+    for m in messages if isinstance(messages, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):  # content parts
+            texts += [part.get("text") for part in content if isinstance(part, dict)]
+    return sum(len(t) for t in texts if isinstance(t, str))
+
+
 def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
     """The request the engine ran must be the client's: its bound body, parsed by the node's own parser for
     its api on this deployment (whose context and vocabulary the verifier's engine has), gives exactly the
@@ -104,6 +120,11 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
     max_len, vocab = llm.max_model_len, llm.vocab_size
     try:
         body = client.body()
+        chars = _prompt_chars(body)
+        if chars > max_prompt_chars:  # refused before it is tokenized, which would take minutes and GBs
+            return (f"the client's request holds {chars} characters of prompt text, more than this "
+                    f"deployment's context of {max_len} tokens can hold (at most {max_prompt_chars}: no token "
+                    "is longer)")
         if client.api == OFFLINE_API:  # a line is bound with its id, which no HTTP body may hold
             if "id" not in body:
                 return ("the bound request has no id, so it is no input line the node read (a line is bound "

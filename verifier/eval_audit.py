@@ -33,7 +33,6 @@ import contextlib
 import io
 import json
 import math
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from typing import Any
 
 from detent_audit.engine.stop_strings import output_text
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.verifier.eval_inputs import find_run, read_results, read_samples
 from detent_audit.verifier.eval_rebuild import (
     API_OF_MODEL,
     RebuiltDoc,
@@ -53,7 +53,6 @@ from detent_audit.verifier.eval_rebuild import (
     replay,
 )
 
-_RESULTS = re.compile(r"results_(.+)\.json")
 LOGPROB_FLOOR = -9999.0  # what the server writes for a logprob JSON cannot hold (server/responses.py)
 
 
@@ -114,56 +113,7 @@ class EvalReport:
                 "seconds": self.seconds, "exit_code": self.exit_code}
 
 
-# ---- (a): the run lm-eval wrote
-
-
-def find_run(path: Path) -> tuple[Path, dict[str, Path]]:
-    """The results file (`path`, or the newest results_*.json under the folder `path`) and its samples files
-    by task (same timestamp, same folder)."""
-    if path.is_dir():
-        found = sorted(path.rglob("results_*.json"), key=lambda p: p.name)
-        if not found:
-            raise BadInput(f"{path}: no lm-eval results_*.json in this folder",
-                           remedy="give lm-eval's --output_path folder (run with --log_samples)")
-        path = found[-1]
-    match = _RESULTS.fullmatch(path.name)
-    if not path.is_file() or match is None:
-        raise BadInput(f"{path}: not an lm-eval results_<time>.json file")
-    stamp = match.group(1)
-    samples = {p.name[len("samples_"):-len(f"_{stamp}.jsonl")]: p
-               for p in path.parent.glob(f"samples_*_{stamp}.jsonl")}
-    if not samples:
-        raise BadInput(f"{path.parent}: no samples_*_{stamp}.jsonl beside {path.name}",
-                       remedy="run lm-eval with --log_samples: the score is recomputed from each logged sample")
-    return path, samples
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"{path}: cannot read it as JSON ({exc})") from None
-
-
-def read_samples(path: Path) -> list[dict]:
-    """One logged sample per document (lm-eval writes one line per document and filter: the first is kept,
-    the requests and responses are the same in each)."""
-    seen: dict[int, dict] = {}
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise BadInput(f"{path}: cannot read it ({exc.strerror})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            sample = json.loads(line)
-            doc_id = int(sample["doc_id"])
-            sample["arguments"], sample["resps"]  # noqa: B018 (present)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BadInput(f"{path}:{n}: not an lm-eval logged sample ({exc})") from None
-        seen.setdefault(doc_id, sample)
-    return [seen[k] for k in sorted(seen)]
+# ---- (a): the run lm-eval wrote: `eval_inputs` reads it (bounded readers) and checks its shape
 
 
 # ---- (b): lm-eval's own model class, as the run made it
@@ -405,9 +355,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     start = time.perf_counter()
     # (a): the run
     results_path, sample_paths = find_run(run)
-    results = _read_json(results_path)
-    if not isinstance(results, dict):
-        raise BadInput(f"{results_path}: not an lm-eval results object")
+    results = read_results(results_path)
     tasks, problems = _tasks_of(results, sample_paths, results_path)
     samples = {t: read_samples(sample_paths[t]) for t in tasks}
     # (c), first half: every receipt opened (steps (1)-(3): read, signature, payload)

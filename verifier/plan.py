@@ -29,12 +29,12 @@ _ENGINE_OVERHEAD = 512 << 20  # bytes a worker's engine needs besides its weight
 
 
 class Files(NamedTuple):
-    """The files a run verifies (sorted), those found under folders, and the paths that are BAD (unreadable,
-    missing, a folder with neither kind of file)."""
+    """The files a run verifies (sorted), those found under folders (each with the folder given that holds
+    it), and the paths that are BAD (unreadable, missing, a folder with neither kind of file)."""
 
     receipts: list[Path]
     manifests: list[Path]
-    in_folders: set[Path]
+    in_folders: dict[Path, Path]
     bad: list[Outcome]
 
 
@@ -43,7 +43,7 @@ def collect(paths: Iterable[str | Path]) -> Files:
     unreadable path, or a folder with neither, is BAD."""
     receipts: set[Path] = set()
     manifests: set[Path] = set()
-    in_folders: set[Path] = set()
+    in_folders: dict[Path, Path] = {}
     bad: list[Outcome] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -62,7 +62,7 @@ def collect(paths: Iterable[str | Path]) -> Files:
                                    f"{p}: no *{RECEIPT_SUFFIX} or *{MANIFEST_SUFFIX} files in this folder"))
             receipts |= found_r
             manifests |= found_m
-            in_folders |= found_r
+            in_folders.update(dict.fromkeys(found_r | found_m, p))
         elif p.is_file():
             (manifests if p.suffix == MANIFEST_SUFFIX else receipts).add(p)
         else:

@@ -73,6 +73,29 @@ def served_tensor_parallel(facts: Mapping[str, Any], native: int | None) -> tupl
     return size, "processes" if native is not None and size > 1 else "emulated"
 
 
+# The verifier's own limits on what a receipt's signed facts make it build: a receipt outside them is bad
+# input, never an engine sized by the node. The KV pool is the verifier's choice (not a bit-relevant fact: the
+# kernels' bits do not depend on where a block lives or on preemption): POOL_TOKENS, whatever the page size,
+# and more only to hold one receipt's tokens within the context.
+SIZE_LIMITS = {"block_size": 1024, "max_num_batched_tokens": 1 << 16, "max_num_seqs": 1024,
+               "max_model_len": 1 << 20}
+POOL_TOKENS = EngineConfig.num_kv_blocks * EngineConfig.block_size
+
+
+def check_sizes(facts: Mapping[str, Any], seqs_at: str = "deployment.engine") -> None:
+    """Raise `BadInput` where a size the facts state is not a whole number within the verifier's limit
+    (`seqs_at`: where the engine's facts keep max_num_seqs)."""
+    where = {"block_size": "scheduler", "max_num_batched_tokens": "scheduler", "max_num_seqs": seqs_at,
+             "max_model_len": "deployment.engine"}
+    for name, top in SIZE_LIMITS.items():
+        value = _get(facts, *where[name].split("."), name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise BadInput(f"the receipt's {where[name]}.{name} is {value!r}, outside 1..{top}, the most "
+                           "this verifier rebuilds",
+                           remedy="no detent-audit node serves with it; the receipt's facts would size an "
+                                  "engine beyond the verifier's limits")
+
+
 def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                   cache_dir: str | None = None, threads: int | None = None,
                   tuple_override: Mapping[str, Any] | None = None, *, kv_tokens: int = 0,
@@ -98,7 +121,8 @@ def engine_config(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], mod
         model=str(model) if model else None, mode=mode, dtype=runtime["dtype"],
         device="cpu" if device == "cpu" else "cuda",
         num_threads=threads or served_threads,
-        block_size=sched["block_size"], max_model_len=dep["max_model_len"], max_num_seqs=dep["max_num_seqs"],
+        block_size=sched["block_size"], num_kv_blocks=max(2, -(-POOL_TOKENS // sched["block_size"])),
+        max_model_len=dep["max_model_len"], max_num_seqs=dep["max_num_seqs"],
         max_num_batched_tokens=sched["max_num_batched_tokens"],
         prefix_caching=sched["prefix_caching"],
         tuple=families if mode == "detent" else None, cache_dir=cache_dir,
@@ -261,13 +285,7 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
                                     + served_from(facts, {"checkpoint": {"name": local_model.name}}))
 
     dep, sched = _get(facts, "deployment", "engine"), _get(facts, "scheduler")
-    # signed facts size the engine built before they are compared: bounded, so no receipt sizes our memory
-    for what, value, top in (("scheduler.max_num_batched_tokens", sched.get("max_num_batched_tokens"), 1 << 16),
-                             ("scheduler.max_num_seqs", sched.get("max_num_seqs"), 1024),
-                             ("scheduler.block_size", sched.get("block_size"), 1024),
-                             ("deployment.engine.max_model_len", dep.get("max_model_len"), 1 << 20)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
-            raise BadInput(f"the receipt's {what} is {value!r}, not in 1..{top}")
+    check_sizes(facts, "scheduler")  # signed facts size the engine built before they are compared
     families = {k: dict(v) for k, v in (tuple_override or tuple_values).items() if k != "mode"}
     config = VllmConfig(model=str(model), mode=mode, num_threads=served_threads,
                         dtype=_get(facts, "runtime", "dtype"), block_size=sched["block_size"],

@@ -223,8 +223,9 @@ def _tops_problem(r: Receipt, tops: list[list[tuple[int, float]]]) -> str | None
     got_ids = tuple(i for t in tops for i, _ in t)
     got_bits = _f32_bits(v for t in tops for _, v in t)
     if got_ids != r.output.top_token_ids or got_bits != r.output.top_logprobs_f32le:
-        first = next((i for i, t in enumerate(tops) if [a for a, _ in t] != [a for a, _ in r.output.top_logprobs[i]]
-                      or _f32_bits(v for _, v in t) != _f32_bits(v for _, v in r.output.top_logprobs[i])), len(tops))
+        want = r.output.top_logprobs  # built once: a position's lookup must not rebuild every position's
+        first = next((i for i, (t, w) in enumerate(zip(tops, want)) if [a for a, _ in t] != [a for a, _ in w]
+                      or _f32_bits(v for _, v in t) != _f32_bits(v for _, v in w)), min(len(tops), len(want)))
         return f"the top-{k} alternatives returned differ from the recomputed ones at output position {first}"
     return None
 

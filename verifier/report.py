@@ -45,16 +45,19 @@ class Outcome:
 @dataclass
 class Coverage:
     """Which receipts the run manifests cover: `receipts` found, `covered` by a manifest whose signature
-    verified, the uncovered ones' paths, and the manifests read."""
+    verified, the uncovered ones' paths, and the manifests read; `gaps`: what the files given leave unshown
+    (receipts without their run's manifests, a run's sequence numbers no manifest given accounts for), which
+    the verdict states."""
 
     receipts: int = 0
     covered: int = 0
     manifests: int = 0
     uncovered: list[str] = field(default_factory=list)
+    gaps: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"receipts": self.receipts, "covered": self.covered, "manifests": self.manifests,
-                "uncovered": self.uncovered}
+                "uncovered": self.uncovered, "gaps": self.gaps}
 
 
 @dataclass

@@ -63,12 +63,12 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
             opened.pop(p, None)
             outcomes.append(Outcome.refuted(str(p), "receipt", PayloadError(f"{p.name}: {type(exc).__name__}: {exc}")))
     # (5): each run manifest; (6): the receipts' coverage by them
-    manifests: list[RunManifest] = []
+    manifests: dict[Path, RunManifest] = {}
     for m in files.manifests:
         outcome, manifest = check_manifest(m, trusted, opened)
         outcomes.append(outcome)
         if manifest is not None:
-            manifests.append(manifest)
+            manifests[m] = manifest
     coverage = Coverage(len(opened), manifests=len(manifests))
     outcomes += check_coverage(opened, manifests, files.in_folders, coverage)
 
@@ -139,7 +139,13 @@ def load_deployments(specs: Iterable[str]) -> dict[str, dict | None]:
             raise BadInput(f"--deployment {spec}: not JSON ({str(exc)[:200]})") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("facts"), dict) or not isinstance(doc.get("hash"), str):
             raise BadInput(f"--deployment {spec}: expected a published deployment ({{facts, hash}})")
-        if facts_hash(doc["facts"]) != doc["hash"]:
+        try:
+            digest = facts_hash(doc["facts"])
+        except (DetentError, ValueError, TypeError, OverflowError, RecursionError) as exc:  # NaN, a float
+            message = exc.message if isinstance(exc, DetentError) else str(exc)
+            raise BadInput(f"--deployment {spec}: its facts are not deployment facts ({message[:200]})",
+                           remedy="obtain the file from the node's operator again") from None
+        if digest != doc["hash"]:
             raise BadInput(f"--deployment {spec}: its facts do not hash to its hash {doc['hash'][:16]}...",
                            remedy="obtain the file from the node's operator again")
         out[doc["hash"]] = doc["facts"]

@@ -177,8 +177,9 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
             rid = f" [request {o.request_id}]" if o.request_id and o.request_id not in o.message else ""
             typer.echo(f"{tag}: {o.path}{extra}{rid}: {o.message}")
         c = report.counts()
+        sampled = f"; a sample drawn with --seed {report.sample_seed}" if sample is not None else ""
         typer.echo(f"{c['OK']} ok, {c['FAIL']} failed, {c['BAD']} bad input, {c['NOT_COMPARABLE']} not comparable "
-                   f"({mode})" + (f"; a sample drawn with --seed {report.sample_seed}" if sample is not None else ""))
+                   f"({mode}){sampled}" + "".join(f"; coverage not shown: {gap}" for gap in cov.gaps))
         typer.echo(f"{facts_note}; coverage: {cov.covered} of {cov.receipts} receipts in {cov.manifests} run "
                    f"manifest(s)" + (f", {len(cov.uncovered)} in none" if cov.uncovered else ""))
     raise typer.Exit(report.exit_code)

@@ -144,7 +144,8 @@ def _verify(served: dict, *paths: Path, mode: str) -> tuple[int, dict]:
 def test_served_receipts_verify_by_rescore_and_forgeries_fail_at_their_position(served, tmp_path) -> None:
     forged = [_forged(served, tmp_path, what) for what in ("logprob", "token")]
     # the receipts without their run's manifests (a forged receipt is not in them: replay checks the run whole)
-    code, report = _verify(served, served["out"] / "receipts", *forged, mode="rescore")
+    receipts = sorted((served["out"] / "receipts").glob("*.receipt"))
+    code, report = _verify(served, *receipts, *forged, mode="rescore")
     assert code == 1, report
     assert report["counts"] == {"OK": 16, "FAIL": 4, "BAD": 0, "NOT_COMPARABLE": 0}, report
     failed = [o for o in report["outcomes"] if o["status"] == "FAIL"]

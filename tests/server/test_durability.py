@@ -69,7 +69,8 @@ def test_5_a_killed_runs_receipts_are_sealed_on_restart_and_coverage_is_checked(
     assert len(restarted.recovered) == 1 and restarted.recovered[0].name.endswith("-recovery.manifest")
     restarted.close()
     code, report = _verify(env, out)
-    assert code == 0 and report["coverage"] == {"receipts": 5, "covered": 5, "manifests": 3, "uncovered": []}, report
+    assert code == 0 and report["coverage"] == {"receipts": 5, "covered": 5, "manifests": 3, "uncovered": [],
+                                        "gaps": []}, report
 
 
 def test_5_a_manifest_that_omits_a_receipt_of_its_range_fails(env: Env, llm: Any, tmp_path: Path) -> None:

@@ -402,7 +402,7 @@ def test_a_tampered_receipt_fails_at_the_changed_position(env: Env, serve_live: 
         folder = tmp_path / name
         folder.mkdir()
         (folder / f"{rid}.receipt").write_bytes(sign_receipt(dataclasses.replace(receipt, output=output), key))
-        code, report = _verify(env, str(folder))
+        code, report = _verify(env, str(folder / f"{rid}.receipt"))
         (outcome,) = report["outcomes"]
         if name == "intact":
             assert code == 0 and outcome["status"] == "OK", report

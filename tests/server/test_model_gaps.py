@@ -81,8 +81,8 @@ def test_receipt_names_its_model_and_the_verdict_says_which_to_pass(env: Env, ma
     checkpoint = receipt.deployment_facts["checkpoint"]
     assert checkpoint["name"] == env.checkpoint.name and checkpoint["source"] == str(env.checkpoint.resolve())
     other = make_checkpoint("tiny-llama", seed=9)
-    res = runner.invoke(app, ["verify", str(tmp_path / "run" / "receipts"), "--key", str(env.key.public_path),
-                              "--model", str(other), "--json"])
+    res = runner.invoke(app, ["verify", str(tmp_path / "run" / "receipts" / "a.receipt"), "--key",
+                              str(env.key.public_path), "--model", str(other), "--json"])
     outcome = json.loads(res.stdout)["outcomes"][0]
     assert res.exit_code == 3 and outcome["fields"] == ["checkpoint.weights"]
     assert f"served from the checkpoint '{env.checkpoint.name}'" in outcome["message"]

@@ -229,10 +229,11 @@ def test_workers_give_the_verdicts_of_one_process(served, tmp_path) -> None:
     shutil.copytree(served["out"] / "receipts", folder)
     forged = _tampered(served, tmp_path, lambda t, lp: (t, _flip_bit(lp, 1)))
     shutil.move(forged, folder / "r4.receipt")  # in place of the real r4
-    code, one = _verify(served, folder)
+    files = sorted(folder.glob("*.receipt"))  # the receipts alone (a folder of receipts needs its manifests)
+    code, one = _verify(served, *files)
     assert code == 1
     for workers in ("2", "3"):
-        code, many = _verify(served, folder, extra=("--workers", workers))
+        code, many = _verify(served, *files, extra=("--workers", workers))
         assert code == 1 and many == one
     (fail,) = [o for o in one["outcomes"] if o["status"] != "OK"]
     assert fail["path"].endswith("r4.receipt") and fail["divergence"]["position"] == 1
@@ -240,7 +241,7 @@ def test_workers_give_the_verdicts_of_one_process(served, tmp_path) -> None:
 
 
 def test_workers_report_a_deployment_mismatch_and_refuse_a_bad_count(served) -> None:
-    code, report = _verify(served, served["out"] / "receipts", extra=("--threads", "2", "--workers", "2"))
+    code, report = _verify(served, served["out"], extra=("--threads", "2", "--workers", "2"))
     assert code == 3
     assert {tuple(o["fields"]) for o in report["outcomes"] if o["kind"] == "receipt"} == {("runtime.num_threads",)}
     res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers", "0"])
@@ -361,7 +362,7 @@ def test_facts_this_machine_cannot_rebuild_are_reported_per_receipt(served, tmp_
     forge("text-threads", num_threads="2")
     forge("many-threads", num_threads=10**6)
     forge("no-threads", num_threads=None)
-    code, report = _verify(served, folder)
+    code, report = _verify(served, *sorted(folder.glob("*.receipt")))
     by = {Path(o["path"]).stem: o for o in report["outcomes"]}
     assert [by[f"r{i}"]["status"] for i in range(10)] == ["OK"] * 10
     for name in ("text-threads", "many-threads", "no-threads"):
@@ -380,12 +381,12 @@ def test_fifos_and_unlistable_folders_are_bad_input_never_a_hang_or_a_silent_ski
     import threading
 
     folder = tmp_path / "hostile"
-    shutil.copytree(served["out"] / "receipts", folder)
+    shutil.copytree(served["out"], folder)  # the node's folder: its receipts and manifests
     os.mkfifo(folder / "x.receipt")
     os.mkfifo(tmp_path / "fifo.pub")
     locked = folder / "locked"
     locked.mkdir()
-    shutil.copy(folder / "r1.receipt", locked / "in.receipt")
+    shutil.copy(folder / "receipts" / "r1.receipt", locked / "in.receipt")
     real_scandir = os.scandir
 
     def scandir(path=".", *args):
@@ -398,7 +399,8 @@ def test_fifos_and_unlistable_folders_are_bad_input_never_a_hang_or_a_silent_ski
 
     def run() -> None:
         results["folder"] = _verify(served, folder)
-        results["key"] = runner.invoke(app, ["verify", str(folder / "r1.receipt"), "--key", str(tmp_path / "fifo.pub")])
+        results["key"] = runner.invoke(app, ["verify", str(folder / "receipts" / "r1.receipt"), "--key",
+                                             str(tmp_path / "fifo.pub")])
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
@@ -477,12 +479,13 @@ def test_stock_receipts_are_not_comparable(served, make_checkpoint, tmp_path) ->
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_token_ids": [4, 5, 6], "max_tokens": 3}))
     serve_offline(llm, node, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
     node.close()
-    res = runner.invoke(app, ["verify", str(tmp_path / "out" / "receipts"), "--key", str(key.public_path), "--model",
+    (receipt,) = (tmp_path / "out" / "receipts").glob("*.receipt")
+    res = runner.invoke(app, ["verify", str(receipt), "--key", str(key.public_path), "--model",
                               str(ckpt), "--json"])
     (o,) = json.loads(res.stdout)["outcomes"]
     assert res.exit_code == 3 and o["fields"] == ["tuple.mode.name"] and "not batch-invariant" in o["message"]
     save_tuple(LLM(EngineConfig(model=str(ckpt), cache_dir=str(served["jit"]))).selection.tuple, tmp_path / "t")
-    res = runner.invoke(app, ["verify", str(tmp_path / "out" / "receipts"), "--key", str(key.public_path), "--model",
+    res = runner.invoke(app, ["verify", str(receipt), "--key", str(key.public_path), "--model",
                               str(ckpt), "--tuple", str(tmp_path / "t"), "--json"])
     (o,) = json.loads(res.stdout)["outcomes"]
     assert res.exit_code == 2 and "--tuple applies to detent receipts only" in o["message"], o
@@ -571,13 +574,13 @@ def test_a_sample_is_unpredictable_unless_its_seed_is_given_and_a_run_answers_ea
 
     seeds, picks = set(), {}
     for _ in range(3):
-        code, report = _verify(served, served["out"] / "receipts", extra=("--sample", "0.3"))
+        code, report = _verify(served, served["out"], extra=("--sample", "0.3"))
         assert code == 0 and report["sample_seed"] is not None
         seeds.add(report["sample_seed"])
         picks[report["sample_seed"]] = sorted(o["path"] for o in report["outcomes"])
     assert len(seeds) == 3  # 64-bit draws
     seed, paths = next(iter(picks.items()))
-    code, again = _verify(served, served["out"] / "receipts", extra=("--sample", "0.3", "--seed", str(seed)))
+    code, again = _verify(served, served["out"], extra=("--sample", "0.3", "--seed", str(seed)))
     assert again["sample_seed"] == seed and sorted(o["path"] for o in again["outcomes"]) == paths
 
     from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
@@ -658,8 +661,8 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
             seen[facts["deployment"]["engine"]["max_model_len"]] = (kv_tokens, blocks)
 
     monkeypatch.setattr(reexecute_module, "reconstruct", recording)
-    report = verify([folder], load_trusted_keys(served["key"].public_path), model=served["ckpt"], mode="replay",
-                    cache_dir=str(served["jit"]))
+    report = verify(sorted(folder.glob("*.receipt")), load_trusted_keys(served["key"].public_path),
+                    model=served["ckpt"], mode="replay", cache_dir=str(served["jit"]))
     statuses = {Path(o.path).stem: o.status for o in report.outcomes}
     assert statuses.pop("huge") == "NOT_COMPARABLE" and set(statuses.values()) == {"OK"}
     honest_tokens, honest_blocks = seen[r.deployment_facts["deployment"]["engine"]["max_model_len"]]
@@ -699,7 +702,7 @@ def test_each_refutation_names_the_step_that_made_it(served, tmp_path) -> None:
     _forge_all(served, folder, "bits", lambda r: _with(r, list(r.output.token_ids), _flip_bit(
         list(r.output.logprobs), 2), r.output.finish_reason, served["tokenizer"]))
     _forge_all(served, folder, "honest", lambda r: r)
-    code, report = _verify(served, folder)
+    code, report = _verify(served, *sorted(folder.rglob("*.receipt")))  # the receipts alone, each its own run
     by = {Path(o["path"]).parent.name: o for o in report["outcomes"]}
     assert code == 1
     assert by.pop("honest")["step"] is None
