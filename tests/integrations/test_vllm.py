@@ -77,7 +77,23 @@ def test_the_plugin_is_what_runs(engine) -> None:
     assert AttentionBackendEnum.CPU_ATTN.get_path().endswith("DetentCPUAttentionBackend")
     model = engine.engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
     linears = [m for m in model.modules() if hasattr(m, "cpu_linear")]
-    assert linears and all(getattr(m, "detent_gemm", None) == "onednn" for m in linears)
+    assert linears and all(getattr(m, "detent_gemm", None) == "chunked" for m in linears)
+    assert engine.facts()["engine"]["plugin"]["gemm"] == "chunked"
+
+
+def test_the_first_request_of_an_engine_equals_its_hundredth(checkpoint, tmp_path) -> None:
+    """The GEMM form is proven before vLLM is built, so the first request runs on the form every later one
+    does: request 1 of a fresh engine and request 100 of another (after 99 others, batched) are equal."""
+    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+
+    rng = random.Random(11)
+    target, others = _prompt(rng, 37), [_prompt(rng, rng.randint(1, 60)) for _ in range(99)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    config = VllmConfig(model=str(checkpoint), mode="detent", max_model_len=1024, cache_dir=str(tmp_path))
+    first = VllmEngine(config).generate([target], params)[0]
+    later = VllmEngine(config)
+    later.generate(others, SamplingParams(temperature=0.0, max_tokens=2))
+    assert _same(first, later.generate([target], params)[0])
 
 
 def test_seeded_request_alone_equals_in_a_mixed_batch_of_16(engine) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
+from detent_audit.integrations.hosted import fused_gemm_shapes
 from detent_audit.kernels import KernelSet
 from detent_audit.manifests.deployment import Deployment
 
@@ -35,12 +36,8 @@ def cpu_deployment(model_path: str | Path, num_threads: int) -> Deployment:
 
 
 def sglang_gemm_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """(N, K) of every unquantized product SGLang's decoder runs: the fused QKV projection, the output
-    projection, the fused gate-up projection, the down projection and the LM head."""
-    hidden, head = config.hidden_size, config.head_dim
-    q, kv, inter = config.num_attention_heads * head, config.num_key_value_heads * head, config.intermediate_size
-    return sorted({(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter),
-                   (config.vocab_size, hidden)})
+    """(N, K) of every unquantized product SGLang's decoder runs (`hosted.fused_gemm_shapes`)."""
+    return fused_gemm_shapes(config)
 
 
 def cpu_selection(model_path: str | Path, num_threads: int,
