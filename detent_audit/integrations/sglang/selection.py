@@ -4,8 +4,8 @@ on this CPU, compiled with the committed tuple (the same selectors the embedded 
 The GEMM's form is proven where it runs, as in the embedded engine (`kernels/gemm_probe.py`): on the products
 SGLang's model makes (its fused QKV and gate-up projections, `sglang_gemm_shapes`), at the engine's thread
 count, in the launcher (which commits the tuple: without one, the pad form at the fewest proven rows) and again
-in the scheduler (which requires the committed form before it serves); a product of any other shape is proven
-on its first call (`cpu_kernels.CpuHooks`)."""
+in the scheduler (which requires the committed form on every one of them before it serves); a product of any
+other shape is proven before its first call computes it (`cpu_kernels.CpuHooks`)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,8 @@ def cpu_kernel_set(config: Any) -> KernelSet:
     kernels = cpu_selection(config.model_path, config.num_threads, config.tuple).kernels
     assert isinstance(kernels, KernelSet), "the CPU selection builds the CPU kernel set"
     return kernels
+
+
+def model_gemm_shapes(model_path: str | Path) -> list[tuple[int, int]]:
+    """The shapes `cpu_selection` proves the GEMM form on (SGLang's fused products of the model)."""
+    return sglang_gemm_shapes(ModelConfig.from_pretrained(model_path))
