@@ -69,13 +69,14 @@ def pin(choice: str) -> None:
     imported before under other values, the libraries have read theirs already: the process re-executes
     itself (`python -m detent_audit.cli` with the same arguments) so that they read the pinned ones."""
     wanted = environment(choice)
+    reexecuted = os.environ.pop(_REEXEC, None)  # not inherited by this process's children
     changed = any(os.environ.get(k) != v for k, v in wanted.items() if k != ENV)
     for key, value in wanted.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    if changed and "torch" in sys.modules and not os.environ.get(_REEXEC):
+    if changed and "torch" in sys.modules and not reexecuted:
         os.environ[_REEXEC] = "1"
         sys.stdout.flush()
         sys.stderr.flush()

@@ -244,6 +244,16 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
                         else "onednn",
                         attention=attention_of_facts(_get(facts, "engine", "plugin").get("attention"))
                         if mode == "detent" else "auto")
-    engine = VllmEngine(config)
+    from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
+
+    whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
+    try:
+        engine = VllmEngine(config)  # its GEMM form proven here before vLLM is built
+    except BadInput as exc:
+        if "is not legal" in exc.message or "does not run" in exc.message:
+            raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
+        raise
+    except GemmFormNotInvariant as exc:  # its GEMM form is not proven on this machine: these bits cannot be had
+        raise NotComparable(["tuple"], f"{whose} cannot run here: {exc.message}") from None
     check_comparable(facts, engine.facts())
     return engine

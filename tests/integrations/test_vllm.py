@@ -264,8 +264,10 @@ def test_another_vllm_version_or_thread_count_is_not_comparable(served, tmp_path
     code, report = _verify(served, _forged(served, tmp_path, field.replace(".", "-"), change_facts=change))
     assert code == 3
     outcome = report["outcomes"][0]
-    # a receipt claiming 2 threads is rebuilt at 2: the deployment solved for them differs from what it signed
-    expected = {"engine.version"} if field == "engine.version" else {"runtime.num_threads", "deployment.gpu.num_sms"}
+    # a receipt claiming 2 threads is rebuilt at 2: the deployment solved for them differs from what it signed,
+    # or its tuple's GEMM form (the pad form, proven at 1 thread) is refused at 2
+    expected = ({"engine.version"} if field == "engine.version"
+                else {"runtime.num_threads", "deployment.gpu.num_sms", "tuple"})
     assert outcome["status"] == "NOT_COMPARABLE" and expected & set(outcome["fields"]), outcome
     code, report = _verify(served, served["out"] / "receipts" / "r1.receipt", extra=("--threads", "2"))
     assert code == 3 and report["outcomes"][0]["fields"] == ["runtime.num_threads"]
