@@ -27,7 +27,8 @@ ROOT = Path(__file__).parents[1]
 
 # layer -> the layers it may import (besides itself)
 ALLOWED: dict[str, frozenset[str]] = {
-    "core": frozenset(),  # detent_audit/__init__.py, errors.py, atomic.py, cache_dir.py, enums.py: imported by every layer
+    # detent_audit/__init__.py, errors.py, atomic.py, cache_dir.py, enums.py, isa.py: imported by every layer
+    "core": frozenset(),
     "manifests": frozenset({"core"}),
     "selection": frozenset({"manifests", "core"}),
     "kernels": frozenset({"core"}),
@@ -43,7 +44,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "cli": frozenset({"verifier", "server", "bench", "engine_api", "engine", "integrations", "selection", "kernels",
                       "manifests", "core"}),
 }
-CORE = frozenset({"detent_audit", "detent_audit.errors", "detent_audit.atomic", "detent_audit.cache_dir", "detent_audit.enums"})
+CORE = frozenset({"detent_audit", "detent_audit.errors", "detent_audit.atomic", "detent_audit.cache_dir", "detent_audit.enums",
+                  "detent_audit.isa"})
 NO_TORCH = frozenset({"manifests", "selection"})  # they run where torch is not installed
 # modules other layers must not reach into: (module, the layers that may import it)
 INTERNAL = {

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from detent_audit import isa
 from detent_audit.engine.facts import static_facts
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.named_models import NAMES
@@ -203,6 +204,9 @@ def check_comparable(facts: Mapping[str, Any], local: Mapping[str, Any]) -> None
         message = f"deployment differs in {len(fields)} field(s): {', '.join(fields)}"
         if any(f.startswith("checkpoint.") for f in fields):
             message += "; " + served_from(facts, local)
+        isa_line = isa.hint(facts.get("runtime"), local.get("runtime"))
+        if isa_line:
+            message += "; " + isa_line
         raise NotComparable(fields, message)
 
 
@@ -296,8 +300,16 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
                         else "onednn",
                         attention=attention_of_facts(_get(facts, "engine", "plugin").get("attention"))
                         if mode == "detent" else "auto")
-    engine = VllmEngine(config)
-    fields = [f for f in differing_fields(dict(facts), engine.facts()) if f not in DESCRIPTIVE_FIELDS]
-    if fields:
-        raise NotComparable(fields)
+    from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
+
+    whose = "the --tuple given" if tuple_override is not None else "the receipt's tuple"
+    try:
+        engine = VllmEngine(config)  # its GEMM form proven here before vLLM is built
+    except BadInput as exc:
+        if "is not legal" in exc.message or "does not run" in exc.message:
+            raise NotComparable(["tuple"], f"{whose} is not legal here: {exc.message}") from None
+        raise
+    except GemmFormNotInvariant as exc:  # its GEMM form is not proven on this machine: these bits cannot be had
+        raise NotComparable(["tuple"], f"{whose} cannot run here: {exc.message}") from None
+    check_comparable(facts, engine.facts())
     return engine

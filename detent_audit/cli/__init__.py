@@ -3,8 +3,12 @@ lists them. The command modules never import the app: it imports them, here."""
 
 from __future__ import annotations
 
+import sys
+
+from detent_audit import isa
 from detent_audit.cli import audit_commands, engine_commands, serve_command, solve_command
 from detent_audit.cli.app import app, register, version
+from detent_audit.errors import DetentError
 
 register([
     ("version", version),
@@ -24,6 +28,13 @@ register([
 
 
 def main() -> None:
+    """The entry point: the ISA cap (`--isa`, `$DETENT_AUDIT_ISA`) pinned before the command imports torch
+    (the libraries read it once, when they initialise), then the app."""
+    try:
+        isa.pin(isa.requested(sys.argv[1:]))
+    except DetentError as exc:
+        print(f"FAIL: {exc.diagnostics()}", file=sys.stderr)
+        sys.exit(int(exc.exit_code))
     app()
 
 

@@ -22,7 +22,11 @@ _state = {"verbose": False}
 
 
 @app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks on errors.")) -> None:
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks on errors."),
+          isa: str = typer.Option("native", "--isa", envvar="DETENT_AUDIT_ISA",
+                                  help="portable: torch, MKL and oneDNN capped at AVX2 (x86-64-v3), receipts "
+                                       "that verify on any x86-64 CPU with AVX2; native: the CPU's widest "
+                                       "(receipts checked on its class only). Set before torch loads.")) -> None:
     _state["verbose"] = verbose
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from detent_audit import __version__
+from detent_audit import __version__, isa
 from detent_audit.atomic import write_atomically
 from detent_audit.cache_dir import cache_root
 from detent_audit.engine.generated import is_generated
@@ -146,7 +146,7 @@ def static_facts(cfg: Any) -> dict[str, Any]:
                           if is_generated(cfg.model) else checkpoint_hashes(cfg.model_path)),
                        "name": named.name, "source": named.source},
         "runtime": {"torch": str(torch.__version__), "device": _device(cfg.device),
-                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    **isa.runtime_facts(),
                     "num_threads": cfg.num_threads, "dtype": cfg.dtype},
     }
     if cfg.tensor_parallel_size > 1:  # how the ranks' partial sums meet (tensor_parallel.py); threads are per rank

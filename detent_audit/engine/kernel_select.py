@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from detent_audit import __version__
+from detent_audit import __version__, isa
 from detent_audit.engine.config import ModelConfig
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.kernels import (
@@ -158,7 +158,8 @@ def proven_deployment(deployment: Deployment, gemm: dict[str, Any] | None, shape
     dtype = getattr(torch, deployment.model.dtype)
     shapes = tuple(shapes)
     if gemm is None:
-        rows = gemm_probe.least_pad_rows(shapes, dtype)
+        # under the portable ISA cap the tuple may not depend on the CPU: the chunk form, no probe's pad rows
+        rows = 0 if isa.capped() else gemm_probe.least_pad_rows(shapes, dtype)
         if not rows:
             return deployment, None
         gemm = {"chunk_rows": rows, "embedded.gemm.chunk_rows": rows, GEMM_FORM_KNOB: "pad"}

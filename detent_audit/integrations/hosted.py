@@ -11,6 +11,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from detent_audit import isa
 from detent_audit.engine.base import EngineBase
 from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.facts import checkpoint_hashes
@@ -110,7 +111,7 @@ class HostedEngine(EngineBase[Request]):
             "checkpoint": {**checkpoint_hashes(Path(self.model_path)), "name": resolved.name,
                            "source": resolved.source, "eos_token_ids": list(self.tokenizer.eos_token_ids)},
             "runtime": {"torch": str(torch.__version__), "device": "cpu",
-                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                        **isa.runtime_facts(),
                         "num_threads": self.config.num_threads, "dtype": dtype},
             "tuple": dict(self.selection.tuple) if self.selection is not None else {},
         }
@@ -153,3 +154,12 @@ def attention_form(asked: str) -> str:
               "differ (the facts say which)", file=sys.stderr)
         return "torch"
     return "c"
+
+
+def fused_gemm_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(N, K) of every unquantized product vLLM's and SGLang's decoders run: the fused QKV projection, the
+    output projection, the fused gate-up projection, the down projection and the LM head."""
+    hidden, head = config.hidden_size, config.head_dim
+    q, kv, inter = config.num_attention_heads * head, config.num_key_value_heads * head, config.intermediate_size
+    return sorted({(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter),
+                   (config.vocab_size, hidden)})

@@ -231,6 +231,30 @@ def test_the_hook_proves_a_gemm_shape_on_first_use_and_anew_at_another_thread_co
         set_threads(threads)
 
 
+def test_the_hook_proves_nothing_during_a_request_on_the_shapes_proven_at_start(monkeypatch):
+    """The model's shapes are proven at start (`selection.cpu_selection`): the hooks built with them run the
+    first product of each without a probe; only a shape outside them is proven, before its first product."""
+    from detent_audit.integrations.sglang.cpu_kernels import CpuHooks
+    from detent_audit.kernels import gemm, gemm_probe
+    from detent_audit.kernels.params import GemmParams
+
+    pad = GemmParams(4, "pad")
+
+    class Kernels:
+        def select_gemm(self, num_tokens: int) -> GemmParams:
+            return pad
+
+    proofs: list[tuple] = []
+    monkeypatch.setattr(gemm_probe, "require", lambda params, shapes, dtype, what="": proofs.append(shapes[0]))
+    hooks = CpuHooks(Kernels(), attention="torch", proven_shapes=[(40, 24), (24, 40)])
+    x, w = torch.randn(3, 24), torch.randn(40, 24)
+    assert torch.equal(hooks._linear(x, w, None), gemm.linear(x, w, params=pad))
+    hooks._linear(torch.randn(5, 40), torch.randn(24, 40), None)
+    assert proofs == []
+    hooks._linear(torch.randn(2, 16), torch.randn(8, 16), None)
+    assert proofs == [(8, 16)]
+
+
 def test_the_attention_form_a_receipt_names():
     from detent_audit.integrations.sglang.engine import SglangConfig, attention_names, attention_of_facts
     from detent_audit.kernels import attention_c

@@ -46,6 +46,33 @@ def detent():
     engine.shutdown()
 
 
+def test_the_first_request_of_an_engine_equals_its_hundredth(request) -> None:
+    """The GEMM form is proven on the model's shapes before the scheduler serves: request 1 of a fresh engine
+    equals the same request on the module's engine after 99 others (batched, every length). It runs before
+    the module's engine starts (the first test of the module)."""
+    import random
+
+    import torch
+
+    from detent_audit.engine.sampling_params import SamplingParams
+
+    rng = random.Random(13)
+    target = [rng.randrange(100, 40000) for _ in range(41)]
+    others = [[rng.randrange(100, 40000) for _ in range(rng.randint(1, 80))] for _ in range(99)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    fresh = _engine("detent")
+    try:
+        first = fresh.generate([target], params)[0]
+    finally:
+        fresh.shutdown()
+    detent = request.getfixturevalue("detent")  # one SGLang at a time: the module's starts after this one stops
+    detent.generate(others, SamplingParams(temperature=0.0, max_tokens=2))
+    later = detent.generate([target], params)[0]
+    assert first.token_ids == later.token_ids
+    assert torch.equal(torch.tensor(first.logprobs, dtype=torch.float32),
+                       torch.tensor(later.logprobs, dtype=torch.float32))
+
+
 def test_the_engine_implements_the_boundary_with_the_plugin_in_the_scheduler(detent) -> None:
     assert isinstance(detent, Engine)
     facts = detent.facts()

@@ -77,7 +77,8 @@ def test_the_plugin_is_what_runs(engine) -> None:
     assert AttentionBackendEnum.CPU_ATTN.get_path().endswith("DetentCPUAttentionBackend")
     model = engine.engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
     linears = [m for m in model.modules() if hasattr(m, "cpu_linear")]
-    assert linears and all(getattr(m, "detent_gemm", None) == "onednn" for m in linears)
+    assert linears and all(getattr(m, "detent_gemm", None) == "chunked" for m in linears)
+    assert engine.facts()["engine"]["plugin"]["gemm"] == "chunked"
 
 
 def test_seeded_request_alone_equals_in_a_mixed_batch_of_16(engine) -> None:
@@ -167,6 +168,70 @@ def test_a_long_prompt_is_the_same_after_a_prefix_hit_and_in_chunks(engine) -> N
     engine.reset()
 
 
+def test_http_serve_then_verify_in_vllm(engine, checkpoint, tmp_path, served) -> None:
+    """The HTTP path on vLLM: the OpenAI-compatible server over the module's vLLM engine, 12 concurrent
+    completions and chats (greedy and seeded, prompts of 3-300 tokens), each answered with a receipt; echo is
+    refused with 400; after shutdown every receipt and the run manifest verify in vLLM, by rescore and replay."""
+    # `served` is made first, and every test of the module engine runs before this one: an in-process vLLM
+    # engine that stops (the verifier's, here) tears down the process's distributed state, which the module
+    # engine's steps need
+    import socket
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import uvicorn
+
+    from detent_audit.server.app import create_app
+    from detent_audit.server.async_engine import AsyncEngine
+    from detent_audit.server.node import ServingNode
+
+    key = generate_key(tmp_path / "node.key")
+    engine.reset()
+    node = ServingNode(engine, load_private_key(key.private_path), tmp_path / "out")
+    async_engine = AsyncEngine(engine)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(async_engine, node, "tiny"), log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    rng = random.Random(8)
+
+    def body(i: int) -> tuple[str, dict]:
+        common = {"model": "tiny", "max_tokens": 5, "temperature": [0.0, 0.8][i % 2], "seed": 40 + i,
+                  "ignore_eos": True}
+        if i % 3 == 2:
+            return "/v1/chat/completions", common | {"messages": [{"role": "user", "content": f"question {i}?"}]}
+        return "/v1/completions", common | {"prompt": _prompt(rng, rng.choice((3, 40, 300)))}
+
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.01)
+        bodies = [body(i) for i in range(12)]
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda rb: httpx.post(url + rb[0], json=rb[1], timeout=300), bodies))
+        assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers if a.status_code != 200]
+        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True,
+                                                            "max_tokens": 2}, timeout=60)
+        assert refused.status_code == 400 and "echo" in refused.text
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+        async_engine.shutdown(drain=False)
+        engine.reset(drop_unfinished=True)
+    receipts = sorted((tmp_path / "out" / "receipts").glob("*.receipt"))
+    assert {p.stem for p in receipts} == {a.json()["receipt_id"] for a in answers}
+    for mode in ("rescore", "replay"):
+        code, report = _verify({"key": key, "ckpt": checkpoint}, tmp_path / "out", extra=("--mode", mode))
+        assert code == 0 and report["counts"] == {"OK": 13, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}, report
+
+
 @pytest.fixture(scope="module")
 def served(engine, checkpoint, tmp_path_factory) -> dict:
     from detent_audit.server.node import ServingNode
@@ -248,69 +313,25 @@ def test_another_vllm_version_or_thread_count_is_not_comparable(served, tmp_path
     code, report = _verify(served, _forged(served, tmp_path, field.replace(".", "-"), change_facts=change))
     assert code == 3
     outcome = report["outcomes"][0]
-    # a receipt claiming 2 threads is rebuilt at 2: the deployment solved for them differs from what it signed
-    expected = {"engine.version"} if field == "engine.version" else {"runtime.num_threads", "deployment.gpu.num_sms"}
+    # a receipt claiming 2 threads is rebuilt at 2: the deployment solved for them differs from what it signed,
+    # or its tuple's GEMM form (the pad form, proven at 1 thread) is refused at 2
+    expected = ({"engine.version"} if field == "engine.version"
+                else {"runtime.num_threads", "deployment.gpu.num_sms", "tuple"})
     assert outcome["status"] == "NOT_COMPARABLE" and expected & set(outcome["fields"]), outcome
     code, report = _verify(served, served["out"] / "receipts" / "r1.receipt", extra=("--threads", "2"))
     assert code == 3 and report["outcomes"][0]["fields"] == ["runtime.num_threads"]
 
 
-def test_http_serve_then_verify_in_vllm(engine, checkpoint, tmp_path) -> None:
-    """The HTTP path on vLLM: the OpenAI-compatible server over the module's vLLM engine, 12 concurrent
-    completions and chats (greedy and seeded, prompts of 3-300 tokens), each answered with a receipt; echo is
-    refused with 400; after shutdown every receipt and the run manifest verify in vLLM, by rescore and replay."""
-    import socket
-    import threading
-    import time
-    from concurrent.futures import ThreadPoolExecutor
+def test_the_first_request_of_an_engine_equals_its_hundredth(checkpoint, tmp_path) -> None:
+    """The GEMM form is proven before vLLM is built, so the first request runs on the form every later one
+    does: request 1 of a fresh engine and request 100 of another (after 99 others, batched) are equal."""
+    from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
 
-    import httpx
-    import uvicorn
-
-    from detent_audit.server.app import create_app
-    from detent_audit.server.async_engine import AsyncEngine
-    from detent_audit.server.node import ServingNode
-
-    key = generate_key(tmp_path / "node.key")
-    engine.reset()
-    node = ServingNode(engine, load_private_key(key.private_path), tmp_path / "out")
-    async_engine = AsyncEngine(engine)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(async_engine, node, "tiny"), log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    rng = random.Random(8)
-
-    def body(i: int) -> tuple[str, dict]:
-        common = {"model": "tiny", "max_tokens": 5, "temperature": [0.0, 0.8][i % 2], "seed": 40 + i,
-                  "ignore_eos": True}
-        if i % 3 == 2:
-            return "/v1/chat/completions", common | {"messages": [{"role": "user", "content": f"question {i}?"}]}
-        return "/v1/completions", common | {"prompt": _prompt(rng, rng.choice((3, 40, 300)))}
-
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-            time.sleep(0.01)
-        bodies = [body(i) for i in range(12)]
-        with ThreadPoolExecutor(12) as pool:
-            answers = list(pool.map(lambda rb: httpx.post(url + rb[0], json=rb[1], timeout=300), bodies))
-        assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers if a.status_code != 200]
-        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True,
-                                                            "max_tokens": 2}, timeout=60)
-        assert refused.status_code == 400 and "echo" in refused.text
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
-        async_engine.shutdown(drain=False)
-        engine.reset(drop_unfinished=True)
-    receipts = sorted((tmp_path / "out" / "receipts").glob("*.receipt"))
-    assert {p.stem for p in receipts} == {a.json()["receipt_id"] for a in answers}
-    for mode in ("rescore", "replay"):
-        code, report = _verify({"key": key, "ckpt": checkpoint}, tmp_path / "out", extra=("--mode", mode))
-        assert code == 0 and report["counts"] == {"OK": 13, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}, report
+    rng = random.Random(11)
+    target, others = _prompt(rng, 37), [_prompt(rng, rng.randint(1, 60)) for _ in range(99)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    config = VllmConfig(model=str(checkpoint), mode="detent", max_model_len=1024, cache_dir=str(tmp_path))
+    first = VllmEngine(config).generate([target], params)[0]
+    later = VllmEngine(config)
+    later.generate(others, SamplingParams(temperature=0.0, max_tokens=2))
+    assert _same(first, later.generate([target], params)[0])

@@ -7,8 +7,8 @@ temperature-scaled probabilities with the global generator. Measured on SmolLM2-
 
 - every unquantized linear and the LM head: detent's GEMM (kernels/gemm.py) in the form and rows of the
   compiled `embedded.gemm` selector (the pad or row form only where `kernels/gemm_probe.py` proved it on this
-  CPU, `selection.py`; a product of a shape not proven at start is proven on its first call); the LM head
-  in fp32;
+  CPU, `selection.py`, on every shape of the model before the scheduler serves; a product of any other
+  shape is proven before its first call computes it); the LM head in fp32;
 - attention of the torch_native backend: detent's paged attention, in C (kernels/attention_c.py) or in torch
   (kernels/attention.py), whose KV tiles and splits sit at absolute positions, so prefill, chunked prefill,
   decode and a prefix hit reduce in one order;
@@ -21,6 +21,7 @@ temperature-scaled probabilities with the global generator. Measured on SmolLM2-
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -47,7 +48,8 @@ TARGETS = (
 class CpuHooks:
     """The hook functions, closed over one KernelSet (the compiled selectors with the committed tuple)."""
 
-    def __init__(self, kernels: KernelSet, attention: str = "c") -> None:
+    def __init__(self, kernels: KernelSet, attention: str = "c",
+                 proven_shapes: Iterable[tuple[int, int]] = ()) -> None:
         self.kernels = kernels
         self.attention = paged_attention
         if attention == "c":
@@ -56,6 +58,11 @@ class CpuHooks:
             attention_c.library()  # built (or refused, with the compiler's message) before the first step
             self.attention = attention_c.paged_attention
         self._proven: set[tuple] = set()  # (params, N, K, dtype, threads) the GEMM probe proved here
+        # the model's shapes, proven at start by the selection (`selection.cpu_selection`) in the tuple's form
+        params = kernels.select_gemm(num_tokens=1)
+        if params is not None and params.form != "chunk":
+            threads = torch.get_num_threads()
+            self._proven.update((params, n, k, torch.float32, threads) for n, k in proven_shapes)
 
     def hooks(self) -> dict[str, tuple[str, Any]]:
         """target -> (hook type name, hook)."""
@@ -75,8 +82,9 @@ class CpuHooks:
         return linear(x, weight, bias, params=params)
 
     def _prove(self, params: GemmParams, weight: torch.Tensor) -> None:
-        """The pad and row forms rest on the BLAS: a weight shape they were not proven on at start is proven
-        now, once (`GemmFormNotInvariant` where it fails: SGLang's scheduler then stops, serving nothing)."""
+        """The pad and row forms rest on the BLAS: a weight shape they were not proven on at start (none of the
+        model's) is proven now, before its first product, once (`GemmFormNotInvariant` where it fails:
+        SGLang's scheduler then stops, serving nothing)."""
         key = (params, *weight.shape, weight.dtype, torch.get_num_threads())  # a new thread count is proven anew
         if key not in self._proven:
             gemm_probe.require(params, [tuple(weight.shape)], weight.dtype, what=f"the tuple's ({params.label})")

@@ -69,10 +69,12 @@ def hooks_for(config: PluginConfig) -> dict[str, tuple[str, Any]]:
         return out
     from detent_audit.engine.threads import set_threads
     from detent_audit.integrations.sglang.cpu_kernels import CpuHooks
-    from detent_audit.integrations.sglang.selection import cpu_kernel_set
+    from detent_audit.integrations.sglang.selection import cpu_kernel_set, model_gemm_shapes
 
     set_threads(config.num_threads)
-    out.update(CpuHooks(cpu_kernel_set(config), config.attention).hooks())
+    # the GEMM form proven on every shape of the model here, before the scheduler serves its first request
+    kernels = cpu_kernel_set(config)
+    out.update(CpuHooks(kernels, config.attention, model_gemm_shapes(config.model_path)).hooks())
     if config.deployment:
         from detent_audit.integrations.sglang.cuda_selection import CudaHooks
 

@@ -4,8 +4,8 @@ on this CPU, compiled with the committed tuple (the same selectors the embedded 
 The GEMM's form is proven where it runs, as in the embedded engine (`kernels/gemm_probe.py`): on the products
 SGLang's model makes (its fused QKV and gate-up projections, `sglang_gemm_shapes`), at the engine's thread
 count, in the launcher (which commits the tuple: without one, the pad form at the fewest proven rows) and again
-in the scheduler (which requires the committed form before it serves); a product of any other shape is proven
-on its first call (`cpu_kernels.CpuHooks`)."""
+in the scheduler (which requires the committed form on every one of them before it serves); a product of any
+other shape is proven before its first call computes it (`cpu_kernels.CpuHooks`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 
 from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
+from detent_audit.integrations.hosted import fused_gemm_shapes
 from detent_audit.kernels import KernelSet
 from detent_audit.manifests.deployment import Deployment
 
@@ -35,12 +36,8 @@ def cpu_deployment(model_path: str | Path, num_threads: int) -> Deployment:
 
 
 def sglang_gemm_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """(N, K) of every unquantized product SGLang's decoder runs: the fused QKV projection, the output
-    projection, the fused gate-up projection, the down projection and the LM head."""
-    hidden, head = config.hidden_size, config.head_dim
-    q, kv, inter = config.num_attention_heads * head, config.num_key_value_heads * head, config.intermediate_size
-    return sorted({(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter),
-                   (config.vocab_size, hidden)})
+    """(N, K) of every unquantized product SGLang's decoder runs (`hosted.fused_gemm_shapes`)."""
+    return fused_gemm_shapes(config)
 
 
 def cpu_selection(model_path: str | Path, num_threads: int,
@@ -58,3 +55,8 @@ def cpu_kernel_set(config: Any) -> KernelSet:
     kernels = cpu_selection(config.model_path, config.num_threads, config.tuple).kernels
     assert isinstance(kernels, KernelSet), "the CPU selection builds the CPU kernel set"
     return kernels
+
+
+def model_gemm_shapes(model_path: str | Path) -> list[tuple[int, int]]:
+    """The shapes `cpu_selection` proves the GEMM form on (SGLang's fused products of the model)."""
+    return sglang_gemm_shapes(ModelConfig.from_pretrained(model_path))

@@ -40,6 +40,7 @@ from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
     attention_names,
     attention_of_facts,
     checkpoint_folder,
+    fused_gemm_shapes,
 )
 from detent_audit.integrations.hosted import attention_form as _attention_form
 from detent_audit.integrations.vllm import plugin
@@ -74,7 +75,7 @@ class VllmConfig:
     kv_cache_gib: int = 1
     tuple: dict | None = None
     cache_dir: str | None = None
-    gemm: str = "onednn"               # detent: onednn (measured row-invariant) | chunked (the tuple's GEMM)
+    gemm: str = "chunked"              # detent: chunked (the tuple's GEMM, proven at start) | onednn (vLLM's)
     attention: str = "auto"            # detent: c (kernels/attention_c.py) | torch | auto (c where it builds)
 
     def __post_init__(self) -> None:
@@ -161,8 +162,15 @@ class VllmEngine(HostedEngine[VllmRequest]):
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
             name="vllm",
             batch_invariant=config.mode == "detent")
-        self.selection = (select_kernels("detent", self.deployment, config.tuple, config.cache_dir)
+        # the tuple's GEMM form proven before vLLM is built, on the products vLLM's decoder runs (fused QKV
+        # and gate-up) at the engine's thread count: a form that fails is refused, naming the shape
+        set_threads(config.num_threads)
+        shapes = fused_gemm_shapes(self.model_config) if config.gemm == "chunked" else None
+        self.selection = (select_kernels("detent", self.deployment, config.tuple, config.cache_dir,
+                                         gemm_shapes=shapes)
                           if config.mode == "detent" else None)
+        if self.selection is not None and self.selection.deployment is not None:
+            self.deployment = self.selection.deployment  # with what the probe proved (the selectors read it)
         self.attention = _attention_form(config.attention) if config.mode == "detent" else None
         self._environment()
         # before the build too: vLLM's oneDNN GEMM primitives are made at load time for the thread count then

@@ -7,11 +7,12 @@ the model is built. It installs, without a monkeypatch of any kernel:
   absolute positions: prefill, chunked prefill, decode and prefix hits reduce in the same order);
   that attention is the C form (`kernels/attention_c.py`, `ENV_ATTENTION=c`, the default) or the torch form;
 - the unquantized CPU GEMM dispatch (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`, which
-  sets `layer.cpu_linear` at load time) wrapped, per `ENV_GEMM`: `onednn` (the default) keeps vLLM's fp32
-  oneDNN GEMM (`torch.ops._C.onednn_mm`), which tests/integrations/test_vllm_gemm.py measures row-invariant
-  (a row's bits do not depend on M or on the other rows, 1 and 2 threads); `chunked` runs every linear layer
-  and the LM head through the tuple's fixed-row-chunk GEMM (`kernels.gemm`, chosen by the compiled
-  `embedded.gemm` selector), invariant by construction and several times slower at decode (M padded).
+  sets `layer.cpu_linear` at load time) wrapped, per `ENV_GEMM`: `chunked` (the default) runs every linear
+  layer and the LM head through the tuple's GEMM (`kernels.gemm`, in the form and rows of the compiled
+  `embedded.gemm` selector: the chunk form, invariant by construction, or a pad or row form that `VllmEngine`
+  proved on vLLM's fused shapes, this CPU and thread count before it built vLLM); `onednn` keeps vLLM's fp32
+  oneDNN GEMM (`torch.ops._C.onednn_mm`), measured row-invariant on an AVX2 CPU only and proven nowhere (on
+  an AVX-512 CPU a lone row of the down projection differs from the same row in a batch).
 Seeded sampling is the `sampler.DetentSampler` logits processor, which `VllmEngine` passes to vLLM; a
 teacher-forced rescore's output positions (logprob, top-n and the draw) are scored by
 `sampler.score_rescore_rows`, which the plugin runs at every step just before vLLM's prompt-logprobs point (a
@@ -40,8 +41,8 @@ ENV_MODE = "DETENT_VLLM_MODE"              # detent | stock (unset: stock)
 ENV_DEPLOYMENT = "DETENT_VLLM_DEPLOYMENT"  # the canonical deployment the selectors are solved for (JSON)
 ENV_TUPLE = "DETENT_VLLM_TUPLE"            # the committed tuple: family -> axis -> value (JSON)
 ENV_CACHE_DIR = "DETENT_VLLM_CACHE_DIR"    # the JIT cache of the compiled selectors
-ENV_GEMM = "DETENT_VLLM_GEMM"              # onednn (default) | chunked
-GEMMS = ("onednn", "chunked")
+ENV_GEMM = "DETENT_VLLM_GEMM"              # chunked (default) | onednn
+GEMMS = ("chunked", "onednn")
 ENV_ATTENTION = "DETENT_VLLM_ATTENTION"    # c (default) | torch
 ATTENTIONS = ("c", "torch")
 
@@ -72,7 +73,7 @@ def kernel_set() -> Any:
 
 
 def gemm_choice() -> str:
-    choice = os.environ.get(ENV_GEMM) or "onednn"
+    choice = os.environ.get(ENV_GEMM) or "chunked"
     if choice not in GEMMS:
         raise RuntimeError(f"{ENV_GEMM}={choice!r}: use one of {', '.join(GEMMS)}")
     return choice

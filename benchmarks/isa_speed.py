@@ -1,0 +1,73 @@
+"""Output tokens per second of the embedded engine in detent mode under the portable ISA cap and natively.
+
+Each setting runs in its own process (the caps are read when torch's libraries initialise: `detent_audit.isa`),
+the random-20m model, fp32, a closed batch of requests (mixed prompt lengths, greedy, fixed output length) run to
+completion; the first round warms up and is dropped, the median of the others is reported.
+Usage: python benchmarks/isa_speed.py [--runs 3] [--requests 8] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from detent_audit import isa
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    from detent_audit.engine.llm import LLM, EngineConfig
+    from detent_audit.engine.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 160))] for _ in range(args.requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
+    llm = LLM(EngineConfig(model="random-20m", mode="detent", num_threads=args.threads))
+    times = []
+    for _ in range(args.runs + 1):
+        llm.reset()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        times.append(time.perf_counter() - t0)
+    tokens = sum(len(o.token_ids) for o in outs)
+    print(json.dumps({"isa": isa.runtime_facts(), "torch": torch.__version__,
+                      "tok_s": tokens / statistics.median(times[1:]), "runs_s": times[1:]}))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--child", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    rows = {}
+    for choice in isa.CHOICES:
+        env = {k: v for k, v in os.environ.items() if k not in isa.PORTABLE_ENV}
+        env.update({k: v for k, v in isa.environment(choice, env).items() if v is not None})
+        out = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env, check=True,
+                             capture_output=True, text=True).stdout
+        rows[choice] = json.loads(out.splitlines()[-1])
+    print(f"device: {platform.processor() or platform.machine()}, {args.threads} thread(s); random-20m fp32 "
+          f"detent; {args.requests} requests x {args.output_tokens} output tokens; median of {args.runs}\n")
+    print("| --isa | runtime fact | output tok/s | over native |\n|---|---|---|---|")
+    for choice, row in rows.items():
+        print(f"| {choice} | {row['isa']} | {row['tok_s']:.1f} | {row['tok_s'] / rows['native']['tok_s']:.3f} |")
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
