@@ -1,7 +1,7 @@
 """The KernelSet on a CUDA device: the model's calls routed to Triton kernels, per mode.
 
 - `stock`: cuBLAS GEMMs; attention split as FlashAttention-3's heuristic splits it, read from the batch (its
-  SelIR program unpinned: engine/kernel_select.py `stock_attention_selector`); MoE config by M as vLLM's
+  SelIR program unpinned: runtime/kernel_select.py `stock_attention_selector`); MoE config by M as vLLM's
   default rule picks it. Selection follows the batch, so bits do.
 - `det`: one conservative setting per family (one attention split, fixed tiles).
 - `detent`: the compiled SelIR selectors with the committed tuple's pins, called at every launch with the

@@ -31,7 +31,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "manifests": frozenset({"core"}),
     "selection": frozenset({"manifests", "core"}),
     "kernels": frozenset({"core"}),
-    # detent_audit/engine_api.py: the boundary every engine implements; it names the integrations it can pick
+    # detent_audit/runtime/contract.py: the boundary every engine implements; it names the integrations it can pick
     "engine_api": frozenset({"integrations", "core"}),
     "engine": frozenset({"engine_api", "selection", "kernels", "manifests", "core"}),
     "integrations": frozenset({"engine_api", "engine", "selection", "kernels", "manifests", "core"}),

@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from detent_audit.engine.finish import FinishCause, finish_cause
-from detent_audit.engine.stop_strings import check_stop, output_text
 from detent_audit.errors import DetentError
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.receipt import Receipt
+from detent_audit.runtime.finish import FinishCause, finish_cause
+from detent_audit.runtime.stop_strings import check_stop, output_text
 from detent_audit.verifier.steps import DeploymentError, OutputError, RequestError, VerificationError
 
 
@@ -32,7 +32,7 @@ def refutation(r: Receipt, llm: Any, eos: set[int], max_prompt_chars: int) -> Ve
 
 
 def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Callable | None = None) -> str | None:
-    """The stated finish must be the one generation reaches (the scheduler's rule, engine/finish.py): no stop token before the
+    """The stated finish must be the one generation reaches (the scheduler's rule, runtime/finish.py): no stop token before the
     end, and no earlier token whose text completed a stop string (recomputed with the deployment's tokenizer,
     `decode`); 'stop' exactly when the last token is a stop token or completes a stop string (a stop wins over
     a length limit); else 'length', at max_tokens or where prompt and output fill the context."""

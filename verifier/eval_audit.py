@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.stop_strings import output_text
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.runtime.stop_strings import output_text
 
 _RESULTS = re.compile(r"results_(.+)\.json")
 LOGPROB_FLOOR = -9999.0  # what the server writes for a logprob JSON cannot hold (server/responses.py)
@@ -391,7 +391,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     its sample's coverage (None: the facts are self-asserted, and the report says so)."""
     import time
 
-    from detent_audit.engine.tokenizer import Tokenizer
+    from detent_audit.runtime.tokenizer import Tokenizer
     from detent_audit.verifier.plan import collect
     from detent_audit.verifier.receipt_file import open_receipt
     from detent_audit.verifier.verify import verify

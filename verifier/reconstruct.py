@@ -17,12 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.facts import static_facts
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.named_models import NAMES
-from detent_audit.engine_api import EMBEDDED, Engine, UnknownEngine, engine_for_facts
 from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput
+from detent_audit.runtime.contract import EMBEDDED, Engine, UnknownEngine, engine_for_facts
+from detent_audit.runtime.facts import static_facts
+from detent_audit.runtime.named_models import NAMES
 from detent_audit.verifier.steps import DeploymentError
 
 
@@ -211,8 +211,8 @@ def _reconstruct_vllm(facts: Mapping[str, Any], tuple_values: Mapping[str, Any],
         raise NotComparable(["engine.version"], f"the receipt was served by vLLM {served}; this verifier has "
                                                 f"vLLM {vllm.__version__}")
     served_threads = served_thread_count(facts, threads)
-    from detent_audit.engine.facts import checkpoint_hashes
     from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine, attention_of_facts
+    from detent_audit.runtime.facts import checkpoint_hashes
 
     # (7), first: the checkpoint's files are hashed, not loaded, before vLLM is built
     local_model = VllmConfig(model=str(model)).resolved_model

@@ -41,7 +41,6 @@ def _plugin_attention(facts: Mapping[str, Any]) -> Any:
 def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model: str | Path | None,
                        threads: int | None = None, tuple_override: Mapping[str, Any] | None = None) -> Any:
     """The local `SglangEngine` for these facts; raises `NotComparable` (exit 3) or `BadInput` (exit 2)."""
-    from detent_audit.engine.facts import checkpoint_hashes
     from detent_audit.integrations.sglang.engine import (
         SglangConfig,
         SglangEngine,
@@ -49,6 +48,7 @@ def reconstruct_sglang(facts: Mapping[str, Any], tuple_values: Mapping[str, Any]
         sglang_version,
     )
     from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
+    from detent_audit.runtime.facts import checkpoint_hashes
 
     # (7), first: what the receipt's facts alone refuse
     mode = _hosted_mode(tuple_values, tuple_override, "SGLang")

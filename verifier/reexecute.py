@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import DetentError
 from detent_audit.manifests.receipt import Receipt
+from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.verifier.checks import refutation
 from detent_audit.verifier.compare import first_divergence, prompt_divergence
 from detent_audit.verifier.reconstruct import reconstruct

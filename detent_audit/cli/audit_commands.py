@@ -130,7 +130,7 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
     deployments = load_deployments(deployment) if deployment else None
     override = None
     if tuple_file is not None:
-        from detent_audit.engine.tuples import load_tuple
+        from detent_audit.runtime.tuples import load_tuple
 
         override = load_tuple(tuple_file)
     options = dict(model=model, mode=mode, sample=sample, seed=seed, cache_dir=str(cache_dir) if cache_dir else None,

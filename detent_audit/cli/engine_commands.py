@@ -26,8 +26,8 @@ from detent_audit.cli.options import (
 def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
          tuple_file: Path = TUPLE, as_json: bool = JSON) -> None:
     """Print the running engine's deployment facts and their hash."""
-    from detent_audit.engine.facts import collect_facts
     from detent_audit.manifests.encoding import facts_hash
+    from detent_audit.runtime.facts import collect_facts
 
     llm = open_engine(model, mode, dtype, threads, tuple_file, device=device)
     facts = collect_facts(llm)
@@ -53,7 +53,7 @@ def battery(
     from rich.progress import Progress
     from rich.table import Table
 
-    from detent_audit.engine.battery import cells, default_target_len, prefix_block, run_battery
+    from detent_audit.bench.battery import cells, default_target_len, prefix_block, run_battery
 
     llm = open_engine(model, mode, dtype, threads, device=device, engine=engine)
     block = prefix_block(llm)
@@ -93,7 +93,7 @@ def generate(
     max_model_len: int = MAX_MODEL_LEN, as_json: bool = JSON,
 ) -> None:
     """Generate completions offline."""
-    from detent_audit.engine.sampling_params import SamplingParams, seed_for
+    from detent_audit.runtime.sampling_params import SamplingParams, seed_for
 
     llm = open_engine(model, mode, dtype, threads, device=device, max_model_len=max_model_len)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
@@ -130,8 +130,8 @@ def tune(
 
     from detent_audit.bench.workloads import parse_concurrencies
     from detent_audit.engine.tune import tune_engine
-    from detent_audit.engine.tuples import save_tuple
     from detent_audit.errors import BadInput
+    from detent_audit.runtime.tuples import save_tuple
     from detent_audit.server.offline import read_requests
 
     if out.exists():
@@ -170,8 +170,8 @@ def import_gguf(
     from rich.console import Console
     from rich.progress import Progress
 
-    from detent_audit.engine.gguf_import import check_import
-    from detent_audit.engine.gguf_import import import_gguf as run_import
+    from detent_audit.runtime.gguf_import import check_import
+    from detent_audit.runtime.gguf_import import import_gguf as run_import
 
     check_import(file, out, dtype)  # bad input fails before the progress bar starts
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:

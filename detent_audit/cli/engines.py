@@ -22,7 +22,7 @@ def open_engine(model: str | None, mode: str, dtype: str, threads: int, tuple_fi
         raise BadInput(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     committed = None
     if tuple_file is not None:
-        from detent_audit.engine.tuples import load_tuple
+        from detent_audit.runtime.tuples import load_tuple
 
         committed = load_tuple(tuple_file)
     if engine == "sglang":

@@ -25,9 +25,9 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from detent_audit.engine.sampling_params import is_int
 from detent_audit.engine.sequence import Sequence
 from detent_audit.errors import BadInput
+from detent_audit.runtime.sampling_params import is_int
 
 ROOT_HASH = bytes(32)  # the parent hash of a sequence's first block
 

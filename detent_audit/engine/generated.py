@@ -16,8 +16,8 @@ import torch
 
 from detent_audit.cache_dir import cache_root
 from detent_audit.engine.checkpoint import write_random_checkpoint
-from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.model import CausalLM
+from detent_audit.runtime.model_config import ModelConfig
 
 PREFIX = "random:"
 SEED = 0

@@ -16,22 +16,22 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar
 
-from detent_audit.engine.base import EngineBase, RequestOutput
-from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.engine.generated import generate_model, is_generated
-from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
 from detent_audit.engine.loader import load_model
-from detent_audit.engine.named_models import ResolvedModel, resolve_model
 from detent_audit.engine.runner import ModelRunner, ScoreSpec
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
 from detent_audit.engine.sequence import Sequence
-from detent_audit.engine.stop_strings import output_text
-from detent_audit.engine.threads import set_threads
-from detent_audit.engine.tokenizer import Tokenizer
-from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
+from detent_audit.runtime.base import EngineBase, RequestOutput
+from detent_audit.runtime.contract import EMBEDDED, Rescored
+from detent_audit.runtime.dtypes import DTYPES, RUN_DTYPES
+from detent_audit.runtime.kernel_select import Selection, engine_deployment, select_kernels
+from detent_audit.runtime.named_models import ResolvedModel, resolve_model
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.stop_strings import output_text
+from detent_audit.runtime.threads import set_threads
+from detent_audit.runtime.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
@@ -93,7 +93,7 @@ class EngineConfig:
 class LLM(EngineBase[Sequence]):
     """Offline engine. `generate` runs prompts to completion; requests are batched as the scheduler sees fit,
     and (batch invariance) every request's bits are what it would get alone. The embedded implementation of
-    `detent_audit.engine_api.Engine`."""
+    `detent_audit.runtime.contract.Engine`."""
 
     name = EMBEDDED
     config: EngineConfig
@@ -176,7 +176,7 @@ class LLM(EngineBase[Sequence]):
         self._scores.clear()
         self._tops.clear()
 
-    # ---- the engine boundary (detent_audit.engine_api)
+    # ---- the engine boundary (detent_audit.runtime.contract)
     @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
@@ -186,8 +186,8 @@ class LLM(EngineBase[Sequence]):
         return self.model.config.vocab_size
 
     def facts(self) -> dict[str, Any]:
-        """The bit-relevant facts a receipt records (`detent_audit.engine.facts.collect_facts`)."""
-        from detent_audit.engine.facts import collect_facts
+        """The bit-relevant facts a receipt records (`detent_audit.runtime.facts.collect_facts`)."""
+        from detent_audit.runtime.facts import collect_facts
 
         return collect_facts(self)
 

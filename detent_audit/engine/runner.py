@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from detent_audit.engine.model import CausalLM
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import SchedulerOutput
 from detent_audit.kernels import AttentionMetadata, Kernels
 from detent_audit.kernels import sampling as sampling_ops
+from detent_audit.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from detent_audit.engine.cuda_graphs import DecodeGraphs

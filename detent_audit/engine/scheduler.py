@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from detent_audit.engine.block_manager import BlockManager
-from detent_audit.engine.finish import FinishReason, finish_cause
-from detent_audit.engine.sampling_params import check_token_id, is_int
 from detent_audit.engine.sequence import Sequence, SequenceStatus
-from detent_audit.engine.stop_strings import find_stop
 from detent_audit.errors import BadInput
+from detent_audit.runtime.finish import FinishReason, finish_cause
+from detent_audit.runtime.sampling_params import check_token_id, is_int
+from detent_audit.runtime.stop_strings import find_stop
 
 
 def _arrival(seq: Sequence) -> int:
@@ -280,7 +280,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish_reason(self, seq: Sequence) -> FinishReason | None:
-        """The finish rule (engine/finish.py) after `seq`'s last token; None while it goes on."""
+        """The finish rule (runtime/finish.py) after `seq`'s last token; None while it goes on."""
         params = seq.sampling_params
         stop_string = False
         if params.stop:  # checked after every token, so the first token whose text holds one stops it

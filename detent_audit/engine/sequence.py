@@ -16,9 +16,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as SequenceOf
 
-from detent_audit.engine.finish import FinishReason
-from detent_audit.engine.sampling_params import SamplingParams, check_token_id, is_int
 from detent_audit.errors import BadInput
+from detent_audit.runtime.finish import FinishReason
+from detent_audit.runtime.sampling_params import SamplingParams, check_token_id, is_int
 
 
 class SequenceStatus(enum.Enum):

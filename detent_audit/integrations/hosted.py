@@ -11,14 +11,14 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from detent_audit.engine.base import EngineBase
-from detent_audit.engine.config import ModelConfig
-from detent_audit.engine.facts import checkpoint_hashes
-from detent_audit.engine.kernel_select import Selection
-from detent_audit.engine.named_models import ResolvedModel, resolve_model
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.errors import BadInput
+from detent_audit.runtime.base import EngineBase
+from detent_audit.runtime.facts import checkpoint_hashes
+from detent_audit.runtime.kernel_select import Selection
+from detent_audit.runtime.model_config import ModelConfig
+from detent_audit.runtime.named_models import ResolvedModel, resolve_model
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.tokenizer import Tokenizer
 
 
 class HostedRequest:

@@ -38,9 +38,9 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from detent_audit.engine.stop_strings import find_stop
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import MAX_CLIENT_BODY, ClientRequest
+from detent_audit.runtime.stop_strings import find_stop
 from detent_audit.server.async_engine import (
     AsyncEngine,
     EngineClosed,

@@ -25,12 +25,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from detent_audit.engine.base import RequestOutput
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.sequence import Sequence as EngineSequence
-from detent_audit.engine.threads import set_threads
-from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
+from detent_audit.runtime.base import RequestOutput
+from detent_audit.runtime.contract import Engine
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.threads import set_threads
 
 
 class EngineUnavailable(Exception):
@@ -139,7 +139,7 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    """Serves an engine (`detent_audit.engine_api.Engine`) from one background thread (started here). See the module docstring."""
+    """Serves an engine (`detent_audit.runtime.contract.Engine`) from one background thread (started here). See the module docstring."""
 
     def __init__(self, llm: Engine, *, max_queued: int = 256) -> None:
         if max_queued < 1:

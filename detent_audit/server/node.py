@@ -32,9 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.atomic import write_atomically
-from detent_audit.engine.base import RequestOutput
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine_api import Engine
 from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.manifests.dsse import Envelope, read_envelope_bytes
@@ -51,6 +48,9 @@ from detent_audit.manifests.receipt import (
     sign_receipt,
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest, verify_run_manifest
+from detent_audit.runtime.base import RequestOutput
+from detent_audit.runtime.contract import Engine
+from detent_audit.runtime.sampling_params import SamplingParams
 
 RECEIPT_SUFFIX = ".receipt"
 MANIFEST_SUFFIX = ".manifest"

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.sampling_params import SamplingParams, seed_for
-from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import ClientRequest
+from detent_audit.runtime.contract import Engine
+from detent_audit.runtime.sampling_params import SamplingParams, seed_for
 from detent_audit.server.node import RECEIPT_ID, ServingNode
 from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
 

@@ -20,9 +20,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from detent_audit.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, seed_for
-from detent_audit.engine.stop_strings import check_stop_strings
 from detent_audit.errors import BadInput
+from detent_audit.runtime.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, seed_for
+from detent_audit.runtime.stop_strings import check_stop_strings
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",

@@ -11,8 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from detent_audit.engine.stop_strings import output_text
-from detent_audit.engine.tokenizer import bytes_to_unicode
+from detent_audit.runtime.stop_strings import output_text
+from detent_audit.runtime.tokenizer import bytes_to_unicode
 
 LOGPROB_FLOOR = -9999.0
 _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE alphabet -> byte

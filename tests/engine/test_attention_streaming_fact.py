@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from detent_audit.engine.config import NAMED_SHAPES
-from detent_audit.engine.kernel_select import engine_deployment
 from detent_audit.engine.llm import EngineConfig
 from detent_audit.errors import BadInput
+from detent_audit.runtime.kernel_select import engine_deployment
+from detent_audit.runtime.model_config import NAMED_SHAPES
 from detent_audit.verifier.reconstruct import engine_config
 
 

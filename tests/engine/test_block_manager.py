@@ -7,9 +7,9 @@ import random
 import pytest
 
 from detent_audit.engine.block_manager import ROOT_HASH, BlockManager, IntegrityError, block_hash
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.sequence import Sequence
 from detent_audit.errors import BadInput
+from detent_audit.runtime.sampling_params import SamplingParams
 
 BS = 4
 PARAMS = SamplingParams(max_tokens=8)

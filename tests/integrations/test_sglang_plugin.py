@@ -11,9 +11,9 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from detent_audit.engine.threads import set_threads
 from detent_audit.errors import BadInput
 from detent_audit.integrations.sglang.config import ENV, PluginConfig
+from detent_audit.runtime.threads import set_threads
 
 pytest.importorskip("sglang")
 
@@ -169,8 +169,8 @@ def test_the_gemm_shapes_are_the_products_sglang_fuses(tmp_path):
     from safetensors import safe_open
 
     from detent_audit.engine.checkpoint import write_random_checkpoint
-    from detent_audit.engine.config import ModelConfig
     from detent_audit.integrations.sglang.selection import sglang_gemm_shapes
+    from detent_audit.runtime.model_config import ModelConfig
 
     write_random_checkpoint(tmp_path, "default-20m", 0)
     weights = {}

@@ -22,10 +22,10 @@ pytest.importorskip("vllm")
 from typer.testing import CliRunner  # noqa: E402
 
 from detent_audit.cli import app  # noqa: E402
-from detent_audit.engine.sampling_params import SamplingParams  # noqa: E402
-from detent_audit.engine_api import Engine  # noqa: E402
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys  # noqa: E402
 from detent_audit.manifests.receipt import OutputRecord, sign_receipt, verify_envelope  # noqa: E402
+from detent_audit.runtime.contract import Engine  # noqa: E402
+from detent_audit.runtime.sampling_params import SamplingParams  # noqa: E402
 
 runner = CliRunner()
 # vLLM's CPU attention takes head sizes of 32 and up; the rest is the tiny llama shape
@@ -204,7 +204,7 @@ def _forged(served: dict, tmp_path: Path, name: str, *, change_output=None, chan
     src = served["out"] / "receipts" / "r5.receipt"
     r = verify_envelope(src.read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
     if change_output is not None:
-        from detent_audit.engine.tokenizer import Tokenizer
+        from detent_audit.runtime.tokenizer import Tokenizer
 
         tokens, lps = change_output(list(r.output.token_ids), list(r.output.logprobs))
         text = Tokenizer.from_pretrained(served["ckpt"]).decode(tokens)  # a forger keeps the text consistent

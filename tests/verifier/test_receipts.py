@@ -13,9 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
-from detent_audit.engine.facts import collect_facts
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import (
@@ -25,6 +23,8 @@ from detent_audit.manifests.receipt import (
     verify_envelope,
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
+from detent_audit.runtime.facts import collect_facts
+from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline
 
@@ -247,7 +247,7 @@ def test_10_a_tuple_axis_no_kernel_reads_is_not_signed_and_a_receipt_naming_one_
     is left out of what is signed, and a receipt that names one, with any value, is refused."""
     import torch
 
-    from detent_audit.engine.kernel_select import _kernel_set, probe_inputs, probe_params
+    from detent_audit.runtime.kernel_select import _kernel_set, probe_inputs, probe_params
 
     llm = node_run["llm"]
     selection = llm.selection
@@ -359,7 +359,7 @@ def test_11_a_flipped_weight_byte_changes_the_weights_hash_even_with_its_mtime_r
                                                                                         monkeypatch) -> None:
     import shutil
 
-    from detent_audit.engine.facts import checkpoint_hashes
+    from detent_audit.runtime.facts import checkpoint_hashes
 
     monkeypatch.setenv("DETENT_AUDIT_CACHE", str(tmp_path / "cache"))
     ckpt = tmp_path / "ckpt"

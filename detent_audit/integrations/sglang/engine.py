@@ -1,5 +1,5 @@
 """`SglangEngine`: SGLang's own engine (`sglang.Engine`: tokenizer manager here, scheduler in its process)
-behind `detent_audit.engine_api.Engine`.
+behind `detent_audit.runtime.contract.Engine`.
 
 SGLang runs its own continuous-batching loop in the scheduler process; this class submits requests to it
 (`async_generate` on one event loop thread) and `step()` waits a few milliseconds for requests to finish, so the
@@ -31,12 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit import __version__
-from detent_audit.engine.base import RequestOutput
-from detent_audit.engine.facts import source_hash
-from detent_audit.engine.named_models import ResolvedModel
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.stop_strings import find_stop, output_text
-from detent_audit.engine_api import Rescored
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
     HostedEngine,
@@ -48,6 +42,12 @@ from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
 from detent_audit.integrations.hosted import attention_form as _attention_form
 from detent_audit.integrations.sglang import INSTALL_REMEDY, sglang_version
 from detent_audit.integrations.sglang.config import ATTENTIONS, DETENT_SGLANG_ENV, ENV, PluginConfig
+from detent_audit.runtime.base import RequestOutput
+from detent_audit.runtime.contract import Rescored
+from detent_audit.runtime.facts import source_hash
+from detent_audit.runtime.named_models import ResolvedModel
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.stop_strings import find_stop, output_text
 
 NAME = "sglang"
 SUPPORTED_VERSION = "0.5.21"   # the release whose wheel pins torch 2.13.0
@@ -66,7 +66,7 @@ class SglangUnavailable(DetentError):
 class SglangConfig:
     """What shapes an SGLang engine; every bit-relevant part is in the facts."""
 
-    model: str                         # a checkpoint folder or a model name (`detent_audit.engine.named_models`)
+    model: str                         # a checkpoint folder or a model name (`detent_audit.runtime.named_models`)
     mode: str = "detent"
     num_threads: int = 1
     max_model_len: int = 2048
@@ -137,7 +137,7 @@ def _scored_positions(meta: Mapping[str, Any], top_n: int) -> tuple[list[float],
 
 
 class SglangEngine(HostedEngine[SglangRequest]):
-    """SGLang behind the engine boundary (see `detent_audit.engine_api` for the contract)."""
+    """SGLang behind the engine boundary (see `detent_audit.runtime.contract` for the contract)."""
 
     name = NAME
     config: SglangConfig

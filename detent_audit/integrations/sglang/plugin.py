@@ -67,9 +67,9 @@ def hooks_for(config: PluginConfig) -> dict[str, tuple[str, Any]]:
     out = control.hooks()
     if config.mode != "detent":
         return out
-    from detent_audit.engine.threads import set_threads
     from detent_audit.integrations.sglang.cpu_kernels import CpuHooks
     from detent_audit.integrations.sglang.selection import cpu_kernel_set
+    from detent_audit.runtime.threads import set_threads
 
     set_threads(config.num_threads)
     out.update(CpuHooks(cpu_kernel_set(config), config.attention).hooks())

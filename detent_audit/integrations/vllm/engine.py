@@ -1,4 +1,4 @@
-"""`VllmEngine`: vLLM's own engine (V1 `LLMEngine`, in process) behind `detent_audit.engine_api.Engine`.
+"""`VllmEngine`: vLLM's own engine (V1 `LLMEngine`, in process) behind `detent_audit.runtime.contract.Engine`.
 
 Modes: `detent` (the plugin's kernels, the tuple committed through the compiled selectors, the counter-hash
 sampler), `stock` (vLLM as shipped: its kernels and its seeded generators) and `det` (vLLM's own
@@ -25,13 +25,6 @@ from typing import Any
 import torch
 
 from detent_audit import __version__
-from detent_audit.engine.base import RequestOutput
-from detent_audit.engine.facts import source_hash
-from detent_audit.engine.kernel_select import engine_deployment, select_kernels
-from detent_audit.engine.named_models import ResolvedModel
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.threads import set_threads
-from detent_audit.engine_api import Rescored
 from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
@@ -43,6 +36,13 @@ from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
 )
 from detent_audit.integrations.hosted import attention_form as _attention_form
 from detent_audit.integrations.vllm import plugin
+from detent_audit.runtime.base import RequestOutput
+from detent_audit.runtime.contract import Rescored
+from detent_audit.runtime.facts import source_hash
+from detent_audit.runtime.kernel_select import engine_deployment, select_kernels
+from detent_audit.runtime.named_models import ResolvedModel
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.threads import set_threads
 
 NAME = "vllm"
 _SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrations.vllm",
@@ -62,7 +62,7 @@ class VllmUnavailable(DetentError):
 class VllmConfig:
     """What shapes a vLLM engine; every bit-relevant part is in the facts."""
 
-    model: str                         # a checkpoint folder or a model name (`detent_audit.engine.named_models`)
+    model: str                         # a checkpoint folder or a model name (`detent_audit.runtime.named_models`)
     mode: str = "detent"
     num_threads: int = 1
     dtype: str = "float32"
@@ -147,7 +147,7 @@ def _gathered_entries(token_ids: list[int], logprobs: list[float], rank: int) ->
 
 
 class VllmEngine(HostedEngine[VllmRequest]):
-    """vLLM behind the engine boundary (see `detent_audit.engine_api` for the contract)."""
+    """vLLM behind the engine boundary (see `detent_audit.runtime.contract` for the contract)."""
 
     name = NAME
     config: VllmConfig

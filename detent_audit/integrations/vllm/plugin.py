@@ -55,8 +55,8 @@ def active() -> bool:
 
 @functools.lru_cache(maxsize=8)
 def _kernel_set_for(deployment_json: str, tuple_json: str, cache_dir: str | None) -> Any:
-    from detent_audit.engine.kernel_select import select_kernels
     from detent_audit.manifests.deployment import Deployment
+    from detent_audit.runtime.kernel_select import select_kernels
 
     deployment = Deployment.from_canonical(json.loads(deployment_json), source=ENV_DEPLOYMENT)
     return select_kernels("detent", deployment, json.loads(tuple_json), cache_dir).kernels

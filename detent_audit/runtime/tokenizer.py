@@ -20,8 +20,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from detent_audit.engine.errors import BadCheckpoint
 from detent_audit.errors import BadInput
+from detent_audit.runtime.errors import BadCheckpoint
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 CHAT_TEMPLATE_FILE = "chat_template.jinja"

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from detent_audit.engine.llm import LLM
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import BadInput
+from detent_audit.runtime.sampling_params import SamplingParams
 
 NUM_TOKENS = 16
 TARGET_LEN = 40        # the target with 16-token pages (the embedded engine)

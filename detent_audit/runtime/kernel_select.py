@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, cast
 
 from detent_audit import __version__
-from detent_audit.engine.config import ModelConfig
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.kernels import (
     AttentionParams,
@@ -46,6 +45,7 @@ from detent_audit.kernels import (
 )
 from detent_audit.kernels.params import BadParams
 from detent_audit.manifests.deployment import Deployment
+from detent_audit.runtime.model_config import ModelConfig
 from detent_audit.selection.cache import JitCache
 from detent_audit.selection.compiler import SolveResult, solve
 from detent_audit.selection.lang import cdiv

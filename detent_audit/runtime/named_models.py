@@ -74,7 +74,7 @@ def wheel_gguf(name: str) -> tuple[Path, str]:
 
 def _gguf_sha256(file: Path, cache_dir: Path) -> str:
     """The file's SHA-256, cached by (path, size, mtime) with the weights hashes."""
-    from detent_audit.engine.facts import file_hash, hash_cache
+    from detent_audit.runtime.facts import file_hash, hash_cache
 
     with hash_cache(cache_dir / "gguf-hashes.json") as cache:
         return file_hash(file, cache)
@@ -83,7 +83,7 @@ def _gguf_sha256(file: Path, cache_dir: Path) -> str:
 def ensure_wheel_model(name: str, cache_dir: str | Path | None = None, progress=None) -> ResolvedModel:
     """The imported folder of a wheel model, importing the GGUF on first use (atomically: two processes that
     race both end with the same folder)."""
-    from detent_audit.engine.gguf_import import IMPORT_VERSION, import_gguf
+    from detent_audit.runtime.gguf_import import IMPORT_VERSION, import_gguf
 
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     file, version = wheel_gguf(name)

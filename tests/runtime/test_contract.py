@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 from detent_audit.cli import app
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine_api import EMBEDDED, Engine, engine_name
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import sign_receipt, verify_envelope
+from detent_audit.runtime.contract import EMBEDDED, Engine, engine_name
+from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline
 from detent_audit.verifier.reconstruct import NotComparable, reconstruct
@@ -117,8 +117,8 @@ class _Stalling:
 def test_run_and_generate_are_one_implementation_over_the_boundary(llm: LLM) -> None:
     """Every engine's run/generate are the boundary's functions (through EngineBase): the embedded engine's outputs through
     engine_api.generate equal LLM.generate's, a parameter count mismatch is BadInput, a stalled engine raises."""
-    from detent_audit import engine_api
     from detent_audit.errors import BadInput
+    from detent_audit.runtime import contract as engine_api
 
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     params = [SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(temperature=0.8, seed=3, max_tokens=4)]
@@ -132,9 +132,9 @@ def test_run_and_generate_are_one_implementation_over_the_boundary(llm: LLM) -> 
         llm.generate(prompts, params[:1])
     with pytest.raises(RuntimeError, match="stalling engine stopped"):
         engine_api.generate(_Stalling(), [[1]], None, default=None)
-    from detent_audit.engine.base import EngineBase
     from detent_audit.integrations.hosted import HostedEngine
     from detent_audit.integrations.sglang.engine import SglangEngine
+    from detent_audit.runtime.base import EngineBase
 
     engines = [LLM, SglangEngine]
     try:

@@ -1,4 +1,4 @@
-"""What every engine behind the boundary (`detent_audit.engine_api.Engine`) shares, written once: a finished
+"""What every engine behind the boundary (`detent_audit.runtime.contract.Engine`) shares, written once: a finished
 request's `RequestOutput`, and `EngineBase` (the thread count and mode its config fixes, `run` and `generate`
 over its own `add_request`/`step`). The embedded engine, vLLM's and SGLang's derive from it.
 """
@@ -11,8 +11,8 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from detent_audit import engine_api
-from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.runtime import contract as engine_api
+from detent_audit.runtime.sampling_params import SamplingParams
 
 
 @dataclass
