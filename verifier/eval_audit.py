@@ -491,6 +491,6 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
 
 def _checkpoint(model: str | None) -> Path:
     """The checkpoint folder of `model` (None: the embedded default), whose tokenizer the server used."""
-    from detent_audit.engine.llm import EngineConfig
+    from detent_audit.runtime.named_models import resolve_model
 
-    return EngineConfig(model=model).model_path
+    return resolve_model(model).path

@@ -111,11 +111,7 @@ def worker_batch(batch: list[tuple[str, bytes]], options: Options) -> list[Outco
 
 def _max_prompt_chars(llm: Any) -> int:
     """The longest prompt text the deployment's context can hold (its longest token, `max_model_len` times)."""
-    max_chars = getattr(llm, "_verify_max_prompt_chars", None)
-    if max_chars is None:
-        words = llm.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
-        max_chars = llm._verify_max_prompt_chars = llm.max_model_len * max(map(len, words), default=1)
-    return max_chars
+    return int(llm.max_model_len * llm.tokenizer.max_token_chars())
 
 
 def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:

@@ -27,10 +27,9 @@ def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int 
          tuple_file: Path = TUPLE, as_json: bool = JSON) -> None:
     """Print the running engine's deployment facts and their hash."""
     from detent_audit.manifests.encoding import facts_hash
-    from detent_audit.runtime.facts import collect_facts
 
     llm = open_engine(model, mode, dtype, threads, tuple_file, device=device)
-    facts = collect_facts(llm)
+    facts = llm.facts()
     digest = facts_hash(facts)
     if as_json:
         typer.echo(json.dumps({"facts": facts, "facts_hash": digest}, indent=2, sort_keys=True))
@@ -129,6 +128,7 @@ def tune(
     from rich.table import Table
 
     from detent_audit.bench.workloads import parse_concurrencies
+    from detent_audit.engine.llm import LLM
     from detent_audit.engine.tune import tune_engine
     from detent_audit.errors import BadInput
     from detent_audit.runtime.tuples import save_tuple
@@ -139,6 +139,8 @@ def tune(
     levels = parse_concurrencies(concurrency)
     llm = open_engine(model, "detent", dtype, threads, tuple_file, device=device,
                       attention_streaming=attention_streaming)
+    if not isinstance(llm, LLM):  # the embedded engine: tuning reads its kernels' calls
+        raise BadInput("tune runs on the embedded engine")
     requests = [r[:3] for r in read_requests(llm, workload)]  # (id, prompt ids, sampling): no binding needed
     committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
                                      budget_fraction=budget, seed=seed, concurrency=levels)

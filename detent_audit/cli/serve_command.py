@@ -67,7 +67,7 @@ def serve(
     private_key = load_private_key(key, passphrase(passphrase_env))
     llm = open_engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
                       attention_streaming=attention_streaming, max_model_len=max_model_len, engine=engine)
-    positions = (llm.model_config if engine != "embedded" else llm.model.config).max_position_embeddings
+    positions = llm.model_positions
     if max_model_len is not None and max_model_len > positions:
         raise BadInput(f"--max-model-len {max_model_len} exceeds the model's {positions} positions",
                        remedy=f"pass --max-model-len {positions} or less")
@@ -77,8 +77,7 @@ def serve(
     if input_path is not None:
         _serve_file(llm, node, input_path, output_path, manifest_out)
         return
-    default_name = llm.model_name if engine != "embedded" else llm.config.resolved_model.name
-    _serve_http(llm, node, served_model_name or default_name, host, port, max_queued)
+    _serve_http(llm, node, served_model_name or llm.model_name, host, port, max_queued)
 
 
 def _serve_file(llm: Any, node: Any, input_path: Path, output_path: Path, manifest_out: Path) -> None:

@@ -51,6 +51,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_prefill_chunk: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    prefix_caching: bool = True     # off: no sequence reuses another's KV blocks
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -112,7 +113,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, decode: Callable[[SequenceOf[int]], str] | None = None) -> None:
         self.config = config
         self.decode = decode  # output ids -> text, for stop strings (a request with stop strings needs it)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._next_arrival = 0
@@ -260,7 +261,6 @@ class Scheduler:
         else:
             self.waiting.remove(seq)  # waiting or preempted: it holds no blocks
         self._live_ids.discard(seq.seq_id)
-        self.block_manager.hit_limit.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:

@@ -7,12 +7,13 @@ hosted engine records alike (checkpoint, runtime).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
 from detent_audit.errors import BadInput
 from detent_audit.runtime.base import EngineBase
+from detent_audit.runtime.contract import RequestHandle, TopLogprobs, TupleValues
 from detent_audit.runtime.facts import checkpoint_hashes
 from detent_audit.runtime.kernel_select import Selection
 from detent_audit.runtime.model_config import ModelConfig
@@ -96,13 +97,17 @@ class HostedEngine(EngineBase[Request]):
     def model_name(self) -> str:
         return self.config.resolved_model.name
 
-    def tuple_values(self) -> dict[str, dict[str, Any]]:
+    @property
+    def model_positions(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def tuple_values(self) -> TupleValues:
         return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
 
-    def top_logprobs_so_far(self, seq: Request) -> list[list[tuple[int, float]]]:
-        return seq.top
+    def top_logprobs_so_far(self, seq: RequestHandle) -> TopLogprobs:
+        return self.own(seq).top
 
-    def hosted_facts(self, dtype: str) -> dict[str, dict[str, Any]]:
+    def hosted_facts(self, dtype: str) -> dict[str, dict[str, object]]:
         """The facts every hosted engine records alike: the checkpoint (hashes, name, source, EOS ids), the
         runtime (torch, the CPU, threads, dtype) and the tuple."""
         resolved = self.config.resolved_model
@@ -123,7 +128,7 @@ def attention_names() -> dict[str, str]:
     return {"c": attention_c.IMPLEMENTATION, "torch": "torch-tiled"}
 
 
-def attention_of_facts(recorded: Any) -> str:
+def attention_of_facts(recorded: object) -> str:
     """The form a receipt's `engine.plugin.attention` names (receipts from before the C form ran the torch one);
     `BadInput` for a name this detent-audit does not run."""
     if recorded is None:

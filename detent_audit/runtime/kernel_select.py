@@ -48,6 +48,7 @@ from detent_audit.manifests.deployment import Deployment
 from detent_audit.runtime.model_config import ModelConfig
 from detent_audit.selection.cache import JitCache
 from detent_audit.selection.compiler import SolveResult, solve
+from detent_audit.selection.errors import IllegalAssignment
 from detent_audit.selection.lang import cdiv
 from detent_audit.selection.programs import fa3, families_for
 
@@ -141,11 +142,11 @@ def gemm_params_of(assignment: Mapping[str, Any]) -> GemmParams:
     try:
         return GemmParams(assignment["chunk_rows"], assignment.get(GEMM_FORM_KNOB, "chunk"))
     except KeyError as exc:
-        raise BadInput(f"the tuple's embedded.gemm assignment {dict(assignment)} names no {exc}",
-                       remedy="run `detent-audit solve` for the legal values") from None
+        raise IllegalAssignment(f"the tuple's embedded.gemm assignment {dict(assignment)} names no {exc}",
+                                remedy="run `detent-audit solve` for the legal values") from None
     except BadParams as exc:
-        raise BadInput(f"the tuple's embedded.gemm assignment {dict(assignment)} is not legal: {exc.message}",
-                       remedy=exc.remedy) from None
+        raise IllegalAssignment(f"the tuple's embedded.gemm assignment {dict(assignment)} is not legal: "
+                                f"{exc.message}", remedy=exc.remedy) from None
 
 
 def proven_deployment(deployment: Deployment, gemm: dict[str, Any] | None, shapes: Iterable[tuple[int, int]],
@@ -195,8 +196,8 @@ def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Ma
                for spec in families_for(deployment)}
     unknown = sorted(set(committed) - set(results))
     if unknown:
-        raise BadInput(f"the tuple names families {unknown} this deployment does not run",
-                       remedy=f"families: {sorted(results)}")
+        raise IllegalAssignment(f"the tuple names families {unknown} this deployment does not run",
+                                remedy=f"families: {sorted(results)}")
     chosen: dict[str, dict[str, Any]] = {}
     for family, result in results.items():
         if family in committed:
@@ -225,9 +226,9 @@ def _complete(result: SolveResult, family: str, given: dict[str, Any]) -> dict[s
                                                                       for k, v in given.items())]
             if matching:
                 return nearest_legal_of(matching, prefs, result.program)
-    raise BadInput(f"the tuple's {family} assignment {given} is not legal" +
-                   (f" (no axes {unknown})" if unknown else ""),
-                   remedy="run `detent-audit solve` for the legal values")
+    raise IllegalAssignment(f"the tuple's {family} assignment {given} is not legal" +
+                            (f" (no axes {unknown})" if unknown else ""),
+                            remedy="run `detent-audit solve` for the legal values")
 
 
 def probe_inputs(deployment: Deployment) -> dict[str, list[dict[str, int]]]:

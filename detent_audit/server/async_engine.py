@@ -1,4 +1,4 @@
-"""`AsyncEngine`: the offline `LLM` behind a thread, for the HTTP server's event loop.
+"""`AsyncEngine`: an engine (the contract's `Engine`) behind a thread, for the HTTP server's event loop.
 
 One background thread owns the LLM (which is not thread-safe: nothing else touches it). Requests arrive
 through a lock-guarded inbox; the thread admits them (`LLM.add_request`), loops `step()` while there is
@@ -25,10 +25,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from detent_audit.engine.sequence import Sequence as EngineSequence
 from detent_audit.errors import BadInput
-from detent_audit.runtime.base import RequestOutput
-from detent_audit.runtime.contract import Engine
+from detent_audit.runtime.contract import Engine, RequestOutput
+from detent_audit.runtime.contract import RequestHandle as EngineRequest
 from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.runtime.threads import set_threads
 
@@ -156,7 +155,7 @@ class AsyncEngine:
         self._cancel = False            # fail what is left instead of draining it
         self.error: BaseException | None = None
         self._admitting: list[RequestHandle] = []  # taken from the inbox, being added to the LLM
-        self._live: dict[int, tuple[EngineSequence, RequestHandle]] = {}  # seq_id -> (sequence, handle)
+        self._live: dict[int, tuple[EngineRequest, RequestHandle]] = {}  # seq_id -> (sequence, handle)
         self._emitted: dict[int, int] = {}  # seq_id -> output tokens published
         self._thread = threading.Thread(target=self._run, name="detent-engine", daemon=True)
         self._thread.start()

@@ -48,8 +48,7 @@ from detent_audit.manifests.receipt import (
     sign_receipt,
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest, verify_run_manifest
-from detent_audit.runtime.base import RequestOutput
-from detent_audit.runtime.contract import Engine
+from detent_audit.runtime.contract import Engine, RequestOutput, TupleValues
 from detent_audit.runtime.sampling_params import SamplingParams
 
 RECEIPT_SUFFIX = ".receipt"
@@ -65,7 +64,7 @@ class StorageFailed(DetentError):
     remedy = "free space on (or repair) the --manifest-out file system; the server answers 507 until then"
 
 
-def tuple_values(llm: Engine) -> dict[str, dict[str, Any]]:
+def tuple_values(llm: Engine) -> TupleValues:
     """What a receipt commits to as the tuple: the per-family pins and knobs, and the mode (as `mode.name`)."""
     return llm.tuple_values()
 
@@ -177,8 +176,8 @@ class ServingNode:
         stated = self.facts.get("kernel_params")
         if called is None or stated is None:
             return  # an engine whose kernels do not report (vLLM's, the GPU KernelSet)
-        extra = {family: [p for p in params if p not in stated.get(family, [])]
-                 for family, params in called.items()}
+        lists = {family: value for family, value in stated.items() if isinstance(value, list)}
+        extra = {family: [p for p in params if p not in lists.get(family, [])] for family, params in called.items()}
         extra = {family: params for family, params in extra.items() if params}
         if extra:
             raise DetentError(f"the kernels were called with params the signed facts do not state: {extra}",

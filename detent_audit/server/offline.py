@@ -139,7 +139,8 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
                 rid, _, params, client = requests[next_to_write]
                 output = llm.output_of(finished.pop(seqs[next_to_write].seq_id))
                 signed = node.sign(output, params, rid, client)  # durable before the answer is written
-                line = {"id": rid, "text": output.text, "token_ids": output.token_ids, "logprobs": output.logprobs}
+                line: dict[str, object] = {"id": rid, "text": output.text, "token_ids": output.token_ids,
+                                           "logprobs": output.logprobs}
                 if params.logprobs:  # the top-n alternatives at each position, as [token id, logprob] pairs
                     line["top_logprobs"] = [[list(pair) for pair in top] for top in output.top_logprobs]
                 line.update(finish_reason=output.finish_reason, seed=params.seed, receipt_id=signed.receipt_id,

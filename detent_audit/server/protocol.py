@@ -71,8 +71,7 @@ class Limits:
     def of(cls, model_name: str, max_model_len: int, vocab_size: int, tokenizer: Any) -> Limits:
         """With `max_prompt_chars` = max_model_len times the longest vocabulary entry (no token covers more
         characters), so an overlong text is refused before it is tokenized (which would take seconds and GBs)."""
-        vocab = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
-        return cls(model_name, max_model_len, vocab_size, max_model_len * max(map(len, vocab), default=1))
+        return cls(model_name, max_model_len, vocab_size, max_model_len * tokenizer.max_token_chars())
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

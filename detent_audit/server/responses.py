@@ -35,7 +35,7 @@ class TokenFormatter:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def bytes(self, token_id: int) -> list[int]:
-        piece = self.tokenizer.tokenizer.id_to_token(token_id)
+        piece = self.tokenizer.token_piece(token_id)
         if piece is not None and all(c in _BYTE_OF for c in piece):
             return [_BYTE_OF[c] for c in piece]
         return list(self.text(token_id, False).encode("utf-8"))

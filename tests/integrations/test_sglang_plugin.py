@@ -108,15 +108,14 @@ def _served_facts(**over) -> dict:
 ])
 def test_verify_refuses_before_sglang_starts(over, tuple_mode, kwargs, error, fields_or_message, monkeypatch):
     from detent_audit.integrations.sglang import engine
-    from detent_audit.verifier.reconstruct import NotComparable
-    from detent_audit.verifier.reconstruct_sglang import reconstruct_sglang
+    from detent_audit.verifier.reconstruct import NotComparable, reconstruct
 
     def never(*args, **kwargs):
         raise AssertionError("SGLang was started for a receipt refused from its facts")
 
     monkeypatch.setattr(engine.SglangEngine, "__init__", never)
     with pytest.raises(NotComparable if error == "NotComparable" else BadInput) as exc:
-        reconstruct_sglang(_served_facts(**over), {"mode": {"name": tuple_mode}}, None, **kwargs)
+        reconstruct(_served_facts(**over), {"mode": {"name": tuple_mode}}, None, **kwargs)
     if isinstance(fields_or_message, list):
         assert exc.value.fields == fields_or_message
         if fields_or_message[0].startswith("checkpoint."):

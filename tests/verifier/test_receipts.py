@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
+from detent_audit.engine.deployment_facts import collect_facts
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
@@ -23,7 +24,6 @@ from detent_audit.manifests.receipt import (
     verify_envelope,
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
-from detent_audit.runtime.facts import collect_facts
 from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline

@@ -42,8 +42,7 @@ from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
 from detent_audit.integrations.hosted import attention_form as _attention_form
 from detent_audit.integrations.sglang import INSTALL_REMEDY, sglang_version
 from detent_audit.integrations.sglang.config import ATTENTIONS, DETENT_SGLANG_ENV, ENV, PluginConfig
-from detent_audit.runtime.base import RequestOutput
-from detent_audit.runtime.contract import Rescored
+from detent_audit.runtime.contract import RequestHandle, RequestOutput, Rescored
 from detent_audit.runtime.facts import source_hash
 from detent_audit.runtime.named_models import ResolvedModel
 from detent_audit.runtime.sampling_params import SamplingParams
@@ -137,9 +136,10 @@ def _scored_positions(meta: Mapping[str, Any], top_n: int) -> tuple[list[float],
 
 
 class SglangEngine(HostedEngine[SglangRequest]):
-    """SGLang behind the engine boundary (see `detent_audit.runtime.contract` for the contract)."""
+    """SGLang behind the engine contract (see `detent_audit.runtime.contract` for the contract)."""
 
     name = NAME
+    handle_type = SglangRequest
     config: SglangConfig
 
     def __init__(self, config: SglangConfig) -> None:
@@ -326,19 +326,25 @@ class SglangEngine(HostedEngine[SglangRequest]):
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
-    def output_of(self, seq: SglangRequest) -> RequestOutput:
+    def output_of(self, seq: RequestHandle) -> RequestOutput:
+        seq = self.own(seq)
         text, _ = output_text(self.tokenizer.decode, seq.token_ids, seq.params.stop)
         return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids), text,
                              list(seq.output_logprobs), seq.finish_reason, list(seq.top), seq.num_cached_tokens,
                              seq.prompt_logprobs,
                              seq.prompt_top if seq.prompt_logprobs is not None else None)
 
-    def abort(self, seq: SglangRequest) -> None:
+    def abort(self, seq: RequestHandle) -> None:
+        seq = self.own(seq)
         if self._live.pop(seq.rid, None) is not None:
             self._loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, seq.rid)
             seq.future.cancel()
 
-    def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
+    @property
+    def block_size(self) -> int:
+        return 1  # SGLang's radix cache shares prefixes by token
+
+    def reset(self, *, max_prefill_chunk: int | None = None, drop_unfinished: bool = False) -> None:
         """Forget every request and the radix cache. `max_prefill_chunk` sets SGLang's chunked-prefill size in
         its running scheduler (the plugin's `control` hook), for the battery's chunked-prefill cell."""
         if self._live and not drop_unfinished:
@@ -347,7 +353,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
             self.abort(seq)
         if not self._flush():
             raise RuntimeError("SGLang did not flush its radix cache")
-        chunk = self.config.chunked_prefill_size if max_prefill_chunk in ("configured", None) else int(max_prefill_chunk)
+        chunk = self.config.chunked_prefill_size if max_prefill_chunk is None else max_prefill_chunk
         if chunk != self._chunk:
             from sglang.srt.managers.io_struct import SetInternalStateReq
 

@@ -36,8 +36,7 @@ from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
 )
 from detent_audit.integrations.hosted import attention_form as _attention_form
 from detent_audit.integrations.vllm import plugin
-from detent_audit.runtime.base import RequestOutput
-from detent_audit.runtime.contract import Rescored
+from detent_audit.runtime.contract import RequestHandle, RequestOutput, Rescored
 from detent_audit.runtime.facts import source_hash
 from detent_audit.runtime.kernel_select import engine_deployment, select_kernels
 from detent_audit.runtime.named_models import ResolvedModel
@@ -147,9 +146,10 @@ def _gathered_entries(token_ids: list[int], logprobs: list[float], rank: int) ->
 
 
 class VllmEngine(HostedEngine[VllmRequest]):
-    """vLLM behind the engine boundary (see `detent_audit.runtime.contract` for the contract)."""
+    """vLLM behind the engine contract (see `detent_audit.runtime.contract` for the contract)."""
 
     name = NAME
+    handle_type = VllmRequest
     config: VllmConfig
 
     def __init__(self, config: VllmConfig) -> None:
@@ -302,17 +302,19 @@ class VllmEngine(HostedEngine[VllmRequest]):
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def output_of(self, seq: VllmRequest) -> RequestOutput:
+    def output_of(self, seq: RequestHandle) -> RequestOutput:
+        seq = self.own(seq)
         return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids),
                              self.tokenizer.decode(seq.token_ids), list(seq.output_logprobs), seq.finish_reason,
                              list(seq.top), seq.num_cached_tokens)
 
-    def abort(self, seq: VllmRequest) -> None:
+    def abort(self, seq: RequestHandle) -> None:
+        seq = self.own(seq)
         key = seq.vllm_id
         if self._live.pop(key, None) is not None:
             self.engine.abort_request([key])
 
-    def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
+    def reset(self, *, max_prefill_chunk: int | None = None, drop_unfinished: bool = False) -> None:
         """Forget every request and the prefix cache. `max_prefill_chunk` caps one request's prefill tokens per
         step (vLLM's `long_prefill_token_threshold`; the battery's chunked-prefill cell)."""
         if self._live and not drop_unfinished:
@@ -323,7 +325,7 @@ class VllmEngine(HostedEngine[VllmRequest]):
             while self.engine.has_unfinished_requests():
                 self.engine.step()
         sched = self.engine.vllm_config.scheduler_config
-        threshold = 0 if max_prefill_chunk in ("configured", None) else int(max_prefill_chunk)
+        threshold = 0 if max_prefill_chunk is None else max_prefill_chunk
         sched.long_prefill_token_threshold = threshold
         scheduler = getattr(getattr(getattr(self.engine.engine_core, "engine_core", None), "scheduler", None),
                             "scheduler_config", None)
