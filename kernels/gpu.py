@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from detent_audit.enums import Mode
 from detent_audit.kernels import rowlocal
 from detent_audit.kernels.attention_metadata import AttentionMetadata
 from detent_audit.kernels.params import AttentionParams
@@ -83,7 +84,7 @@ class GpuKernelSet:
         return selected_attention_config(p, self.streaming)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.mode == "stock":
+        if self.mode == Mode.STOCK:
             return F.linear(x, weight, bias)
         from detent_audit.kernels.triton_gemm import linear
 

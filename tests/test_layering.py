@@ -31,8 +31,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "manifests": frozenset({"core"}),
     "selection": frozenset({"manifests", "core"}),
     "kernels": frozenset({"core"}),
-    # detent_audit/runtime/: the engine contract and what every engine shares; it imports no engine (the registry
-    # names the engines' packages, which register themselves)
+    # detent_audit/runtime/: the engine contract and what every engine shares; it imports no engine (the
+    # registry names the engines' packages, which register themselves)
     "runtime": frozenset({"selection", "kernels", "manifests", "core"}),
     # the engines, side by side above the runtime: none imports another
     "engine": frozenset({"runtime", "selection", "kernels", "manifests", "core"}),
@@ -42,13 +42,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     "server": frozenset({"runtime", "manifests", "core"}),
     # the verifier reads a client's request with the server's own parsers (server/protocol.py, offline.py)
     "verifier": frozenset({"server", "runtime", "selection", "manifests", "core"}),
-    "cli": frozenset({"verifier", "server", "bench", "runtime", "engine", "integrations", "selection", "kernels",
-                      "manifests", "core"}),
+    "cli": frozenset({"verifier", "server", "bench", "runtime", "engine", "integrations", "selection",
+                      "kernels", "manifests", "core"}),
 }
 # arrows against the layers, each named with why; each must be an import inside a function (never at load)
 EXCEPTIONS: dict[tuple[str, str], str] = {
     # random-20m and random:<shape>: their tensors are laid out by the embedded model's parameter table
-    ("detent_audit.runtime.named_models", "detent_audit.engine.checkpoint"): "the random-20m checkpoint writer",
+    ("detent_audit.runtime.named_models", "detent_audit.engine.checkpoint"): "the random-20m writer",
     ("detent_audit.runtime.named_models", "detent_audit.engine.generated"): "a random:<shape> model's card",
 }
 CORE = frozenset({"detent_audit", "detent_audit.errors", "detent_audit.atomic", "detent_audit.cache_dir", "detent_audit.enums"})

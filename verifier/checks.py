@@ -32,10 +32,11 @@ def refutation(r: Receipt, llm: Any, eos: set[int], max_prompt_chars: int) -> Ve
 
 
 def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Callable | None = None) -> str | None:
-    """The stated finish must be the one generation reaches (the scheduler's rule, runtime/finish.py): no stop token before the
-    end, and no earlier token whose text completed a stop string (recomputed with the deployment's tokenizer,
-    `decode`); 'stop' exactly when the last token is a stop token or completes a stop string (a stop wins over
-    a length limit); else 'length', at max_tokens or where prompt and output fill the context."""
+    """The stated finish must be the one generation reaches (the scheduler's rule, runtime/finish.py): no
+    stop token before the end, and no earlier token whose text completed a stop string (recomputed with the
+    deployment's tokenizer, `decode`); 'stop' exactly when the last token is a stop token or completes a stop
+    string (a stop wins over a length limit); else 'length', at max_tokens or where prompt and output fill the
+    context."""
     s, tokens, reason = r.request.sampling, list(r.output.token_ids), r.output.finish_reason
     prompt = len(r.request.prompt_token_ids)
     for i, t in enumerate(tokens[:-1]):

@@ -33,11 +33,12 @@ class NotComparable(DeploymentError):
 
 def reconstruct(facts: Mapping[str, object], tuple_values: Mapping[str, object], model: str | Path | None,
                 cache_dir: str | None = None, threads: int | None = None,
-                tuple_override: Mapping[str, Mapping[str, object]] | None = None, *, kv_tokens: int = 0) -> Engine:
+                tuple_override: Mapping[str, Mapping[str, object]] | None = None, *,
+                kv_tokens: int = 0) -> Engine:
     """Step (7), the deployment and its tuple: the local engine for these facts, of the engine they name;
     raises `NotComparable` (also for an engine this installation does not have) or `BadInput`."""
-    request = rebuild.RebuildRequest(facts, tuple_values, None if model is None else str(model), cache_dir, threads,
-                                     tuple_override, kv_tokens)
+    request = rebuild.RebuildRequest(facts, tuple_values, None if model is None else str(model), cache_dir,
+                                     threads, tuple_override, kv_tokens)
     try:
         return registry.rebuild(request)
     except rebuild.NotComparable as exc:

@@ -21,6 +21,7 @@ from detent_audit.cli.options import (
     THREADS,
     TUPLE,
 )
+from detent_audit.enums import Mode
 
 
 def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
@@ -137,7 +138,7 @@ def tune(
     if out.exists():
         raise BadInput(f"{out} exists", remedy="choose another --out or remove the old tuple first")
     levels = parse_concurrencies(concurrency)
-    llm = open_engine(model, "detent", dtype, threads, tuple_file, device=device,
+    llm = open_engine(model, Mode.DETENT, dtype, threads, tuple_file, device=device,
                       attention_streaming=attention_streaming)
     if not isinstance(llm, LLM):  # the embedded engine: tuning reads its kernels' calls
         raise BadInput("tune runs on the embedded engine")

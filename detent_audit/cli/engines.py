@@ -14,7 +14,8 @@ from detent_audit.runtime.contract import Engine
 def open_engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
                 cache_dir: Path | None = None, *, engine: str = "embedded", device: str = "cpu",
                 attention_streaming: bool = False, max_model_len: int | None = None) -> Engine:
-    """The engine `engine` names, built from a command's options (its committed tuple read from `tuple_file`)."""
+    """The engine `engine` names, built from a command's options (its committed tuple read from
+    `tuple_file`)."""
     if mode not in {m.value for m in Mode}:
         raise BadInput(f"mode must be detent, stock or det, got {mode!r}")
     committed = None
@@ -23,7 +24,7 @@ def open_engine(model: str | None, mode: str, dtype: str, threads: int, tuple_fi
 
         committed = load_tuple(tuple_file)
     options = registry.EngineOptions(model=str(model) if model else None, mode=Mode(mode), dtype=dtype,
-                                     threads=threads, tuple=committed, cache_dir=str(cache_dir) if cache_dir else None,
-                                     device=device, attention_streaming=attention_streaming,
-                                     max_model_len=max_model_len)
+                                     threads=threads, tuple=committed,
+                                     cache_dir=str(cache_dir) if cache_dir else None, device=device,
+                                     attention_streaming=attention_streaming, max_model_len=max_model_len)
     return registry.build(engine, options)

@@ -12,7 +12,7 @@ import torch
 
 from detent_audit import __version__
 from detent_audit.runtime.contract import EMBEDDED, Facts
-from detent_audit.runtime.facts import SOURCE_ROOTS, checkpoint_hashes, file_hash, source_hash
+from detent_audit.runtime.facts import SOURCE_ROOTS, checkpoint_hashes, file_hash, format_facts, source_hash
 from detent_audit.runtime.named_models import is_generated
 
 if TYPE_CHECKING:
@@ -25,7 +25,8 @@ def _device(device: str) -> str:
     props = torch.cuda.get_device_properties(0)
     import triton
 
-    return f"{props.name} sm{props.major}{props.minor} {props.multi_processor_count} SMs cuda {torch.version.cuda} " \
+    return f"{props.name} sm{props.major}{props.minor} {props.multi_processor_count} SMs " \
+           f"cuda {torch.version.cuda} " \
            f"triton {triton.__version__}"
 
 
@@ -58,5 +59,6 @@ def collect_facts(llm: LLM) -> Facts:
         "scheduler": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                       "prefix_caching": cfg.prefix_caching},
         "tuple": llm.selection.used_tuple,
+        "format": format_facts(),
         "kernel_params": llm.selection.kernel_params,
     }

@@ -50,7 +50,7 @@ class EngineConfig:
     model: str | None = None            # a name (named_models), a checkpoint folder or "random:<shape>"; None: the default
     device: str = "cpu"                 # cpu | cuda
     cuda_graphs: bool = True            # GPU: replay captured decode steps (False: always eager)
-    mode: str = "detent"                # detent | stock | det
+    mode: str = Mode.DETENT.value                # detent | stock | det
     dtype: str = "float32"
     num_threads: int = 1                # CPU threads, fixed at start (a bit-relevant fact)
     block_size: int = 16
@@ -78,7 +78,7 @@ class EngineConfig:
             raise BadInput("attention_streaming is a mode of the GPU attention kernel", remedy="use device cuda")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise BadInput(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
-        if self.tuple is not None and self.mode != "detent":
+        if self.tuple is not None and self.mode != Mode.DETENT:
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
     @cached_property
@@ -116,7 +116,7 @@ class LLM(EngineBase[Sequence]):
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
             attention_backend="detent-streaming" if config.attention_streaming else "detent",
-            batch_invariant=config.mode != "stock")
+            batch_invariant=config.mode != Mode.STOCK)
         self.selection: Selection = select_kernels(
             config.mode, self.deployment, config.tuple, config.cache_dir, device=config.device,
             gemm_shapes=self.model.gemm_shapes() if config.device == "cpu" else None)
@@ -212,7 +212,8 @@ class LLM(EngineBase[Sequence]):
         elif score_from is not None and len(score_targets) != len(ids) - score_from + 1:
             raise ValueError(f"{len(score_targets)} score targets for a sequence of {len(ids)} tokens scored from "
                              f"{score_from}: the sequence must hold every target but the last")
-        score = None if score_from is None else ScoreSpec(score_from, score_params or params, tuple(score_targets))
+        score = (None if score_from is None
+                 else ScoreSpec(score_from, score_params or params, tuple(score_targets)))
         seq = Sequence(next(self._ids), ids, params, request_id=request_id, score=score)
         self.scheduler.add(seq)
         return seq

@@ -2,10 +2,10 @@
 rebuilt from a receipt's facts and tuple (step (7) of verification) or refused with a typed verdict.
 
 The settings come from the receipt's facts (dtype, thread count, page size, limits, mode) and its tuple; the
-checkpoint is the verifier's own. Before anything is built, the facts known without building (engine sources,
-checkpoint file hashes, runtime) are compared; after, the local engine's facts are compared with the receipt's,
-field by field: any difference (weights, kernel sources, torch version, CPU capability, ...) makes the receipt
-not comparable here, and every differing field is named.
+checkpoint is the verifier's own. Before anything is built, the facts known without building (engine
+sources, checkpoint file hashes, runtime) are compared; after, the local engine's facts are compared with the
+receipt's, field by field: any difference (weights, kernel sources, torch version, CPU capability, ...) makes
+the receipt not comparable here, and every differing field is named.
 """
 
 from __future__ import annotations
@@ -39,18 +39,20 @@ def build(options: EngineOptions) -> LLM:
     return LLM(EngineConfig(model=options.model, mode=options.mode.value, dtype=options.dtype,
                             num_threads=options.threads, tuple=dict(options.tuple) if options.tuple else None,
                             cache_dir=options.cache_dir, device=options.device,
-                            attention_streaming=options.attention_streaming, max_model_len=options.max_model_len,
-                            **extra))  # type: ignore[arg-type]
+                            attention_streaming=options.attention_streaming,
+                            max_model_len=options.max_model_len, **extra))  # type: ignore[arg-type]
 
 
 def engine_config(request: RebuildRequest) -> EngineConfig:
-    """The EngineConfig a receipt's facts and tuple describe, on the local checkpoint; the verifier's `threads`
-    and `tuple_override` replace the receipt's. The KV pool (not a bit-relevant fact: the kernels' bits do not
-    depend on where a block lives or on preemption) holds at least one request of `kv_tokens` tokens."""
+    """The EngineConfig a receipt's facts and tuple describe, on the local checkpoint; the verifier's
+    `threads` and `tuple_override` replace the receipt's. The KV pool (not a bit-relevant fact: the kernels'
+    bits do not depend on where a block lives or on preemption) holds at least one request of `kv_tokens`
+    tokens."""
     from detent_audit.engine.llm import EngineConfig
 
     facts = request.facts
-    dep, sched, runtime = section(facts, "deployment", "engine"), section(facts, "scheduler"), section(facts, "runtime")
+    dep, sched = section(facts, "deployment", "engine"), section(facts, "scheduler")
+    runtime = section(facts, "runtime")
     served_threads = served_thread_count(facts, None)
     mode = served_mode(request)
     section(facts, "checkpoint")
@@ -76,16 +78,19 @@ def rebuild(request: RebuildRequest) -> LLM:
     facts = request.facts
     config = engine_config(request)
     if config.mode == Mode.STOCK:
-        raise NotComparable(["tuple.mode.name"], "stock mode is not batch-invariant: its bits depend on the batch "
-                                                 "the request was served in, which no verifier can rebuild")
+        raise NotComparable(["tuple.mode.name"], "stock mode is not batch-invariant: its bits depend on the "
+                                                 "batch the request was served in, which no verifier can "
+                                                 "rebuild")
     if config.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            raise NotComparable(["runtime.device"], f"the receipt was served on {fact(facts, 'runtime', 'device')!r}; "
-                                                    "this machine has no CUDA device")
-    # first: what is known before building (the checkpoint is the verifier's: its files are hashed, not loaded)
-    expected = {k: dict(v) if isinstance(v := facts.get(k), Mapping) else v for k in ("engine", "checkpoint", "runtime")}
+            served_on = fact(facts, "runtime", "device")
+            raise NotComparable(["runtime.device"], f"the receipt was served on {served_on!r}; this machine "
+                                                    "has no CUDA device")
+    # first: what is known before building (the checkpoint is the verifier's: hashed, not loaded)
+    expected = {k: dict(v) if isinstance(v := facts.get(k), Mapping) else v
+                for k in ("engine", "checkpoint", "runtime")}
     checkpoint = expected["checkpoint"]
     if isinstance(checkpoint, dict):
         checkpoint.pop("eos_token_ids", None)
@@ -94,7 +99,7 @@ def rebuild(request: RebuildRequest) -> LLM:
         llm = LLM(config)  # select_kernels refuses a tuple that is not legal for the solved pins
     except IllegalAssignment as exc:
         raise NotComparable(["tuple"], f"{request.whose_tuple} is not legal here: {exc.message}") from None
-    except GemmFormNotInvariant as exc:  # its GEMM form is not proven on this machine: these bits cannot be had
+    except GemmFormNotInvariant as exc:  # its GEMM form is not proven here: these bits cannot be had
         raise NotComparable(["tuple"], f"{request.whose_tuple} cannot run here: {exc.message}") from None
     check_comparable(dict(facts), llm.facts())
     return llm

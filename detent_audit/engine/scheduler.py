@@ -113,7 +113,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, decode: Callable[[SequenceOf[int]], str] | None = None) -> None:
         self.config = config
         self.decode = decode  # output ids -> text, for stop strings (a request with stop strings needs it)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size,
+                                          prefix_caching=config.prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._next_arrival = 0

@@ -143,7 +143,8 @@ class Sequence:
         limit = self.num_tokens - 1
         return limit if self.score is None else min(limit, max(0, self.score.first - 1))
 
-    def record_scores(self, start_pos: int, logprobs: list[float], draws: list[int], tops: TopLogprobs) -> None:
+    def record_scores(self, start_pos: int, logprobs: list[float], draws: list[int],
+                      tops: TopLogprobs) -> None:
         """A step's scores of this scoring sequence, its chunk starting at `start_pos`: a recompute after
         preemption scores its rows again, and each position keeps its score once."""
         if self.score is None or self.scored is None:

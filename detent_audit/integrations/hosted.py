@@ -14,7 +14,7 @@ import torch
 from detent_audit.errors import BadInput
 from detent_audit.runtime.base import EngineBase
 from detent_audit.runtime.contract import RequestHandle, TopLogprobs, TupleValues
-from detent_audit.runtime.facts import checkpoint_hashes
+from detent_audit.runtime.facts import checkpoint_hashes, format_facts
 from detent_audit.runtime.kernel_select import Selection
 from detent_audit.runtime.model_config import ModelConfig
 from detent_audit.runtime.named_models import ResolvedModel, resolve_model
@@ -118,6 +118,7 @@ class HostedEngine(EngineBase[Request]):
                         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                         "num_threads": self.config.num_threads, "dtype": dtype},
             "tuple": dict(self.selection.tuple) if self.selection is not None else {},
+            "format": format_facts(),
         }
 
 

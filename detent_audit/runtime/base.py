@@ -52,11 +52,13 @@ class EngineBase(ABC, Generic[Handle]):
     def own(self, seq: RequestHandle) -> Handle:
         """`seq` as this engine's handle; `ForeignHandle` where another engine made it."""
         if not isinstance(seq, self.handle_type):
-            raise ForeignHandle(f"the {self.name} engine was handed a {type(seq).__name__}, not its own request")
+            raise ForeignHandle(f"the {self.name} engine was handed a {type(seq).__name__}, not its own "
+                                "request")
         return seq
 
     @abstractmethod
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Handle: ...
+    def add_request(self, prompt: Prompt, params: SamplingParams,
+                    request_id: str | None = None) -> Handle: ...
 
     @abstractmethod
     def step(self) -> list[Handle]: ...
@@ -75,7 +77,8 @@ class EngineBase(ABC, Generic[Handle]):
                  params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, submitted together in order; outputs in the same order (`params`:
         one for all, one per prompt, or None: greedy)."""
-        return contract.generate(self, prompts, params, default=SamplingParams(temperature=0.0), name=self.name)
+        return contract.generate(self, prompts, params, default=SamplingParams(temperature=0.0),
+                                 name=self.name)
 
     def shutdown(self) -> None:
         """Nothing to stop: an engine that starts processes or threads of its own overrides this."""

@@ -20,9 +20,9 @@ Contract of every implementation (the tests hold the engines to it):
   the logits only, so a seeded request draws the same tokens alone and in any batch; temperature 0 is argmax;
 - `rescore_batch(pairs, params)`: teacher-forced, the logprob of each output token after the prompt and the
   outputs before it, and the token `params` would draw there: equal, bit for bit, to what generation gave;
-- `facts()`: every setting that changes bits (engine name and version, model hashes, threads, dtype, page size,
-  chunking, prefix caching, kernels and the tuple), plain JSON types, no floats; `facts()["engine"]["name"]`
-  and `["version"]` name the implementation;
+- `facts()`: every setting that changes bits (engine name and version, model hashes, threads, dtype, page
+  size, chunking, prefix caching, kernels and the tuple, the facts' format), plain JSON types, no floats;
+  `facts()["engine"]["name"]` and `["version"]` name the implementation;
 - `abort(handle)` frees a live request between steps; it never finishes and is never signed;
 - `reset()` forgets every request and the prefix cache; with requests unfinished it raises unless
   `drop_unfinished`;
@@ -80,7 +80,8 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: SequenceOf[int], skip_special_tokens: bool = True) -> str: ...
 
-    def encode_chat(self, messages: SequenceOf[dict[str, str]], add_generation_prompt: bool = True) -> list[int]: ...
+    def encode_chat(self, messages: SequenceOf[dict[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]: ...
 
     def max_token_chars(self) -> int: ...       # characters of the longest vocabulary entry
 
@@ -110,8 +111,8 @@ class RequestHandle(Protocol):
 class Stepping(Protocol):
     """The part of `Engine` that running requests to completion needs."""
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> RequestHandle:
-        ...
+    def add_request(self, prompt: Prompt, params: SamplingParams,
+                    request_id: str | None = None) -> RequestHandle: ...
 
     def step(self) -> SequenceOf[RequestHandle]: ...
 
@@ -153,7 +154,7 @@ class Engine(Protocol):
     def tuple_values(self) -> TupleValues: ...
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, *,
-                    score_prompt: bool = False) -> RequestHandle: ...   # score_prompt: echo (may raise BadInput)
+                    score_prompt: bool = False) -> RequestHandle: ...  # score_prompt: echo (or BadInput)
 
     def step(self) -> SequenceOf[RequestHandle]: ...
 
@@ -166,10 +167,11 @@ class Engine(Protocol):
     def abort(self, seq: RequestHandle) -> None: ...
 
     def reset(self, *, max_prefill_chunk: int | None = None, drop_unfinished: bool = False) -> None: ...
-    # max_prefill_chunk: tokens of one request's prefill per step from now on; None: the engine's configured one
+    # max_prefill_chunk: tokens of one request's prefill per step from now on; None: the configured one
 
     def generate(self, prompts: Iterable[Prompt],
-                 params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]: ...
+                 params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]: ...
 
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
                       params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]: ...
@@ -194,8 +196,9 @@ def run_to_completion(engine: Stepping, handles: SequenceOf[RequestHandle], name
 def generate(engine: Stepping, prompts: Iterable[Prompt],
              params: SamplingParams | SequenceOf[SamplingParams] | None, *, default: SamplingParams,
              name: str = "engine") -> list[RequestOutput]:
-    """Every prompt run to completion, submitted together in order; `engine.output_of` each, in the same order.
-    `params`: one sampling-parameter object for all, a sequence of one per prompt, or None (`default`)."""
+    """Every prompt run to completion, submitted together in order; `engine.output_of` each, in the same
+    order. `params`: one sampling-parameter object for all, a sequence of one per prompt, or None
+    (`default`)."""
     prompts = list(prompts)
     if params is None or isinstance(params, SamplingParams):
         params = [default if params is None else params] * len(prompts)

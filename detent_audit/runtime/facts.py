@@ -1,11 +1,11 @@
-"""The hashes deployment facts are made of, for every engine: a package's sources, a file, a checkpoint folder.
+"""The hashes deployment facts are made of, for every engine: a package's sources, a file, a checkpoint.
 
 What a receipt's facts record (every engine alike): engine version and mode, source hashes of the kernels and
 selection programs, the deployment the selection was solved for, checkpoint hashes (config, weights,
 tokenizer), the model's name and source (descriptive: the hashes are its identity) and its EOS ids, dtype,
 device, torch version, the CPU thread count (fixed at start: it changes BLAS bits), the tuple as the kernels
-read it. Weight hashes are cached by (path, device, inode, size, mtime, ctime): a write with the mtime set back
-still changes the ctime (which no user call can set), and a file replaced by another has another inode.
+read it. Weight hashes are cached by (path, device, inode, size, mtime, ctime): a write with the mtime set
+back still changes the ctime (which no user call can set), and a file replaced by another has another inode.
 Settings that change no bit (the prefill chunk, which batch invariance makes irrelevant) are not facts: a
 receipt signs only what a verifier's bits can confirm or what shapes selection. Each engine collects its own
 (the embedded one: `detent_audit.engine.deployment_facts`).
@@ -21,6 +21,16 @@ from pathlib import Path
 
 from detent_audit.atomic import write_atomically
 from detent_audit.cache_dir import cache_root
+
+# the format of the facts a receipt carries (`format.facts`); 1, unnamed: before the CPU had its own record
+# (`deployment.cpu`, where `deployment.gpu` described it with num_sms = threads and memory_gib = 1)
+FACTS_FORMAT = 2
+
+
+def format_facts() -> dict[str, int]:
+    """The `format` section every engine's facts carry."""
+    return {"facts": FACTS_FORMAT}
+
 
 SOURCE_ROOTS = {"kernels": "detent_audit.kernels", "selection_programs": "detent_audit.selection.programs"}
 
@@ -74,7 +84,7 @@ def hash_cache(cache_file: Path) -> Iterator[dict]:
 
 
 def checkpoint_hashes(path: Path) -> dict[str, str]:
-    """config, tokenizer and weights hashes of a checkpoint folder (weights: a hash over the per-file ones)."""
+    """config, tokenizer and weights hashes of a checkpoint folder (weights: one over the per-file ones)."""
     with hash_cache(_hash_cache_file()) as cache:
         weights = sorted(path.glob("*.safetensors"))
         per_file = [f"{f.name}:{file_hash(f, cache)}" for f in weights]

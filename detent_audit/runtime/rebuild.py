@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 
 from detent_audit.enums import ExitCode, Mode
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.runtime.facts import FACTS_FORMAT
 from detent_audit.runtime.named_models import NAMES
 
 _REMEDY = "verify on a machine and checkpoint that match the receipt's deployment facts"
 
 
 class NotComparable(DetentError):
-    """The local deployment differs from the receipt's in a bit-relevant fact; `fields` names each (exit 3)."""
+    """The local deployment differs from the receipt's in a bit-relevant fact; `fields` names each
+    (exit 3)."""
 
     exit_code = ExitCode.NOT_COMPARABLE
 
@@ -38,11 +40,30 @@ class EngineUnavailable(NotComparable):
         super().__init__(["engine.name"], message, remedy=remedy)
 
 
+class OtherFormat(NotComparable):
+    """A receipt's facts are of another format than this verifier's (`format.facts`): its deployment cannot be
+    rebuilt here, whatever it names (exit 3)."""
+
+
+def check_format(facts: Mapping[str, object]) -> None:
+    """`OtherFormat` unless the facts are of this verifier's format (facts with no `format` are format 1)."""
+    section = facts.get("format")
+    version = section.get("facts") if isinstance(section, Mapping) else 1
+    if version != FACTS_FORMAT:
+        older = isinstance(version, int) and not isinstance(version, bool) and version < FACTS_FORMAT
+        which = "an older" if older else "another"
+        why = "format 1 recorded a CPU in the GPU's schema" if version == 1 else "not known here"
+        raise OtherFormat(["format.facts"], f"the receipt's deployment facts are of {which} format "
+                                            f"({version!r}; this verifier rebuilds format {FACTS_FORMAT}): {why}",
+                          remedy="re-execute it with the detent-audit release that served it (its "
+                                 "engine.version); its signature, request and manifests verify here")
+
+
 @dataclass(frozen=True)
 class RebuildRequest:
-    """A receipt's deployment as a verifier asks an engine to rebuild it: the signed facts and tuple, the local
-    checkpoint (`model`: None, the one the facts name or the default), and what the verifier states of its own
-    (`threads`, `tuple_override`); the KV pool holds at least one request of `kv_tokens` tokens."""
+    """A receipt's deployment as a verifier asks an engine to rebuild it: the signed facts and tuple, the
+    local checkpoint (`model`: None, the one the facts name or the default), and what the verifier states of
+    its own (`threads`, `tuple_override`); the KV pool holds at least one request of `kv_tokens` tokens."""
 
     facts: Mapping[str, object]
     tuple_values: Mapping[str, object]
@@ -105,12 +126,13 @@ def served_mode(request: RebuildRequest) -> Mode:
 
 
 def batch_invariant_mode(request: RebuildRequest, engine: str) -> Mode:
-    """`served_mode`, refused where it cannot be re-executed: stock (the engine's kernels read the batch) is not
-    comparable."""
+    """`served_mode`, refused where it cannot be re-executed: stock (the engine's kernels read the batch) is
+    not comparable."""
     mode = served_mode(request)
     if mode == Mode.STOCK:
-        raise NotComparable(["tuple.mode.name"], f"stock {engine} is not batch-invariant: its bits depend on the "
-                                                 "batch the request was served in, which no verifier can rebuild")
+        raise NotComparable(["tuple.mode.name"], f"stock {engine} is not batch-invariant: its bits depend on "
+                                                 "the batch the request was served in, which no verifier can "
+                                                 "rebuild")
     return mode
 
 
@@ -118,7 +140,8 @@ def served_thread_count(facts: Mapping[str, object], threads: int | None) -> int
     """The receipt's `runtime.num_threads`, checked as a thread count; not comparable where `threads` (the
     verifier's --threads) differs, since the count changes the bits."""
     served_threads = fact(facts, "runtime", "num_threads")
-    if isinstance(served_threads, bool) or not isinstance(served_threads, int) or not 1 <= served_threads <= 4096:
+    if (isinstance(served_threads, bool) or not isinstance(served_threads, int)
+            or not 1 <= served_threads <= 4096):
         raise BadInput(f"the receipt's runtime.num_threads is {served_threads!r}, not a thread count")
     if threads is not None and threads != served_threads:
         raise NotComparable(["runtime.num_threads"], f"the receipt was served with {served_threads} threads; "
@@ -157,9 +180,12 @@ def check_comparable(facts: Mapping[str, object], local: Mapping[str, object]) -
         raise NotComparable(fields, message)
 
 
-def check_checkpoint_files(facts: Mapping[str, object], local_hashes: Mapping[str, str], local_name: str) -> None:
-    """The receipt's checkpoint file hashes against the local checkpoint's (known before any engine is built)."""
-    expected = {k: v for k, v in section(facts, "checkpoint").items() if k in ("config", "tokenizer", "weights")}
+def check_checkpoint_files(facts: Mapping[str, object], local_hashes: Mapping[str, str],
+                           local_name: str) -> None:
+    """The receipt's checkpoint file hashes against the local checkpoint's (known before any engine is
+    built)."""
+    expected = {k: v for k, v in section(facts, "checkpoint").items()
+                if k in ("config", "tokenizer", "weights")}
     fields = [f"checkpoint.{f}" for f in differing_fields(expected, dict(local_hashes))]
     if fields:
         raise NotComparable(fields, f"deployment differs in {len(fields)} field(s): {', '.join(fields)}; "
@@ -169,17 +195,19 @@ def check_checkpoint_files(facts: Mapping[str, object], local_hashes: Mapping[st
 def served_from(facts: Mapping[str, object], local: Mapping[str, object]) -> str:
     """Which model the receipt names, and the `--model` to pass for it."""
     checkpoint = facts.get("checkpoint")
-    name, source = (checkpoint.get("name"), checkpoint.get("source")) if isinstance(checkpoint, Mapping) else (None,
-                                                                                                              None)
+    if not isinstance(checkpoint, Mapping):
+        checkpoint = {}
+    name, source = checkpoint.get("name"), checkpoint.get("source")
     local_checkpoint = local.get("checkpoint")
     here = f"(here: {local_checkpoint.get('name') if isinstance(local_checkpoint, Mapping) else None})"
     if not isinstance(name, str) or not isinstance(source, str):
-        return f"the receipt does not name its model {here}: pass --model with the checkpoint it was served from"
+        return (f"the receipt does not name its model {here}: pass --model with the checkpoint it was served "
+                "from")
     name, source = name[:_SHOWN], source[:_SHOWN]
     if name in NAMES or name.startswith("random:"):
         return f"the receipt was served from model {name} ({source}) {here}: pass --model {name}"
-    return (f"the receipt was served from the checkpoint {name!r} ({source}) {here}: pass --model with a copy of "
-            "that checkpoint folder")
+    return (f"the receipt was served from the checkpoint {name!r} ({source}) {here}: pass --model with a "
+            "copy of that checkpoint folder")
 
 
 def local_model(request: RebuildRequest) -> str | None:

@@ -3,12 +3,13 @@
 
 Each engine registers one `EngineEntry`: its `--engine` name, the name its facts record
 (`facts["engine"]["name"]`), what builds it from a command's options (`build`), what rebuilds it from a
-receipt's facts and tuple or refuses with a typed verdict (`rebuild`: `rebuild.NotComparable`, `BadInput`), and
-why it cannot run here, if it cannot (`missing`: an `EngineUnavailable`, e.g. the extra is not installed).
+receipt's facts and tuple or refuses with a typed verdict (`rebuild`: `rebuild.NotComparable`, `BadInput`),
+and why it cannot run here, if it cannot (`missing`: an `EngineUnavailable`, e.g. the extra is not
+installed).
 
-`PACKAGES` names, for each shipped engine, the module that registers it: imported (and so registered) the first
-time the registry is asked, never before, so the runtime imports no engine and an engine's own imports (vLLM,
-SGLang, torch) load only when that engine is used. Adding an engine is one new package with a `registration`
+`PACKAGES` names, for each shipped engine, the module that registers it: imported (and so registered) the
+first time the registry is asked, never before, so the runtime imports no engine and an engine's own imports
+(vLLM, SGLang, torch) load only when that engine is used. Adding an engine is one new package with a `registration`
 module and one line in `PACKAGES` (docs/design.md section 2); a test registers its own with `register`.
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
 from detent_audit.runtime.contract import EMBEDDED, Engine
-from detent_audit.runtime.rebuild import EngineUnavailable, RebuildRequest
+from detent_audit.runtime.rebuild import EngineUnavailable, RebuildRequest, check_format
 
 # --engine name -> the module whose import registers it
 PACKAGES: dict[str, str] = {
@@ -36,7 +37,7 @@ DEFAULT_KV_POOL_BLOCKS = 1024  # what the verifier's memory plan counts for an e
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """What a command's options say of the engine to build (`serve`, `battery`, `info`, `generate`, `tune`)."""
+    """What a command's options say of the engine to build (serve, battery, info, generate, tune)."""
 
     model: str | None
     mode: Mode = Mode.DETENT
@@ -64,7 +65,7 @@ _ENTRIES: dict[str, EngineEntry] = {}
 
 
 def register(entry: EngineEntry) -> EngineEntry:
-    """Make `entry` findable by its `--engine` name and its facts' name (a name taken by another is refused)."""
+    """Make `entry` findable by its `--engine` name and its facts' name (one taken by another is refused)."""
     for other in _ENTRIES.values():
         if other.name != entry.name and other.facts_name == entry.facts_name:
             raise ValueError(f"engines {other.name!r} and {entry.name!r} both record {entry.facts_name!r}")
@@ -121,7 +122,8 @@ def entry_for_facts(facts: Mapping[str, object]) -> EngineEntry:
         _load_all()
         found = next((e for e in _ENTRIES.values() if e.facts_name == name), None)
     if found is None:
-        raise EngineUnavailable(f"the receipt was served by engine {name!r}, which this verifier cannot rebuild",
+        raise EngineUnavailable(f"the receipt was served by engine {name!r}, which this verifier cannot "
+                                "rebuild",
                                 remedy="verify with a detent-audit that has that engine's integration")
     why = found.missing()
     if why is not None:
@@ -131,5 +133,8 @@ def entry_for_facts(facts: Mapping[str, object]) -> EngineEntry:
 
 def rebuild(request: RebuildRequest) -> Engine:
     """Step (7): the local engine a receipt's facts and tuple describe, of the engine they name; raises
-    `NotComparable` (also for an engine not installed here) or `BadInput`."""
-    return entry_for_facts(request.facts).rebuild(request)
+    `NotComparable` (also for an engine not installed here, `EngineUnavailable`, and for facts of another
+    format, `OtherFormat`) or `BadInput`."""
+    found = entry_for_facts(request.facts)
+    check_format(request.facts)
+    return found.rebuild(request)

@@ -138,7 +138,8 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    """Serves an engine (`detent_audit.runtime.contract.Engine`) from one background thread (started here). See the module docstring."""
+    """Serves an engine (`detent_audit.runtime.contract.Engine`) from one background thread (started here).
+    See the module docstring."""
 
     def __init__(self, llm: Engine, *, max_queued: int = 256) -> None:
         if max_queued < 1:

@@ -177,7 +177,8 @@ class ServingNode:
         if called is None or stated is None:
             return  # an engine whose kernels do not report (vLLM's, the GPU KernelSet)
         lists = {family: value for family, value in stated.items() if isinstance(value, list)}
-        extra = {family: [p for p in params if p not in lists.get(family, [])] for family, params in called.items()}
+        extra = {family: [p for p in params if p not in lists.get(family, [])]
+                 for family, params in called.items()}
         extra = {family: params for family, params in extra.items() if params}
         if extra:
             raise DetentError(f"the kernels were called with params the signed facts do not state: {extra}",

@@ -249,7 +249,8 @@ def test_another_vllm_version_or_thread_count_is_not_comparable(served, tmp_path
     assert code == 3
     outcome = report["outcomes"][0]
     # a receipt claiming 2 threads is rebuilt at 2: the deployment solved for them differs from what it signed
-    expected = {"engine.version"} if field == "engine.version" else {"runtime.num_threads", "deployment.gpu.num_sms"}
+    expected = ({"engine.version"} if field == "engine.version"
+                else {"runtime.num_threads", "deployment.cpu.num_threads"})
     assert outcome["status"] == "NOT_COMPARABLE" and expected & set(outcome["fields"]), outcome
     code, report = _verify(served, served["out"] / "receipts" / "r1.receipt", extra=("--threads", "2"))
     assert code == 3 and report["outcomes"][0]["fields"] == ["runtime.num_threads"]

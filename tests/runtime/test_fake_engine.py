@@ -33,6 +33,7 @@ from detent_audit.runtime.contract import (
     TopLogprobs,
     TupleValues,
 )
+from detent_audit.runtime.facts import format_facts
 from detent_audit.runtime.finish import finish_cause
 from detent_audit.runtime.rebuild import NotComparable, RebuildRequest, check_comparable, served_mode
 from detent_audit.runtime.sampling_params import SamplingParams
@@ -52,7 +53,8 @@ class ByteTokenizer:
     def decode(self, ids: SequenceOf[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
-    def encode_chat(self, messages: SequenceOf[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: SequenceOf[dict[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]:
         return self.encode("".join(m["content"] for m in messages))
 
     def max_token_chars(self) -> int:
@@ -123,7 +125,7 @@ class ToyEngine(EngineBase[ToyRequest]):
     def facts(self) -> Facts:
         return {"engine": {"name": NAME, "version": VERSION, "mode": self.config.mode},
                 "checkpoint": {"weights": str(self.config.salt), "name": "toy-model", "source": "this test"},
-                "runtime": {"num_threads": self.config.num_threads}, "tuple": {}}
+                "runtime": {"num_threads": self.config.num_threads}, "tuple": {}, "format": format_facts()}
 
     def tuple_values(self) -> TupleValues:
         return {"mode": {"name": self.config.mode}}
@@ -156,8 +158,8 @@ class ToyEngine(EngineBase[ToyRequest]):
 
     def output_of(self, seq: RequestHandle) -> RequestOutput:
         req = self.own(seq)
-        return RequestOutput(req.request_id, list(req.prompt), list(req.tokens), self.tokenizer.decode(req.tokens),
-                             list(req.output_logprobs), req.finish_reason)
+        return RequestOutput(req.request_id, list(req.prompt), list(req.tokens),
+                             self.tokenizer.decode(req.tokens), list(req.output_logprobs), req.finish_reason)
 
     def top_logprobs_so_far(self, seq: RequestHandle) -> TopLogprobs:
         return []
@@ -244,9 +246,11 @@ def test_a_registered_engine_refutes_a_flipped_bit_and_refuses_other_weights(toy
     receipt = verify_envelope(receipt_path.read_bytes(), load_trusted_keys(public)).receipt
     flipped = bytearray(receipt.output.logprobs_f32le)
     flipped[random.randrange(len(flipped))] ^= 1 << random.randrange(8)  # one bit of one logprob
-    forged = dataclasses.replace(receipt, output=dataclasses.replace(receipt.output, logprobs_f32le=bytes(flipped)))
+    output = dataclasses.replace(receipt.output, logprobs_f32le=bytes(flipped))
+    forged = dataclasses.replace(receipt, output=output)
     (tmp_path / "forged").mkdir()
-    (tmp_path / "forged" / "r0.receipt").write_bytes(sign_receipt(forged, load_private_key(tmp_path / "node.key")))
+    key = load_private_key(tmp_path / "node.key")
+    (tmp_path / "forged" / "r0.receipt").write_bytes(sign_receipt(forged, key))
     code, report = _verify(public, tmp_path / "forged" / "r0.receipt")
     assert code == 1 and report["outcomes"][0]["status"] == "FAIL", report
 

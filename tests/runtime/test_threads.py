@@ -66,7 +66,7 @@ def test_the_project_sets_thread_counts_through_set_threads_only() -> None:
     calls = []
     for folder in ("detent_audit", "kernels", "verifier", "manifests", "selection", "benchmarks", "tests", "examples"):
         for path in sorted((root / folder).rglob("*.py")):
-            if path in (root / "detent_audit" / "runtime" / "threads.py", Path(__file__)):  # the rule, its test
+            if path in (root / "detent_audit" / "runtime" / "threads.py", Path(__file__)):  # rule, its test
                 continue
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \

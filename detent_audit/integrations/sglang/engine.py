@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit import __version__
+from detent_audit.enums import Mode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
     HostedEngine,
@@ -65,8 +66,8 @@ class SglangUnavailable(DetentError):
 class SglangConfig:
     """What shapes an SGLang engine; every bit-relevant part is in the facts."""
 
-    model: str                         # a checkpoint folder or a model name (`detent_audit.runtime.named_models`)
-    mode: str = "detent"
+    model: str                         # a checkpoint folder or a model name (`runtime/named_models.py`)
+    mode: str = Mode.DETENT.value
     num_threads: int = 1
     max_model_len: int = 2048
     max_num_seqs: int = 64
@@ -80,12 +81,12 @@ class SglangConfig:
     def __post_init__(self) -> None:
         if self.attention not in (*ATTENTIONS, "auto"):
             raise BadInput(f"attention must be one of {', '.join(ATTENTIONS)} or auto, got {self.attention!r}")
-        if self.mode not in ("detent", "stock"):
+        if self.mode not in (Mode.DETENT, Mode.STOCK):
             raise BadInput(f"--engine sglang runs mode detent or stock, got {self.mode!r}",
                            remedy="SGLang's deterministic mode refuses its CPU backends; use detent")
         if self.num_threads < 1 or self.chunked_prefill_size < 1:
             raise BadInput("num_threads and chunked_prefill_size must be >= 1")
-        if self.tuple is not None and self.mode != "detent":
+        if self.tuple is not None and self.mode != Mode.DETENT:
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
     @cached_property
@@ -151,8 +152,8 @@ class SglangEngine(HostedEngine[SglangRequest]):
         began = time.perf_counter()
         self._load_model()
         self.selection = None
-        self.attention = _attention_form(config.attention) if config.mode == "detent" else None
-        if config.mode == "detent":
+        self.attention = _attention_form(config.attention) if config.mode == Mode.DETENT else None
+        if config.mode == Mode.DETENT:
             from detent_audit.integrations.sglang.selection import cpu_selection
 
             self.selection = cpu_selection(self.model_path, config.num_threads, config.tuple)
@@ -179,7 +180,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
         os.environ[ENV] = self._plugin_config().to_env()
         os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
         for key, value in DETENT_SGLANG_ENV.items():
-            if cfg.mode == "detent":
+            if cfg.mode == Mode.DETENT:
                 os.environ[key] = value
             else:
                 os.environ.pop(key, None)
@@ -211,7 +212,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
         reports = [json.loads(p.read_text()) for p in sorted(self._report_dir.glob("*.json"))]
         children = set(engine.get_all_child_pids())
         scheduler = [r for r in reports if r.get("pid") in children]  # the launcher's own report does not count
-        wanted = {control.TARGET, *(TARGETS if self.config.mode == "detent" else ())}
+        wanted = {control.TARGET, *(TARGETS if self.config.mode == Mode.DETENT else ())}
         problem = None
         if not scheduler:
             problem = "the plugin did not report from SGLang's scheduler (is the entry point installed?)"
@@ -233,10 +234,10 @@ class SglangEngine(HostedEngine[SglangRequest]):
         plugin_facts = ({"name": "detent-audit", "version": __version__, "hooks": sorted(self.plugin_report[0]["hooks"]),
                          "attention": attention_names()[self.attention or "c"],
                          "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
-                        if cfg.mode == "detent" else {})
+                        if cfg.mode == Mode.DETENT else {})
         settings = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "device": "cpu",
                     "fa3_build": "none", "cuda_graph": False,
-                    "enable_fast_input_logprobs": cfg.mode != "detent",
+                    "enable_fast_input_logprobs": cfg.mode != Mode.DETENT,
                     "enable_deterministic_inference": False}
         return {
             "engine": {"name": NAME, "version": self.version, "mode": cfg.mode, "plugin": plugin_facts,

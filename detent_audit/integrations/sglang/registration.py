@@ -1,5 +1,5 @@
-"""SGLang in the registry (`detent_audit.runtime.registry`): built from a command's options (SGLang's CPU path,
-fp32, as the Makefile installs it), and rebuilt from a receipt's facts, or not comparable.
+"""SGLang in the registry (`detent_audit.runtime.registry`): built from a command's options (SGLang's CPU
+path, fp32, as the Makefile installs it), and rebuilt from a receipt's facts, or not comparable.
 
 The settings come from the receipt's facts (mode, threads, chunked-prefill size, radix cache, limits) and its
 tuple; the checkpoint is local (`--model`, or the model the receipt names). Everything that can be refused
@@ -45,12 +45,14 @@ def missing() -> EngineUnavailable | None:
 
 def build(options: EngineOptions) -> SglangEngine:
     if options.device != "cpu" or options.attention_streaming:
-        raise BadInput("--engine sglang runs SGLang's CPU path here", remedy="drop --device/--attention-streaming")
+        raise BadInput("--engine sglang runs SGLang's CPU path here",
+                       remedy="drop --device/--attention-streaming")
     if options.dtype != "float32":
         raise BadInput("--engine sglang runs float32 here", remedy="drop --dtype")
     from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine
 
-    return SglangEngine(SglangConfig(model=options.model or "", mode=options.mode.value, num_threads=options.threads,
+    return SglangEngine(SglangConfig(model=options.model or "", mode=options.mode.value,
+                                     num_threads=options.threads,
                                      tuple=dict(options.tuple) if options.tuple else None,
                                      cache_dir=options.cache_dir,
                                      max_model_len=options.max_model_len or SglangConfig.max_model_len))
@@ -77,10 +79,10 @@ def rebuild(request: RebuildRequest) -> SglangEngine:
     mode = batch_invariant_mode(request, "SGLang")
     served, local = fact(facts, "engine", "version"), package.sglang_version()
     if served != local:
-        raise NotComparable(["engine.version"], f"the receipt was served by SGLang {served}; this verifier has "
-                                                f"SGLang {local}")
+        raise NotComparable(["engine.version"], f"the receipt was served by SGLang {served}; this verifier "
+                                                f"has SGLang {local}")
     served_threads = served_thread_count(facts, request.threads)
-    # signed facts that size the engine, bounded before SGLang is started (no receipt sizes the verifier's memory)
+    # signed facts that size the engine, bounded before SGLang starts (no receipt sizes the verifier's memory)
     max_len = bounded(facts, 1 << 20, "scheduler", "max_model_len")
     seqs = bounded(facts, 1024, "scheduler", "max_num_seqs")
     chunk = bounded(facts, 1 << 16, "scheduler", "chunked_prefill_size")
@@ -101,7 +103,7 @@ def rebuild(request: RebuildRequest) -> SglangEngine:
         engine = SglangEngine(config)  # the CPU selection refuses a tuple not legal for the solved pins
     except IllegalAssignment as exc:
         raise NotComparable(["tuple"], f"{request.whose_tuple} is not legal here: {exc.message}") from None
-    except GemmFormNotInvariant as exc:  # its GEMM form is not proven on this machine: these bits cannot be had
+    except GemmFormNotInvariant as exc:  # its GEMM form is not proven here: these bits cannot be had
         raise NotComparable(["tuple"], f"{request.whose_tuple} cannot run here: {exc.message}") from None
     try:
         check_comparable(dict(facts), engine.facts())

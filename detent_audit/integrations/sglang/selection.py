@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from detent_audit.enums import Mode
 from detent_audit.kernels import KernelSet
 from detent_audit.manifests.deployment import Deployment
 from detent_audit.runtime.kernel_select import Selection, engine_deployment, select_kernels
@@ -51,7 +52,7 @@ def cpu_selection(model_path: str | Path, num_threads: int,
 
     set_threads(num_threads)  # the probe proves the form at the thread count the engine runs
     shapes = sglang_gemm_shapes(ModelConfig.from_pretrained(model_path))
-    return select_kernels("detent", cpu_deployment(model_path, num_threads), committed, gemm_shapes=shapes)
+    return select_kernels(Mode.DETENT, cpu_deployment(model_path, num_threads), committed, gemm_shapes=shapes)
 
 
 def cpu_kernel_set(config: Any) -> KernelSet:

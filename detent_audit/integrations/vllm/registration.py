@@ -1,5 +1,5 @@
-"""vLLM in the registry (`detent_audit.runtime.registry`): built from a command's options (vLLM's CPU build, so
-no `--device`/`--attention-streaming`), and rebuilt from a receipt's facts (settings from the facts, the
+"""vLLM in the registry (`detent_audit.runtime.registry`): built from a command's options (vLLM's CPU build,
+so no `--device`/`--attention-streaming`), and rebuilt from a receipt's facts (settings from the facts, the
 checkpoint local), compared field by field. A different vLLM version or thread count is refused before an
 engine is built (a build takes most of a minute); stock receipts are not comparable (vLLM's kernels read the
 batch). Importing this module imports nothing of vLLM.
@@ -41,11 +41,13 @@ def missing() -> EngineUnavailable | None:
 
 def build(options: EngineOptions) -> VllmEngine:
     if options.device != "cpu" or options.attention_streaming:
-        raise BadInput("--engine vllm runs vLLM's CPU build here", remedy="drop --device/--attention-streaming")
+        raise BadInput("--engine vllm runs vLLM's CPU build here",
+                       remedy="drop --device/--attention-streaming")
     from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
 
     return VllmEngine(VllmConfig(model=options.model or "", mode=options.mode.value, dtype=options.dtype,
-                                 num_threads=options.threads, tuple=dict(options.tuple) if options.tuple else None,
+                                 num_threads=options.threads,
+                                 tuple=dict(options.tuple) if options.tuple else None,
                                  cache_dir=options.cache_dir,
                                  max_model_len=options.max_model_len or VllmConfig.max_model_len))
 
@@ -83,7 +85,8 @@ def rebuild(request: RebuildRequest) -> VllmEngine:
     gemm = plugin.get("gemm") or "onednn"
     config = VllmConfig(model=model, mode=mode.value, num_threads=served_threads,
                         dtype=str(fact(facts, "runtime", "dtype")), block_size=block, max_model_len=max_len,
-                        max_num_seqs=seqs, max_num_batched_tokens=batched, prefix_caching=bool(prefix_caching),
+                        max_num_seqs=seqs, max_num_batched_tokens=batched,
+                        prefix_caching=bool(prefix_caching),
                         tuple=request.families() if detent else None,
                         gemm=str(gemm) if detent else "onednn",
                         attention=attention_of_facts(plugin.get("attention")) if detent else "auto")
