@@ -6,18 +6,18 @@ parser, is the request the engine ran, and the text returned is the output token
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from detent_audit.errors import DetentError
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.receipt import Receipt
+from detent_audit.runtime.contract import Engine
 from detent_audit.runtime.finish import FinishCause, finish_cause
 from detent_audit.runtime.stop_strings import check_stop, output_text
 from detent_audit.verifier.steps import DeploymentError, OutputError, RequestError, VerificationError
 
 
-def refutation(r: Receipt, llm: Any, eos: set[int], max_prompt_chars: int) -> VerificationError | None:
+def refutation(r: Receipt, llm: Engine, eos: set[int], max_prompt_chars: int) -> VerificationError | None:
     """The first of steps (7)-(9) that `r` fails on the engine `llm` of its deployment, or None."""
     rid = r.request.request_id
     problem = _tuple_problem(r)
@@ -91,7 +91,7 @@ def _vocabulary_problem(r: Receipt, vocab_size: int) -> str | None:
     return None
 
 
-def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
+def _binding_problem(r: Receipt, llm: Engine, max_prompt_chars: int) -> str | None:
     """The request the engine ran must be the client's: its bound body, parsed by the node's own parser for
     its api on this deployment (whose context and vocabulary the verifier's engine has), gives exactly the
     receipt's prompt ids, sampling and seed, and would have been admitted. The returned text must be the

@@ -19,6 +19,7 @@ from typing import Any
 
 from detent_audit.errors import DetentError
 from detent_audit.manifests.receipt import Receipt
+from detent_audit.runtime.contract import Engine
 from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.verifier.checks import refutation
 from detent_audit.verifier.compare import first_divergence, prompt_divergence
@@ -65,7 +66,7 @@ def release(engines: dict) -> None:
     engines.clear()
 
 
-def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Any:
+def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Engine | DeploymentError:
     """Step (7): the group's engine, or the `DeploymentError` every receipt of the group gets (not comparable,
     exit 3; facts that cannot be rebuilt, exit 2)."""
     try:
@@ -80,7 +81,7 @@ def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Any:
                                exit_code=2)
 
 
-def _reexecute_isolating(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
+def _reexecute_isolating(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
     """`_reexecute`, and where the engine refuses the batch (a receipt it cannot run: a request longer than
     the deployment's context, say), each receipt alone, so that the refusal lands on the receipts it concerns
     (a FAIL: the deployment could not have served them) and the others are still checked."""
@@ -109,12 +110,12 @@ def worker_batch(batch: list[tuple[str, bytes]], options: Options) -> list[Outco
     return run_batch([(Path(p), Receipt.from_bytes(b)) for p, b in batch], options, _WORKER_ENGINES)
 
 
-def _max_prompt_chars(llm: Any) -> int:
+def _max_prompt_chars(llm: Engine) -> int:
     """The longest prompt text the deployment's context can hold (its longest token, `max_model_len` times)."""
     return int(llm.max_model_len * llm.tokenizer.max_token_chars())
 
 
-def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
+def _reexecute(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
     # (7)-(9): what the receipt's content already refutes is not re-executed: a tuple that is not its facts',
     # out-of-vocabulary ids, a wrong finish, a request that is not the client's
     max_chars = _max_prompt_chars(llm)

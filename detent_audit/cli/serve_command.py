@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from detent_audit.runtime.contract import Engine
+    from detent_audit.server.node import ServingNode
 
 from detent_audit.cli.engines import open_engine
 from detent_audit.cli.options import (
@@ -80,7 +84,7 @@ def serve(
     _serve_http(llm, node, served_model_name or llm.model_name, host, port, max_queued)
 
 
-def _serve_file(llm: Any, node: Any, input_path: Path, output_path: Path, manifest_out: Path) -> None:
+def _serve_file(llm: Engine, node: ServingNode, input_path: Path, output_path: Path, manifest_out: Path) -> None:
     """`--input`: every request of the file answered and signed, in order; the run manifest written."""
     from rich.console import Console
     from rich.progress import Progress
@@ -98,7 +102,7 @@ def _serve_file(llm: Any, node: Any, input_path: Path, output_path: Path, manife
                + (f", run manifest {manifest}" if manifest else ""))
 
 
-def _serve_http(llm: Any, node: Any, model_name: str, host: str, port: int, max_queued: int) -> None:
+def _serve_http(llm: Engine, node: ServingNode, model_name: str, host: str, port: int, max_queued: int) -> None:
     """Run uvicorn until SIGTERM/SIGINT; the app's shutdown stops the engine and writes the run manifest."""
     import uvicorn
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import ClientRequest
-from detent_audit.runtime.contract import Engine
+from detent_audit.runtime.contract import Engine, RequestHandle
 from detent_audit.runtime.sampling_params import SamplingParams, seed_for
 from detent_audit.server.node import RECEIPT_ID, ServingNode
 from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
@@ -126,7 +126,7 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
         raise BadInput(f"{output_path}: cannot write ({exc.strerror})") from None
     limit = max_in_flight or len(requests)
     seqs = [llm.add_request(ids, params, rid) for rid, ids, params, _ in requests[:limit]]
-    finished: dict[int, Any] = {}
+    finished: dict[int, RequestHandle] = {}
     next_to_write = 0
     with out:
         while next_to_write < len(requests):

@@ -170,7 +170,7 @@ def test_2_a_receipt_binds_the_request_as_the_client_sent_it_and_the_text_and_al
 def test_8_verify_never_builds_a_model_a_receipt_names(node_run, tmp_path, monkeypatch) -> None:
     """Facts claiming random:llama-3.2-1b: not comparable, from the facts alone, before any engine is built;
     the engine built is always the verifier's own --model."""
-    import detent_audit.verifier.reconstruct as reconstruct_module
+    import detent_audit.engine.llm as llm_module  # the embedded engine's rebuild builds an LLM
 
     r = _receipt(node_run, "long")
     facts = json.loads(json.dumps(r.deployment_facts, default=dict))
@@ -179,8 +179,8 @@ def test_8_verify_never_builds_a_model_a_receipt_names(node_run, tmp_path, monke
     path = _save(node_run, tmp_path / "big", dataclasses.replace(r, deployment_facts=facts,
                                                                   deployment_hash=facts_hash(facts)))
     built = []
-    real = reconstruct_module.LLM
-    monkeypatch.setattr(reconstruct_module, "LLM", lambda config: built.append(config.model) or real(config))
+    real = llm_module.LLM
+    monkeypatch.setattr(llm_module, "LLM", lambda config: built.append(config.model) or real(config))
     from detent_audit.verifier.verify import verify
 
     report = verify([path], load_trusted_keys(node_run["key"].public_path), model=node_run["ckpt"],
