@@ -20,6 +20,7 @@ import torch
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
+from detent_audit.enums import Mode
 from detent_audit.manifests.keys import generate_key
 from detent_audit.runtime import registry
 from detent_audit.runtime.base import EngineBase
@@ -162,6 +163,7 @@ class ToyEngine(EngineBase[ToyRequest]):
                              self.tokenizer.decode(req.tokens), list(req.output_logprobs), req.finish_reason)
 
     def top_logprobs_so_far(self, seq: RequestHandle) -> TopLogprobs:
+        self.own(seq)
         return []
 
     def abort(self, seq: RequestHandle) -> None:
@@ -263,3 +265,16 @@ def test_an_unregistered_engine_is_not_comparable() -> None:
     with pytest.raises(NotComparable) as err:
         registry.entry_for_facts({"engine": {"name": NAME}})
     assert err.value.fields == ["engine.name"]
+
+
+def test_an_engine_refuses_a_handle_it_did_not_make() -> None:
+    from detent_audit.engine.sequence import Sequence
+    from detent_audit.runtime.base import ForeignHandle
+
+    toy = ToyEngine(ToyConfig(Mode.DETENT.value, 1, WEIGHTS["salt"]))
+    mine = toy.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    for method in (toy.output_of, toy.abort, toy.top_logprobs_so_far):
+        with pytest.raises(ForeignHandle, match="toy engine was handed a Sequence"):
+            method(Sequence(mine.seq_id, [1, 2, 3], SamplingParams()))
+    toy.abort(mine)
+    assert not toy.has_unfinished()
