@@ -81,7 +81,8 @@ def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Engine |
                                exit_code=2)
 
 
-def _reexecute_isolating(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int]) -> list[Outcome]:
+def _reexecute_isolating(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str,
+                         eos: set[int]) -> list[Outcome]:
     """`_reexecute`, and where the engine refuses the batch (a receipt it cannot run: a request longer than
     the deployment's context, say), each receipt alone, so that the refusal lands on the receipts it concerns
     (a FAIL: the deployment could not have served them) and the others are still checked."""

@@ -84,7 +84,8 @@ def serve(
     _serve_http(llm, node, served_model_name or llm.model_name, host, port, max_queued)
 
 
-def _serve_file(llm: Engine, node: ServingNode, input_path: Path, output_path: Path, manifest_out: Path) -> None:
+def _serve_file(llm: Engine, node: ServingNode, input_path: Path, output_path: Path,
+                manifest_out: Path) -> None:
     """`--input`: every request of the file answered and signed, in order; the run manifest written."""
     from rich.console import Console
     from rich.progress import Progress
@@ -102,7 +103,8 @@ def _serve_file(llm: Engine, node: ServingNode, input_path: Path, output_path: P
                + (f", run manifest {manifest}" if manifest else ""))
 
 
-def _serve_http(llm: Engine, node: ServingNode, model_name: str, host: str, port: int, max_queued: int) -> None:
+def _serve_http(llm: Engine, node: ServingNode, model_name: str, host: str, port: int,
+                max_queued: int) -> None:
     """Run uvicorn until SIGTERM/SIGINT; the app's shutdown stops the engine and writes the run manifest."""
     import uvicorn
 

@@ -54,7 +54,8 @@ def check_format(facts: Mapping[str, object]) -> None:
         which = "an older" if older else "another"
         why = "format 1 recorded a CPU in the GPU's schema" if version == 1 else "not known here"
         raise OtherFormat(["format.facts"], f"the receipt's deployment facts are of {which} format "
-                                            f"({version!r}; this verifier rebuilds format {FACTS_FORMAT}): {why}",
+                                            f"({version!r}; this verifier rebuilds format {FACTS_FORMAT}): "
+                                            f"{why}",
                           remedy="re-execute it with the detent-audit release that served it (its "
                                  "engine.version); its signature, request and manifests verify here")
 
