@@ -81,8 +81,10 @@ def test_torchvision_imports_beside_cpu_torch():
 def _served_facts(**over) -> dict:
     """An SGLang receipt's facts as far as verify reads them before SGLang starts."""
     from detent_audit.integrations.sglang import sglang_version
+    from detent_audit.runtime.facts import format_facts
 
     facts = {"engine": {"name": "sglang", "version": sglang_version()}, "runtime": {"num_threads": 1},
+             "format": format_facts(),
              "scheduler": {"max_model_len": 2048, "max_num_seqs": 64, "chunked_prefill_size": 8192,
                            "prefix_caching": True},
              "checkpoint": {"name": "random-20m", "source": "generated:default-20m", "config": "0" * 64, "tokenizer": "", "weights": "0" * 64}}
