@@ -12,10 +12,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from detent_audit.engine.battery import run_battery
+from detent_audit.bench.battery import run_battery
 from detent_audit.engine.checkpoint import ensure_default_model, write_random_checkpoint
-from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.runtime.model_config import ModelConfig
 
 SHAPES = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
 

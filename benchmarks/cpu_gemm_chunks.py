@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from detent_audit.engine.threads import set_threads
 from detent_audit.kernels.gemm import _chunked_matmul
+from detent_audit.runtime.threads import set_threads
 
 CHUNKS = (4, 8, 16, 32, 64, 128, 256)
 # (K, N): default-20m's qkv, o, gate_up, down and LM head, then other shapes

@@ -17,9 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from detent_audit.engine.threads import set_threads
 from detent_audit.kernels import gemm
 from detent_audit.kernels.params import GemmParams
+from detent_audit.runtime.threads import set_threads
 
 SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 3072), "down_proj": (1536, 576),
           "lm_head": (576, 49152)}

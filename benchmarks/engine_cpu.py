@@ -17,7 +17,7 @@ import time
 import torch
 
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.runtime.sampling_params import SamplingParams
 
 
 def main() -> int:

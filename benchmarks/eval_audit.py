@@ -169,9 +169,9 @@ def gemm_invariant_rows(model: str) -> dict[str, int]:
     every M tried, on the model's GEMM shapes (the engine's own probe, kernels/gemm_probe.py)."""
 
     from detent_audit.engine.llm import LLM, EngineConfig
-    from detent_audit.engine.threads import set_threads
     from detent_audit.kernels.gemm_probe import check
     from detent_audit.kernels.params import GEMM_PAD_ROWS_SPACE, GemmParams
+    from detent_audit.runtime.threads import set_threads
 
     shapes = tuple(LLM(EngineConfig(model=model, mode="stock")).model.gemm_shapes())
     found = {}
@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None,
                     help="documents per task of the full run (1); all if unset")
     args = ap.parse_args()
-    from detent_audit.engine.named_models import resolve_model
+    from detent_audit.runtime.named_models import resolve_model
 
     model = str(resolve_model(args.model).path)  # the folder lm-eval's tokenizer reads
     out = args.out

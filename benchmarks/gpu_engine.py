@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from detent_audit.engine.battery import run_battery
+from detent_audit.bench.battery import run_battery
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.tuples import load_tuple
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.tuples import load_tuple
 
 
 def active_weight_bytes(llm: LLM) -> int:

@@ -26,7 +26,7 @@ prepare)
         grep -qxF "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"
     done
     gguf_file=$(${VENV_PY:-.venv/bin/python} -c \
-        "from detent_audit.engine.named_models import wheel_gguf; print(wheel_gguf('smollm2-135m-instruct')[0])")
+        "from detent_audit.runtime.named_models import wheel_gguf; print(wheel_gguf('smollm2-135m-instruct')[0])")
     echo "$SHA256  $gguf_file" | sha256sum -c -
     mkdir -p .gguf-parts .whl
     head -c "$PART1_BYTES" "$gguf_file" > .gguf-parts/part-1

@@ -65,7 +65,7 @@ from detent_audit.bench.workloads import (
     sharegpt_like,
 )
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.tuples import load_tuple
+from detent_audit.runtime.tuples import load_tuple
 
 MODES = {"stock": "stock", "det": "det", "detent-default": "detent", "detent-tuned": "detent"}
 ORDER = ("stock", "detent-tuned", "detent-default", "det")
@@ -232,7 +232,7 @@ def tune_first(args: argparse.Namespace, max_len: int, shape: str) -> dict:
     Writes each kind's budgeted tuple and returns {kind: report}; args.tuned_tuples maps kind -> tuple file.
     """
     from detent_audit.engine.tune import tune_engine
-    from detent_audit.engine.tuples import save_tuple
+    from detent_audit.runtime.tuples import save_tuple
 
     t0 = time.perf_counter()
     llm = LLM(engine_config(args, "detent-default", max_len))

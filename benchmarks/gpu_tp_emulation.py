@@ -29,7 +29,7 @@ def _engine(shape: str, tp: int) -> Any:
 
 def _run(llm: Any, batch: int, tokens: int) -> tuple[list[list[float]], float]:
     """`batch` seeded requests of a 128-token prompt decoding `tokens` tokens: logprobs, ms per decode step."""
-    from detent_audit.engine.sampling_params import SamplingParams
+    from detent_audit.runtime.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 32000, (128,), generator=gen).tolist() for _ in range(batch)]

@@ -24,7 +24,7 @@ from serving_harness import run_workload, sampling_params, token_space_for
 
 from detent_audit.bench.workloads import closed_loop
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.tuples import load_tuple
+from detent_audit.runtime.tuples import load_tuple
 
 
 def main() -> int:

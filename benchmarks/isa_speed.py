@@ -25,7 +25,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from detent_audit.engine.llm import LLM, EngineConfig
-    from detent_audit.engine.sampling_params import SamplingParams
+    from detent_audit.runtime.sampling_params import SamplingParams
 
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 160))] for _ in range(args.requests)]

@@ -18,8 +18,8 @@ import sys
 import torch
 
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.named_models import REAL_MODEL, wheel_gguf
-from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.runtime.named_models import REAL_MODEL, wheel_gguf
+from detent_audit.runtime.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is", "Question: what is 2 + 2?\nAnswer:", "Once upon a time, there was a",

@@ -25,12 +25,12 @@ from collections import defaultdict
 import torch
 
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.named_models import REAL_MODEL
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tune import tune_engine
-from detent_audit.engine.tuples import load_tuple
 from detent_audit.kernels import GemmParams, KernelSet, gemm
 from detent_audit.manifests.encoding import tuple_hash
+from detent_audit.runtime.named_models import REAL_MODEL
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.tuples import load_tuple
 
 QUESTIONS = ["What is 2 + 2?", "Name a colour.", "What is the capital of Peru?", "Tell me a joke.",
              "What is a prime number?", "Count to five.", "Say hello in French.", "Why is the sky blue?"]

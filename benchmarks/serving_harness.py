@@ -27,12 +27,12 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from detent_audit.bench.workloads import Request, TokenSpace, Workload
-from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.sequence import Sequence
-from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.errors import BadInput
+from detent_audit.runtime.model_config import ModelConfig
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.tokenizer import Tokenizer
 
 # Long-document loads, as fractions of stock's peak request rate (`measure_peak`): a quarter and half load,
 # where queueing is light, and the peak itself, where a Poisson stream queues (the hardest of the three).

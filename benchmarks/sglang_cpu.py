@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from detent_audit.engine.battery import run_battery
-from detent_audit.engine.named_models import resolve_model
-from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.bench.battery import run_battery
 from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine
+from detent_audit.runtime.named_models import resolve_model
+from detent_audit.runtime.sampling_params import SamplingParams
 
 
 def _speed(engine: SglangEngine, prompts: list[list[int]], tokens: int) -> float:

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model
         if model is None:
             from detent_audit.engine.checkpoint import write_random_checkpoint
-            from detent_audit.engine.config import ModelConfig
+            from detent_audit.runtime.model_config import ModelConfig
 
             model = write_random_checkpoint(work / "ckpt", ModelConfig.from_name("tiny-llama"), 0)
         result = run(args.kills, model, work, args.seed, args.clients)

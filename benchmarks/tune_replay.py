@@ -16,9 +16,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from detent_audit.engine.config import NAMED_SHAPES
-from detent_audit.engine.kernel_select import engine_deployment, select_kernels
 from detent_audit.engine.tune_search import GraphShape, classes_fraction, family_grid, launch_classes
+from detent_audit.runtime.kernel_select import engine_deployment, select_kernels
+from detent_audit.runtime.model_config import NAMED_SHAPES
 from detent_audit.selection.tuner import Assignment, FamilyGrid, Workload
 
 FAMILY = "embedded.attention"

@@ -39,8 +39,8 @@ def _requests(n: int, max_tokens: int) -> list[tuple[list[int], dict]]:
 
 
 def child(args: argparse.Namespace) -> dict:
-    from detent_audit.engine.sampling_params import SamplingParams
     from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
+    from detent_audit.runtime.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     try:
@@ -49,7 +49,7 @@ def child(args: argparse.Namespace) -> dict:
         return {"mode": args.mode, "threads": args.num_threads, "error": f"{type(exc).__name__}: {exc}"[:400]}
     startup = time.perf_counter() - t0
     if args.job == "battery":
-        from detent_audit.engine.battery import prefix_block, run_battery
+        from detent_audit.bench.battery import prefix_block, run_battery
 
         t0 = time.perf_counter()
         block = prefix_block(engine)

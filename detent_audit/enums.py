@@ -10,7 +10,17 @@ from __future__ import annotations
 import enum
 
 
-class Mode(str, enum.Enum):
+class _Named(str, enum.Enum):
+    """A str enum that prints as its value (`f"{Mode.DETENT}"` is `detent`, as on the wire)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Mode(_Named):
     """How an engine selects its kernels."""
 
     STOCK = "stock"    # vendor selection reads the batch
@@ -18,7 +28,7 @@ class Mode(str, enum.Enum):
     DETENT = "detent"  # the solved selectors with the committed tuple's pins
 
 
-class Verdict(str, enum.Enum):
+class Verdict(_Named):
     """One receipt's or manifest's outcome in `verify`."""
 
     OK = "OK"                          # signature, binding and bits all check

@@ -14,7 +14,7 @@ import random
 import struct
 
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.runtime.sampling_params import SamplingParams
 
 
 def bits(x: float) -> int:

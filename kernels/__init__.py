@@ -96,11 +96,11 @@ class KernelSet:
 
     @classmethod
     def stock(cls) -> KernelSet:
-        return cls("stock", _constant(None), _constant(None), _constant(None))
+        return cls(Mode.STOCK, _constant(None), _constant(None), _constant(None))
 
     @classmethod
     def det(cls) -> KernelSet:
-        return cls("det", _constant(DET_GEMM), _constant(DET_ATTENTION), _constant(DET_MOE))
+        return cls(Mode.DET, _constant(DET_GEMM), _constant(DET_ATTENTION), _constant(DET_MOE))
 
     @classmethod
     def fixed(
@@ -111,10 +111,10 @@ class KernelSet:
         for value, kind in ((gemm, GemmParams), (attention, AttentionParams), (moe, MoeParams)):
             if not isinstance(value, kind):
                 raise BadParams(f"KernelSet.fixed expects {kind.__name__}, got {type(value).__name__}")
-        return cls("detent", _constant(gemm), _constant(attention), _constant(moe))
+        return cls(Mode.DETENT, _constant(gemm), _constant(attention), _constant(moe))
 
     def _checked(self, params, kind: type, family: str):
-        if params is None and self.mode != "stock":
+        if params is None and self.mode != Mode.STOCK:
             raise SelectorError(f"the {family} selector returned no params in {self.mode} mode")
         if params is not None and not isinstance(params, kind):
             raise SelectorError(f"the {family} selector returned {type(params).__name__}, "

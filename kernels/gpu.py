@@ -1,7 +1,7 @@
 """The KernelSet on a CUDA device: the model's calls routed to Triton kernels, per mode.
 
 - `stock`: cuBLAS GEMMs; attention split as FlashAttention-3's heuristic splits it, read from the batch (its
-  SelIR program unpinned: engine/kernel_select.py `stock_attention_selector`); MoE config by M as vLLM's
+  SelIR program unpinned: runtime/kernel_select.py `stock_attention_selector`); MoE config by M as vLLM's
   default rule picks it. Selection follows the batch, so bits do.
 - `det`: one conservative setting per family (one attention split, fixed tiles).
 - `detent`: the compiled SelIR selectors with the committed tuple's pins, called at every launch with the
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from detent_audit.enums import Mode
 from detent_audit.kernels import rowlocal
 from detent_audit.kernels.attention_metadata import AttentionMetadata
 from detent_audit.kernels.params import AttentionParams
@@ -83,7 +84,7 @@ class GpuKernelSet:
         return selected_attention_config(p, self.streaming)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.mode == "stock":
+        if self.mode == Mode.STOCK:
             return F.linear(x, weight, bias)
         from detent_audit.kernels.triton_gemm import linear
 

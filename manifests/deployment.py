@@ -33,7 +33,8 @@ ENGINES = ("vllm", "sglang", "detent")
 ATTENTION_BACKENDS = ("fa3", "fa2", "flashinfer", "triton", "detent", "detent-streaming")
 # arch -> the compute capabilities it covers
 ARCH_CAPABILITIES = {"sm80": ("8.0", "8.6"), "sm89": ("8.9",), "sm90": ("9.0",), "sm100": ("10.0", "10.3"),
-                     "sm120": ("12.0",), "cpu": ("cpu",)}
+                     "sm120": ("12.0",)}
+CPU = "cpu"  # `Deployment.arch` of a deployment on a CPU (its [cpu] record)
 
 
 class BadDeployment(BadInput):
@@ -139,21 +140,36 @@ def decoder_parameters(*, vocab_size: int, hidden_size: int, num_layers: int, nu
 
 @dataclass(frozen=True)
 class GpuFacts:
-    """One device of the deployment (`arch = "cpu"` for the embedded engine on a CPU)."""
+    """One GPU of the deployment (a CPU is a [cpu] record, `CpuFacts`)."""
 
     name: str
-    arch: str                 # "sm90", "sm100", ... or "cpu"
-    compute_capability: str   # "9.0", "10.0", ... ("cpu" for a CPU)
-    num_sms: int              # streaming multiprocessors (cores for a CPU)
+    arch: str                 # "sm90", "sm100", ...
+    compute_capability: str   # "9.0", "10.0", ...
+    num_sms: int              # streaming multiprocessors
     memory_gib: int
     fully_connected: bool     # every pair of devices linked directly (NVLink/NVSwitch all-to-all)
 
     def __post_init__(self) -> None:
+        check(self.arch != CPU, "arch 'cpu': a CPU is described by a [cpu] section (capability, "
+              "num_threads), not [gpu]")
         check(self.arch in ARCH_CAPABILITIES, f"arch {self.arch!r} must be one of {sorted(ARCH_CAPABILITIES)}")
         expected = ARCH_CAPABILITIES[self.arch]
         check(self.compute_capability in expected, f"compute_capability {self.compute_capability!r} does not "
               f"match arch {self.arch!r} (expected one of {list(expected)})")
         _positive(self, ("num_sms", "memory_gib"))
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """The CPU a deployment runs on: what its kernels' bits depend on (the instruction set torch dispatches
+    to) and split their work over (the engine's threads, fixed at start)."""
+
+    capability: str           # torch's CPU capability: "AVX2", "AVX512", "DEFAULT", ...
+    num_threads: int
+
+    def __post_init__(self) -> None:
+        check(bool(self.capability), "capability must name the CPU's instruction set (torch's, e.g. AVX2)")
+        _positive(self, ("num_threads",))
 
 
 @dataclass(frozen=True)
@@ -305,13 +321,16 @@ class Deployment:
     name: str
     description: str
     model: ModelFacts
-    gpu: GpuFacts
+    gpu: GpuFacts | None          # exactly one of gpu and cpu: the device the deployment runs on
     engine: EngineFacts
     parallel: ParallelFacts
     tables: TunedTables = TunedTables()
+    cpu: CpuFacts | None = None
 
     def __post_init__(self) -> None:
         m, e, tp = self.model, self.engine, self.parallel.tensor_parallel_size
+        check((self.gpu is None) != (self.cpu is None), "a deployment runs on a GPU or a CPU: give exactly "
+              "one of [gpu] and [cpu]")
         check(m.num_heads % tp == 0, f"tensor_parallel_size ({tp}) must divide [model] num_heads "
               f"({m.num_heads})", section="parallel")
         check(m.num_kv_heads % tp == 0 or tp % m.num_kv_heads == 0, f"tensor_parallel_size ({tp}) and [model] "
@@ -319,21 +338,40 @@ class Deployment:
               "when TP exceeds them)", section="parallel")
         mlp = m.moe_intermediate_size if m.is_moe else m.intermediate_size
         check(mlp % tp == 0, f"tensor_parallel_size ({tp}) must divide the MLP size ({mlp})", section="parallel")
-        check(tp == 1 or self.gpu.arch != "cpu" or e.name == "detent", "tensor_parallel_size: on a CPU only the "
+        check(tp == 1 or self.arch != CPU or e.name == "detent", "tensor_parallel_size: on a CPU only the "
               "detent engine runs tensor-parallel (its ranks as processes over gloo)", section="parallel")
         check(e.max_model_len <= m.max_position_embeddings, f"max_model_len ({e.max_model_len}) exceeds "
               f"[model] max_position_embeddings ({m.max_position_embeddings})", section="engine")
-        check(e.attention_backend != "fa3" or self.gpu.arch == "sm90",
-              f"attention_backend 'fa3': FlashAttention-3 runs on sm90, not {self.gpu.arch}", section="engine")
+        check(e.attention_backend != "fa3" or self.arch == "sm90",
+              f"attention_backend 'fa3': FlashAttention-3 runs on sm90, not {self.arch}", section="engine")
         check((e.name == "detent") == e.attention_backend.startswith("detent"), "attention_backend 'detent' (and "
               "'detent-streaming', its GPU kernel's streaming fold) is the detent engine's own, and the detent "
               "engine uses no other", section="engine")
-        check(self.gpu.arch != "cpu" or e.name == "detent", "name: only the detent engine runs on a CPU",
+        check(self.arch != CPU or e.name == "detent", "name: only the detent engine runs on a CPU",
               section="engine")
         check(not self.tables.fused_moe or m.is_moe, "fused_moe: a fused-MoE table needs an MoE model",
               section="tables")
         check(not self.tables.fused_moe_down or bool(self.tables.fused_moe), "fused_moe_down: a down-projection table "
               "completes an up-projection table ([tables.fused_moe])", section="tables")
+
+    @property
+    def arch(self) -> str:
+        """The GPU's arch ("sm90", ...), or "cpu"."""
+        return self.gpu.arch if self.gpu is not None else CPU
+
+    @property
+    def device(self) -> GpuFacts:
+        """The GPU of a GPU deployment (what GPU selection programs read); `BadDeployment` on a CPU."""
+        check(self.gpu is not None, "this deployment runs on a CPU: it has no [gpu] facts")
+        assert self.gpu is not None
+        return self.gpu
+
+    @property
+    def compute_units(self) -> int:
+        """What the kernels split their work over: a GPU's SMs, a CPU's threads."""
+        if self.gpu is not None:
+            return self.gpu.num_sms
+        return self.cpu.num_threads if self.cpu is not None else 1
 
     @property
     def num_heads_per_rank(self) -> int:
@@ -346,9 +384,10 @@ class Deployment:
     def to_canonical(self) -> dict[str, Any]:
         """Plain types only, keys sorted, in the TOML file's schema; `from_canonical` inverts it."""
         out: dict[str, Any] = {"name": self.name, "description": self.description}
-        for section in ("model", "gpu", "engine", "parallel"):
-            out[section] = {k: list(v) if isinstance(v, tuple) else v
-                            for k, v in dataclasses.asdict(getattr(self, section)).items()}
+        for section in ("model", "gpu", "cpu", "engine", "parallel"):
+            if getattr(self, section) is not None:
+                out[section] = {k: list(v) if isinstance(v, tuple) else v
+                                for k, v in dataclasses.asdict(getattr(self, section)).items()}
         out["tables"] = {
             "fused_moe": {str(key): dataclasses.asdict(row) for key, row in self.tables.fused_moe},
             "fused_moe_down": {str(key): dataclasses.asdict(row) for key, row in self.tables.fused_moe_down},
@@ -401,7 +440,15 @@ def shipped_deployments() -> dict[str, Path]:
 def _build(data: Any) -> Deployment:
     top = _parse(_TopLevel, data, None)
     sections = {name: _parse(cls, getattr(top, name), name) for name, cls in
-                (("model", ModelFacts), ("gpu", GpuFacts), ("engine", EngineFacts), ("parallel", ParallelFacts))}
+                (("model", ModelFacts), ("engine", EngineFacts), ("parallel", ParallelFacts))}
+    devices = [name for name in ("gpu", "cpu") if name in data]
+    _require(len(devices) == 1, "missing section [gpu] (or [cpu])" if not devices else
+             "both [gpu] and [cpu]: a deployment runs on one kind of device",
+             "give exactly one of [gpu] and [cpu]")
+    if devices == ["gpu"]:
+        sections["gpu"] = _parse(GpuFacts, top.gpu, "gpu")
+    else:
+        sections["gpu"], sections["cpu"] = None, _parse(CpuFacts, top.cpu, "cpu")
     tables = _parse_tables(top.tables)
     return Deployment(name=top.name, description=top.description, tables=tables, **sections)
 
@@ -520,9 +567,10 @@ class _TopLevel:
     name: str
     description: str
     model: dict
-    gpu: dict
     engine: dict
     parallel: dict
+    gpu: dict = dataclasses.field(default_factory=dict)
+    cpu: dict = dataclasses.field(default_factory=dict)
     tables: dict = dataclasses.field(default_factory=dict)
 
 

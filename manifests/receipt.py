@@ -36,7 +36,7 @@ What the receipt binds, and why:
   position, position-major. A verifier recomputes both; a client compares them with what it received.
 - `run` ties the receipt to the run manifests that must cover it (run_manifest.py).
 - `sampling.stop` (present only when the request had stop strings): the output ends at the first token whose
-  detokenized text contains one (vLLM's rule, detent_audit.engine.stop_strings), which a verifier recomputes
+  detokenized text contains one (vLLM's rule, detent_audit.runtime.stop_strings), which a verifier recomputes
   with the deployment's tokenizer; `output.text` is cut before it.
 - `scoring` (present only for an echo request): every prompt position's logprob bits and the top-k
   alternatives it returned (ids and fp32 bits, most likely first; k = the request's `logprobs`). max_tokens

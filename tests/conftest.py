@@ -13,7 +13,7 @@ import pytest
 os.environ["DETENT_AUDIT_DEBUG"] = "1"
 
 from detent_audit.engine.checkpoint import write_random_checkpoint  # noqa: E402
-from detent_audit.engine.config import ModelConfig  # noqa: E402
+from detent_audit.runtime.model_config import ModelConfig  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ BAD_RECEIPTS = {
 }
 # tampered manifest -> (the verifier's status, what its message says)
 BAD_MANIFESTS = {
-    "manifest-omits-a-receipt-resigned": ("FAIL", "the run's final manifest ends at receipt 1, yet 1 receipt(s)"),
+    "manifest-omits-a-receipt-resigned": ("FAIL", "the run's final manifest ends it at receipt 1, yet 1 receipt(s)"),
     "manifest-flipped-signature-bit": ("FAIL", "does not verify over this payload"),
     "manifest-truncated-envelope": ("BAD", "envelope: truncated"),
     "manifest-wrong-merkle-root-resigned": ("BAD", "is not the root of the listed digests"),
@@ -114,3 +114,40 @@ def test_the_manifest_errors_are_the_manifests_own(trusted: dict) -> None:
     for name in ("manifest-wrong-merkle-root-resigned", "manifest-wrong-receipt-count-resigned"):
         with pytest.raises(InvalidManifest):
             verify_run_manifest((FIXTURES / f"{name}.manifest").read_bytes(), trusted)
+
+
+def test_golden_receipts_are_refused_at_re_execution_as_an_older_facts_format(golden: dict[Path, Receipt],
+                                                                               ) -> None:
+    """Their facts are format 1 (a CPU written in the GPU's schema): steps (1)-(6) verify them, and step (7)
+    refuses to rebuild their deployment with a verdict that says so, before anything is built."""
+    from detent_audit.runtime.facts import FACTS_FORMAT
+    from detent_audit.verifier.reconstruct import NotComparable, reconstruct
+
+    assert FACTS_FORMAT == 2
+    for r in golden.values():
+        assert "format" not in r.deployment_facts and r.deployment_facts["deployment"]["gpu"]["arch"] == "cpu"
+        with pytest.raises(NotComparable) as caught:
+            reconstruct(r.deployment_facts, r.tuple_values, "no-such-model-is-loaded")
+        assert caught.value.fields == ["format.facts"] and caught.value.exit_code == 3
+        message = caught.value.message
+        assert "older format (1; this verifier rebuilds format 2)" in message, message
+
+
+def test_verify_reports_the_golden_run_as_not_comparable_by_its_format(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from detent_audit.cli import app
+
+    for p in [*GOLDEN_RECEIPTS, FIXTURES / "golden-run.manifest"]:
+        shutil.copy(p, tmp_path / p.name.removeprefix("golden-"))
+    res = CliRunner().invoke(app, ["verify", str(tmp_path), "--key", str(FIXTURES / "test-only-node.key.pub"),
+                                   "--workers", "1", "--json"])
+    report = json.loads(res.stdout)
+    receipts = [o for o in report["outcomes"] if o["kind"] == "receipt"]
+    assert res.exit_code == 3 and len(receipts) == 3, report
+    assert all(o["status"] == "NOT_COMPARABLE" and o["fields"] == ["format.facts"] for o in receipts), \
+        receipts
+    assert [o["status"] for o in report["outcomes"] if o["kind"] != "receipt"] == ["OK"], report

@@ -32,17 +32,25 @@ ALLOWED: dict[str, frozenset[str]] = {
     "manifests": frozenset({"core"}),
     "selection": frozenset({"manifests", "core"}),
     "kernels": frozenset({"core"}),
-    # detent_audit/engine_api.py: the boundary every engine implements; it names the integrations it can pick
-    "engine_api": frozenset({"integrations", "core"}),
-    "engine": frozenset({"engine_api", "selection", "kernels", "manifests", "core"}),
-    "integrations": frozenset({"engine_api", "engine", "selection", "kernels", "manifests", "core"}),
-    "bench": frozenset({"engine_api", "engine", "selection", "kernels", "manifests", "core"}),
-    "server": frozenset({"engine_api", "engine", "integrations", "selection", "kernels", "manifests", "core"}),
+    # detent_audit/runtime/: the engine contract and what every engine shares; it imports no engine (the
+    # registry names the engines' packages, which register themselves)
+    "runtime": frozenset({"selection", "kernels", "manifests", "core"}),
+    # the engines, side by side above the runtime: none imports another
+    "engine": frozenset({"runtime", "selection", "kernels", "manifests", "core"}),
+    "integrations": frozenset({"runtime", "selection", "kernels", "manifests", "core"}),
+    # above the contract only: no engine is imported, each is found in the registry
+    "bench": frozenset({"runtime", "manifests", "core"}),
+    "server": frozenset({"runtime", "manifests", "core"}),
     # the verifier reads a client's request with the server's own parsers (server/protocol.py, offline.py)
-    "verifier": frozenset({"server", "engine_api", "engine", "integrations", "selection", "kernels", "manifests",
-                           "core"}),
-    "cli": frozenset({"verifier", "server", "bench", "engine_api", "engine", "integrations", "selection", "kernels",
-                      "manifests", "core"}),
+    "verifier": frozenset({"server", "runtime", "selection", "manifests", "core"}),
+    "cli": frozenset({"verifier", "server", "bench", "runtime", "engine", "integrations", "selection",
+                      "kernels", "manifests", "core"}),
+}
+# arrows against the layers, each named with why; each must be an import inside a function (never at load)
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    # random-20m and random:<shape>: their tensors are laid out by the embedded model's parameter table
+    ("detent_audit.runtime.named_models", "detent_audit.engine.checkpoint"): "the random-20m writer",
+    ("detent_audit.runtime.named_models", "detent_audit.engine.generated"): "a random:<shape> model's card",
 }
 CORE = frozenset({"detent_audit", "detent_audit.errors", "detent_audit.atomic", "detent_audit.cache_dir", "detent_audit.enums",
                   "detent_audit.isa"})
@@ -148,6 +156,8 @@ def wrong_arrows(graph: nx.DiGraph) -> list[str]:
         la, lb = layer(a), layer(b)
         if la is None or lb is None:
             continue  # reported by unplaced()
+        if (a, b) in EXCEPTIONS and not data["at_load"]:
+            continue
         if la != lb and lb not in ALLOWED[la]:
             wrong.append(f"{data['where']}: {a} ({la}) imports {b} ({lb}); {la} may import {sorted(ALLOWED[la])}")
         if b in INTERNAL and la not in INTERNAL[b]:

@@ -8,16 +8,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from detent_audit.engine.finish import FinishCause, finish_cause
-from detent_audit.engine.stop_strings import check_stop, output_text
 from detent_audit.errors import DetentError
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.receipt import Receipt
+from detent_audit.runtime.contract import Engine
+from detent_audit.runtime.finish import FinishCause, finish_cause
+from detent_audit.runtime.stop_strings import check_stop, output_text
 from detent_audit.verifier.steps import DeploymentError, OutputError, RequestError, VerificationError
 
 
-def refutation(r: Receipt, llm: Any, eos: set[int], max_prompt_chars: int) -> VerificationError | None:
+def refutation(r: Receipt, llm: Engine, eos: set[int], max_prompt_chars: int) -> VerificationError | None:
     """The first of steps (7)-(9) that `r` fails on the engine `llm` of its deployment, or None."""
     rid = r.request.request_id
     problem = _tuple_problem(r)
@@ -32,10 +33,11 @@ def refutation(r: Receipt, llm: Any, eos: set[int], max_prompt_chars: int) -> Ve
 
 
 def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Callable | None = None) -> str | None:
-    """The stated finish must be the one generation reaches (the scheduler's rule, engine/finish.py): no stop token before the
-    end, and no earlier token whose text completed a stop string (recomputed with the deployment's tokenizer,
-    `decode`); 'stop' exactly when the last token is a stop token or completes a stop string (a stop wins over
-    a length limit); else 'length', at max_tokens or where prompt and output fill the context."""
+    """The stated finish must be the one generation reaches (the scheduler's rule, runtime/finish.py): no
+    stop token before the end, and no earlier token whose text completed a stop string (recomputed with the
+    deployment's tokenizer, `decode`); 'stop' exactly when the last token is a stop token or completes a stop
+    string (a stop wins over a length limit); else 'length', at max_tokens or where prompt and output fill the
+    context."""
     s, tokens, reason = r.request.sampling, list(r.output.token_ids), r.output.finish_reason
     prompt = len(r.request.prompt_token_ids)
     for i, t in enumerate(tokens[:-1]):
@@ -106,7 +108,7 @@ def _prompt_chars(body: Any) -> int:
     return sum(len(t) for t in texts if isinstance(t, str))
 
 
-def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
+def _binding_problem(r: Receipt, llm: Engine, max_prompt_chars: int) -> str | None:
     """The request the engine ran must be the client's: its bound body, parsed by the node's own parser for
     its api on this deployment (whose context and vocabulary the verifier's engine has), gives exactly the
     receipt's prompt ids, sampling and seed, and would have been admitted. The returned text must be the

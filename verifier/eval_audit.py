@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.stop_strings import output_text
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.runtime.stop_strings import output_text
 from detent_audit.verifier.eval_inputs import find_run, read_results, read_samples
 from detent_audit.verifier.eval_rebuild import (
     API_OF_MODEL,
@@ -346,7 +346,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     its sample's coverage (None: the facts are self-asserted, and the report says so)."""
     import time
 
-    from detent_audit.engine.tokenizer import Tokenizer
+    from detent_audit.runtime.tokenizer import Tokenizer
     from detent_audit.verifier.plan import collect
     from detent_audit.verifier.receipt_file import open_receipt
     from detent_audit.verifier.verify import verify
@@ -455,6 +455,6 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
 
 def _checkpoint(model: str | None) -> Path:
     """The checkpoint folder of `model` (None: the embedded default), whose tokenizer the server used."""
-    from detent_audit.engine.llm import EngineConfig
+    from detent_audit.runtime.named_models import resolve_model
 
-    return EngineConfig(model=model).model_path
+    return resolve_model(model).path

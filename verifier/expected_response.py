@@ -120,8 +120,8 @@ def model_tokenizer(model: str | Path | None, cache_dir: str | None) -> Callable
     """The tokenizer of the verifier's `--model` (the receipts' checkpoint, whose tokenizer hash verify
     compares), loaded when first needed."""
     def load() -> Any:
-        from detent_audit.engine.named_models import resolve_model
-        from detent_audit.engine.tokenizer import Tokenizer
+        from detent_audit.runtime.named_models import resolve_model
+        from detent_audit.runtime.tokenizer import Tokenizer
 
         return Tokenizer.from_pretrained(resolve_model(model, cache_dir).path)
     return load

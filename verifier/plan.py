@@ -17,8 +17,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from detent_audit.engine.llm import EngineConfig
+from detent_audit.errors import DetentError
 from detent_audit.manifests.deployment import DTYPE_BYTES, decoder_parameters
+from detent_audit.runtime import registry
 from detent_audit.verifier.report import Outcome
 
 RECEIPT_SUFFIX, MANIFEST_SUFFIX = ".receipt", ".manifest"
@@ -122,6 +123,15 @@ def _num_threads(facts: Any) -> int:
         return 1
 
 
+def _kv_blocks(facts: Any) -> int:
+    """KV pages the engine the facts name allocates by default (an engine not installed here: the registry's
+    default)."""
+    try:
+        return registry.entry_for_facts(facts).kv_pool_blocks
+    except DetentError:
+        return registry.DEFAULT_KV_POOL_BLOCKS
+
+
 def engine_bytes(facts: Any) -> int:
     """An engine's memory for these facts: its weights and its default KV pool (from the model's shape, the
     page size and the dtype) and the overhead."""
@@ -130,7 +140,7 @@ def engine_bytes(facts: Any) -> int:
         layers, hd = m["num_layers"], m["head_dim"]
         params = decoder_parameters(**{k: m[k] for k in _SHAPE_KEYS})
         width = DTYPE_BYTES.get(facts["runtime"]["dtype"], 4)
-        kv_pool = EngineConfig.num_kv_blocks * facts["scheduler"]["block_size"] * layers * 2 * m["num_kv_heads"] * hd
+        kv_pool = _kv_blocks(facts) * facts["scheduler"]["block_size"] * layers * 2 * m["num_kv_heads"] * hd
     except (KeyError, TypeError):
         return _ENGINE_OVERHEAD
     return (params + kv_pool) * width + _ENGINE_OVERHEAD

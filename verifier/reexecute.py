@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import DetentError
 from detent_audit.manifests.receipt import Receipt
+from detent_audit.runtime.contract import Engine
+from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.verifier.checks import refutation
 from detent_audit.verifier.compare import first_divergence, prompt_divergence
 from detent_audit.verifier.reconstruct import reconstruct
@@ -67,7 +68,7 @@ def release(engines: dict) -> None:
     engines.clear()
 
 
-def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Any:
+def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Engine | DeploymentError:
     """Step (7): the group's engine, or the `DeploymentError` every receipt of the group gets (not comparable,
     exit 3; facts that cannot be rebuilt, exit 2)."""
     try:
@@ -83,7 +84,7 @@ def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Any:
                                exit_code=2)
 
 
-def _reexecute_isolating(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int],
+def _reexecute_isolating(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int],
                          published: bool = False) -> list[Outcome]:
     """`_reexecute`, and where the engine refuses the batch (a receipt it cannot run: a request longer than
     the deployment's context, say), each receipt alone, so that the refusal lands on the receipts it concerns
@@ -113,16 +114,12 @@ def worker_batch(batch: list[tuple[str, bytes]], options: Options) -> list[Outco
     return run_batch([(Path(p), Receipt.from_bytes(b)) for p, b in batch], options, _WORKER_ENGINES)
 
 
-def _max_prompt_chars(llm: Any) -> int:
+def _max_prompt_chars(llm: Engine) -> int:
     """The longest prompt text the deployment's context can hold (its longest token, `max_model_len` times)."""
-    max_chars = getattr(llm, "_verify_max_prompt_chars", None)
-    if max_chars is None:
-        words = llm.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
-        max_chars = llm._verify_max_prompt_chars = llm.max_model_len * max(map(len, words), default=1)
-    return max_chars
+    return int(llm.max_model_len * llm.tokenizer.max_token_chars())
 
 
-def _reexecute(llm: Any, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int], published: bool = False
+def _reexecute(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int], published: bool = False
                ) -> list[Outcome]:
     # (7)-(9): what the receipt's content already refutes is not re-executed: a tuple that is not its facts',
     # out-of-vocabulary ids, a wrong finish, a request that is not the client's

@@ -140,7 +140,7 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
     deployments = load_deployments(deployment) if deployment else None
     override = None
     if tuple_file is not None:
-        from detent_audit.engine.tuples import load_tuple
+        from detent_audit.runtime.tuples import load_tuple
 
         override = load_tuple(tuple_file)
     options: dict[str, Any] = dict(model=model, mode=mode, sample=sample, seed=seed,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -23,6 +22,7 @@ from detent_audit.cli.options import (
     THREADS,
     TUPLE,
 )
+from detent_audit.enums import Mode
 
 
 def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
@@ -33,18 +33,17 @@ def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int 
                                                    "model first if needed.")) -> None:
     """Print the running engine's deployment facts and their hash (or, with --checkpoint-path, where the
     model's checkpoint folder is)."""
-    from detent_audit.engine.facts import collect_facts
     from detent_audit.manifests.encoding import facts_hash
 
     if checkpoint_path:
-        from detent_audit.engine.named_models import resolve_model
+        from detent_audit.runtime.named_models import resolve_model
 
         resolved = resolve_model(model)
         doc = {"model": resolved.name, "checkpoint": str(resolved.path), "source": resolved.source}
         typer.echo(json.dumps(doc) if as_json else str(resolved.path))
         return
     llm = open_engine(model, mode, dtype, threads, tuple_file, device=device)
-    facts = collect_facts(llm)
+    facts = llm.facts()
     digest = facts_hash(facts)
     if as_json:
         typer.echo(json.dumps({"facts": facts, "facts_hash": digest}, indent=2, sort_keys=True))
@@ -67,10 +66,10 @@ def battery(
     from rich.progress import Progress
     from rich.table import Table
 
-    from detent_audit.engine.battery import cells, default_target_len, prefix_block, run_battery
+    from detent_audit.bench.battery import cells, default_target_len, prefix_block, run_battery
 
-    extra: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
-    llm = open_engine(model, mode, dtype, threads, device=device, engine=engine, **extra)
+    llm = open_engine(model, mode, dtype, threads, device=device, engine=engine,
+                      tensor_parallel_size=tensor_parallel_size)
     block = prefix_block(llm)
     target_len = default_target_len(block) if target_len is None else target_len
     try:
@@ -78,10 +77,8 @@ def battery(
             task = progress.add_task("battery", total=len(cells(block)))
             results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task),
                                   target_len=target_len, block=block)
-    finally:
-        close = getattr(llm, "shutdown", None)
-        if close is not None:
-            close()
+    finally:  # a tensor-parallel engine's other ranks stop with it
+        llm.shutdown()
     failed = [r for r in results if not r.passed]
     if as_json:
         typer.echo(json.dumps({"engine": engine, "mode": mode, "dtype": dtype, "threads": threads,
@@ -115,7 +112,7 @@ def generate(
     max_model_len: int = MAX_MODEL_LEN, as_json: bool = JSON,
 ) -> None:
     """Generate completions offline."""
-    from detent_audit.engine.sampling_params import SamplingParams, seed_for
+    from detent_audit.runtime.sampling_params import SamplingParams, seed_for
 
     llm = open_engine(model, mode, dtype, threads, device=device, max_model_len=max_model_len)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
@@ -151,16 +148,19 @@ def tune(
     from rich.table import Table
 
     from detent_audit.bench.workloads import parse_concurrencies
+    from detent_audit.engine.llm import LLM
     from detent_audit.engine.tune import tune_engine
-    from detent_audit.engine.tuples import save_tuple
     from detent_audit.errors import BadInput
+    from detent_audit.runtime.tuples import save_tuple
     from detent_audit.server.offline import read_requests
 
     if out.exists():
         raise BadInput(f"{out} exists", remedy="choose another --out or remove the old tuple first")
     levels = parse_concurrencies(concurrency)
-    llm = open_engine(model, "detent", dtype, threads, tuple_file, device=device,
+    llm = open_engine(model, Mode.DETENT, dtype, threads, tuple_file, device=device,
                       attention_streaming=attention_streaming)
+    if not isinstance(llm, LLM):  # the embedded engine: tuning reads its kernels' calls
+        raise BadInput("tune runs on the embedded engine")
     requests = [r[:3] for r in read_requests(llm, workload)]  # (id, prompt ids, sampling): no binding needed
     committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
                                      budget_fraction=budget, seed=seed, concurrency=levels)
@@ -192,8 +192,8 @@ def import_gguf(
     from rich.console import Console
     from rich.progress import Progress
 
-    from detent_audit.engine.gguf_import import check_import
-    from detent_audit.engine.gguf_import import import_gguf as run_import
+    from detent_audit.runtime.gguf_import import check_import
+    from detent_audit.runtime.gguf_import import import_gguf as run_import
 
     check_import(file, out, dtype)  # bad input fails before the progress bar starts
     with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:

@@ -1,56 +1,35 @@
-"""The engine a command runs on, built from its options: the embedded one (default), vLLM (`--engine vllm`) or
-SGLang (`--engine sglang`)."""
+"""The engine a command runs on, built from its options: the one `--engine` names in the registry
+(`detent_audit.runtime.registry`: embedded, the default; vllm; sglang)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
-
-ENGINES = ("embedded", "vllm", "sglang")
+from detent_audit.runtime import registry
+from detent_audit.runtime.contract import Engine
 
 
 def open_engine(model: str | None, mode: str, dtype: str, threads: int, tuple_file: Path | None = None,
-                cache_dir: Path | None = None, *, engine: str = "embedded", **extra: Any) -> Any:
-    """An `LLM` (the embedded engine, `extra`: more `EngineConfig` fields), a `VllmEngine` (the [vllm]
-    extra; vLLM's CPU build, so no `--device`/`--attention-streaming`) or an `SglangEngine` (SGLang's CPU path,
-    fp32, as the Makefile installs it)."""
-    from detent_audit.engine.llm import LLM, EngineConfig
-
-    if engine not in ENGINES:
-        raise BadInput(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+                cache_dir: Path | None = None, *, engine: str = "embedded", device: str = "cpu",
+                attention_streaming: bool = False, max_model_len: int | None = None,
+                tensor_parallel_size: int = 1) -> Engine:
+    """The engine `engine` names, built from a command's options (its committed tuple read from
+    `tuple_file`)."""
+    if mode not in {m.value for m in Mode}:
+        raise BadInput(f"mode must be detent, stock or det, got {mode!r}")
     committed = None
     if tuple_file is not None:
-        from detent_audit.engine.tuples import load_tuple
+        from detent_audit.runtime.tuples import load_tuple
 
         committed = load_tuple(tuple_file)
-    if engine != "embedded" and extra.get("tensor_parallel_size", 1) > 1:
+    if engine != "embedded" and tensor_parallel_size > 1:
         raise BadInput(f"--tensor-parallel-size runs on the embedded engine here, not {engine}",
                        remedy="drop --engine, or --tensor-parallel-size")
-    if engine == "sglang":
-        if extra.get("device", "cpu") != "cpu" or extra.get("attention_streaming"):
-            raise BadInput("--engine sglang runs SGLang's CPU path here", remedy="drop --device/--attention-streaming")
-        if dtype != "float32":
-            raise BadInput("--engine sglang runs float32 here", remedy="drop --dtype")
-        from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine
-
-        limits = {"max_model_len": extra["max_model_len"]} if extra.get("max_model_len") else {}
-        return SglangEngine(SglangConfig(model=str(model) if model else "", mode=mode, num_threads=threads,
-                                         tuple=committed, cache_dir=str(cache_dir) if cache_dir else None,
-                                         **limits))
-    if engine == "vllm":
-        from detent_audit.integrations.vllm import vllm_available
-
-        if extra.get("device", "cpu") != "cpu" or extra.get("attention_streaming"):
-            raise BadInput("--engine vllm runs vLLM's CPU build here", remedy="drop --device/--attention-streaming")
-        if not vllm_available():
-            raise BadInput("vLLM is not installed", remedy="pip install 'detent-audit[vllm]'")
-        from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
-
-        limits = {"max_model_len": extra["max_model_len"]} if extra.get("max_model_len") else {}
-        return VllmEngine(VllmConfig(model=str(model) if model else "", mode=mode, dtype=dtype, num_threads=threads,
-                                     tuple=committed, cache_dir=str(cache_dir) if cache_dir else None, **limits))
-    config = EngineConfig(model=str(model) if model else None, mode=mode, dtype=dtype, num_threads=threads,
-                          tuple=committed, cache_dir=str(cache_dir) if cache_dir else None, **extra)
-    return LLM(config)
+    options = registry.EngineOptions(model=str(model) if model else None, mode=Mode(mode), dtype=dtype,
+                                     threads=threads, tuple=committed,
+                                     cache_dir=str(cache_dir) if cache_dir else None, device=device,
+                                     attention_streaming=attention_streaming, max_model_len=max_model_len,
+                                     tensor_parallel_size=tensor_parallel_size)
+    return registry.build(engine, options)

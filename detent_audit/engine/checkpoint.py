@@ -26,12 +26,12 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from detent_audit.cache_dir import cache_root
-from detent_audit.engine.config import ModelConfig
-from detent_audit.engine.dtypes import DTYPES, dtype_name
 from detent_audit.engine.loader import checkpoint_names
 from detent_audit.engine.model import CausalLM
-from detent_audit.engine.tokenizer import CHAT_FORMATS, ChatFormat, bytes_to_unicode
 from detent_audit.errors import BadInput
+from detent_audit.runtime.dtypes import DTYPES, dtype_name
+from detent_audit.runtime.model_config import ModelConfig
+from detent_audit.runtime.tokenizer import CHAT_FORMATS, ChatFormat, bytes_to_unicode
 
 DEFAULT_MODEL = "default-20m"
 DEFAULT_SEED = 20_000_000

@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TypeGuard
 
 import torch
 
 from detent_audit.cache_dir import cache_root
 from detent_audit.engine.checkpoint import write_random_checkpoint
-from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.model import CausalLM
+from detent_audit.runtime.model_config import ModelConfig
+from detent_audit.runtime.named_models import GENERATED_PREFIX
 
-PREFIX = "random:"
 SEED = 0
-
-
-def is_generated(model: str | None) -> TypeGuard[str]:
-    return model is not None and model.startswith(PREFIX)
 
 
 def model_card(model: str) -> Path:
     """The folder with config.json and the tokenizer of a generated model (written once)."""
-    shape = model.removeprefix(PREFIX)
+    shape = model.removeprefix(GENERATED_PREFIX)
     path = cache_root("models") / f"card-{shape}"
     if not (path / "config.json").exists():
         write_random_checkpoint(path, shape, SEED, weights=False)

@@ -11,27 +11,21 @@ import dataclasses
 import functools
 import itertools
 from collections import Counter
-from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from detent_audit.engine.base import EngineBase, RequestOutput
-from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
-from detent_audit.engine.generated import generate_model, is_generated
-from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
+from detent_audit.engine.generated import generate_model
 from detent_audit.engine.loader import load_model
 from detent_audit.engine.model import CausalLM
-from detent_audit.engine.named_models import ResolvedModel, resolve_model
-from detent_audit.engine.runner import ModelRunner, ScoreSpec
-from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.engine.registration import DEFAULT_KV_BLOCKS
+from detent_audit.engine.runner import ModelRunner
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
-from detent_audit.engine.sequence import Sequence
-from detent_audit.engine.stop_strings import output_text
+from detent_audit.engine.sequence import ScoreSpec, Sequence
 from detent_audit.engine.tensor_parallel import (
     BACKEND,
     ORDERED,
@@ -40,20 +34,26 @@ from detent_audit.engine.tensor_parallel import (
     TPLayout,
     tensor_parallel_model,
 )
-from detent_audit.engine.threads import set_threads
-from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.engine.tp_ranks import DrivenModel, ProcessRanks, RankProcesses, follow, init_group
-from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
-
-T = TypeVar("T")
-
-
-def _replace_from(kept: list[T], keep: int, new: Iterable[T]) -> None:
-    """`kept` cut to its first `keep` items, then `new` appended."""
-    del kept[keep:]
-    kept.extend(new)
+from detent_audit.runtime.base import EngineBase
+from detent_audit.runtime.contract import (
+    EMBEDDED,
+    Facts,
+    RequestHandle,
+    RequestOutput,
+    Rescored,
+    TopLogprobs,
+    TupleValues,
+)
+from detent_audit.runtime.dtypes import DTYPES, RUN_DTYPES
+from detent_audit.runtime.kernel_select import Selection, engine_deployment, select_kernels
+from detent_audit.runtime.named_models import ResolvedModel, is_generated, resolve_model
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.stop_strings import output_text
+from detent_audit.runtime.threads import set_threads
+from detent_audit.runtime.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,11 @@ class EngineConfig:
     model: str | None = None            # a name (named_models), a checkpoint folder or "random:<shape>"; None: the default
     device: str = "cpu"                 # cpu | cuda
     cuda_graphs: bool = True            # GPU: replay captured decode steps (False: always eager)
-    mode: str = "detent"                # detent | stock | det
+    mode: str = Mode.DETENT.value                # detent | stock | det
     dtype: str = "float32"
     num_threads: int = 1                # CPU threads, fixed at start (a bit-relevant fact)
     block_size: int = 16
-    num_kv_blocks: int = 1024
+    num_kv_blocks: int = DEFAULT_KV_BLOCKS
     kv_pool_tokens: int = 0             # more blocks if needed to hold one request this long (capped at the context)
     max_model_len: int | None = None    # prompt + output tokens; None: the model's positions, within the KV pool
     max_num_seqs: int = 32
@@ -98,10 +98,11 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise BadInput(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_ranks not in ("processes", "emulated"):
-            raise BadInput(f"tensor_parallel_ranks must be processes or emulated, got {self.tensor_parallel_ranks!r}")
+            raise BadInput("tensor_parallel_ranks must be processes or emulated, got "
+                           f"{self.tensor_parallel_ranks!r}")
         if self.tensor_parallel_size > 1 and self.device == "cuda" and self.cuda_graphs:
             raise BadInput("CUDA graphs are not captured for tensor-parallel models yet", remedy="pass --eager")
-        if self.tuple is not None and self.mode != "detent":
+        if self.tuple is not None and self.mode != Mode.DETENT:
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
     @cached_property
@@ -117,9 +118,10 @@ class EngineConfig:
 class LLM(EngineBase[Sequence]):
     """Offline engine. `generate` runs prompts to completion; requests are batched as the scheduler sees fit,
     and (batch invariance) every request's bits are what it would get alone. The embedded implementation of
-    `detent_audit.engine_api.Engine`."""
+    `detent_audit.runtime.contract.Engine`."""
 
     name = EMBEDDED
+    handle_type = Sequence
     config: EngineConfig
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
@@ -141,7 +143,7 @@ class LLM(EngineBase[Sequence]):
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
             attention_backend="detent-streaming" if config.attention_streaming else "detent",
-            batch_invariant=config.mode != "stock", tensor_parallel_size=config.tensor_parallel_size)
+            batch_invariant=config.mode != Mode.STOCK, tensor_parallel_size=config.tensor_parallel_size)
         self.selection: Selection = select_kernels(
             config.mode, self.deployment, config.tuple, config.cache_dir, device=config.device,
             gemm_shapes=self.model.gemm_shapes() if config.device == "cpu" else None)
@@ -152,14 +154,12 @@ class LLM(EngineBase[Sequence]):
         # a verifier sizes the pool for its longest receipt: never past what this model's own context holds
         num_kv_blocks = max(config.num_kv_blocks, -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2)
         usable_blocks = num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)
-        self.scheduler = Scheduler(SchedulerConfig(
+        self._scheduler_config = SchedulerConfig(
             num_blocks=usable_blocks, block_size=config.block_size, max_model_len=max_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_prefill_chunk=config.max_prefill_chunk, eos_token_ids=tuple(self.tokenizer.eos_token_ids)),
-            decode=self.tokenizer.decode)
-        if not config.prefix_caching:
-            self.scheduler.block_manager.prefix_caching = False
-        self._scheduler_config = self.scheduler.config
+            max_prefill_chunk=config.max_prefill_chunk, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+            prefix_caching=config.prefix_caching)
+        self.scheduler = Scheduler(self._scheduler_config, decode=self.tokenizer.decode)
         self.runner = ModelRunner(self.model, self.selection.kernels, num_kv_blocks, config.block_size,
                                   device=config.device)
         if config.device == "cuda" and config.cuda_graphs:
@@ -169,9 +169,6 @@ class LLM(EngineBase[Sequence]):
             self.runner.graphs = DecodeGraphs(self.model, self.selection.kernels, self.runner.kv_caches,
                                               config.block_size, max_len, num_kv_blocks - 1, config.device)
         self._ids = itertools.count()
-        self._score_from: dict[int, ScoreSpec] = {}
-        self._scores: dict[int, Rescored] = {}
-        self._tops: dict[int, list[list[tuple[int, float]]]] = {}
         # steps run, by how many sequences shared them (how much co-batching a workload really got)
         self.step_batch_sizes: Counter[int] = Counter()
 
@@ -232,44 +229,44 @@ class LLM(EngineBase[Sequence]):
             return max(2, min(positions, config.num_kv_blocks * config.block_size))
         return min(config.max_model_len, positions)
 
-    def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
+    def reset(self, *, max_prefill_chunk: int | None = None, drop_unfinished: bool = False) -> None:
         """Forget every request and the prefix cache (the KV memory is kept: stale slots are never read).
-        `max_prefill_chunk`: the engine's configured one unless given (None: no limit). Requests still queued
-        or running are an error, unless `drop_unfinished` (after a refused batch)."""
+        `max_prefill_chunk`: tokens of one request's prefill per step from now on (None: the configured one).
+        Requests still queued or running are an error, unless `drop_unfinished` (after a refused batch)."""
         if self.scheduler.has_unfinished() and not drop_unfinished:
             raise RuntimeError("reset() with requests still running")
-        cfg = self._scheduler_config
-        if isinstance(max_prefill_chunk, str):
-            if max_prefill_chunk != "configured":
-                raise BadInput(f"max_prefill_chunk is a token count, None or 'configured', got {max_prefill_chunk!r}")
-        elif max_prefill_chunk != cfg.max_prefill_chunk:
-            cfg = SchedulerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
-                                  max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  max_prefill_chunk=max_prefill_chunk, eos_token_ids=cfg.eos_token_ids)
-        prefix = self.scheduler.block_manager.prefix_caching
-        self.scheduler = Scheduler(cfg, decode=self.tokenizer.decode)
-        self.scheduler.block_manager.prefix_caching = prefix
-        self._score_from.clear()
-        self._scores.clear()
-        self._tops.clear()
+        chunk = self.config.max_prefill_chunk if max_prefill_chunk is None else max_prefill_chunk
+        self.scheduler = Scheduler(dataclasses.replace(self._scheduler_config, max_prefill_chunk=chunk),
+                                   decode=self.tokenizer.decode)
 
-    # ---- the engine boundary (detent_audit.engine_api)
+    # ---- the engine contract (detent_audit.runtime.contract)
     @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
     @property
+    def model_name(self) -> str:
+        return self.config.resolved_model.name
+
+    @property
+    def model_positions(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def facts(self) -> dict[str, Any]:
-        """The bit-relevant facts a receipt records (`detent_audit.engine.facts.collect_facts`)."""
-        from detent_audit.engine.facts import collect_facts
+    def facts(self) -> Facts:
+        """The bit-relevant facts a receipt records (`detent_audit.engine.deployment_facts.collect_facts`)."""
+        from detent_audit.engine.deployment_facts import collect_facts
 
         return collect_facts(self)
 
-    def tuple_values(self) -> dict[str, dict[str, Any]]:
+    def tuple_values(self) -> TupleValues:
         """What a receipt commits to as the tuple: the mode (`mode.name`) and the per-family pins and knobs the
         kernels read (`Selection.used_tuple`: an axis that changes no kernel's params is not signed)."""
         return {"mode": {"name": self.config.mode}, **self.selection.used_tuple}
@@ -293,22 +290,16 @@ class LLM(EngineBase[Sequence]):
         elif score_from is not None and len(score_targets) != len(ids) - score_from + 1:
             raise ValueError(f"{len(score_targets)} score targets for a sequence of {len(ids)} tokens scored from "
                              f"{score_from}: the sequence must hold every target but the last")
-        seq = Sequence(next(self._ids), ids, params, request_id=request_id)
-        if score_from is not None:  # the scored positions' logits must be computed, not served from cache
-            self.scheduler.block_manager.hit_limit[seq.seq_id] = max(0, score_from - 1)
+        score = (None if score_from is None
+                 else ScoreSpec(score_from, score_params or params, tuple(score_targets)))
+        seq = Sequence(next(self._ids), ids, params, request_id=request_id, score=score)
         self.scheduler.add(seq)
-        if score_from is not None:
-            self._score_from[seq.seq_id] = ScoreSpec(score_from, score_params or params, tuple(score_targets))
-            self._scores[seq.seq_id] = Rescored([], [], [])
-        self._tops[seq.seq_id] = []
         return seq
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: RequestHandle) -> None:
         """Stop serving `seq` between steps (its client left): its blocks are freed, nothing more is computed
         for it, and it never finishes."""
-        self.scheduler.abort(seq)
-        for per_seq in (self._tops, self._score_from, self._scores):
-            per_seq.pop(seq.seq_id, None)
+        self.scheduler.abort(self.own(seq))
 
     def step(self) -> list[Sequence]:
         """Run one scheduled step; returns the sequences that finished in it."""
@@ -318,25 +309,20 @@ class LLM(EngineBase[Sequence]):
         self.step_batch_sizes[len(out.scheduled)] += 1
         bm = self.scheduler.block_manager
         slots = {e.seq.seq_id: bm.slot_mapping(e.seq, e.start_pos, e.end_pos) for e in out.scheduled}
-        results = self.runner.execute(out, slots, self._score_from)
+        results = self.runner.execute(out, slots)
         tokens = {sid: r.token for sid, r in results.items()}
         logprobs = {sid: r.logprob for sid, r in results.items() if r.token is not None}
-        starts = {e.seq.seq_id: e.start_pos for e in out.scheduled}
-        for sid, r in results.items():
-            if sid in self._scores:
-                # a recompute after preemption scores its rows again: keep each position's score once
-                keep = max(0, starts[sid] - (self._score_from[sid].first - 1))
-                scores = self._scores[sid]
-                _replace_from(scores.logprobs, keep, r.scored)
-                _replace_from(scores.tokens, keep, r.scored_samples)
-                _replace_from(scores.tops, keep, r.scored_tops)
+        for e in out.scheduled:
+            r = results[e.seq.seq_id]
+            if e.seq.score is not None:
+                e.seq.record_scores(e.start_pos, r.scored, r.scored_samples, r.scored_tops)
             if r.top is not None:
-                self._tops[sid].append(r.top)
+                e.seq.top_logprobs.append(r.top)
         return self.scheduler.update(out, tokens, logprobs)
 
-    def top_logprobs_so_far(self, seq: Sequence) -> list[list[tuple[int, float]]]:
+    def top_logprobs_so_far(self, seq: RequestHandle) -> TopLogprobs:
         """The top-n alternatives of each token `seq` has sampled so far (for streaming)."""
-        return self._tops.get(seq.seq_id, [])
+        return self.own(seq).top_logprobs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -363,26 +349,23 @@ class LLM(EngineBase[Sequence]):
         self.run(seqs)
         out = []
         for s, (_, output) in zip(seqs, pairs):
-            scores = self._scores.pop(s.seq_id)
-            if len(scores.logprobs) != len(output):
-                raise RuntimeError(f"rescore produced {len(scores.logprobs)} logprobs for {len(output)} tokens")
+            scores = s.scored
+            if scores is None or len(scores.logprobs) != len(output):
+                raise RuntimeError(f"rescore produced {len(scores.logprobs) if scores else 0} logprobs for "
+                                   f"{len(output)} tokens")
             out.append(scores)
-            self._score_from.pop(s.seq_id)
-            self.scheduler.block_manager.hit_limit.pop(s.seq_id, None)
-            self._tops.pop(s.seq_id, None)
         return out
 
-    def output_of(self, seq: Sequence) -> RequestOutput:
-        """The user-facing result of a finished sequence (its top logprobs and prompt scores are handed over
-        once). The text is cut before a stop string that ended it (stop_strings.py)."""
+    def output_of(self, seq: RequestHandle) -> RequestOutput:
+        """The user-facing result of a finished sequence. The text is cut before a stop string that ended it
+        (stop_strings.py)."""
+        seq = self.own(seq)
         text, _ = output_text(self.tokenizer.decode, seq.output_token_ids, seq.sampling_params.stop)
         out = RequestOutput(seq.request_id, list(seq.prompt_token_ids), seq.output_token_ids, text,
                             list(seq.output_logprobs), seq.finish_reason,
-                            self._tops.pop(seq.seq_id, []), seq.num_cached_tokens)
-        scores = self._scores.pop(seq.seq_id, None)
+                            list(seq.top_logprobs), seq.num_cached_tokens)
+        scores = seq.scored
         if scores is not None:  # echo: the prompt's scores
-            self._score_from.pop(seq.seq_id, None)
-            self.scheduler.block_manager.hit_limit.pop(seq.seq_id, None)
             if len(scores.logprobs) != seq.num_prompt_tokens - 1:
                 raise RuntimeError(f"{len(scores.logprobs)} prompt logprobs for a prompt of {seq.num_prompt_tokens}")
             out.prompt_logprobs, out.prompt_top_logprobs = scores.logprobs, scores.tops

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from detent_audit.engine.config import ModelConfig
-from detent_audit.engine.dtypes import DTYPES
-from detent_audit.engine.errors import BadCheckpoint
 from detent_audit.engine.model import CausalLM, Weights
 from detent_audit.errors import BadInput
+from detent_audit.runtime.dtypes import DTYPES
+from detent_audit.runtime.errors import BadCheckpoint
+from detent_audit.runtime.model_config import ModelConfig
 
 # HF tensor name -> (our parameter, shard). {L}: layer, {E}: expert, {P}: weight or bias.
 WEIGHT_MAP: dict[str, tuple[str, str | None]] = {

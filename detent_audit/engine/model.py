@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from detent_audit.engine.config import ModelConfig
-from detent_audit.engine.errors import BadCheckpoint
 from detent_audit.kernels.rowlocal import RopeCache
+from detent_audit.runtime.errors import BadCheckpoint
+from detent_audit.runtime.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from detent_audit.kernels import Kernels

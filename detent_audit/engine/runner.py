@@ -14,27 +14,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from detent_audit.engine.model import CausalLM
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import SchedulerOutput
+from detent_audit.engine.sequence import ScoreSpec
 from detent_audit.engine.tensor_parallel import TensorParallelLM
 from detent_audit.kernels import AttentionMetadata, Kernels
 from detent_audit.kernels import sampling as sampling_ops
+from detent_audit.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from detent_audit.engine.cuda_graphs import DecodeGraphs
-
-
-@dataclass(frozen=True)
-class ScoreSpec:
-    """A rescoring sequence: score `targets`, the tokens at positions `first`, `first + 1`, ...; they were
-    drawn with `params`. The sequence holds the prompt and every target but the last (the last one's logits
-    are those of the position before it), so a response that filled the context is rescored within it; or,
-    for a served prompt's logprobs (echo), the prompt, every token of it from `first` on a target, and samples
-    after it."""
-
-    first: int
-    params: SamplingParams
-    targets: tuple[int, ...]
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
@@ -75,21 +63,20 @@ class ModelRunner:
         self.kv_caches = model.new_kv_caches(num_blocks, block_size, device)
         self.graphs = graphs  # DecodeGraphs (GPU) or None: decode-only steps replay a captured graph
 
-    def _graph_logits(self, entries, slots: dict[int, list[int]], score_from: dict) -> torch.Tensor | None:
-        if self.graphs is None or score_from or not all(e.num_new_tokens == 1 and e.samples_token
-                                                        for e in entries):
+    def _graph_logits(self, entries, slots: dict[int, list[int]]) -> torch.Tensor | None:
+        if self.graphs is None or not all(e.num_new_tokens == 1 and e.samples_token and e.seq.score is None
+                                          for e in entries):
             return None
         return self.graphs.run([e.seq.token_ids[e.start_pos] for e in entries], [e.start_pos for e in entries],
                                [e.seq.block_table for e in entries], [slots[e.seq.seq_id][0] for e in entries])
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, slots: dict[int, list[int]], score_from: dict[int, ScoreSpec]
-                ) -> dict[int, SeqResult]:
-        """Run `step`. `slots[seq_id]`: cache slots of the chunk's tokens; `score_from[seq_id]`: for a
-        rescoring sequence, the first position whose token is scored (teacher forcing) and the sampling
-        parameters the scored tokens were drawn with (so the draw at each row can be checked too)."""
+    def execute(self, step: SchedulerOutput, slots: dict[int, list[int]]) -> dict[int, SeqResult]:
+        """Run `step`. `slots[seq_id]`: cache slots of the chunk's tokens. A scoring sequence's `score`: the
+        first position whose token is scored (teacher forcing) and the sampling parameters the scored tokens
+        were drawn with (so the draw at each row can be checked too)."""
         entries = step.scheduled
-        graph_logits = self._graph_logits(entries, slots, score_from)
+        graph_logits = self._graph_logits(entries, slots)
         if graph_logits is not None:  # a decode-only step, replayed: the same kernels, the same bits
             results = {e.seq.seq_id: SeqResult() for e in entries}
             owners: list[tuple[int, str]] = [(e.seq.seq_id, "sample") for e in entries]
@@ -118,19 +105,19 @@ class ModelRunner:
                             self.kv_caches, self.kernels)  # [T, H]
 
         rows: list[int] = []          # hidden rows whose logits are needed
-        teacher: list[int] = []       # for scored rows: the known next token
-        owners = []
+        owners = []                   # each row's sequence and what it is for: "score" or "sample"
+        targets: list[int] = []       # the known next token of each "score" row, in row order
+        specs: list[ScoreSpec] = []   # the score of each "score" row's sequence
         for i, e in enumerate(entries):
-            sid = e.seq.seq_id
-            if sid in score_from:
-                spec = score_from[sid]
+            sid, spec = e.seq.seq_id, e.seq.score
+            if spec is not None:
                 for p in range(max(e.start_pos, spec.first - 1), min(e.end_pos, spec.first - 1 + len(spec.targets))):
                     rows.append(cu[i] + p - e.start_pos)
-                    teacher.append(spec.targets[p + 1 - spec.first])
+                    targets.append(spec.targets[p + 1 - spec.first])
+                    specs.append(spec)
                     owners.append((sid, "score"))
             if e.samples_token:
                 rows.append(cu[i + 1] - 1)
-                teacher.append(-1)
                 owners.append((sid, "sample"))
         results = {e.seq.seq_id: SeqResult() for e in entries}
         if not rows:
@@ -140,9 +127,7 @@ class ModelRunner:
         score_idx = [j for j, (_, kind) in enumerate(owners) if kind == "score"]
         if score_idx:
             sub = logits[score_idx]
-            scored = sampling_ops.token_logprobs(sub, torch.tensor([teacher[j] for j in score_idx],
-                                                                   device=sub.device))
-            specs = [score_from[owners[j][0]] for j in score_idx]
+            scored = sampling_ops.token_logprobs(sub, torch.tensor(targets, device=sub.device))
             draws = _draw(sub, [s.params for s in specs], [positions[rows[j]] + 1 for j in score_idx])
             for j, lp, tok in zip(score_idx, scored.tolist(), draws.tolist()):
                 results[owners[j][0]].scored.append(lp)

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from detent_audit.engine.block_manager import BlockManager
-from detent_audit.engine.finish import FinishReason, finish_cause
-from detent_audit.engine.sampling_params import check_token_id, is_int
 from detent_audit.engine.sequence import Sequence, SequenceStatus
-from detent_audit.engine.stop_strings import find_stop
 from detent_audit.errors import BadInput
+from detent_audit.runtime.finish import FinishReason, finish_cause
+from detent_audit.runtime.sampling_params import check_token_id, is_int
+from detent_audit.runtime.stop_strings import find_stop
 
 
 def _arrival(seq: Sequence) -> int:
@@ -51,6 +51,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_prefill_chunk: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    prefix_caching: bool = True     # off: no sequence reuses another's KV blocks
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -112,7 +113,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, decode: Callable[[SequenceOf[int]], str] | None = None) -> None:
         self.config = config
         self.decode = decode  # output ids -> text, for stop strings (a request with stop strings needs it)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size,
+                                          prefix_caching=config.prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._next_arrival = 0
@@ -260,7 +262,6 @@ class Scheduler:
         else:
             self.waiting.remove(seq)  # waiting or preempted: it holds no blocks
         self._live_ids.discard(seq.seq_id)
-        self.block_manager.hit_limit.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
@@ -280,7 +281,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish_reason(self, seq: Sequence) -> FinishReason | None:
-        """The finish rule (engine/finish.py) after `seq`'s last token; None while it goes on."""
+        """The finish rule (runtime/finish.py) after `seq`'s last token; None while it goes on."""
         params = seq.sampling_params
         stop_string = False
         if params.stop:  # checked after every token, so the first token whose text holds one stops it

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.model import CausalLM, KVCache
 from detent_audit.errors import BadInput
+from detent_audit.runtime.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from detent_audit.kernels import Kernels

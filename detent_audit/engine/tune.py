@@ -26,6 +26,7 @@ from detent_audit.engine.tune_search import (
     heaviest,
     launch_classes,
 )
+from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
 from detent_audit.selection.compiler import SolveResult
 from detent_audit.selection.tuner import Mode as SearchMode
@@ -68,7 +69,7 @@ def tune_engine(llm: LLM, requests: list, *, mode: SearchMode = "budgeted", budg
                 concurrency: Sequence[int | None] = (None,)) -> tuple[dict[str, dict], list[FamilyReport]]:
     """Profile `requests` on `llm` (detent mode; `record_profile` at `concurrency`), tune every called family,
     return (tuple, reports). `cold_kv`: the GPU oracle's `cold_kv`."""
-    if llm.config.mode != "detent":
+    if llm.config.mode != Mode.DETENT:
         raise BadInput("tune commits a tuple for detent mode", remedy="use --mode detent")
     calls = record_profile(llm, requests, concurrency)
     device = llm.config.device

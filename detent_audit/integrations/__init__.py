@@ -1,1 +1,1 @@
-"""Engines other than the embedded one, behind `detent_audit.engine_api.Engine`."""
+"""Engines other than the embedded one, behind `detent_audit.runtime.contract.Engine`."""

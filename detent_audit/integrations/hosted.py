@@ -7,19 +7,20 @@ hosted engine records alike (checkpoint, runtime).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
 from detent_audit import isa
-from detent_audit.engine.base import EngineBase
-from detent_audit.engine.config import ModelConfig
-from detent_audit.engine.facts import checkpoint_hashes
-from detent_audit.engine.kernel_select import Selection
-from detent_audit.engine.named_models import ResolvedModel, resolve_model
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.errors import BadInput
+from detent_audit.runtime.base import EngineBase
+from detent_audit.runtime.contract import RequestHandle, TopLogprobs, TupleValues
+from detent_audit.runtime.facts import checkpoint_hashes, format_facts
+from detent_audit.runtime.kernel_select import Selection
+from detent_audit.runtime.model_config import ModelConfig
+from detent_audit.runtime.named_models import ResolvedModel, resolve_model
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.tokenizer import Tokenizer
 
 
 class HostedRequest:
@@ -97,13 +98,17 @@ class HostedEngine(EngineBase[Request]):
     def model_name(self) -> str:
         return self.config.resolved_model.name
 
-    def tuple_values(self) -> dict[str, dict[str, Any]]:
+    @property
+    def model_positions(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def tuple_values(self) -> TupleValues:
         return {"mode": {"name": self.config.mode}, **(self.selection.tuple if self.selection else {})}
 
-    def top_logprobs_so_far(self, seq: Request) -> list[list[tuple[int, float]]]:
-        return seq.top
+    def top_logprobs_so_far(self, seq: RequestHandle) -> TopLogprobs:
+        return self.own(seq).top
 
-    def hosted_facts(self, dtype: str) -> dict[str, dict[str, Any]]:
+    def hosted_facts(self, dtype: str) -> dict[str, dict[str, object]]:
         """The facts every hosted engine records alike: the checkpoint (hashes, name, source, EOS ids), the
         runtime (torch, the CPU, threads, dtype) and the tuple."""
         resolved = self.config.resolved_model
@@ -114,6 +119,7 @@ class HostedEngine(EngineBase[Request]):
                         **isa.runtime_facts(),
                         "num_threads": self.config.num_threads, "dtype": dtype},
             "tuple": dict(self.selection.tuple) if self.selection is not None else {},
+            "format": format_facts(),
         }
 
 
@@ -124,7 +130,7 @@ def attention_names() -> dict[str, str]:
     return {"c": attention_c.IMPLEMENTATION, "torch": "torch-tiled"}
 
 
-def attention_of_facts(recorded: Any) -> str:
+def attention_of_facts(recorded: object) -> str:
     """The form a receipt's `engine.plugin.attention` names (receipts from before the C form ran the torch one);
     `BadInput` for a name this detent-audit does not run."""
     if recorded is None:

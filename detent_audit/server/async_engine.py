@@ -1,4 +1,4 @@
-"""`AsyncEngine`: the offline `LLM` behind a thread, for the HTTP server's event loop.
+"""`AsyncEngine`: an engine (the contract's `Engine`) behind a thread, for the HTTP server's event loop.
 
 One background thread owns the LLM (which is not thread-safe: nothing else touches it). Requests arrive
 through a lock-guarded inbox; the thread admits them (`LLM.add_request`), loops `step()` while there is
@@ -25,12 +25,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from detent_audit.engine.base import RequestOutput
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.sequence import Sequence as EngineSequence
-from detent_audit.engine.threads import set_threads
-from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
+from detent_audit.runtime.contract import Engine, RequestOutput
+from detent_audit.runtime.contract import RequestHandle as EngineRequest
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.threads import set_threads
 
 
 class EngineUnavailable(Exception):
@@ -139,7 +138,8 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    """Serves an engine (`detent_audit.engine_api.Engine`) from one background thread (started here). See the module docstring."""
+    """Serves an engine (`detent_audit.runtime.contract.Engine`) from one background thread (started here).
+    See the module docstring."""
 
     def __init__(self, llm: Engine, *, max_queued: int = 256) -> None:
         if max_queued < 1:
@@ -156,7 +156,7 @@ class AsyncEngine:
         self._cancel = False            # fail what is left instead of draining it
         self.error: BaseException | None = None
         self._admitting: list[RequestHandle] = []  # taken from the inbox, being added to the LLM
-        self._live: dict[int, tuple[EngineSequence, RequestHandle]] = {}  # seq_id -> (sequence, handle)
+        self._live: dict[int, tuple[EngineRequest, RequestHandle]] = {}  # seq_id -> (sequence, handle)
         self._emitted: dict[int, int] = {}  # seq_id -> output tokens published
         self._thread = threading.Thread(target=self._run, name="detent-engine", daemon=True)
         self._thread.start()

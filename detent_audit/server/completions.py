@@ -20,9 +20,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from detent_audit.engine.base import RequestOutput
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import MAX_CLIENT_BODY, ClientRequest
+from detent_audit.runtime.contract import RequestOutput
 from detent_audit.server.async_engine import EngineClosed, EngineFailed, EngineUnavailable, RequestHandle
 from detent_audit.server.bodies import read_body
 from detent_audit.server.node import SignedReceipt, StorageFailed

@@ -34,9 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.atomic import write_atomically
-from detent_audit.engine.base import RequestOutput
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine_api import Engine
 from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.manifests.dsse import Envelope, read_envelope_bytes
@@ -54,6 +51,8 @@ from detent_audit.manifests.receipt import (
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest, verify_run_manifest
 from detent_audit.manifests.seeds import derived_seed
+from detent_audit.runtime.contract import Engine, RequestOutput, TupleValues
+from detent_audit.runtime.sampling_params import SamplingParams
 
 RECEIPT_SUFFIX = ".receipt"
 MANIFEST_SUFFIX = ".manifest"
@@ -69,7 +68,7 @@ class StorageFailed(DetentError):
     remedy = "free space on (or repair) the --manifest-out file system; the server answers 507 until then"
 
 
-def tuple_values(llm: Engine) -> dict[str, dict[str, Any]]:
+def tuple_values(llm: Engine) -> TupleValues:
     """What a receipt commits to as the tuple: the per-family pins and knobs, and the mode (as `mode.name`)."""
     return llm.tuple_values()
 
@@ -192,7 +191,8 @@ class ServingNode:
         stated = self.facts.get("kernel_params")
         if called is None or stated is None:
             return  # an engine whose kernels do not report (vLLM's, the GPU KernelSet)
-        extra = {family: [p for p in params if p not in stated.get(family, [])]
+        lists = {family: value for family, value in stated.items() if isinstance(value, list)}
+        extra = {family: [p for p in params if p not in lists.get(family, [])]
                  for family, params in called.items()}
         extra = {family: params for family, params in extra.items() if params}
         if extra:

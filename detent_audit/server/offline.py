@@ -21,10 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.sampling_params import SamplingParams, seed_for
-from detent_audit.engine_api import Engine
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import MAX_STOP_TOKENS, ClientRequest
+from detent_audit.runtime.contract import Engine, RequestHandle
+from detent_audit.runtime.sampling_params import SamplingParams, seed_for
 from detent_audit.server.node import RECEIPT_ID, ServingNode
 from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
 
@@ -132,7 +132,7 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
         raise BadInput(f"{output_path}: cannot write ({exc.strerror})") from None
     limit = max_in_flight or len(requests)
     seqs = [llm.add_request(ids, params, rid) for rid, ids, params, _ in requests[:limit]]
-    finished: dict[int, Any] = {}
+    finished: dict[int, RequestHandle] = {}
     next_to_write = 0
     with out:
         while next_to_write < len(requests):
@@ -145,7 +145,8 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
                 rid, _, params, client = requests[next_to_write]
                 output = llm.output_of(finished.pop(seqs[next_to_write].seq_id))
                 signed = node.sign(output, params, rid, client)  # durable before the answer is written
-                line = {"id": rid, "text": output.text, "token_ids": output.token_ids, "logprobs": output.logprobs}
+                line: dict[str, object] = {"id": rid, "text": output.text, "token_ids": output.token_ids,
+                                           "logprobs": output.logprobs}
                 if params.logprobs:  # the top-n alternatives at each position, as [token id, logprob] pairs
                     line["top_logprobs"] = [[list(pair) for pair in top] for top in output.top_logprobs]
                 line.update(finish_reason=output.finish_reason, seed=params.seed, receipt_id=signed.receipt_id,

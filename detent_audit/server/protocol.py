@@ -21,10 +21,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from detent_audit.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, seed_for
-from detent_audit.engine.stop_strings import check_stop_strings
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import MAX_STOP_TOKENS
+from detent_audit.runtime.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, seed_for
+from detent_audit.runtime.stop_strings import check_stop_strings
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -73,8 +73,7 @@ class Limits:
     def of(cls, model_name: str, max_model_len: int, vocab_size: int, tokenizer: Any) -> Limits:
         """With `max_prompt_chars` = max_model_len times the longest vocabulary entry (no token covers more
         characters), so an overlong text is refused before it is tokenized (which would take seconds and GBs)."""
-        vocab = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
-        return cls(model_name, max_model_len, vocab_size, max_model_len * max(map(len, vocab), default=1))
+        return cls(model_name, max_model_len, vocab_size, max_model_len * tokenizer.max_token_chars())
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

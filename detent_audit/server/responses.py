@@ -11,8 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from detent_audit.engine.stop_strings import find_stop, output_text
-from detent_audit.engine.tokenizer import bytes_to_unicode
+from detent_audit.runtime.stop_strings import find_stop, output_text
+from detent_audit.runtime.tokenizer import bytes_to_unicode
 
 LOGPROB_FLOOR = -9999.0
 _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE alphabet -> byte
@@ -35,7 +35,7 @@ class TokenFormatter:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def bytes(self, token_id: int) -> list[int]:
-        piece = self.tokenizer.tokenizer.id_to_token(token_id)
+        piece = self.tokenizer.token_piece(token_id)
         if piece is not None and all(c in _BYTE_OF for c in piece):
             return [_BYTE_OF[c] for c in piece]
         return list(self.text(token_id, False).encode("utf-8"))

@@ -53,7 +53,7 @@ def _stock(dep: Deployment) -> bool:
 
 
 def _fa3(dep: Deployment) -> bool:
-    return _stock(dep) and dep.engine.attention_backend == "fa3" and dep.gpu.arch == "sm90"
+    return _stock(dep) and dep.engine.attention_backend == "fa3" and dep.arch == "sm90"
 
 
 _SPECS = (
@@ -71,7 +71,7 @@ _SPECS = (
                lambda dep: dep.engine.name == "vllm" and dep.parallel.tensor_parallel_size > 1),
     FamilySpec("all_reduce", "all_reduce", all_reduce.all_reduce_sglang, all_reduce.facts,
                lambda dep: dep.engine.name == "sglang" and dep.parallel.tensor_parallel_size > 1
-               and dep.gpu.arch == "sm90"),
+               and dep.arch == "sm90"),
     FamilySpec("gemm", "gemm", gemm.gemm, gemm.facts, _stock),
     FamilySpec("embedded.gemm", "embedded", embedded.embedded_gemm, embedded.facts,
                lambda dep: dep.engine.name == "detent"),
@@ -104,7 +104,7 @@ def families_for(dep: Deployment) -> list[FamilySpec]:
         e = dep.engine
         raise NotTranscribed(
             f"{dep.name}: the attention selection of {e.name} {e.version} with backend "
-            f"{e.attention_backend!r} on {dep.gpu.arch} is not transcribed",
+            f"{e.attention_backend!r} on {dep.arch} is not transcribed",
             remedy="transcribed: FA3 on sm90 (vLLM fork, sgl-attn, upstream) and vLLM's FlashInfer backend; "
                    "add a program to detent_audit.selection.programs")
     return out

@@ -118,25 +118,25 @@ def nccl_path(dep: Deployment) -> str:
 
 def facts(dep: Deployment) -> AllReduceFacts:
     """The all-reduce view of a TP > 1 deployment (plain Python, not SelIR)."""
-    e, cc, ws = dep.engine, dep.gpu.compute_capability, dep.parallel.tensor_parallel_size
+    e, cc, ws = dep.engine, dep.device.compute_capability, dep.parallel.tensor_parallel_size
     symm_cap = SYMM_MEM_ALL_REDUCE_MAX_SIZES.get(cc, {}).get(ws, 0)
     # custom_all_reduce.py: a supported world size; more than 2 GPUs need NVLink all-to-all (init disables it)
     custom = (e.custom_all_reduce and ws in CUSTOM_AR_SUPPORTED_WORLD_SIZES
-              and (ws == 2 or dep.gpu.fully_connected))
+              and (ws == 2 or dep.device.fully_connected))
     # batch-invariant mode forces 1stage and turns torch symm-mem off (override_envs_for_invariance)
     torch_symm = e.torch_symm_mem and not e.batch_invariant and symm_cap > 0
     graph = SGLANG_V2_SM90_GRAPH.get(ws, (1 * MiB, 1 * MiB, 16 * MiB, 0, 0))
     eager = SGLANG_V2_SM90_EAGER.get(ws, (1 * MiB, 1 * MiB, 16 * MiB, 0, 0))
     return AllReduceFacts(
         world_size=ws, hidden_size=dep.model.hidden_size, dtype_bytes=dep.model.dtype_bytes,
-        max_num_batched_tokens=e.max_num_batched_tokens, fully_connected=dep.gpu.fully_connected,
+        max_num_batched_tokens=e.max_num_batched_tokens, fully_connected=dep.device.fully_connected,
         batch_invariant=e.batch_invariant, flashinfer_all_reduce=e.flashinfer_all_reduce, custom_ar=custom,
         custom_ar_algo="1stage" if e.batch_invariant else e.custom_all_reduce_algo,
         custom_ar_table_cap=CUSTOM_ALL_REDUCE_MAX_SIZES.get(cc, {}).get(ws, 0) if e.torch_symm_mem else 0,
         nccl_symm_mem=e.nccl_symm_mem and not e.batch_invariant, torch_symm_mem=torch_symm,
         symm_mem_max_size=symm_cap,
         symm_mem_multimem=(cc == "9.0" and ws in (4, 6, 8)) or (cc.startswith("10.") and ws in (6, 8)),
-        multicast=dep.gpu.fully_connected and ws >= 4, v2_graph=graph, v2_eager=eager,
+        multicast=dep.device.fully_connected and ws >= 4, v2_graph=graph, v2_eager=eager,
         nccl_path=nccl_path(dep), nccl_chain_order=e.nccl_chain_order)
 
 

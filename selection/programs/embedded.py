@@ -85,7 +85,7 @@ def all_reduce_facts(dep: Deployment) -> EmbeddedAllReduceFacts:
 def facts(dep: Deployment) -> EmbeddedFacts:
     """The embedded engine's view of a deployment (plain Python, not SelIR)."""
     e = dep.engine
-    return EmbeddedFacts(num_cores=dep.gpu.num_sms, max_num_batched_tokens=e.max_num_batched_tokens,
+    return EmbeddedFacts(num_cores=dep.compute_units, max_num_batched_tokens=e.max_num_batched_tokens,
                          max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len,
                          num_kv_heads=dep.num_kv_heads_per_rank, max_splits=MAX_SPLITS,
                          gemm_pad_rows=e.gemm_pad_rows, gemm_row_form=e.gemm_row_form)

@@ -108,7 +108,7 @@ def facts(dep: Deployment) -> Fa3Facts:
     # flash_attn_max_num_splits_for_cuda_graph for a step that fits a full CUDA graph. SGLang passes 0
     # (1 when deterministic) in and out of graphs: its fact is 0.
     return Fa3Facts(
-        num_sms=dep.gpu.num_sms, head_dim=m.head_dim, head_dim_v=m.head_dim, num_heads=heads,
+        num_sms=dep.compute_units, head_dim=m.head_dim, head_dim_v=m.head_dim, num_heads=heads,
         num_kv_heads=kv_heads, element_size=2, softcap=False, causal=True,
         window_left=m.sliding_window - 1 if m.sliding_window > 0 else -1, paged_kv=True, page_size=e.page_size,
         varlen=True, max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,

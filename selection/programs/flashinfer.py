@@ -50,7 +50,7 @@ def facts(dep: Deployment) -> FlashInferFacts:
     """FlashInfer's view of a deployment (plain Python, not SelIR)."""
     e, m = dep.engine, dep.model
     return FlashInferFacts(
-        num_sms=dep.gpu.num_sms, head_dim=m.head_dim, num_heads=dep.num_heads_per_rank,
+        num_sms=dep.compute_units, head_dim=m.head_dim, num_heads=dep.num_heads_per_rank,
         num_kv_heads=dep.num_kv_heads_per_rank, page_size=e.page_size,
         window_left=m.sliding_window - 1 if m.sliding_window > 0 else -1, max_model_len=e.max_model_len,
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,

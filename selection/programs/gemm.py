@@ -80,7 +80,7 @@ def facts(dep: Deployment) -> GemmFacts:
     m, e, tp = dep.model, dep.engine, dep.parallel.tensor_parallel_size
     head_dim = m.head_dim
     # the table is read for bf16 on ada / hopper / blackwell (batch_invariant_configs.py)
-    use_table = m.dtype == "bfloat16" and dep.gpu.arch in TUNED_ARCHES
+    use_table = m.dtype == "bfloat16" and dep.arch in TUNED_ARCHES
 
     def shape(n: int, k: int) -> MatmulShape:
         tuned = dep.tables.matmul_shape(n, k) if use_table else None
@@ -105,7 +105,7 @@ def facts(dep: Deployment) -> GemmFacts:
     tuned_any = bool(bucket_lists)
     # vLLM batch-invariant mode: the Triton matmul on the SM80 family or for tuned shapes (else cuBLAS with
     # split-K disabled); SGLang deterministic mode: the vendored persistent Triton matmul; stock: cuBLAS
-    triton = e.batch_invariant and (e.name == "sglang" or dep.gpu.arch == "sm80" or tuned_any)
+    triton = e.batch_invariant and (e.name == "sglang" or dep.arch == "sm80" or tuned_any)
     block_m, block_n, block_k = DEFAULT_TILES[m.dtype]
     return GemmFacts(
         max_num_batched_tokens=e.max_num_batched_tokens, stock_backend="triton" if triton else "cublas",

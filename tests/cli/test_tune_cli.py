@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from detent_audit.cli import app
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.tuples import load_tuple
+from detent_audit.runtime.tuples import load_tuple
 
 runner = CliRunner()
 

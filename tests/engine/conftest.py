@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from detent_audit.engine.config import ModelConfig
 from detent_audit.kernels import AttentionMetadata
+from detent_audit.runtime.model_config import ModelConfig
 
 
 class PagedKV:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from detent_audit.engine.config import NAMED_SHAPES
-from detent_audit.engine.kernel_select import engine_deployment
 from detent_audit.engine.llm import EngineConfig
+from detent_audit.engine.registration import engine_config
 from detent_audit.errors import BadInput
-from detent_audit.verifier.reconstruct import engine_config
+from detent_audit.runtime.kernel_select import engine_deployment
+from detent_audit.runtime.model_config import NAMED_SHAPES
+from detent_audit.runtime.rebuild import RebuildRequest
 
 
 def _deployment(backend: str):
@@ -32,5 +33,5 @@ def test_streaming_is_a_deployment_fact_the_verifier_reads_back() -> None:
                  "scheduler": {"block_size": 16, "max_num_batched_tokens": 2048, "max_prefill_chunk": 0,
                                "prefix_caching": True},
                  "runtime": {"device": "NVIDIA H200 sm90", "dtype": "bfloat16", "num_threads": 1}}
-        config = engine_config(facts, {"mode": {"name": "detent"}}, None)
+        config = engine_config(RebuildRequest(facts, {"mode": {"name": "detent"}}))
         assert config.attention_streaming is expected and config.device == "cuda"

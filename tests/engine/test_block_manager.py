@@ -7,9 +7,9 @@ import random
 import pytest
 
 from detent_audit.engine.block_manager import ROOT_HASH, BlockManager, IntegrityError, block_hash
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.sequence import Sequence
+from detent_audit.engine.sequence import ScoreSpec, Sequence
 from detent_audit.errors import BadInput
+from detent_audit.runtime.sampling_params import SamplingParams
 
 BS = 4
 PARAMS = SamplingParams(max_tokens=8)
@@ -72,6 +72,27 @@ def test_prefix_hit_shares_full_blocks_and_recomputes_the_last_token() -> None:
     # a different first block breaks the chain even where later blocks are equal
     d = make_seq(3, random_tokens(rng, BS) + prefix[BS:] + [7])
     assert bm.match_prefix(d).block_ids == ()
+
+
+@pytest.mark.parametrize("first", [1, 2, BS + 1, 2 * BS, 2 * BS + 3])
+def test_a_scoring_sequence_reuses_no_cached_block_whose_logits_it_scores(first: int) -> None:
+    """The hit stops before the first position whose logits score a target (`Sequence.cache_hit_limit`), so
+    those rows are computed, never served from another request's cache; a prefix-caching block manager off
+    reuses nothing."""
+    rng = random.Random()
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    prefix = random_tokens(rng, 4 * BS)
+    a = make_seq(0, prefix + [1])
+    bm.allocate(a)
+    compute(bm, a)
+    tokens = prefix + random_tokens(rng, 3)
+    scored = Sequence(1, tokens, PARAMS, score=ScoreSpec(first, PARAMS, tuple(tokens[first:]) + (5,)))
+    assert scored.cache_hit_limit == first - 1
+    bm.allocate(scored)
+    assert scored.num_cached_tokens == (first - 1) // BS * BS <= first - 1
+    assert make_seq(2, tokens).cache_hit_limit == len(tokens) - 1  # a plain request: all but its last token
+    off = BlockManager(num_blocks=32, block_size=BS, prefix_caching=False)
+    assert off.match_prefix(make_seq(3, tokens)).block_ids == ()
 
 
 def test_chained_hash_names_the_whole_prefix() -> None:

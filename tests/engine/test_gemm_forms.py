@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detent_audit.engine.facts import collect_facts
+from detent_audit.engine.deployment_facts import collect_facts
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.kernels import gemm, gemm_probe
 from detent_audit.kernels.params import GemmParams
 from detent_audit.manifests.encoding import tuple_hash
+from detent_audit.runtime.sampling_params import SamplingParams
 
 MODEL = "random-20m"
 

@@ -7,7 +7,7 @@ import torch
 
 from detent_audit.engine.generated import generate_model
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.runtime.sampling_params import SamplingParams
 
 
 def test_generated_weights_are_seeded_and_not_zero(tmp_path, monkeypatch) -> None:
@@ -26,6 +26,6 @@ def test_generated_model_serves_and_records_what_it_is(tmp_path, monkeypatch) ->
     llm = LLM(EngineConfig(model="random:tiny-qwen3"))
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
-    from detent_audit.engine.facts import collect_facts
+    from detent_audit.engine.deployment_facts import collect_facts
 
     assert collect_facts(llm)["checkpoint"]["generated"] == "random:tiny-qwen3"

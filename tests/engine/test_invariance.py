@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from detent_audit.engine.battery import run_battery
+from detent_audit.bench.battery import run_battery
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.threads import set_threads
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.threads import set_threads
 
 
 def _engine(path, mode="detent", dtype="float32", **kw) -> LLM:

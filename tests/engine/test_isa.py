@@ -20,8 +20,8 @@ import torch
 
 from detent_audit import isa
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import BadInput
+from detent_audit.runtime.sampling_params import SamplingParams
 
 X86 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 # a child: the entry point's pin (argv after the model), then the engine's facts and one greedy answer's bits
@@ -29,9 +29,9 @@ CHILD = """
 import json, struct, sys
 from detent_audit import isa
 isa.pin(isa.requested(sys.argv[2:]))
-from detent_audit.engine.facts import collect_facts
+from detent_audit.engine.deployment_facts import collect_facts
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.runtime.sampling_params import SamplingParams
 llm = LLM(EngineConfig(model=sys.argv[1], mode="detent"))
 out = llm.generate([[5, 9, 33, 2, 71, 18, 4, 250, 17, 3]], SamplingParams(temperature=0.0, max_tokens=8))[0]
 facts = collect_facts(llm)

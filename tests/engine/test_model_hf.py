@@ -16,12 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from detent_audit.engine.checkpoint import DEFAULT_MODEL, ensure_default_model, write_random_checkpoint
-from detent_audit.engine.config import NAMED_SHAPES, ModelConfig
-from detent_audit.engine.errors import BadCheckpoint, UnsupportedModel
 from detent_audit.engine.loader import checkpoint_names, load_model
 from detent_audit.engine.model import CausalLM
-from detent_audit.engine.tokenizer import CHAT_FORMATS, Tokenizer, render_jinja
 from detent_audit.kernels import AttentionParams, GemmParams, KernelSet
+from detent_audit.runtime.errors import BadCheckpoint, UnsupportedModel
+from detent_audit.runtime.model_config import NAMED_SHAPES, ModelConfig
+from detent_audit.runtime.tokenizer import CHAT_FORMATS, Tokenizer, render_jinja
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmarks' own modules
 from real_model_agreement import PROMPTS, hf_greedy  # noqa: E402  (the agreement benchmark's prompts and loop)
 
-from detent_audit.engine.battery import run_battery
-from detent_audit.engine.gguf_import import import_gguf
+from detent_audit.bench.battery import run_battery
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.named_models import REAL_MODEL, resolve_model, wheel_gguf
-from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.runtime.gguf_import import import_gguf
+from detent_audit.runtime.named_models import REAL_MODEL, resolve_model, wheel_gguf
+from detent_audit.runtime.sampling_params import SamplingParams
 
 # fp32 logprobs of the engine and of transformers on the same tokens differ by the order of their sums only
 LOGPROB_ATOL = 2e-3

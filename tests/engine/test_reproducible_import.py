@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_gguf import write_tiny_gguf
 
-from detent_audit.engine.errors import BadCheckpoint
-from detent_audit.engine.facts import checkpoint_hashes
-from detent_audit.engine.gguf_import import import_gguf
+from detent_audit.runtime.errors import BadCheckpoint
+from detent_audit.runtime.facts import checkpoint_hashes
+from detent_audit.runtime.gguf_import import import_gguf
 
 HERE = Path(__file__).parent
 
@@ -59,7 +59,7 @@ def test_gguf_import_writes_the_same_bytes_in_processes_with_other_hash_seeds(gg
     here = folder_bytes(import_gguf(gguf_file, tmp_path / "here").path)
     code = f"""
         import sys
-        from detent_audit.engine.gguf_import import import_gguf
+        from detent_audit.runtime.gguf_import import import_gguf
         for i in range(3):
             import_gguf({str(gguf_file)!r}, sys.argv[1] + f"-{{i}}")
         """
@@ -81,7 +81,7 @@ def test_two_cache_folders_give_the_same_checkpoint_hashes(gguf_file: Path, tmp_
         model = named_models.ensure_wheel_model(named_models.REAL_MODEL, tmp_path / cache)
         hashes.append((folder_bytes(model.path), checkpoint_hashes(model.path)))
     assert hashes[0] == hashes[1]
-    from detent_audit.engine.tensor_files import WEIGHTS_FORM
+    from detent_audit.runtime.tensor_files import WEIGHTS_FORM
 
     assert hashes[0][1]["weights"].startswith(f"{WEIGHTS_FORM}:")
 
@@ -125,7 +125,7 @@ def _checkpoint_of(tensors: dict[str, torch.Tensor], folder: Path, metadata: dic
 
 def test_weights_hash_is_the_tensors_not_the_container_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                              ) -> None:
-    from detent_audit.engine.tensor_files import tensor_lines, weights_hash
+    from detent_audit.runtime.tensor_files import tensor_lines, weights_hash
 
     monkeypatch.setenv("DETENT_AUDIT_CACHE", str(tmp_path / "cache"))
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -165,8 +165,8 @@ def test_default_model_imports_to_the_same_bytes_and_facts_in_two_processes_and_
                                                                                          ) -> None:
     code = """
         import json, sys
-        from detent_audit.engine.facts import checkpoint_hashes
-        from detent_audit.engine.named_models import REAL_MODEL, ensure_wheel_model
+        from detent_audit.runtime.facts import checkpoint_hashes
+        from detent_audit.runtime.named_models import REAL_MODEL, ensure_wheel_model
         model = ensure_wheel_model(REAL_MODEL, sys.argv[1])
         print(json.dumps({"path": str(model.path), "hashes": checkpoint_hashes(model.path)}))
         """

@@ -10,10 +10,10 @@ from functools import reduce
 
 import pytest
 
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from detent_audit.engine.sequence import Sequence, SequenceStatus
 from detent_audit.errors import BadInput
+from detent_audit.runtime.sampling_params import SamplingParams
 
 VOCAB = 40
 EOS = 0

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from detent_audit.engine.config import NAMED_SHAPES
-from detent_audit.engine.kernel_select import STOCK_TILE, engine_deployment, stock_attention_selector
+from detent_audit.runtime.kernel_select import STOCK_TILE, engine_deployment, stock_attention_selector
+from detent_audit.runtime.model_config import NAMED_SHAPES
 
 
 def selector(shape: str = "llama-3.1-8b", sms: int = 132):

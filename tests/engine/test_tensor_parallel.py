@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from detent_audit.engine.config import ModelConfig
 from detent_audit.engine.generated import generate_model
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.tensor_parallel import EmulatedRanks, TPLayout, ordered_sum, tensor_parallel_model
 from detent_audit.engine.tp_ranks import ProcessRanks, free_port
 from detent_audit.errors import BadInput
+from detent_audit.runtime.model_config import ModelConfig
+from detent_audit.runtime.sampling_params import SamplingParams
 
 PROMPTS = ["the tensor-parallel ranks add their partials in order", "a short one", "seventeen seventeen x"]
 

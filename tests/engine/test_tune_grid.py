@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import random
 
-from detent_audit.engine.config import NAMED_SHAPES
-from detent_audit.engine.kernel_select import engine_deployment, select_kernels
 from detent_audit.engine.tune_search import (
     GPU_KV_TILES,
     GPU_STRIDE_MAX,
@@ -15,6 +13,8 @@ from detent_audit.engine.tune_search import (
     family_grid,
     launch_classes,
 )
+from detent_audit.runtime.kernel_select import engine_deployment, select_kernels
+from detent_audit.runtime.model_config import NAMED_SHAPES
 from detent_audit.selection.tuner import Workload
 
 
@@ -73,7 +73,7 @@ def test_gpu_tuning_searches_launch_classes_within_the_budget(monkeypatch) -> No
 
     from detent_audit.engine import tune
     from detent_audit.engine.llm import LLM, EngineConfig
-    from detent_audit.engine.sampling_params import SamplingParams
+    from detent_audit.runtime.sampling_params import SamplingParams
 
     def cost(self, family, a, call):
         if family != "embedded.attention":

@@ -10,8 +10,8 @@ import pytest
 
 from detent_audit.engine import tune, tune_record
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import BadInput
+from detent_audit.runtime.sampling_params import SamplingParams
 
 
 def _requests(seed: int, n: int = 7):

@@ -19,7 +19,7 @@ pytest.importorskip("lm_eval")
 
 @pytest.fixture(scope="session")
 def eval_checkpoint() -> Path:
-    from detent_audit.engine.named_models import REAL_MODEL, resolve_model
+    from detent_audit.runtime.named_models import REAL_MODEL, resolve_model
 
     return resolve_model(REAL_MODEL).path
 

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from eval_helpers import TASKS, Served, generations_of, run_lm_eval, serving
 
-from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.keys import load_private_key
@@ -33,6 +32,7 @@ from detent_audit.manifests.receipt import (
     sign_receipt,
     verify_envelope,
 )
+from detent_audit.runtime.tokenizer import Tokenizer
 from detent_audit.verifier.eval_audit import EvalReport, find_run, read_samples, verify_eval
 from detent_audit.verifier.eval_rebuild import TaskNotRebuilt
 from detent_audit.verifier.verify import load_deployments

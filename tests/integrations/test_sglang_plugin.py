@@ -11,9 +11,9 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from detent_audit.engine.threads import set_threads
 from detent_audit.errors import BadInput
 from detent_audit.integrations.sglang.config import ENV, PluginConfig
+from detent_audit.runtime.threads import set_threads
 
 pytest.importorskip("sglang")
 
@@ -81,8 +81,10 @@ def test_torchvision_imports_beside_cpu_torch():
 def _served_facts(**over) -> dict:
     """An SGLang receipt's facts as far as verify reads them before SGLang starts."""
     from detent_audit.integrations.sglang import sglang_version
+    from detent_audit.runtime.facts import format_facts
 
     facts = {"engine": {"name": "sglang", "version": sglang_version()}, "runtime": {"num_threads": 1},
+             "format": format_facts(),
              "scheduler": {"max_model_len": 2048, "max_num_seqs": 64, "chunked_prefill_size": 8192,
                            "prefix_caching": True},
              "checkpoint": {"name": "random-20m", "source": "generated:default-20m", "config": "0" * 64,
@@ -112,15 +114,14 @@ def _served_facts(**over) -> dict:
 ])
 def test_verify_refuses_before_sglang_starts(over, tuple_mode, kwargs, error, fields_or_message, monkeypatch):
     from detent_audit.integrations.sglang import engine
-    from detent_audit.verifier.reconstruct import NotComparable
-    from detent_audit.verifier.reconstruct_sglang import reconstruct_sglang
+    from detent_audit.verifier.reconstruct import NotComparable, reconstruct
 
     def never(*args, **kwargs):
         raise AssertionError("SGLang was started for a receipt refused from its facts")
 
     monkeypatch.setattr(engine.SglangEngine, "__init__", never)
     with pytest.raises(NotComparable if error == "NotComparable" else BadInput) as exc:
-        reconstruct_sglang(_served_facts(**over), {"mode": {"name": tuple_mode}}, None, **kwargs)
+        reconstruct(_served_facts(**over), {"mode": {"name": tuple_mode}}, None, **kwargs)
     if isinstance(fields_or_message, list):
         assert exc.value.fields == fields_or_message
         if fields_or_message[0].startswith("checkpoint."):
@@ -173,8 +174,8 @@ def test_the_gemm_shapes_are_the_products_sglang_fuses(tmp_path):
     from safetensors import safe_open
 
     from detent_audit.engine.checkpoint import write_random_checkpoint
-    from detent_audit.engine.config import ModelConfig
     from detent_audit.integrations.sglang.selection import sglang_gemm_shapes
+    from detent_audit.runtime.model_config import ModelConfig
 
     write_random_checkpoint(tmp_path, "default-20m", 0)
     weights = {}

@@ -22,11 +22,11 @@ pytest.importorskip("sglang")
 
 from typer.testing import CliRunner  # noqa: E402
 
+from detent_audit.bench.battery import run_battery  # noqa: E402
 from detent_audit.cli import app  # noqa: E402
-from detent_audit.engine.battery import run_battery  # noqa: E402
-from detent_audit.engine_api import Engine  # noqa: E402
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys  # noqa: E402
 from detent_audit.manifests.receipt import OutputRecord, sign_receipt, verify_envelope  # noqa: E402
+from detent_audit.runtime.contract import Engine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -54,7 +54,7 @@ def test_the_first_request_of_an_engine_equals_its_hundredth(request) -> None:
 
     import torch
 
-    from detent_audit.engine.sampling_params import SamplingParams
+    from detent_audit.runtime.sampling_params import SamplingParams
 
     rng = random.Random(13)
     target = [rng.randrange(100, 40000) for _ in range(41)]
@@ -150,8 +150,8 @@ def _forged(served: dict, folder: Path, what: str) -> Path:
         lps[3] = struct.unpack("<f", struct.pack("<I", bits))[0]
     else:
         tokens[3] = (tokens[3] + 1) % 1000
-    from detent_audit.engine.tokenizer import Tokenizer
     from detent_audit.integrations.sglang.engine import SglangConfig
+    from detent_audit.runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(SglangConfig(model=MODEL).resolved_model.path)
     r = dataclasses.replace(r, output=OutputRecord.from_floats(  # the text and the alternatives kept consistent

@@ -22,10 +22,10 @@ pytest.importorskip("vllm")
 from typer.testing import CliRunner  # noqa: E402
 
 from detent_audit.cli import app  # noqa: E402
-from detent_audit.engine.sampling_params import SamplingParams  # noqa: E402
-from detent_audit.engine_api import Engine  # noqa: E402
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys  # noqa: E402
 from detent_audit.manifests.receipt import OutputRecord, sign_receipt, verify_envelope  # noqa: E402
+from detent_audit.runtime.contract import Engine  # noqa: E402
+from detent_audit.runtime.sampling_params import SamplingParams  # noqa: E402
 
 runner = CliRunner()
 # vLLM's CPU attention takes head sizes of 32 and up; the rest is the tiny llama shape
@@ -269,7 +269,7 @@ def _forged(served: dict, tmp_path: Path, name: str, *, change_output=None, chan
     src = served["out"] / "receipts" / "r5.receipt"
     r = verify_envelope(src.read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
     if change_output is not None:
-        from detent_audit.engine.tokenizer import Tokenizer
+        from detent_audit.runtime.tokenizer import Tokenizer
 
         tokens, lps = change_output(list(r.output.token_ids), list(r.output.logprobs))
         text = Tokenizer.from_pretrained(served["ckpt"]).decode(tokens)  # a forger keeps the text consistent
@@ -316,7 +316,7 @@ def test_another_vllm_version_or_thread_count_is_not_comparable(served, tmp_path
     # a receipt claiming 2 threads is rebuilt at 2: the deployment solved for them differs from what it signed,
     # or its tuple's GEMM form (the pad form, proven at 1 thread) is refused at 2
     expected = ({"engine.version"} if field == "engine.version"
-                else {"runtime.num_threads", "deployment.gpu.num_sms", "tuple"})
+                else {"runtime.num_threads", "deployment.cpu.num_threads", "tuple"})
     assert outcome["status"] == "NOT_COMPARABLE" and expected & set(outcome["fields"]), outcome
     code, report = _verify(served, served["out"] / "receipts" / "r1.receipt", extra=("--threads", "2"))
     assert code == 3 and report["outcomes"][0]["fields"] == ["runtime.num_threads"]

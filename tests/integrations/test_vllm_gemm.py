@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 from vllm import _custom_ops as ops  # noqa: E402
 
-from detent_audit.engine.threads import thread_count  # noqa: E402
+from detent_audit.runtime.threads import thread_count  # noqa: E402
 
 SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 49152 // 8), (96, 192)]  # (K, N)
 ROWS = [1, 2, 3, 4, 5, 7, 8, 11, 16, 33, 64, 100, 257, 600]

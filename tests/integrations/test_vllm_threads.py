@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from detent_audit.engine.sampling_params import SamplingParams  # noqa: E402
+from detent_audit.runtime.sampling_params import SamplingParams  # noqa: E402
 
 SHAPE = dict(head_dim=32, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

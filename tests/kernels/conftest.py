@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from detent_audit.engine.threads import thread_count
+from detent_audit.runtime.threads import thread_count
 
 
 @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")

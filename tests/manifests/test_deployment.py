@@ -162,7 +162,7 @@ def test_unknown_field_and_missing_section() -> None:
     assert "num_heads" in error.remedy
     data = _canonical()
     del data["gpu"]
-    assert _fails(data).message == "llama.toml: missing section [gpu]"
+    assert _fails(data).message == "llama.toml: missing section [gpu] (or [cpu])"
     data = _canonical()
     data["tables"]["tuned_gemm"] = {}
     assert _fails(data).message == "llama.toml: [tables] has unknown table 'tuned_gemm'"

@@ -12,8 +12,8 @@ import pytest
 from threaded_server import threaded_server
 
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.tuples import save_tuple
 from detent_audit.manifests.keys import GeneratedKey, generate_key, load_private_key, load_trusted_keys
+from detent_audit.runtime.tuples import save_tuple
 from detent_audit.server.app import create_app
 from detent_audit.server.async_engine import AsyncEngine
 from detent_audit.server.node import ServingNode

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from detent_audit.engine.llm import LLM
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import BadInput
+from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.server.async_engine import AsyncEngine, EngineClosed, EngineFailed, QueueFull
 
 if TYPE_CHECKING:

@@ -13,11 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
-from detent_audit.engine.gguf_import import import_gguf
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import verify_envelope
+from detent_audit.runtime.gguf_import import import_gguf
+from detent_audit.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from conftest import Env

@@ -16,8 +16,8 @@ from threaded_server import threaded_server
 
 from detent_audit import __version__
 from detent_audit.engine.llm import LLM
-from detent_audit.engine.tokenizer import Tokenizer
 from detent_audit.manifests.keys import load_private_key
+from detent_audit.runtime.tokenizer import Tokenizer
 from detent_audit.server.app import create_app
 from detent_audit.server.async_engine import AsyncEngine
 from detent_audit.server.node import ServingNode

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.manifests.keys import load_trusted_keys
 from detent_audit.manifests.receipt import ClientRequest
 from detent_audit.manifests.seeds import derived_seed
+from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.server.offline import API, serve_offline
 from detent_audit.verifier.verify import verify
 

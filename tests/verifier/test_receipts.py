@@ -12,9 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
-from detent_audit.engine.facts import collect_facts
+from detent_audit.engine.deployment_facts import collect_facts
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.manifests.encoding import facts_hash
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import (
@@ -24,6 +23,7 @@ from detent_audit.manifests.receipt import (
     verify_envelope,
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest
+from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline
 
@@ -169,7 +169,7 @@ def test_2_a_receipt_binds_the_request_as_the_client_sent_it_and_the_text_and_al
 def test_8_verify_never_builds_a_model_a_receipt_names(node_run, tmp_path, monkeypatch) -> None:
     """Facts claiming random:llama-3.2-1b: not comparable, from the facts alone, before any engine is built;
     the engine built is always the verifier's own --model."""
-    import detent_audit.verifier.reconstruct as reconstruct_module
+    import detent_audit.engine.llm as llm_module  # the embedded engine's rebuild builds an LLM
 
     r = _receipt(node_run, "long")
     facts = json.loads(json.dumps(r.deployment_facts, default=dict))
@@ -178,8 +178,8 @@ def test_8_verify_never_builds_a_model_a_receipt_names(node_run, tmp_path, monke
     path = _save(node_run, tmp_path / "big", dataclasses.replace(r, deployment_facts=facts,
                                                                   deployment_hash=facts_hash(facts)))
     built = []
-    real = reconstruct_module.LLM
-    monkeypatch.setattr(reconstruct_module, "LLM", lambda config: built.append(config.model) or real(config))
+    real = llm_module.LLM
+    monkeypatch.setattr(llm_module, "LLM", lambda config: built.append(config.model) or real(config))
     from detent_audit.verifier.verify import verify
 
     report = verify([path], load_trusted_keys(node_run["key"].public_path), model=node_run["ckpt"],
@@ -246,7 +246,7 @@ def test_10_a_tuple_axis_no_kernel_reads_is_not_signed_and_a_receipt_naming_one_
     is left out of what is signed, and a receipt that names one, with any value, is refused."""
     import torch
 
-    from detent_audit.engine.kernel_select import _kernel_set, probe_inputs, probe_params
+    from detent_audit.runtime.kernel_select import _kernel_set, probe_inputs, probe_params
 
     llm = node_run["llm"]
     selection = llm.selection
@@ -358,7 +358,7 @@ def test_11_a_flipped_weight_byte_changes_the_weights_hash_even_with_its_mtime_r
                                                                                         monkeypatch) -> None:
     import shutil
 
-    from detent_audit.engine.facts import checkpoint_hashes
+    from detent_audit.runtime.facts import checkpoint_hashes
 
     monkeypatch.setenv("DETENT_AUDIT_CACHE", str(tmp_path / "cache"))
     ckpt = tmp_path / "ckpt"

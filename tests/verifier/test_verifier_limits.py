@@ -15,15 +15,21 @@ from types import SimpleNamespace
 import pytest
 
 from detent_audit.engine.llm import LLM
+from detent_audit.engine.registration import POOL_TOKENS
+from detent_audit.engine.registration import engine_config as _engine_config
 from detent_audit.errors import BadInput
 from detent_audit.manifests.keys import load_trusted_keys
 from detent_audit.manifests.receipt import ClientRequest, OutputRecord, verify_envelope
+from detent_audit.runtime.rebuild import SIZE_LIMITS, RebuildRequest
 from detent_audit.server.offline import serve_offline
 from detent_audit.verifier.checks import refutation
-from detent_audit.verifier.reconstruct import POOL_TOKENS, SIZE_LIMITS, engine_config
 from detent_audit.verifier.reexecute import _max_prompt_chars, _tops_problem
 
 SECONDS = 5.0
+
+
+def engine_config(facts: dict, tuple_values: dict, model: object, cache_dir: str):  # noqa: ANN201
+    return _engine_config(RebuildRequest(facts, tuple_values, str(model), cache_dir))
 
 
 @pytest.fixture(scope="module")

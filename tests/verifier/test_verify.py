@@ -13,7 +13,6 @@ from typer.testing import CliRunner
 
 from detent_audit.cli import app
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.tuples import save_tuple
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import (
     ClientRequest,
@@ -22,6 +21,7 @@ from detent_audit.manifests.receipt import (
     sign_receipt,
     verify_envelope,
 )
+from detent_audit.runtime.tuples import save_tuple
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline
 
@@ -504,7 +504,7 @@ def test_a_response_cut_by_the_context_and_a_request_longer_than_the_default_kv_
                                                  [(7 * i) % 250 for i in range(1500)], 3)):
         llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(tmp_path / "jit"), **overrides))
         node = ServingNode(llm, load_private_key(key.private_path), tmp_path / name)
-        from detent_audit.engine.sampling_params import SamplingParams
+        from detent_audit.runtime.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0.7, seed=5, max_tokens=max_tokens, ignore_eos=True)
         (out,) = llm.generate([prompt], params)
@@ -612,7 +612,7 @@ def test_replay_holds_a_request_whose_max_tokens_exceeds_the_default_kv_pool(mak
     key = generate_key(tmp_path / "node.key")
     llm = LLM(EngineConfig(model=str(ckpt), mode="detent", cache_dir=str(tmp_path / "jit"), block_size=1,
                            num_kv_blocks=3000))
-    from detent_audit.engine.sampling_params import SamplingParams
+    from detent_audit.runtime.sampling_params import SamplingParams
 
     (probe,) = llm.generate([[9, 8, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=1500, stop_token_ids=(probe.token_ids[1],), ignore_eos=True)

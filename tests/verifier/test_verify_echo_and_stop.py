@@ -15,8 +15,6 @@ import pytest
 from typer.testing import CliRunner
 
 from detent_audit.cli import app
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.stop_strings import find_stop
 from detent_audit.manifests.keys import load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import (
     ClientRequest,
@@ -26,6 +24,8 @@ from detent_audit.manifests.receipt import (
     sign_receipt,
     verify_envelope,
 )
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.stop_strings import find_stop
 
 runner = CliRunner()
 API = "openai/v1/completions"

@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
 
 ENV = "DETENT_SGLANG"
-MODES = ("detent", "stock")
+MODES = (Mode.DETENT.value, Mode.STOCK.value)
 ATTENTIONS = ("c", "torch")  # detent's attention: kernels/attention_c.py or kernels/attention.py
 
 # Settings of SGLang itself that change bits, fixed by detent mode (exported before SGLang starts):

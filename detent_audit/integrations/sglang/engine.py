@@ -1,5 +1,5 @@
 """`SglangEngine`: SGLang's own engine (`sglang.Engine`: tokenizer manager here, scheduler in its process)
-behind `detent_audit.engine_api.Engine`.
+behind `detent_audit.runtime.contract.Engine`.
 
 SGLang runs its own continuous-batching loop in the scheduler process; this class submits requests to it
 (`async_generate` on one event loop thread) and `step()` waits a few milliseconds for requests to finish, so the
@@ -31,13 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit import __version__
-from detent_audit.engine.base import RequestOutput
-from detent_audit.engine.facts import source_hash
-from detent_audit.engine.named_models import ResolvedModel
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.stop_strings import find_stop, output_text
-from detent_audit.engine_api import Rescored
-from detent_audit.enums import ExitCode
+from detent_audit.enums import ExitCode, Mode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
     HostedEngine,
@@ -49,6 +43,11 @@ from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
 from detent_audit.integrations.hosted import attention_form as _attention_form
 from detent_audit.integrations.sglang import INSTALL_REMEDY, sglang_version
 from detent_audit.integrations.sglang.config import ATTENTIONS, DETENT_SGLANG_ENV, ENV, PluginConfig
+from detent_audit.runtime.contract import RequestHandle, RequestOutput, Rescored
+from detent_audit.runtime.facts import source_hash
+from detent_audit.runtime.named_models import ResolvedModel
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.stop_strings import find_stop, output_text
 
 NAME = "sglang"
 SUPPORTED_VERSION = "0.5.21"   # the release whose wheel pins torch 2.13.0
@@ -67,8 +66,8 @@ class SglangUnavailable(DetentError):
 class SglangConfig:
     """What shapes an SGLang engine; every bit-relevant part is in the facts."""
 
-    model: str                         # a checkpoint folder or a model name (`detent_audit.engine.named_models`)
-    mode: str = "detent"
+    model: str                         # a checkpoint folder or a model name (`runtime/named_models.py`)
+    mode: str = Mode.DETENT.value
     num_threads: int = 1
     max_model_len: int = 2048
     max_num_seqs: int = 64
@@ -82,12 +81,12 @@ class SglangConfig:
     def __post_init__(self) -> None:
         if self.attention not in (*ATTENTIONS, "auto"):
             raise BadInput(f"attention must be one of {', '.join(ATTENTIONS)} or auto, got {self.attention!r}")
-        if self.mode not in ("detent", "stock"):
+        if self.mode not in (Mode.DETENT, Mode.STOCK):
             raise BadInput(f"--engine sglang runs mode detent or stock, got {self.mode!r}",
                            remedy="SGLang's deterministic mode refuses its CPU backends; use detent")
         if self.num_threads < 1 or self.chunked_prefill_size < 1:
             raise BadInput("num_threads and chunked_prefill_size must be >= 1")
-        if self.tuple is not None and self.mode != "detent":
+        if self.tuple is not None and self.mode != Mode.DETENT:
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
     @cached_property
@@ -144,9 +143,10 @@ def _scored_positions(meta: Mapping[str, Any], top_n: int) -> tuple[list[float],
 
 
 class SglangEngine(HostedEngine[SglangRequest]):
-    """SGLang behind the engine boundary (see `detent_audit.engine_api` for the contract)."""
+    """SGLang behind the engine contract (see `detent_audit.runtime.contract` for the contract)."""
 
     name = NAME
+    handle_type = SglangRequest
     config: SglangConfig
 
     def __init__(self, config: SglangConfig) -> None:
@@ -158,8 +158,8 @@ class SglangEngine(HostedEngine[SglangRequest]):
         began = time.perf_counter()
         self._load_model()
         self.selection = None
-        self.attention = _attention_form(config.attention) if config.mode == "detent" else None
-        if config.mode == "detent":
+        self.attention = _attention_form(config.attention) if config.mode == Mode.DETENT else None
+        if config.mode == Mode.DETENT:
             from detent_audit.integrations.sglang.selection import cpu_selection
 
             self.selection = cpu_selection(self.model_path, config.num_threads, config.tuple)
@@ -186,7 +186,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
         os.environ[ENV] = self._plugin_config().to_env()
         os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
         for key, value in DETENT_SGLANG_ENV.items():
-            if cfg.mode == "detent":
+            if cfg.mode == Mode.DETENT:
                 os.environ[key] = value
             else:
                 os.environ.pop(key, None)
@@ -218,7 +218,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
         reports = [json.loads(p.read_text()) for p in sorted(self._report_dir.glob("*.json"))]
         children = set(engine.get_all_child_pids())
         scheduler = [r for r in reports if r.get("pid") in children]  # the launcher's own report does not count
-        wanted = {control.TARGET, *(TARGETS if self.config.mode == "detent" else ())}
+        wanted = {control.TARGET, *(TARGETS if self.config.mode == Mode.DETENT else ())}
         problem = None
         if not scheduler:
             problem = "the plugin did not report from SGLang's scheduler (is the entry point installed?)"
@@ -240,10 +240,10 @@ class SglangEngine(HostedEngine[SglangRequest]):
         plugin_facts = ({"name": "detent-audit", "version": __version__, "hooks": sorted(self.plugin_report[0]["hooks"]),
                          "attention": attention_names()[self.attention or "c"],
                          "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
-                        if cfg.mode == "detent" else {})
+                        if cfg.mode == Mode.DETENT else {})
         settings = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "device": "cpu",
                     "fa3_build": "none", "cuda_graph": False,
-                    "enable_fast_input_logprobs": cfg.mode != "detent",
+                    "enable_fast_input_logprobs": cfg.mode != Mode.DETENT,
                     "enable_deterministic_inference": False}
         return {
             "engine": {"name": NAME, "version": self.version, "mode": cfg.mode, "plugin": plugin_facts,
@@ -335,19 +335,25 @@ class SglangEngine(HostedEngine[SglangRequest]):
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
-    def output_of(self, seq: SglangRequest) -> RequestOutput:
+    def output_of(self, seq: RequestHandle) -> RequestOutput:
+        seq = self.own(seq)
         text, _ = output_text(self.tokenizer.decode, seq.token_ids, seq.params.stop)
         return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids), text,
                              list(seq.output_logprobs), seq.finish_reason, list(seq.top), seq.num_cached_tokens,
                              seq.prompt_logprobs,
                              seq.prompt_top if seq.prompt_logprobs is not None else None)
 
-    def abort(self, seq: SglangRequest) -> None:
+    def abort(self, seq: RequestHandle) -> None:
+        seq = self.own(seq)
         if self._live.pop(seq.rid, None) is not None:
             self._loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, seq.rid)
             seq.submitted().cancel()
 
-    def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
+    @property
+    def block_size(self) -> int:
+        return 1  # SGLang's radix cache shares prefixes by token
+
+    def reset(self, *, max_prefill_chunk: int | None = None, drop_unfinished: bool = False) -> None:
         """Forget every request and the radix cache. `max_prefill_chunk` sets SGLang's chunked-prefill size in
         its running scheduler (the plugin's `control` hook), for the battery's chunked-prefill cell."""
         if self._live and not drop_unfinished:
@@ -356,7 +362,7 @@ class SglangEngine(HostedEngine[SglangRequest]):
             self.abort(seq)
         if not self._flush():
             raise RuntimeError("SGLang did not flush its radix cache")
-        chunk = self.config.chunked_prefill_size if max_prefill_chunk in ("configured", None) else int(max_prefill_chunk)
+        chunk = self.config.chunked_prefill_size if max_prefill_chunk is None else max_prefill_chunk
         if chunk != self._chunk:
             from sglang.srt.managers.io_struct import SetInternalStateReq
 

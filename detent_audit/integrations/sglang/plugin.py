@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from detent_audit.enums import Mode
 from detent_audit.integrations.sglang.config import PluginConfig
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def register() -> None:
     config = None
     try:
         config = PluginConfig.from_env()
-        REPORT["mode"] = config.mode if config else "stock"
+        REPORT["mode"] = config.mode if config else Mode.STOCK.value
         launcher = config is not None and config.launcher_pid == os.getpid()
         install_stand_ins(shadow_real=config is not None and config.launcher_pid is not None and not launcher)
         if config is not None and not launcher:
@@ -65,11 +66,11 @@ def hooks_for(config: PluginConfig) -> dict[str, tuple[str, Any]]:
     from detent_audit.integrations.sglang import control
 
     out = control.hooks()
-    if config.mode != "detent":
+    if config.mode != Mode.DETENT:
         return out
-    from detent_audit.engine.threads import set_threads
     from detent_audit.integrations.sglang.cpu_kernels import CpuHooks
     from detent_audit.integrations.sglang.selection import cpu_kernel_set, model_gemm_shapes
+    from detent_audit.runtime.threads import set_threads
 
     set_threads(config.num_threads)
     # the GEMM form proven on every shape of the model here, before the scheduler serves its first request

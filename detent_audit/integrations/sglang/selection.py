@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.config import ModelConfig
-from detent_audit.engine.kernel_select import Selection, engine_deployment, select_kernels
+from detent_audit.enums import Mode
 from detent_audit.integrations.hosted import fused_gemm_shapes
 from detent_audit.kernels import KernelSet
 from detent_audit.manifests.deployment import Deployment
+from detent_audit.runtime.kernel_select import Selection, engine_deployment, select_kernels
+from detent_audit.runtime.model_config import ModelConfig
 
 # SGLang's KV pool on a CPU: one token per page; the limits the selection is solved for
 PAGE_SIZE = 1
@@ -44,11 +45,11 @@ def cpu_selection(model_path: str | Path, num_threads: int,
                   committed: Mapping[str, Mapping[str, Any]] | None = None) -> Selection:
     """Solved selectors and the tuple (the committed one, checked legal and its GEMM form proven here, or the
     preferred legal one with the GEMM form the probe proves); its `deployment` carries the probe's facts."""
-    from detent_audit.engine.threads import set_threads
+    from detent_audit.runtime.threads import set_threads
 
     set_threads(num_threads)  # the probe proves the form at the thread count the engine runs
     shapes = sglang_gemm_shapes(ModelConfig.from_pretrained(model_path))
-    return select_kernels("detent", cpu_deployment(model_path, num_threads), committed, gemm_shapes=shapes)
+    return select_kernels(Mode.DETENT, cpu_deployment(model_path, num_threads), committed, gemm_shapes=shapes)
 
 
 def cpu_kernel_set(config: Any) -> KernelSet:

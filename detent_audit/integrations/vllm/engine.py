@@ -1,4 +1,4 @@
-"""`VllmEngine`: vLLM's own engine (V1 `LLMEngine`, in process) behind `detent_audit.engine_api.Engine`.
+"""`VllmEngine`: vLLM's own engine (V1 `LLMEngine`, in process) behind `detent_audit.runtime.contract.Engine`.
 
 Modes: `detent` (the plugin's kernels, the tuple committed through the compiled selectors, the counter-hash
 sampler), `stock` (vLLM as shipped: its kernels and its seeded generators) and `det` (vLLM's own
@@ -25,14 +25,7 @@ from typing import Any
 import torch
 
 from detent_audit import __version__
-from detent_audit.engine.base import RequestOutput
-from detent_audit.engine.facts import source_hash
-from detent_audit.engine.kernel_select import engine_deployment, select_kernels
-from detent_audit.engine.named_models import ResolvedModel
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine.threads import set_threads
-from detent_audit.engine_api import Rescored
-from detent_audit.enums import ExitCode
+from detent_audit.enums import ExitCode, Mode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
     HostedEngine,
@@ -44,6 +37,12 @@ from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
 )
 from detent_audit.integrations.hosted import attention_form as _attention_form
 from detent_audit.integrations.vllm import plugin
+from detent_audit.runtime.contract import RequestHandle, RequestOutput, Rescored
+from detent_audit.runtime.facts import source_hash
+from detent_audit.runtime.kernel_select import engine_deployment, select_kernels
+from detent_audit.runtime.named_models import ResolvedModel
+from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.threads import set_threads
 
 NAME = "vllm"
 _SOURCES = {"kernels": "detent_audit.kernels", "plugin": "detent_audit.integrations.vllm",
@@ -63,8 +62,8 @@ class VllmUnavailable(DetentError):
 class VllmConfig:
     """What shapes a vLLM engine; every bit-relevant part is in the facts."""
 
-    model: str                         # a checkpoint folder or a model name (`detent_audit.engine.named_models`)
-    mode: str = "detent"
+    model: str                         # a checkpoint folder or a model name (`runtime/named_models.py`)
+    mode: str = Mode.DETENT.value
     num_threads: int = 1
     dtype: str = "float32"
     block_size: int = 32               # vLLM's CPU attention takes multiples of 32
@@ -83,7 +82,7 @@ class VllmConfig:
             raise BadInput(f"gemm must be one of {', '.join(plugin.GEMMS)}, got {self.gemm!r}")
         if self.attention not in (*plugin.ATTENTIONS, "auto"):
             raise BadInput(f"attention must be one of {', '.join(plugin.ATTENTIONS)} or auto, got {self.attention!r}")
-        if self.mode not in ("detent", "stock", "det"):
+        if self.mode not in {m.value for m in Mode}:
             raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
         if self.dtype != "float32":
             raise BadInput(f"the vLLM engine runs float32 only here, got {self.dtype!r}")
@@ -91,7 +90,7 @@ class VllmConfig:
             raise BadInput(f"num_threads must be >= 1, got {self.num_threads}")
         if self.block_size % 32:
             raise BadInput(f"block_size must be a multiple of 32 on vLLM CPU, got {self.block_size}")
-        if self.tuple is not None and self.mode != "detent":
+        if self.tuple is not None and self.mode != Mode.DETENT:
             raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
 
     @cached_property
@@ -121,11 +120,11 @@ def _vllm_params(params: SamplingParams, mode: str, *, prompt_logprobs: int | No
     common = dict(max_tokens=params.max_tokens, logprobs=params.logprobs or 0, ignore_eos=params.ignore_eos,
                   stop_token_ids=list(params.stop_token_ids), prompt_logprobs=prompt_logprobs, detokenize=False,
                   skip_special_tokens=False)
-    if mode == "detent" and rescore is not None:  # scored in the model runner (sampler.score_rescore_rows)
+    if mode == Mode.DETENT and rescore is not None:  # scored in the model runner (sampler.score_rescore_rows)
         # no prompt logprobs from vLLM, and no prefix-cache read: every output position's row is computed
         return VSamplingParams(temperature=0.0, extra_args={RESCORE_KEY: rescore}, skip_reading_prefix_cache=True,
                                **common)
-    if mode == "detent":  # vLLM sees a greedy request; the draw is DetentSampler's
+    if mode == Mode.DETENT:  # vLLM sees a greedy request; the draw is DetentSampler's
         return VSamplingParams(temperature=0.0, extra_args={EXTRA_KEY: _sampling_extra(params)}, **common)
     if params.temperature == 0:
         return VSamplingParams(temperature=0.0, **common)
@@ -148,9 +147,10 @@ def _gathered_entries(token_ids: list[int], logprobs: list[float], rank: int) ->
 
 
 class VllmEngine(HostedEngine[VllmRequest]):
-    """vLLM behind the engine boundary (see `detent_audit.engine_api` for the contract)."""
+    """vLLM behind the engine contract (see `detent_audit.runtime.contract` for the contract)."""
 
     name = NAME
+    handle_type = VllmRequest
     config: VllmConfig
 
     def __init__(self, config: VllmConfig) -> None:
@@ -161,17 +161,17 @@ class VllmEngine(HostedEngine[VllmRequest]):
             max_model_len=self._max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
             name="vllm",
-            batch_invariant=config.mode == "detent")
+            batch_invariant=config.mode == Mode.DETENT)
         # the tuple's GEMM form proven before vLLM is built, on the products vLLM's decoder runs (fused QKV
         # and gate-up) at the engine's thread count: a form that fails is refused, naming the shape
         set_threads(config.num_threads)
         shapes = fused_gemm_shapes(self.model_config) if config.gemm == "chunked" else None
-        self.selection = (select_kernels("detent", self.deployment, config.tuple, config.cache_dir,
+        self.selection = (select_kernels(Mode.DETENT, self.deployment, config.tuple, config.cache_dir,
                                          gemm_shapes=shapes)
-                          if config.mode == "detent" else None)
+                          if config.mode == Mode.DETENT else None)
         if self.selection is not None and self.selection.deployment is not None:
             self.deployment = self.selection.deployment  # with what the probe proved (the selectors read it)
-        self.attention = _attention_form(config.attention) if config.mode == "detent" else None
+        self.attention = _attention_form(config.attention) if config.mode == Mode.DETENT else None
         self._environment()
         # before the build too: vLLM's oneDNN GEMM primitives are made at load time for the thread count then
         # (made at one count and run at another, their bits differ from an engine made at the run's count)
@@ -192,7 +192,7 @@ class VllmEngine(HostedEngine[VllmRequest]):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
         os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)  # vLLM's CPU worker sets torch's threads from it
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ["VLLM_BATCH_INVARIANT"] = "1" if cfg.mode == "det" else "0"
+        os.environ["VLLM_BATCH_INVARIANT"] = "1" if cfg.mode == Mode.DET else "0"
         os.environ[plugin.ENV_MODE] = cfg.mode
         os.environ[plugin.ENV_GEMM] = cfg.gemm
         os.environ[plugin.ENV_ATTENTION] = self.attention or "c"
@@ -215,14 +215,14 @@ class VllmEngine(HostedEngine[VllmRequest]):
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_chunked_prefill=True, logprobs_mode="raw_logprobs", max_logprobs=20,
             skip_tokenizer_init=False)  # cascade attention: removed from vLLM by 0.32 (a fact, off)
-        if cfg.mode == "detent":
+        if cfg.mode == Mode.DETENT:
             from detent_audit.integrations.vllm.sampler import DetentSampler
 
             kwargs["logits_processors"] = [DetentSampler]
         try:
             return VllmLLM(**kwargs)
         except Exception as exc:
-            if cfg.mode == "det":
+            if cfg.mode == Mode.DET:
                 raise VllmUnavailable(f"vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1) does not start "
                                       f"here: {type(exc).__name__}: {str(exc)[:300]}",
                                       remedy="it needs Triton's GPU backend; use --mode detent on a CPU") from exc
@@ -241,7 +241,7 @@ class VllmEngine(HostedEngine[VllmRequest]):
         plugin_facts = ({"name": "detent-audit", "version": __version__, "gemm": cfg.gemm,
                          "attention": ATTENTION_FORMS[self.attention or "c"],
                          "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
-                        if cfg.mode == "detent" else None)
+                        if cfg.mode == Mode.DETENT else None)
         return {
             "engine": {"name": NAME, "version": str(vllm.__version__), "mode": cfg.mode, "plugin": plugin_facts or {},
                        "logprobs_mode": "raw_logprobs", "enforce_eager": True},
@@ -269,7 +269,7 @@ class VllmEngine(HostedEngine[VllmRequest]):
         # vLLM appends a suffix of its own internally; outputs and aborts use this external id
         seq.vllm_id = f"detent-{seq.seq_id}"
         if rescore is not None:
-            if self.config.mode != "detent":
+            if self.config.mode != Mode.DETENT:
                 raise BadInput("a rescore scored in the model runner needs the detent plugin (mode detent)")
             rescore = {**rescore, "tag": seq.vllm_id}
         self.engine.add_request(seq.vllm_id, {"prompt_token_ids": ids},
@@ -310,17 +310,19 @@ class VllmEngine(HostedEngine[VllmRequest]):
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def output_of(self, seq: VllmRequest) -> RequestOutput:
+    def output_of(self, seq: RequestHandle) -> RequestOutput:
+        seq = self.own(seq)
         return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids),
                              self.tokenizer.decode(seq.token_ids), list(seq.output_logprobs), seq.finish_reason,
                              list(seq.top), seq.num_cached_tokens)
 
-    def abort(self, seq: VllmRequest) -> None:
+    def abort(self, seq: RequestHandle) -> None:
+        seq = self.own(seq)
         key = seq.vllm_id
         if self._live.pop(key, None) is not None:
             self.engine.abort_request([key])
 
-    def reset(self, *, max_prefill_chunk: int | None | str = "configured", drop_unfinished: bool = False) -> None:
+    def reset(self, *, max_prefill_chunk: int | None = None, drop_unfinished: bool = False) -> None:
         """Forget every request and the prefix cache. `max_prefill_chunk` caps one request's prefill tokens per
         step (vLLM's `long_prefill_token_threshold`; the battery's chunked-prefill cell)."""
         if self._live and not drop_unfinished:
@@ -331,7 +333,7 @@ class VllmEngine(HostedEngine[VllmRequest]):
             while self.engine.has_unfinished_requests():
                 self.engine.step()
         sched = self.engine.vllm_config.scheduler_config
-        threshold = 0 if max_prefill_chunk in ("configured", None) else int(max_prefill_chunk)
+        threshold = 0 if max_prefill_chunk is None else max_prefill_chunk
         sched.long_prefill_token_threshold = threshold
         scheduler = getattr(getattr(getattr(self.engine.engine_core, "engine_core", None), "scheduler", None),
                             "scheduler_config", None)
@@ -356,11 +358,11 @@ class VllmEngine(HostedEngine[VllmRequest]):
         for _, output in pairs:
             if not output:
                 raise BadInput("rescore needs at least one output token")
-        via = via or ("runner" if self.config.mode == "detent" else "prompt_logprobs")
+        via = via or ("runner" if self.config.mode == Mode.DETENT else "prompt_logprobs")
         if via not in ("runner", "prompt_logprobs"):
             raise BadInput(f"rescore via must be runner or prompt_logprobs, got {via!r}")
         if via == "runner":
-            if self.config.mode != "detent":
+            if self.config.mode != Mode.DETENT:
                 raise BadInput("a rescore scored in the model runner needs the detent plugin (mode detent)")
             return self._rescore_in_runner(pairs, params)
         return self._rescore_by_prompt_logprobs(pairs, params)

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from detent_audit.enums import Mode
+
 ENV_MODE = "DETENT_VLLM_MODE"              # detent | stock (unset: stock)
 ENV_DEPLOYMENT = "DETENT_VLLM_DEPLOYMENT"  # the canonical deployment the selectors are solved for (JSON)
 ENV_TUPLE = "DETENT_VLLM_TUPLE"            # the committed tuple: family -> axis -> value (JSON)
@@ -51,16 +53,16 @@ _installed = False
 
 def active() -> bool:
     """True when the engine being built asked for the detent kernels."""
-    return os.environ.get(ENV_MODE) == "detent"
+    return os.environ.get(ENV_MODE) == Mode.DETENT
 
 
 @functools.lru_cache(maxsize=8)
 def _kernel_set_for(deployment_json: str, tuple_json: str, cache_dir: str | None) -> Any:
-    from detent_audit.engine.kernel_select import select_kernels
     from detent_audit.manifests.deployment import Deployment
+    from detent_audit.runtime.kernel_select import select_kernels
 
     deployment = Deployment.from_canonical(json.loads(deployment_json), source=ENV_DEPLOYMENT)
-    return select_kernels("detent", deployment, json.loads(tuple_json), cache_dir).kernels
+    return select_kernels(Mode.DETENT, deployment, json.loads(tuple_json), cache_dir).kernels
 
 
 def kernel_set() -> Any:

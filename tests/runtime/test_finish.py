@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from detent_audit.engine.finish import FinishCause, finish_cause
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
 from detent_audit.engine.sequence import Sequence
+from detent_audit.runtime.finish import FinishCause, finish_cause
+from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.verifier.checks import _finish_problem
 
 EOS, VOCAB, MAX_MODEL_LEN = 0, 12, 24

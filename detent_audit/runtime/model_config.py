@@ -15,8 +15,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from detent_audit.engine.errors import BadCheckpoint, UnsupportedModel
 from detent_audit.manifests.deployment import DTYPE_BYTES, decoder_parameters
+from detent_audit.runtime.errors import BadCheckpoint, UnsupportedModel
 
 # architecture -> HF model_type
 ARCHITECTURES = {

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detent_audit.engine import threads
-from detent_audit.engine.threads import ThreadCountNotSet, set_threads, thread_count
 from detent_audit.errors import BadInput
+from detent_audit.runtime import threads
+from detent_audit.runtime.threads import ThreadCountNotSet, set_threads, thread_count
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_a_count_that_is_not_a_whole_number_above_zero_is_bad_input(bad: object)
 
 
 def test_the_project_sets_thread_counts_through_set_threads_only() -> None:
-    """A call of `torch.set_num_threads` or `torch._C.set_num_threads` anywhere but engine/threads.py (in the
+    """A call of `torch.set_num_threads` or `torch._C.set_num_threads` anywhere but runtime/threads.py (in the
     package, the kernels, the verifier, the benchmarks or the tests) is the no-op the rule exists to avoid."""
     import ast
     from pathlib import Path
@@ -66,10 +66,10 @@ def test_the_project_sets_thread_counts_through_set_threads_only() -> None:
     calls = []
     for folder in ("detent_audit", "kernels", "verifier", "manifests", "selection", "benchmarks", "tests", "examples"):
         for path in sorted((root / folder).rglob("*.py")):
-            if path in (root / "detent_audit" / "engine" / "threads.py", Path(__file__)):  # the rule, its test
+            if path in (root / "detent_audit" / "runtime" / "threads.py", Path(__file__)):  # rule, its test
                 continue
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                         and node.func.attr == "set_num_threads":
                     calls.append(f"{path.relative_to(root)}:{node.lineno}")
-    assert calls == [], f"set the count with detent_audit.engine.threads.set_threads instead: {calls}"
+    assert calls == [], f"set the count with detent_audit.runtime.threads.set_threads instead: {calls}"

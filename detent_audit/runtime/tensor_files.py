@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from detent_audit.engine.errors import BadCheckpoint
+from detent_audit.runtime.errors import BadCheckpoint
 
 WEIGHTS_FORM = "tensors-sha256"  # the prefix of a weights hash of this form (older receipts: bare file bytes)
 MAX_HEADER = 100 << 20  # safetensors' own bound on the header

@@ -15,8 +15,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
-from detent_audit.engine.stop_strings import check_stop_strings
 from detent_audit.errors import BadInput
+from detent_audit.runtime.stop_strings import check_stop_strings
 
 MAX_LOGPROBS = 20  # top-n alternatives per output token
 MAX_SEED = 2**64 - 1  # the seed travels in receipts as an unsigned 64-bit integer

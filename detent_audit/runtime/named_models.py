@@ -15,12 +15,12 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from detent_audit.cache_dir import cache_root
-from detent_audit.engine.checkpoint import ensure_default_model
-from detent_audit.engine.generated import is_generated, model_card
 from detent_audit.errors import BadInput
 
+GENERATED_PREFIX = "random:"  # random:<shape>: weights drawn on the device (engine/generated.py)
 REAL_MODEL = "smollm2-135m-instruct"
 RANDOM_MODEL = "random-20m"
 DEFAULT_MODEL = REAL_MODEL
@@ -74,7 +74,7 @@ def wheel_gguf(name: str) -> tuple[Path, str]:
 
 def _gguf_sha256(file: Path, cache_dir: Path) -> str:
     """The file's SHA-256, cached by (path, size, mtime) with the weights hashes."""
-    from detent_audit.engine.facts import file_hash, hash_cache
+    from detent_audit.runtime.facts import file_hash, hash_cache
 
     with hash_cache(cache_dir / "gguf-hashes.json") as cache:
         return file_hash(file, cache)
@@ -83,7 +83,7 @@ def _gguf_sha256(file: Path, cache_dir: Path) -> str:
 def ensure_wheel_model(name: str, cache_dir: str | Path | None = None, progress=None) -> ResolvedModel:
     """The imported folder of a wheel model, importing the GGUF on first use (atomically: two processes that
     race both end with the same folder)."""
-    from detent_audit.engine.gguf_import import IMPORT_VERSION, import_gguf
+    from detent_audit.runtime.gguf_import import IMPORT_VERSION, import_gguf
 
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     file, version = wheel_gguf(name)
@@ -99,15 +99,26 @@ def ensure_wheel_model(name: str, cache_dir: str | Path | None = None, progress=
     return ResolvedModel(name, source, target)
 
 
+def is_generated(model: str | None) -> TypeGuard[str]:
+    """Whether `model` names a model whose weights are drawn on the device (`random:<shape>`)."""
+    return model is not None and model.startswith(GENERATED_PREFIX)
+
+
 def resolve_model(model: str | Path | None, cache_dir: str | Path | None = None) -> ResolvedModel:
     """What `--model` names (None: `DEFAULT_MODEL`); `BadInput` for a folder that does not exist."""
     spec = DEFAULT_MODEL if model is None or str(model) == "" else str(model)
     if spec in WHEEL_MODELS:
         return ensure_wheel_model(spec, cache_dir)
     if spec == RANDOM_MODEL:
+        # the random models' tensors are laid out by the embedded model's parameter table: written by it, on
+        # first use only (the one arrow from the runtime to an engine, named in tests/test_layering.py)
+        from detent_audit.engine.checkpoint import ensure_default_model
+
         path = ensure_default_model(cache_dir)
         return ResolvedModel(RANDOM_MODEL, f"generated:{path.name}", path)
     if is_generated(spec):
+        from detent_audit.engine.generated import model_card
+
         return ResolvedModel(spec, "generated-on-device", model_card(spec))
     path = Path(spec)
     if not path.is_dir():

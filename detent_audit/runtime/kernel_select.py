@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from detent_audit import __version__, isa
-from detent_audit.engine.config import ModelConfig
+from detent_audit.enums import Mode
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.kernels import (
     AttentionParams,
@@ -46,8 +46,10 @@ from detent_audit.kernels import (
 )
 from detent_audit.kernels.params import BadParams
 from detent_audit.manifests.deployment import Deployment
+from detent_audit.runtime.model_config import ModelConfig
 from detent_audit.selection.cache import JitCache
 from detent_audit.selection.compiler import SolveResult, solve
+from detent_audit.selection.errors import IllegalAssignment
 from detent_audit.selection.lang import cdiv
 from detent_audit.selection.programs import fa3, families_for
 
@@ -60,6 +62,13 @@ EMBEDDED_PREFERENCES: dict[str, dict[str, Any]] = {
                            "tiles_per_split": 64},
     "embedded.moe": {"chunk_rows": 16, "embedded.moe.chunk_rows": 16},
 }
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels dispatch to here ("AVX2", "AVX512", ...)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, block_size: int,
@@ -78,8 +87,7 @@ def engine_deployment(config: ModelConfig, *, dtype: str, num_threads: int, bloc
                   "moe_intermediate_size": config.moe_intermediate_size, "vocab_size": config.vocab_size,
                   "max_position_embeddings": config.max_position_embeddings, "sliding_window": 0,
                   "dtype": dtype},
-        "gpu": {"name": "cpu", "arch": "cpu", "compute_capability": "cpu", "num_sms": num_threads,
-                "memory_gib": 1, "fully_connected": False},
+        "cpu": {"capability": cpu_capability(), "num_threads": num_threads},
         "engine": {"name": "detent", "version": __version__, "attention_backend": attention_backend,
                    "uses_vllm_fa_fork": False, "page_size": block_size, "max_model_len": max_model_len,
                    "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -141,11 +149,11 @@ def gemm_params_of(assignment: Mapping[str, Any]) -> GemmParams:
     try:
         return GemmParams(assignment["chunk_rows"], assignment.get(GEMM_FORM_KNOB, "chunk"))
     except KeyError as exc:
-        raise BadInput(f"the tuple's embedded.gemm assignment {dict(assignment)} names no {exc}",
-                       remedy="run `detent-audit solve` for the legal values") from None
+        raise IllegalAssignment(f"the tuple's embedded.gemm assignment {dict(assignment)} names no {exc}",
+                                remedy="run `detent-audit solve` for the legal values") from None
     except BadParams as exc:
-        raise BadInput(f"the tuple's embedded.gemm assignment {dict(assignment)} is not legal: {exc.message}",
-                       remedy=exc.remedy) from None
+        raise IllegalAssignment(f"the tuple's embedded.gemm assignment {dict(assignment)} is not legal: "
+                                f"{exc.message}", remedy=exc.remedy) from None
 
 
 def proven_deployment(deployment: Deployment, gemm: dict[str, Any] | None, shapes: Iterable[tuple[int, int]],
@@ -178,12 +186,12 @@ def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Ma
     `deployment` is `deployment` with the probe's facts."""
     if device != "cpu":
         return _gpu_selection(mode, deployment, committed, cache_dir)
-    if mode == "stock":
+    if mode == Mode.STOCK:
         return Selection(KernelSet.stock(), {}, {}, deployment)
-    if mode == "det":
+    if mode == Mode.DET:
         det = KernelSet.det()
         return Selection(det, {}, {}, deployment, {}, probe_params(det, probe_inputs(deployment)))
-    if mode != "detent":
+    if mode != Mode.DETENT:
         raise BadInput(f"unknown mode {mode!r}", remedy="choose detent, stock or det")
     committed = dict(committed or {})
     gemm = committed_gemm(committed)
@@ -196,8 +204,8 @@ def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Ma
                for spec in families_for(deployment)}
     unknown = sorted(set(committed) - set(results))
     if unknown:
-        raise BadInput(f"the tuple names families {unknown} this deployment does not run",
-                       remedy=f"families: {sorted(results)}")
+        raise IllegalAssignment(f"the tuple names families {unknown} this deployment does not run",
+                                remedy=f"families: {sorted(results)}")
     chosen: dict[str, dict[str, Any]] = {}
     for family, result in results.items():
         if family in committed:
@@ -226,9 +234,9 @@ def _complete(result: SolveResult, family: str, given: dict[str, Any]) -> dict[s
                                                                       for k, v in given.items())]
             if matching:
                 return nearest_legal_of(matching, prefs, result.program)
-    raise BadInput(f"the tuple's {family} assignment {given} is not legal" +
-                   (f" (no axes {unknown})" if unknown else ""),
-                   remedy="run `detent-audit solve` for the legal values")
+    raise IllegalAssignment(f"the tuple's {family} assignment {given} is not legal" +
+                            (f" (no axes {unknown})" if unknown else ""),
+                            remedy="run `detent-audit solve` for the legal values")
 
 
 def probe_inputs(deployment: Deployment) -> dict[str, list[dict[str, int]]]:
@@ -309,20 +317,21 @@ def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir:
 
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     streaming = deployment.engine.attention_backend == "detent-streaming"
-    if mode == "stock":
-        return Selection(GpuKernelSet("stock", stock_attention_selector(deployment, sms)), {}, {}, deployment)
-    if mode == "det":
+    if mode == Mode.STOCK:
+        stock = GpuKernelSet(Mode.STOCK, stock_attention_selector(deployment, sms))
+        return Selection(stock, {}, {}, deployment)
+    if mode == Mode.DET:
         det = AttentionParams(kv_tile=64, split_stride=0)
-        return Selection(GpuKernelSet("det", lambda **_: det, _det_moe_config(deployment), streaming),
+        return Selection(GpuKernelSet(Mode.DET, lambda **_: det, _det_moe_config(deployment), streaming),
                          {}, {}, deployment)
     # detent's MoE tile follows M as stock's does (kernels.gpu.moe_tile): the tile does not change the bits
     # the GPU kernels read the attention selector alone (GEMM and MoE tiles by shape): only its axes are signed
-    cpu = select_kernels("detent", deployment, committed, cache_dir)
+    cpu = select_kernels(Mode.DETENT, deployment, committed, cache_dir)
     used = {f: a for f, a in cpu.used_tuple.items() if f == "embedded.attention"}
     params = {f: p for f, p in cpu.kernel_params.items() if f == "attention"}
     # detent's compiled selector always returns params (only stock's may return none)
     select = cast(Callable[..., AttentionParams], cast(KernelSet, cpu.kernels).select_attention)
-    return Selection(GpuKernelSet("detent", select, None, streaming),
+    return Selection(GpuKernelSet(Mode.DETENT, select, None, streaming),
                      cpu.tuple, cpu.results, cpu.deployment, used, params)
 
 
@@ -389,4 +398,4 @@ def _kernel_set(selectors: dict[str, Any]) -> KernelSet:
     def select_moe(num_tokens: int) -> MoeParams:
         return MoeParams(gemm=gemm_of(moe_fn(num_tokens).chunk_rows))
 
-    return KernelSet("detent", select_gemm, select_attention, select_moe)
+    return KernelSet(Mode.DETENT, select_gemm, select_attention, select_moe)

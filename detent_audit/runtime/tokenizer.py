@@ -20,8 +20,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from detent_audit.engine.errors import BadCheckpoint
 from detent_audit.errors import BadInput
+from detent_audit.runtime.errors import BadCheckpoint
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -147,6 +147,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self._max_token_chars: int | None = None
         if not self.eos_token_ids:
             raise BadCheckpoint("the checkpoint names no EOS token (tokenizer_config, generation_config or config)")
 
@@ -173,6 +174,16 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry: no token covers more (read once)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
+
+    def token_piece(self, token_id: int) -> str | None:
+        """The vocabulary entry of `token_id` (a byte-level BPE token's bytes as characters), or None."""
+        return self.tokenizer.id_to_token(token_id)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids the tokenizer does not know (a model's padded vocabulary) decode to nothing."""

@@ -1,4 +1,4 @@
-"""The engine boundary: the embedded engine implements it, its facts name it, and verify refuses (not
+"""The engine contract: the embedded engine implements it, its facts name it, and verify refuses (not
 comparable, exit 3) a receipt whose facts name an engine it cannot rebuild, before loading any model."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from typer.testing import CliRunner
 
 from detent_audit.cli import app
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.engine.sampling_params import SamplingParams
-from detent_audit.engine_api import EMBEDDED, Engine, engine_name
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import sign_receipt, verify_envelope
+from detent_audit.runtime.contract import EMBEDDED, Engine
+from detent_audit.runtime.registry import facts_name
+from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.server.node import ServingNode
 from detent_audit.server.offline import serve_offline
 from detent_audit.verifier.reconstruct import NotComparable, reconstruct
@@ -28,15 +29,15 @@ def llm(make_checkpoint, tmp_path_factory) -> LLM:
     return LLM(EngineConfig(model=str(make_checkpoint("tiny-llama")), cache_dir=str(tmp_path_factory.mktemp("jit"))))
 
 
-def test_embedded_engine_implements_the_boundary(llm: LLM) -> None:
+def test_embedded_engine_implements_the_contract(llm: LLM) -> None:
     assert isinstance(llm, Engine)
-    assert llm.facts()["engine"]["name"] == EMBEDDED == engine_name(llm.facts())
+    assert llm.facts()["engine"]["name"] == EMBEDDED == facts_name(llm.facts())
     assert llm.max_model_len == llm.scheduler.config.max_model_len
     assert llm.vocab_size == llm.model.config.vocab_size
     assert llm.tuple_values()["mode"] == {"name": "detent"}
 
 
-def test_rescore_equals_generation_through_the_boundary(llm: LLM) -> None:
+def test_rescore_equals_generation_through_the_contract(llm: LLM) -> None:
     engine: Engine = llm
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 200, (int(n),), generator=gen).tolist() for n in (5, 23, 40)]
@@ -114,16 +115,17 @@ class _Stalling:
         return []
 
 
-def test_run_and_generate_are_one_implementation_over_the_boundary(llm: LLM) -> None:
-    """Every engine's run/generate are the boundary's functions (through EngineBase): the embedded engine's outputs through
-    engine_api.generate equal LLM.generate's, a parameter count mismatch is BadInput, a stalled engine raises."""
-    from detent_audit import engine_api
+def test_run_and_generate_are_one_implementation_over_the_contract(llm: LLM) -> None:
+    """Every engine's run/generate are the contract's functions (through EngineBase): the embedded engine's
+    outputs through contract.generate equal LLM.generate's, a parameter count mismatch is BadInput, a stalled
+    engine raises."""
     from detent_audit.errors import BadInput
+    from detent_audit.runtime import contract
 
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     params = [SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(temperature=0.8, seed=3, max_tokens=4)]
     direct = llm.generate(prompts, params)
-    shared = engine_api.generate(llm, prompts, params, default=SamplingParams(temperature=0.0))
+    shared = contract.generate(llm, prompts, params, default=SamplingParams(temperature=0.0))
     for a, b in zip(direct, shared, strict=True):
         assert a.token_ids == b.token_ids and torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
     one = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
@@ -131,10 +133,10 @@ def test_run_and_generate_are_one_implementation_over_the_boundary(llm: LLM) -> 
     with pytest.raises(BadInput, match="2 prompts but 1"):
         llm.generate(prompts, params[:1])
     with pytest.raises(RuntimeError, match="stalling engine stopped"):
-        engine_api.generate(_Stalling(), [[1]], None, default=None)
-    from detent_audit.engine.base import EngineBase
+        contract.generate(_Stalling(), [[1]], None, default=SamplingParams(), name="stalling")
     from detent_audit.integrations.hosted import HostedEngine
     from detent_audit.integrations.sglang.engine import SglangEngine
+    from detent_audit.runtime.base import EngineBase
 
     engines = [LLM, SglangEngine]
     try:
@@ -147,5 +149,6 @@ def test_run_and_generate_are_one_implementation_over_the_boundary(llm: LLM) -> 
         assert engine.run is EngineBase.run and engine.generate is EngineBase.generate, engine
         assert engine.num_threads is EngineBase.num_threads and engine.mode is EngineBase.mode, engine
     for engine in engines[1:]:
-        for name in ("max_model_len", "vocab_size", "model_name", "tuple_values", "top_logprobs_so_far"):
+        for name in ("max_model_len", "vocab_size", "model_name", "model_positions", "tuple_values",
+                     "top_logprobs_so_far"):
             assert getattr(engine, name) is getattr(HostedEngine, name), (engine, name)

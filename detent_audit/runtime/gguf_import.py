@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from detent_audit.engine.dtypes import DTYPES, RUN_DTYPES
-from detent_audit.engine.errors import UnsupportedModel
-from detent_audit.engine.tensor_files import write_canonical
 from detent_audit.errors import BadInput
+from detent_audit.runtime.dtypes import DTYPES, RUN_DTYPES
+from detent_audit.runtime.errors import UnsupportedModel
+from detent_audit.runtime.tensor_files import write_canonical
 
 IMPORT_VERSION = 2  # bump when the written files change, so cached imports are redone
 GGUF_MAGIC = b"GGUF"

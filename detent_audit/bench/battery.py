@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from detent_audit.engine.llm import LLM
-from detent_audit.engine.sampling_params import SamplingParams
 from detent_audit.errors import BadInput
+from detent_audit.runtime.contract import Engine
+from detent_audit.runtime.sampling_params import SamplingParams
 
 NUM_TOKENS = 16
 TARGET_LEN = 40        # the target with 16-token pages (the embedded engine)
@@ -48,7 +48,7 @@ class Cell:
     name: str
     group: str
     description: str
-    run: Callable[[LLM, list[int], random.Random], tuple[list[int], list[float]]]
+    run: Callable[[Engine, list[int], random.Random], tuple[list[int], list[float]]]
 
 
 def _bits(x: float) -> int:
@@ -72,7 +72,7 @@ def _neighbours(rng: random.Random, k: int, kind: str) -> list[list[int]]:
     return out
 
 
-def _run_batch(llm: LLM, target: list[int], others: list[list[int]], row: int,
+def _run_batch(llm: Engine, target: list[int], others: list[list[int]], row: int,
                late: Sequence[list[int]] = (), late_after: int = 4) -> tuple[list[int], list[float]]:
     """Submit `others` with the target at `row`; `late` ones join after `late_after` steps."""
     prompts = others[:row] + [target] + others[row:]
@@ -87,7 +87,7 @@ def _run_batch(llm: LLM, target: list[int], others: list[list[int]], row: int,
     return seq.output_token_ids, list(seq.output_logprobs)
 
 
-def _alone(llm: LLM, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
+def _alone(llm: Engine, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
     return _run_batch(llm, target, [], 0)
 
 
@@ -99,10 +99,10 @@ def _row(row: int) -> Callable:
     return lambda llm, target, rng: _run_batch(llm, target, _neighbours(rng, 7, "mixed"), row)
 
 
-def prefix_block(llm: object) -> int:
-    """The prefix cells' share unit for `llm`: its KV page (`block_size`) where it names one of 16 tokens or more,
+def prefix_block(llm: Engine) -> int:
+    """The prefix cells' share unit for `llm`: its KV page (`block_size`) where it is of 16 tokens or more,
     else 16 (the embedded engine's page; an engine paging by token shares in 16-token units)."""
-    return max(16, int(getattr(llm, "block_size", 16)))
+    return max(16, llm.block_size)
 
 
 def default_target_len(block: int) -> int:
@@ -111,7 +111,7 @@ def default_target_len(block: int) -> int:
 
 def _warm_then(shared: Callable[[list[int]], list[int]], chunk: int | None = None) -> Callable:
     """Finish a request sharing a prefix with the target first (it fills the prefix cache), then the target."""
-    def run(llm: LLM, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
+    def run(llm: Engine, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
         if chunk is not None:
             llm.reset(max_prefill_chunk=chunk)
         llm.generate([shared(target)], _greedy(4))
@@ -120,13 +120,13 @@ def _warm_then(shared: Callable[[list[int]], list[int]], chunk: int | None = Non
 
 
 def _concurrent_prefix(block: int) -> Callable:
-    def run(llm: LLM, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
+    def run(llm: Engine, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
         twin = target[:2 * block] + _prompt(rng, 20)  # shares two blocks, submitted in the same batch, first
         return _run_batch(llm, target, [twin], 1)
     return run
 
 
-def _rerun_batch(llm: LLM, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
+def _rerun_batch(llm: Engine, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
     others = _neighbours(rng, 3, "mixed")
     first = _run_batch(llm, target, others, 1)
     llm.reset()
@@ -137,7 +137,7 @@ def _rerun_batch(llm: LLM, target: list[int], rng: random.Random) -> tuple[list[
 
 
 def _strong(k: int, kind: str, seed: int) -> Callable:
-    def run(llm: LLM, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
+    def run(llm: Engine, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
         others = _neighbours(rng, k, kind)
         row = random.Random(seed).randint(0, len(others) // 2)
         early, late = others[: (k + 1) // 2], others[(k + 1) // 2:]
@@ -175,7 +175,7 @@ def cells(block: int = 16) -> list[Cell]:
     return out
 
 
-def run_battery(llm: LLM, seed: int = 0, progress: Callable[[str], None] | None = None, *,
+def run_battery(llm: Engine, seed: int = 0, progress: Callable[[str], None] | None = None, *,
                 target_len: int | None = None, block: int = 16) -> list[CellResult]:
     """Run all 35 cells on `llm` (reset between cells); the target is a seeded random prompt of `target_len`
     tokens (default: `TARGET_LEN` with 16-token blocks, `LONG_TARGET_LEN` with larger ones), the prefix cells
