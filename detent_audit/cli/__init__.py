@@ -3,7 +3,7 @@ lists them. The command modules never import the app: it imports them, here."""
 
 from __future__ import annotations
 
-from detent_audit.cli import audit_commands, engine_commands, serve_command, solve_command
+from detent_audit.cli import audit_commands, engine_commands, export_command, serve_command, solve_command
 from detent_audit.cli.app import app, register, version
 
 register([
@@ -19,6 +19,7 @@ register([
     ("verify", audit_commands.verify),
     ("verify-eval", audit_commands.verify_eval),
     ("verify-response", audit_commands.verify_response),
+    ("export", export_command.export),
     ("serve", serve_command.serve),
 ])
 
