@@ -3,7 +3,7 @@ bundle; and such an export read back to the node's own envelope.
 
 The node signs PAE(payloadType, payload) of its own envelope (dsse.py); no export can re-sign with the node's
 key, so an export carries that envelope whole and unchanged in its Statement (`predicate.envelope`: the DSSE
-JSON form, payload and signature base64) and is lossless: `original_envelope` gives back the node's file bytes.
+JSON form, payload and signature base64) and is lossless: `envelope_from_json` gives back the node's file.
 The rest of the Statement is a function of that envelope (`statement`), so a reader rebuilds it from the
 signed payload and requires equality: no claim of an export is taken unsigned.
 
@@ -11,9 +11,9 @@ A receipt's Statement (predicate type `RECEIPT_PREDICATE_TYPE`), named as SLSA p
 things:
 
     subject:   [{name: "response/<request id>", digest: {sha256: output.digest}}]   (tokens, logprobs, text)
-    predicate: {buildDefinition: {buildType, externalParameters: {request: {api, body, body_sha256}, request_id,
-                                  seed}, internalParameters: {deployment, tuple, prompt_tokens},
-                                  resolvedDependencies: [weights, config, tokenizer, engine and kernel sources]},
+    predicate: {buildDefinition: {buildType, externalParameters: {request: {api, body, body_sha256},
+                                  request_id, seed}, internalParameters: {deployment, tuple, prompt_tokens},
+                                  resolvedDependencies: [weights, config, tokenizer, engine sources]},
                 runDetails: {builder: {id: node key}, metadata: {invocationId: "<run id>/<seq>", finishedOn},
                              byproducts: [{name: "logprobs", digest: {sha256: of output.logprobs_f32le}}]},
                 envelope: the node's DSSE envelope}
@@ -24,9 +24,9 @@ An envelope whose payload does not decode is carried as it is (`ENVELOPE_PREDICA
 payload's SHA-256), so that its export is refused where the node's file is, for the same reason.
 
 Outer forms: the Statement alone (JSON); a DSSE JSON envelope of payload type `application/vnd.in-toto+json`
-signed by a key the exporter holds; a sigstore bundle v0.3 with that envelope, `publicKey.hint` = its keyid and
-no transparency-log entry (`tlogEntries: []`). The exporter's signature is the toolchain's; a reader checks it
-when its key is trusted, and rests on the node's signature inside either way.
+signed by a key the exporter holds; a sigstore bundle v0.3 with that envelope, `publicKey.hint` = its keyid
+and no transparency-log entry (`tlogEntries: []`). The exporter's signature is the toolchain's; a reader
+checks it when its key is trusted, and rests on the node's signature inside either way.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def envelope_from_json(wire: Any, where: str) -> Envelope:
 
 
 def _digest(name: str, value: Any) -> dict[str, Any] | None:
-    """A resource descriptor for a 64-hex SHA-256 fact (`tensors-sha256:` weights named so); None otherwise."""
+    """A resource descriptor of a 64-hex SHA-256 fact (`tensors-sha256:` weights named so); else None."""
     if not isinstance(value, str):
         return None
     algorithm, _, hexdigest = value.rpartition(":")
@@ -110,7 +110,8 @@ def _resolved_dependencies(facts: Mapping[str, Any]) -> list[dict[str, Any]]:
     out = []
     checkpoint = facts.get("checkpoint", {})
     for part in ("weights", "config", "tokenizer"):
-        if (rd := _digest(part, checkpoint.get(part) if isinstance(checkpoint, Mapping) else None)) is not None:
+        value = checkpoint.get(part) if isinstance(checkpoint, Mapping) else None
+        if (rd := _digest(part, value)) is not None:
             out.append(rd)
     engine = facts.get("engine", {})
     sources = engine.get("sources", {}) if isinstance(engine, Mapping) else {}
@@ -156,11 +157,13 @@ def manifest_statement(envelope: Envelope, manifest: RunManifest) -> dict[str, A
     m = manifest
     return {
         "_type": STATEMENT_TYPE,
-        "subject": [{"name": f"run/{m.run_id}/{m.seq_first}", "digest": {"sha256": enc.sha256_hex(envelope.payload)}}],
+        "subject": [{"name": f"run/{m.run_id}/{m.seq_first}",
+                     "digest": {"sha256": enc.sha256_hex(envelope.payload)}}],
         "predicateType": RUN_MANIFEST_PREDICATE_TYPE,
         "predicate": {"runId": m.run_id, "kind": m.kind, "seqFirst": m.seq_first, "seqLast": m.seq_last,
                       "merkleRoot": m.merkle_root, "receiptCount": m.receipt_count,
-                      "builder": {"id": f"{BUILDER_PREFIX}{m.node_keyid}"}, "envelope": envelope_json(envelope)},
+                      "builder": {"id": f"{BUILDER_PREFIX}{m.node_keyid}"},
+                      "envelope": envelope_json(envelope)},
     }
 
 
@@ -236,7 +239,8 @@ def read_export(path: str | Path) -> Export:
     outer = None
     if "mediaType" in doc:
         if doc["mediaType"] != BUNDLE_MEDIA_TYPE:
-            raise InvalidReceipt(f"bundle.mediaType: expected {BUNDLE_MEDIA_TYPE!r}, got {doc['mediaType']!r}")
+            raise InvalidReceipt(f"bundle.mediaType: expected {BUNDLE_MEDIA_TYPE!r}, got "
+                                 f"{doc['mediaType']!r}")
         doc = doc.get("dsseEnvelope")
     if isinstance(doc, dict) and "payloadType" in doc:
         outer = envelope_from_json(doc, "dsseEnvelope")

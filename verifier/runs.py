@@ -24,7 +24,7 @@ def check_manifest(path: Path, trusted: dict, opened: dict[Path, Receipt]) -> tu
     try:
         if exported_name(path.name) is None:
             manifest = verify_run_manifest(read_envelope_bytes(path, error=InvalidReceipt), trusted).manifest
-        else:  # an export (manifests/intoto.py): the node's envelope it carries, then its Statement against it
+        else:  # an export (manifests/intoto.py): the node's envelope it carries, then its Statement
             export = read_export(path)
             manifest = verify_run_manifest(export.envelope.to_bytes(), trusted).manifest
             check_outer(export, trusted)

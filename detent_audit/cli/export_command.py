@@ -12,12 +12,12 @@ from detent_audit.cli.options import JSON, PASSPHRASE_ENV, passphrase
 
 
 def export(
-    path: Path = typer.Argument(..., help="A receipt or run-manifest file, or a folder (every one under it)."),
+    path: Path = typer.Argument(..., help="A receipt or run-manifest file, or a folder (each one under it)."),
     form: str = typer.Option("intoto", "--format", help="intoto (an in-toto Statement v1; in a DSSE envelope "
                                                         "with --signing-key) | sigstore-bundle (needs "
                                                         "--signing-key; no transparency-log entry)."),
     out: Path = typer.Option(None, "--out", help="Output file (one input file) or folder [default: beside "
-                                                 "each input, named FILE.intoto.json or FILE.sigstore.json]."),
+                             "each input, named FILE.intoto.json or FILE.sigstore.json]."),
     signing_key: Path = typer.Option(None, "--signing-key", help="The exporter's Ed25519 key (keygen), which "
                                                                  "signs the Statement's envelope; the node's "
                                                                  "own signature is carried unchanged."),
@@ -39,10 +39,11 @@ def export(
     key = None if signing_key is None else load_private_key(signing_key, passphrase(passphrase_env))
     files = collect([path])
     if files.bad:
-        raise BadInput(files.bad[0].detail)
+        raise BadInput(files.bad[0].message)
     sources = [p for p in (*files.receipts, *files.manifests) if exported_name(p.name) is None]
     if not sources:
-        raise BadInput(f"{path}: no receipt or run-manifest file to export (exported files are not exported again)")
+        raise BadInput(f"{path}: no receipt or run-manifest file to export (an exported file is not exported "
+                       "again)")
     if out is not None and path.is_file():
         targets = {sources[0]: out}
     else:

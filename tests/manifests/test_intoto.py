@@ -73,7 +73,7 @@ def test_a_signed_export_parses_as_dsse_and_as_a_sigstore_bundle(form: str, tmp_
     data = intoto.export(envelope, form, key)
     doc = json.loads(data)
     if form == "sigstore-bundle":
-        bundle = Bundle.from_json(data)  # sigstore 4.5's own bundle model (sigstore.models.Bundle's inner one)
+        bundle = Bundle.from_json(data)  # sigstore 4.5's bundle model (sigstore.models.Bundle's inner one)
         assert bundle.media_type == intoto.BUNDLE_MEDIA_TYPE
         assert bundle.verification_material.public_key.hint == keyid(key.public_key())
         assert bundle.verification_material.tlog_entries == []
@@ -118,6 +118,7 @@ def test_a_trusted_exporters_flipped_signature_bit_is_refused(tmp_path: Path) ->
     path = tmp_path / "chat.receipt.intoto.json"
     path.write_text(json.dumps(doc))
     export = intoto.read_export(path)
-    intoto.check_outer(export, {"other": Ed25519PrivateKey.generate().public_key()})  # not trusted: not relied on
+    untrusted = Ed25519PrivateKey.generate().public_key()
+    intoto.check_outer(export, {"other": untrusted})  # an exporter's key not trusted: not relied on
     with pytest.raises(BadSignature):
         intoto.check_outer(export, {"exporter": key.public_key()})
