@@ -36,6 +36,9 @@ def export(
 
     if form not in FORMATS:
         raise BadInput(f"--format: expected one of {', '.join(FORMATS)}, got {form!r}")
+    if form == "sigstore-bundle" and signing_key is None:
+        raise BadInput("a sigstore bundle carries a signed envelope: pass --signing-key",
+                       remedy="create one with `detent-audit keygen` (the node's own key works too)")
     key = None if signing_key is None else load_private_key(signing_key, passphrase(passphrase_env))
     files = collect([path])
     if files.bad:

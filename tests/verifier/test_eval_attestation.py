@@ -74,3 +74,27 @@ def test_a_signed_attestation_verifies_under_the_verifiers_key_only(tmp_path: Pa
                              outer.signature)
     with pytest.raises(BadSignature):
         forged.verify({"verifier": key.public_key()})
+
+
+def test_verify_eval_attest_writes_the_signed_statement_of_its_report(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command's wiring: the report verify-eval prints is the one attested, signed by --attest-key."""
+    from typer.testing import CliRunner
+
+    from detent_audit.cli import app
+    from detent_audit.manifests.keys import generate_key, load_public_key
+    from detent_audit.verifier import eval_audit
+
+    report = _report(covered=2)
+    monkeypatch.setattr(eval_audit, "verify_eval", lambda *args, **kwargs: report)
+    key = generate_key(tmp_path / "verifier.key")
+    node_pub = Path(__file__).parents[1] / "fixtures" / "compat" / "test-only-node.key.pub"
+    args = ["verify-eval", str(tmp_path), "--receipts", str(tmp_path), "--key", str(node_pub), "--json",
+            "--attest", str(tmp_path / "attestation.json"), "--attest-key", str(key.private_path)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 1 and json.loads(res.stdout)["coverage"] == {"covered": 2, "total": 3}, res.output
+    outer = intoto.envelope_from_json(json.loads((tmp_path / "attestation.json").read_text()), "attestation")
+    outer.verify({"verifier": load_public_key(key.public_path)})
+    assert json.loads(outer.payload) == eval_statement(report)
+    res = CliRunner().invoke(app, args[:-4] + ["--attest-key", str(key.private_path)])
+    assert res.exit_code == 2 and "pass --attest FILE too" in res.output
