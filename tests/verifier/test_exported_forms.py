@@ -104,3 +104,28 @@ def test_a_served_run_exported_verifies_as_served(exporter_key: Path, tmp_path: 
     bundle_path.write_text(json.dumps(statement))  # as a bare Statement
     verdicts = _verdicts([bundle_path], trusted, model="random:tiny-llama")
     assert [(v[2], v[3]) for v in verdicts] == [("FAIL", 2)], verdicts
+
+
+def test_verify_refuses_an_exports_unsigned_claim_and_a_trusted_exporters_bad_signature(tmp_path: Path) -> None:
+    trusted = load_trusted_keys(FIXTURES / "test-only-node.key.pub")
+    source = tmp_path / "chat.receipt"
+    shutil.copy(FIXTURES / "golden-chat.receipt", source)
+    _export(source, tmp_path / "x" / "chat.receipt.intoto.json")
+    path = tmp_path / "x" / "chat.receipt.intoto.json"
+    statement = json.loads(path.read_text())
+    statement["predicate"]["buildDefinition"]["externalParameters"]["seed"] += 1  # a seed the node never signed
+    path.write_text(json.dumps(statement))
+    (outcome,) = verify([path], trusted).outcomes
+    assert (outcome.status, outcome.step) == ("FAIL", 2) and "not what the node's signed payload" in outcome.message
+    # the node exporting with its own key: that outer signature is trusted, so checked
+    node_key = tmp_path / "node.key"
+    shutil.copy(FIXTURES / "test-only-node.key", node_key)
+    node_key.chmod(0o600)
+    _export(source, path, "--signing-key", str(node_key))
+    assert _verdicts([path], trusted) == _verdicts([source], trusted)
+    envelope = json.loads(path.read_text())
+    sig = envelope["signatures"][0]["sig"]
+    envelope["signatures"][0]["sig"] = ("A" if sig[0] != "A" else "B") + sig[1:]
+    path.write_text(json.dumps(envelope))
+    (outcome,) = verify([path], trusted).outcomes
+    assert (outcome.status, outcome.step) == ("FAIL", 2) and "does not verify" in outcome.message
