@@ -106,17 +106,19 @@ def test_a_served_run_exported_verifies_as_served(exporter_key: Path, tmp_path: 
     assert [(v[2], v[3]) for v in verdicts] == [("FAIL", 2)], verdicts
 
 
-def test_verify_refuses_an_exports_unsigned_claim_and_a_trusted_exporters_bad_signature(tmp_path: Path) -> None:
+def test_verify_refuses_an_exports_unsigned_claim_and_a_trusted_exporters_bad_signature(
+        tmp_path: Path) -> None:
     trusted = load_trusted_keys(FIXTURES / "test-only-node.key.pub")
     source = tmp_path / "chat.receipt"
     shutil.copy(FIXTURES / "golden-chat.receipt", source)
     _export(source, tmp_path / "x" / "chat.receipt.intoto.json")
     path = tmp_path / "x" / "chat.receipt.intoto.json"
     statement = json.loads(path.read_text())
-    statement["predicate"]["buildDefinition"]["externalParameters"]["seed"] += 1  # a seed the node never signed
+    statement["predicate"]["buildDefinition"]["externalParameters"]["seed"] += 1  # one the node never signed
     path.write_text(json.dumps(statement))
     (outcome,) = verify([path], trusted).outcomes
-    assert (outcome.status, outcome.step) == ("FAIL", 2) and "not what the node's signed payload" in outcome.message
+    assert (outcome.status, outcome.step) == ("FAIL", 2)
+    assert "not what the node's signed payload" in outcome.message
     # the node exporting with its own key: that outer signature is trusted, so checked
     node_key = tmp_path / "node.key"
     shutil.copy(FIXTURES / "test-only-node.key", node_key)
