@@ -97,6 +97,11 @@ class EvalReport:
     documents: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     published: list[str] = field(default_factory=list)  # deployment hashes the facts were checked against
+    # per task: the SHA-256 of its rebuilt config (lm-eval's `hash_string` of it, its metadata apart), version
+    task_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the receipts matched to the run's requests: request id, SHA-256 of the payload, verdict
+    receipts: list[dict[str, str]] = field(default_factory=list)
+    inputs: dict[str, str] = field(default_factory=dict)  # the results and samples files: name -> SHA-256
 
     @property
     def exit_code(self) -> int:
@@ -259,21 +264,30 @@ def _tasks_of(results: dict, sample_paths: dict[str, Path],
     return tasks, problems
 
 
+def config_hash(c: dict) -> str:
+    """lm-eval's `hash_string` (SHA-256 hex) of a task config as JSON with sorted keys."""
+    from lm_eval.utils import hash_string
+
+    return str(hash_string(json.dumps(c, sort_keys=True, ensure_ascii=False)))
+
+
+def _config_record(t: RebuiltTask) -> dict[str, Any]:
+    config = dict(t.config)
+    version = _at(config, "metadata", "version")
+    config.pop("metadata", None)
+    return {"sha256": config_hash(config), "version": version}
+
+
 def _task_problems(t: RebuiltTask, results: dict, logged: list[dict]) -> list[str]:
     """The run's record of a task against the task rebuilt: its config (lm-eval's `dump_config`, but for the
     run-specific metadata), version, document count and per-task hash; and the logged documents: every one
     of the task's documents once (all, or the limit's prefix), none other."""
-    from lm_eval.utils import hash_string
-
     problems = []
     logged_config = dict(_at(results, "configs", t.name) or {})
     ours = dict(t.config)
     logged_version, our_version = _at(logged_config, "metadata", "version"), _at(ours, "metadata", "version")
     logged_config.pop("metadata", None)
     ours.pop("metadata", None)
-
-    def config_hash(c: dict) -> str:
-        return hash_string(json.dumps(c, sort_keys=True, ensure_ascii=False))
 
     if logged_config != ours:
         differ = sorted(k for k in set(logged_config) | set(ours) if logged_config.get(k) != ours.get(k))
@@ -449,8 +463,24 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     counts["not_opened"] = len(failed_open)
     documents = {t: {"run": len(rebuilt[t].docs), "task": rebuilt[t].task_documents, "limit": settings.limit}
                  for t in tasks}
+    rests_on = [{"request_id": opened[p].request.request_id, "sha256": opened[p].digest,
+                 "verdict": status[p].status if p in status else "not verified"}
+                for p in sorted(set(matched.values()))]
+    inputs = {p.name: _file_sha256(p) for p in (results_path, *(sample_paths[t] for t in tasks))}
     return EvalReport(scores, docs, unmatched, counts, problems, documents, seconds,
-                      sorted(deployments or {}))
+                      sorted(deployments or {}), {t: _config_record(rebuilt[t]) for t in tasks}, rests_on,
+                      inputs)
+
+
+def _file_sha256(path: Path) -> str:
+    """The SHA-256 of a file the audit read, read in blocks."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _checkpoint(model: str | None) -> Path:

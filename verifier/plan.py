@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from detent_audit.errors import DetentError
 from detent_audit.manifests.deployment import DTYPE_BYTES, decoder_parameters
+from detent_audit.manifests.intoto import exported_name
 from detent_audit.runtime import registry
 from detent_audit.verifier.report import Outcome
 
@@ -56,8 +57,8 @@ def collect(paths: Iterable[str | Path]) -> Files:
                                    f"{exc.filename}: cannot list this folder ({exc.strerror or exc})"))
 
             for folder, _, names in os.walk(p, onerror=unreadable):  # symlinked folders are not followed
-                found_r |= {Path(folder, n) for n in names if n.endswith(RECEIPT_SUFFIX)}
-                found_m |= {Path(folder, n) for n in names if n.endswith(MANIFEST_SUFFIX)}
+                found_r |= {Path(folder, n) for n in names if _node_name(n).endswith(RECEIPT_SUFFIX)}
+                found_m |= {Path(folder, n) for n in names if _node_name(n).endswith(MANIFEST_SUFFIX)}
             if not found_r and not found_m:
                 bad.append(Outcome(str(p), "receipt", "BAD",
                                    f"{p}: no *{RECEIPT_SUFFIX} or *{MANIFEST_SUFFIX} files in this folder"))
@@ -65,10 +66,15 @@ def collect(paths: Iterable[str | Path]) -> Files:
             manifests |= found_m
             in_folders.update(dict.fromkeys(found_r | found_m, p))
         elif p.is_file():
-            (manifests if p.suffix == MANIFEST_SUFFIX else receipts).add(p)
+            (manifests if Path(_node_name(p.name)).suffix == MANIFEST_SUFFIX else receipts).add(p)
         else:
             bad.append(Outcome(str(p), "receipt", "BAD", f"{p}: no such file or folder"))
     return Files(sorted(receipts), sorted(manifests), in_folders, bad)
+
+
+def _node_name(name: str) -> str:
+    """The name of the node's file a name stands for (an export's, `X.receipt.intoto.json`: `X.receipt`)."""
+    return exported_name(name) or name
 
 
 def sample_paths(paths: list[Path], fraction: float | None, seed: int) -> list[Path]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from detent_audit.errors import DetentError
 from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.errors import InvalidReceipt, ManifestMismatch
+from detent_audit.manifests.intoto import check_outer, check_statement, exported_name, read_export
 from detent_audit.manifests.receipt import Receipt
 from detent_audit.manifests.run_manifest import RunManifest, check_run, verify_run_manifest
 from detent_audit.verifier.report import Coverage, Outcome
@@ -21,7 +22,13 @@ def check_manifest(path: Path, trusted: dict, opened: dict[Path, Receipt]) -> tu
     manifest, its run has no receipt; each request is answered once in it."""
     manifest: RunManifest | None = None
     try:
-        manifest = verify_run_manifest(read_envelope_bytes(path, error=InvalidReceipt), trusted).manifest
+        if exported_name(path.name) is None:
+            manifest = verify_run_manifest(read_envelope_bytes(path, error=InvalidReceipt), trusted).manifest
+        else:  # an export (manifests/intoto.py): the node's envelope it carries, then its Statement
+            export = read_export(path)
+            manifest = verify_run_manifest(export.envelope.to_bytes(), trusted).manifest
+            check_outer(export, trusted)
+            check_statement(export, manifest)
         _check_run(manifest, opened)
     except ManifestMismatch as exc:
         shown = ", ".join(exc.missing[:3]) + (", ..." if len(exc.missing) > 3 else "")

@@ -193,6 +193,11 @@ def verify_eval(
     include_path: list[Path] = typer.Option(None, "--include-path", help="Folder of the run's task YAML (as "
                                                                           "lm-eval's --include_path)."),
     cache_dir: Path = CACHE_DIR, workers: str = WORKERS, deployment: list[str] = DEPLOYMENTS,
+    attest: Path = typer.Option(None, "--attest", help="Write the verdict as an in-toto Statement "
+                                "(test-result predicate: scores, coverage, every receipt's digest)."),
+    attest_key: Path = typer.Option(None, "--attest-key", help="The verifier's own Ed25519 key (keygen): "
+                                    "the Statement is written in a DSSE envelope it signs."),
+    passphrase_env: str = PASSPHRASE_ENV,
     as_json: bool = JSON,
 ) -> None:
     """Audit an lm-eval run (against the published deployment with --deployment, as verify): rebuild every
@@ -200,7 +205,8 @@ def verify_eval(
     of the body lm-eval sent, verify them, recompute each document's metrics from the verified outputs; print
     the reported score, the recomputed one and the coverage, and name every document, task or record of the
     run that is not the task's, and why. Exit 0 when every document is covered and every score equal, 1
-    otherwise, 2 bad input, 3 when the task's data cannot be loaded here."""
+    otherwise, 2 bad input, 3 when the task's data cannot be loaded here. `--attest FILE` writes the verdict
+    as an in-toto test-result Statement (signed with `--attest-key`)."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -211,6 +217,13 @@ def verify_eval(
 
     key_source = one_key_source(key, trusted_keys)
     worker_count = workers_count(workers)
+    if attest_key is not None and attest is None:
+        raise BadInput("--attest-key signs the attestation: pass --attest FILE too")
+    signer = None
+    if attest_key is not None:
+        from detent_audit.manifests.keys import load_private_key
+
+        signer = load_private_key(attest_key, passphrase(passphrase_env))
     try:
         import lm_eval  # noqa: F401
     except ImportError:
@@ -224,6 +237,10 @@ def verify_eval(
                                  include_path=[str(p) for p in include_path or []], workers=worker_count,
                                  cache_dir=str(cache_dir) if cache_dir else None,
                                  progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if attest is not None:
+        from detent_audit.verifier.eval_attestation import write_attestation
+
+        write_attestation(report, attest, signer)
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2))
         raise typer.Exit(report.exit_code)

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from eval_helpers import TASKS, Served, generations_of, run_lm_eval, serving
 
 from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.encoding import facts_hash
+from detent_audit.manifests.intoto import envelope_from_json
 from detent_audit.manifests.keys import load_private_key
 from detent_audit.manifests.receipt import (
     ClientRequest,
@@ -33,6 +35,7 @@ from detent_audit.manifests.receipt import (
     verify_envelope,
 )
 from detent_audit.runtime.tokenizer import Tokenizer
+from detent_audit.verifier.eval_attestation import write_attestation
 from detent_audit.verifier.eval_audit import EvalReport, find_run, read_samples, verify_eval
 from detent_audit.verifier.eval_rebuild import TaskNotRebuilt
 from detent_audit.verifier.verify import load_deployments
@@ -146,6 +149,15 @@ def test_every_request_has_a_receipt_and_the_score_is_recomputed_exactly(run: Ru
     generations = [r for r in opened if r.scoring is None]
     assert all({"\n", "Question:"} <= set(r.request.sampling.stop) for r in generations)  # lm-eval may add its EOS
     assert any(r.output.finish_reason == "stop" for r in generations), [r.output.text for r in generations]
+    # the audit as an in-toto test-result attestation signed by the verifier's key: PASSED, each receipt named
+    verifier_key = Ed25519PrivateKey.generate()
+    write_attestation(report, tmp_path / "attestation.json", verifier_key)
+    outer = envelope_from_json(json.loads((tmp_path / "attestation.json").read_text()), "attestation")
+    outer.verify({"verifier": verifier_key.public_key()})
+    predicate = json.loads(outer.payload)["predicate"]
+    assert predicate["result"] == "PASSED" and predicate["failedTests"] == []
+    assert len(predicate["passedTests"]) == len(report.scores)
+    assert sorted(r["digest"]["sha256"] for r in predicate["receipts"]) == sorted(r.digest for r in opened)
 
 
 def _flip_prompt_bit(r: Receipt) -> Receipt:
