@@ -36,6 +36,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "engine": frozenset({"engine_api", "selection", "kernels", "manifests", "core"}),
     "integrations": frozenset({"engine_api", "engine", "selection", "kernels", "manifests", "core"}),
     "bench": frozenset({"engine_api", "engine", "selection", "kernels", "manifests", "core"}),
+    # the trainer side of RL: scores through the engine, gates, plugs into TRL
+    "rl": frozenset({"engine_api", "engine", "kernels", "manifests", "core"}),
     "server": frozenset({"engine_api", "engine", "integrations", "selection", "kernels", "manifests", "core"}),
     # the verifier reads a client's request with the server's own parsers (server/protocol.py, offline.py)
     "verifier": frozenset({"server", "engine_api", "engine", "integrations", "selection", "kernels", "manifests",

@@ -42,6 +42,7 @@ from detent_audit.engine.tensor_parallel import (
 )
 from detent_audit.engine.threads import set_threads
 from detent_audit.engine.tokenizer import Tokenizer
+from detent_audit.engine.weight_sync import NamedTensors, load_named_weights, weights_digest
 from detent_audit.engine.tp_ranks import DrivenModel, ProcessRanks, RankProcesses, follow, init_group
 from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.enums import Mode
@@ -174,6 +175,8 @@ class LLM(EngineBase[Sequence]):
         self._tops: dict[int, list[list[tuple[int, float]]]] = {}
         # steps run, by how many sequences shared them (how much co-batching a workload really got)
         self.step_batch_sizes: Counter[int] = Counter()
+        # the in-memory weights' digest once they changed after loading (`load_weights`); None: the checkpoint's
+        self.weights_digest: str | None = None
 
     def _split(self, full: CausalLM) -> CausalLM | TensorParallelLM | DrivenModel:
         """The model over `tensor_parallel_size` ranks: all emulated here, or this process's rank of a group
@@ -253,6 +256,20 @@ class LLM(EngineBase[Sequence]):
         self._score_from.clear()
         self._scores.clear()
         self._tops.clear()
+
+    def load_weights(self, weights: NamedTensors) -> str:
+        """Take new weights in place between steps (an RL policy update): (name, tensor) pairs or a state
+        dict, named as the checkpoint or as this model's parameters (`weight_sync.load_named_weights`). The
+        prefix cache is dropped (its KV came from the old weights) and the facts name the new weights by their
+        digest (returned). An empty `weights` re-digests weights a trainer changed in place. Requests still
+        running are an error (`reset`)."""
+        if not isinstance(self.model, CausalLM):
+            raise BadInput("weights are loaded in place into a TP=1 engine only",
+                           remedy="build the engine with tensor_parallel_size 1")
+        self.reset()
+        load_named_weights(self.model, weights)
+        self.weights_digest = weights_digest(self.model)
+        return self.weights_digest
 
     # ---- the engine boundary (detent_audit.engine_api)
     @property
