@@ -42,8 +42,8 @@ from detent_audit.engine.tensor_parallel import (
 )
 from detent_audit.engine.threads import set_threads
 from detent_audit.engine.tokenizer import Tokenizer
-from detent_audit.engine.weight_sync import NamedTensors, load_named_weights, weights_digest
 from detent_audit.engine.tp_ranks import DrivenModel, ProcessRanks, RankProcesses, follow, init_group
+from detent_audit.engine.weight_sync import NamedTensors, load_named_weights, weights_digest
 from detent_audit.engine_api import EMBEDDED, Rescored
 from detent_audit.enums import Mode
 from detent_audit.errors import BadInput

@@ -44,7 +44,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def hidden_states(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
     """ids: [B, L] (right-padded) -> final-normed hidden states [B, L, H], differentiable in the parameters."""
-    c = model.config
     if model.rope is None:
         raise RuntimeError("CausalLM.build_rope(device) was not called after loading")
     b, length = ids.shape
