@@ -48,7 +48,7 @@ def load_named_weights(model: CausalLM, weights: NamedTensors) -> int:
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """SHA-256 over the parameters in name order: each one's name, dtype, shape and bytes (device-independent)."""
+    """SHA-256 over the parameters in name order: each one's name, dtype, shape and bytes (any device)."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         t = p.detach().to("cpu").contiguous()

@@ -43,7 +43,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def hidden_states(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """ids: [B, L] (right-padded) -> final-normed hidden states [B, L, H], differentiable in the parameters."""
+    """ids: [B, L] (right-padded) -> final-normed hidden states [B, L, H], differentiable in the weights."""
     if model.rope is None:
         raise RuntimeError("CausalLM.build_rope(device) was not called after loading")
     b, length = ids.shape
@@ -63,7 +63,8 @@ def hidden_states(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, scale=attn.scale, enable_gqa=True)  # [B, Hq, L, D]
-        x = x + F.linear(o.transpose(1, 2).reshape(b, length, attn.q_size), attn.o_proj.weight, attn.o_proj.bias)
+        o = o.transpose(1, 2).reshape(b, length, attn.q_size)  # [B, L, Hq D]
+        x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
         h = _rms(x, layer.post_attention_layernorm)
         if not isinstance(layer.mlp, MLP):
             raise BadInput("the differentiable forward has no MoE layer", remedy="score a dense model")

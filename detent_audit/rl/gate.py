@@ -34,14 +34,15 @@ class LogprobMismatch(DetentError):
 
 @dataclass(frozen=True)
 class ParityReport:
-    """One check: tokens compared, how many differ in any bit, the abs diff's mean and max, the first mismatch
-    as (sample, position) or None."""
+    """One comparison: tokens compared, how many differ in any bit, the abs diff's mean and max, the first
+    mismatch as (sample, position) or None, and its message ("" if none)."""
 
     tokens: int
     mismatched: int
     abs_diff_mean: float
     abs_diff_max: float
     first: tuple[int, int] | None
+    message: str = ""
 
     def metrics(self) -> dict[str, float]:
         """The names frameworks chart."""
@@ -52,44 +53,61 @@ class ParityReport:
 
 
 def _fp32(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
-    t = values.detach() if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.float32)
+    if not isinstance(values, torch.Tensor):
+        return torch.tensor(list(values), dtype=torch.float32)
+    t = values.detach()
     return t.to("cpu", torch.float32).reshape(-1)
+
+
+Logprobs = Sequence[Sequence[float] | torch.Tensor]  # per sample
+
+
+def compare(rollout: Logprobs, trainer: Logprobs,
+            sample_names: Sequence[str] | None = None) -> ParityReport:
+    """Per sample, the rollout engine's logprobs against the trainer's (lists of floats or tensors, fp32
+    values), bit for bit; never raises on a mismatch (the report names the first one)."""
+    if len(rollout) != len(trainer):
+        raise LogprobMismatch(f"{len(rollout)} rollout samples against {len(trainer)} scored ones",
+                              remedy="score every rollout sample")
+    tokens = mismatched = 0
+    total_diff, max_diff = 0.0, 0.0
+    first: tuple[int, int] | None = None
+    message = ""
+    for i, (r, t) in enumerate(zip(rollout, trainer)):
+        a, b = _fp32(r), _fp32(t)
+        name = sample_names[i] if sample_names is not None else f"sample {i}"
+        if a.shape != b.shape:
+            raise LogprobMismatch(f"{name}: {a.numel()} rollout logprobs against {b.numel()} scored ones",
+                                  remedy="score the rollout's completion tokens exactly")
+        differ = (a.view(torch.int32) != b.view(torch.int32)).nonzero().flatten().tolist()
+        diff = (a.double() - b.double()).abs()
+        tokens, mismatched = tokens + a.numel(), mismatched + len(differ)
+        total_diff += float(diff.sum())
+        max_diff = max(max_diff, float(diff.max())) if a.numel() else max_diff
+        if differ and first is None:
+            first = (i, differ[0])
+            x, y = float(a[differ[0]]), float(b[differ[0]])
+            message = (f"{name}, position {differ[0]}: rollout logprob {x!r} ({float_bits(x)}) but trainer "
+                       f"{y!r} ({float_bits(y)})")
+    return ParityReport(tokens, mismatched, total_diff / tokens if tokens else 0.0, max_diff, first, message)
 
 
 @dataclass(frozen=True)
 class ParityGate:
-    """`check(rollout, trainer)`: per sample, the rollout engine's logprobs and the trainer's (lists of floats
-    or tensors, fp32 values). `fail`: raise on a mismatch (the default), else log it and return the report."""
+    """`check(rollout, trainer)`: `compare`, then on a mismatch raise `LogprobMismatch` naming the first
+    (`fail`, the default) or log it and return the report."""
 
     fail: bool = True
 
     def check(self, rollout: Sequence[Sequence[float] | torch.Tensor],
               trainer: Sequence[Sequence[float] | torch.Tensor],
               sample_names: Sequence[str] | None = None) -> ParityReport:
-        if len(rollout) != len(trainer):
-            raise LogprobMismatch(f"{len(rollout)} rollout samples against {len(trainer)} scored ones",
-                                  remedy="score every rollout sample")
-        tokens = mismatched = 0
-        total_diff, max_diff = 0.0, 0.0
-        first: tuple[int, int] | None = None
-        for i, (r, t) in enumerate(zip(rollout, trainer)):
-            a, b = _fp32(r), _fp32(t)
-            name = sample_names[i] if sample_names is not None else f"sample {i}"
-            if a.shape != b.shape:
-                raise LogprobMismatch(f"{name}: {a.numel()} rollout logprobs against {b.numel()} scored ones",
-                                      remedy="score the rollout's completion tokens exactly")
-            differ = (a.view(torch.int32) != b.view(torch.int32)).nonzero().flatten().tolist()
-            diff = (a.double() - b.double()).abs()
-            tokens, mismatched = tokens + a.numel(), mismatched + len(differ)
-            total_diff += float(diff.sum())
-            max_diff = max(max_diff, float(diff.max())) if a.numel() else max_diff
-            if differ and first is None:
-                first = (i, differ[0])
-                pos, x, y = differ[0], float(a[differ[0]]), float(b[differ[0]])
-                message = (f"{name}, position {pos}: rollout logprob {x!r} ({float_bits(x)}) but trainer "
-                           f"{y!r} ({float_bits(y)})")
-                if self.fail:
-                    raise LogprobMismatch(message, remedy="score with the rollout's weights and committed tuple "
-                                          "(detent_audit.rl.Scorer), or gate with fail=False to log and continue")
-                log.warning("logprob mismatch: %s", message)
-        return ParityReport(tokens, mismatched, total_diff / tokens if tokens else 0.0, max_diff, first)
+        report = compare(rollout, trainer, sample_names)
+        if report.first is not None:
+            if self.fail:
+                raise LogprobMismatch(report.message, remedy="score with the rollout's weights and "
+                                      "committed tuple (detent_audit.rl.scorer.Scorer), or gate with fail=False "
+                                      "to log and continue")
+            log.warning("logprob mismatch (%d of %d tokens): %s", report.mismatched, report.tokens,
+                        report.message)
+        return report

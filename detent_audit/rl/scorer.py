@@ -43,7 +43,7 @@ class _ServingValues(torch.autograd.Function):
 
 
 def serving_values(diff: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """`exact`'s values with `diff`'s gradient (same shape; `exact` is cast to `diff`'s dtype, exactly for fp32
+    """`exact`'s values with `diff`'s gradient (same shape; `exact` cast to `diff`'s dtype, exactly for fp32
     into fp32 or wider)."""
     if diff.shape != exact.shape:
         raise ValueError(f"differentiable logprobs {tuple(diff.shape)} for {tuple(exact.shape)} exact ones")

@@ -104,7 +104,8 @@ def test_scorer_values_are_the_rollout_bits_on_smollm2(smollm: LLM) -> None:
     outs = smollm.generate([ids[0], ids[1], ids[0]], params)
     scorer = Scorer(smollm)
     for micro_batch in (1, 3):
-        scored = scorer.score([(o.prompt_token_ids, o.token_ids) for o in reversed(outs)], micro_batch=micro_batch)
+        pairs = [(o.prompt_token_ids, o.token_ids) for o in reversed(outs)]
+        scored = scorer.score(pairs, micro_batch=micro_batch)
         for lp, o in zip(scored.logprobs, reversed(outs)):
             assert torch.equal(bits(lp), bits(torch.tensor(o.logprobs, dtype=torch.float32)))
             diff = token_scores(smollm.model, [(o.prompt_token_ids, o.token_ids)]).logprobs[0]
@@ -113,7 +114,8 @@ def test_scorer_values_are_the_rollout_bits_on_smollm2(smollm: LLM) -> None:
 
 def test_smollm2_gradients_match_transformers(smollm: LLM) -> None:
     transformers = pytest.importorskip("transformers")
-    hf = transformers.LlamaForCausalLM.from_pretrained(resolve_model(REAL_MODEL).path, torch_dtype=torch.float32)
+    path = resolve_model(REAL_MODEL).path
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompt = smollm.tokenizer.encode("What is 12 + 5?")
     completion = smollm.tokenizer.encode(" The answer is 17.")
     # ours: the scorer (serving values, the differentiable forward's gradient)
