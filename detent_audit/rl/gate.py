@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from detent_audit.enums import ExitCode
 from detent_audit.errors import DetentError
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def float_bits(x: float) -> str:
 class LogprobMismatch(DetentError):
     """A trainer logprob differs from the rollout's in some bit."""
 
-    exit_code = 1
+    exit_code = ExitCode.MISMATCH
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,10 @@ logprobs carrying the engine's bits (`scorer.py`), the parity gate before every 
   `old_per_token_logps`, so the policy ratio is exactly 1 on policy and no importance-sampling correction is
   needed. Beside it, TRL's stock scorer (transformers' forward alone) over the same generations: its bit
   mismatch and the importance-sampling ratio TRL would apply (min, mean, max), logged per step in `step_log`.
-Timings per step: TRL's own forward (`stock_scorer_s`), the engine rescore the detent scorer adds
-(`exact_scorer_s`), the whole step (`step_s`, TRL's `step_time`).
+The engine rescores each generation once, for the gate; the loss's forward within the same optimizer step (the
+same weights) reuses those gated values. Timings per step: TRL's own forward (`stock_scorer_s`), the engine
+rescore the detent scorer adds (`exact_scorer_s`), the stock comparison (`comparison_s`, measurement only),
+the whole step (`step_s`).
 """
 
 from __future__ import annotations
@@ -63,8 +65,11 @@ class DetentGRPOTrainer(GRPOTrainer):
         self.step_log: list[dict[str, float]] = []  # per generation: parity, stock comparison, timings
         self.weights_digests: list[str] = []        # per generation: the policy the rollouts name
         self._loaded_step = -1
+        self._gated: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}  # gated exact values
+        self._gated_step = -1                       # the optimizer step (weights) they were gated at
         self._exact_s = self._stock_s = 0.0
-        super().__init__(*args, rollout_func=self._rollout, **kwargs)
+        kwargs["rollout_func"] = self._rollout
+        super().__init__(*args, **kwargs)
 
     # ---- rollouts
     def _sync_weights(self) -> None:
@@ -104,11 +109,18 @@ class DetentGRPOTrainer(GRPOTrainer):
     def _exact(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                like: torch.Tensor) -> torch.Tensor:
         """The engine's bits at every completion token, TRL's layout ([B, logits_to_keep], `like`'s values
-        at padding)."""
+        at padding). Within the optimizer step that gated them (the same weights), a pair's values are the
+        gated ones (what the rescore would give again: the gate just compared them bit for bit with the
+        rollout's); any other pair is rescored."""
         start = time.perf_counter()
         pairs = completion_pairs(input_ids, attention_mask, logits_to_keep)
+        known = self._gated if self._gated_step == self.state.global_step else {}
+        missing = [pair for pair in pairs if _key(pair) not in known]
+        fresh = {_key(pair): v for pair, v in zip(missing, exact_logprobs(self.llm, missing))}
         exact = like.detach().clone()
-        for row, values in enumerate(exact_logprobs(self.llm, pairs)):
+        for row, pair in enumerate(pairs):
+            key = _key(pair)
+            values = known[key] if key in known else fresh[key]
             exact[row, :len(values)] = values.to(exact.device, exact.dtype)
         self._exact_s += time.perf_counter() - start
         return exact
@@ -123,7 +135,7 @@ class DetentGRPOTrainer(GRPOTrainer):
         return serving_values(logps, exact), entropies, aux
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        begin_exact, begin_stock = self._exact_s, self._stock_s
+        begin_exact = self._exact_s
         output = super()._generate_and_score_completions(inputs)
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
@@ -134,6 +146,9 @@ class DetentGRPOTrainer(GRPOTrainer):
             old = self._exact(input_ids, attention_mask, width, rollout)
             report = self.gate.check(_rows(rollout, mask), _rows(old, mask))
             output["old_per_token_logps"] = old
+            pairs = completion_pairs(input_ids, attention_mask, width)
+            self._gated = {_key(pair): row for pair, row in zip(pairs, _rows(old, mask))}
+            self._gated_step = self.state.global_step
             # TRL's stock scorer over the same generations, for comparison (not used by the loss)
             compare_s = time.perf_counter()
             stock, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
@@ -150,8 +165,7 @@ class DetentGRPOTrainer(GRPOTrainer):
             "stock_importance_ratio_min": float(ratio.min()),
             "stock_importance_ratio_mean": float(ratio.mean()),
             "stock_importance_ratio_max": float(ratio.max()),
-            "comparison_s": compare_s, "gate_exact_s": self._exact_s - begin_exact,
-            "generation_stock_s": self._stock_s - begin_stock})
+            "comparison_s": compare_s, "gate_exact_s": self._exact_s - begin_exact})
         for name, value in report.metrics().items():
             self._metrics["train"][f"detent/{name}"].append(value)
         return output
@@ -166,6 +180,10 @@ class DetentGRPOTrainer(GRPOTrainer):
             entry["exact_scorer_s"] = entry.get("exact_scorer_s", 0.0) + self._exact_s - begin_exact
             entry["stock_scorer_s"] = entry.get("stock_scorer_s", 0.0) + self._stock_s - begin_stock
         return loss
+
+
+def _key(pair: tuple[list[int], list[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return tuple(pair[0]), tuple(pair[1])
 
 
 def _rows(values: torch.Tensor, mask: torch.Tensor) -> Sequence[torch.Tensor]:

@@ -60,18 +60,23 @@ def exact_logprobs(llm: LLM, pairs: Sequence[Pair]) -> list[torch.Tensor]:
 
 class Scorer:
     """Scores (prompt ids, completion ids) pairs for a trainer: `score` returns serving-bit values with
-    gradients. `llm` is the rollout engine (or one with the same facts); `differentiable` defaults to the
-    plain-torch forward of `llm.model`, whose parameters are then made trainable (`requires_grad`): an
-    optimizer stepping them changes the engine's weights in place (call `llm.load_weights` or
-    `llm.weights_changed` before the next rollout so the facts name the new weights)."""
+    gradients. `llm` is the rollout engine (or one with the same facts). `differentiable` defaults to the
+    plain-torch forward of `policy` (default `llm.model`), whose parameters are then made trainable
+    (`requires_grad`): an optimizer stepping the engine's own model changes its weights in place (call
+    `llm.load_weights({})` before the next rollout so the facts name the new weights).
 
-    def __init__(self, llm: LLM, differentiable: Differentiable | None = None) -> None:
+    Rollouts served at TP=N: score with an engine of `tensor_parallel_size` N and `tensor_parallel_ranks`
+    "emulated" (every rank's shard in this one process, the partial sums added in rank order: the TP=N bits,
+    docs/design.md section 5) and pass the full model as `policy` for the gradients."""
+
+    def __init__(self, llm: LLM, differentiable: Differentiable | None = None,
+                 policy: CausalLM | None = None) -> None:
         self.llm = llm
         if differentiable is None:
-            model = llm.model
+            model = policy if policy is not None else llm.model
             if not isinstance(model, CausalLM):
-                raise BadInput("the default differentiable forward needs a TP=1 engine's CausalLM",
-                               remedy="pass `differentiable`, or score with a tensor_parallel_size 1 engine")
+                raise BadInput("the default differentiable forward needs the full model (a CausalLM)",
+                               remedy="pass `policy` (the full model) or `differentiable`")
             for p in model.parameters():
                 p.requires_grad_(True)
             self.differentiable: Differentiable = lambda pairs, entropy: token_scores(model, pairs,
