@@ -112,6 +112,7 @@ def test_scorer_values_are_the_rollout_bits_on_smollm2(smollm: LLM) -> None:
             assert torch.allclose(diff.detach(), lp.detach(), atol=LOGPROB_ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_smollm2_gradients_match_transformers(smollm: LLM) -> None:
     transformers = pytest.importorskip("transformers")
     path = resolve_model(REAL_MODEL).path
