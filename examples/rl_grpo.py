@@ -32,6 +32,7 @@ from trl import GRPOConfig  # noqa: E402
 from detent_audit.engine.llm import LLM  # noqa: E402
 from detent_audit.engine.named_models import REAL_MODEL, resolve_model  # noqa: E402
 from detent_audit.rl.grpo import DetentGRPOTrainer  # noqa: E402
+from detent_audit.server.node import ServingNode  # noqa: E402
 
 
 def arithmetic_prompts(n: int, seed: int) -> list[dict[str, object]]:
@@ -55,20 +56,23 @@ def arithmetic_reward(completions: list[str], answer: list[int], **_: object) ->
 
 
 def build_trainer(model: str, steps: int, *, prompts: int, generations: int, batch: int, max_tokens: int,
-                  seed: int, out: str) -> DetentGRPOTrainer:
+                  seed: int, out: str, node_key: object = None) -> DetentGRPOTrainer:
+    """`node_key`: an Ed25519 private key; given, every rollout is signed into `out`/receipts."""
     path = resolve_model(model).path
     torch.manual_seed(seed)
     policy = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    llm = LLM(model=model)
+    node = ServingNode(llm, node_key, Path(out) / "signed") if node_key is not None else None
     config = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
                         num_generations=generations, max_completion_length=max_tokens, temperature=1.0,
                         top_p=1.0, learning_rate=1e-5, beta=0.0, logging_steps=1, report_to=[], use_cpu=True,
                         save_strategy="no", seed=seed, bf16=False, dataloader_num_workers=0)
     return DetentGRPOTrainer(model=policy, processing_class=tokenizer, reward_funcs=arithmetic_reward,
                              args=config, train_dataset=Dataset.from_list(arithmetic_prompts(prompts, seed)),
-                             llm=LLM(model=model), run_seed=seed)
+                             llm=llm, run_seed=seed, node=node)
 
 
 def main() -> None:

@@ -31,8 +31,11 @@ from trl import GRPOTrainer
 
 from detent_audit.engine.llm import LLM
 from detent_audit.engine.sampling_params import SamplingParams
+from detent_audit.manifests.receipt import ClientRequest
 from detent_audit.rl.gate import ParityGate, compare
 from detent_audit.rl.scorer import exact_logprobs, serving_values
+
+ROLLOUT_API = "detent/v1/offline-jsonl"  # a signed rollout's request: the body `serve --input` reads
 
 
 def sample_seed(run_seed: int, step: int, index: int) -> int:
@@ -59,8 +62,10 @@ class DetentGRPOTrainer(GRPOTrainer):
     `llm` must be built from the same checkpoint as the trainer's model, in fp32 (the trainer's dtype)."""
 
     def __init__(self, *args: Any, llm: LLM, run_seed: int = 0, gate: ParityGate | None = None,
-                 **kwargs: Any) -> None:
-        self.llm, self.run_seed, self.gate = llm, run_seed, gate or ParityGate()
+                 node: Any = None, **kwargs: Any) -> None:
+        """`node`: a `detent_audit.server.node.ServingNode` over `llm`; given, every rollout is signed (its
+        receipt names its seed and the policy's weights digest) as `rollout-<step>-<sample>`."""
+        self.llm, self.run_seed, self.gate, self.node = llm, run_seed, gate or ParityGate(), node
         self.rollout_seeds: list[list[int]] = []   # per generation: each sample's seed
         self.step_log: list[dict[str, float]] = []  # per generation: parity, stock comparison, timings
         self.weights_digests: list[str] = []        # per generation: the policy the rollouts name
@@ -92,6 +97,11 @@ class DetentGRPOTrainer(GRPOTrainer):
         params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=s,
                                  max_tokens=args.max_completion_length) for s in seeds]
         outs = self.llm.generate([list(p) for p in prompt_ids], params)
+        if self.node is not None:
+            for i, (out, p) in enumerate(zip(outs, params)):
+                body = {"prompt_token_ids": list(out.prompt_token_ids), "max_tokens": p.max_tokens,
+                        "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed}
+                self.node.sign(out, p, f"rollout-{step}-{i}", ClientRequest.of(ROLLOUT_API, body))
         self.rollout_seeds.append(seeds)
         return {"prompt_ids": [list(o.prompt_token_ids) for o in outs],
                 "completion_ids": [list(o.token_ids) for o in outs],

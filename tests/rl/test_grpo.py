@@ -10,19 +10,28 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from rl_grpo import build_trainer  # noqa: E402
 
+from detent_audit.manifests.keys import keyid  # noqa: E402
+from detent_audit.manifests.receipt import verify_envelope  # noqa: E402
 from detent_audit.rl.grpo import completion_pairs, sample_seed  # noqa: E402
 
 
-def run(model: str, steps: int, **kwargs: int):
+def run(model: str, steps: int, receipts: list | None = None, **kwargs: int):
+    """`receipts`: given, every rollout is signed and its receipt appended."""
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = build_trainer(model, steps, seed=0, out=tmp, **kwargs)
+        key = Ed25519PrivateKey.generate() if receipts is not None else None
+        trainer = build_trainer(model, steps, seed=0, out=tmp, node_key=key, **kwargs)
         trainer.train()
+        if receipts is not None:
+            for path in sorted((Path(tmp) / "signed" / "receipts").iterdir()):
+                public = key.public_key()
+                receipts.append(verify_envelope(path.read_bytes(), {keyid(public): public}).receipt)
     return trainer
 
 
@@ -37,8 +46,12 @@ def check(trainer, steps: int) -> None:
 
 
 def test_one_grpo_step_on_a_random_model_has_no_bit_mismatch() -> None:
-    trainer = run("random-20m", 1, prompts=8, generations=2, batch=4, max_tokens=4)
+    receipts: list = []
+    trainer = run("random-20m", 1, receipts, prompts=8, generations=2, batch=4, max_tokens=4)
     check(trainer, 1)
+    # each rollout signed: its own seed, the policy's digest
+    assert sorted(r.request.seed for r in receipts) == sorted(trainer.rollout_seeds[0])
+    assert {r.deployment_facts["checkpoint"]["weights"] for r in receipts} == {trainer.weights_digests[0]}
 
 
 def test_completion_pairs_strip_trl_padding() -> None:
