@@ -45,13 +45,14 @@ def arithmetic_prompts(n: int, seed: int) -> list[dict[str, object]]:
 
 
 def arithmetic_reward(completions: list[str], answer: list[int], **_: object) -> list[float]:
-    """1.0 where the completion's last integer is the answer; a wrong integer earns up to 0.5 by how near it is
-    (so a group's samples differ and GRPO's advantages are not all zero); no integer, 0."""
+    """1.0 where the completion's last integer is the answer; a wrong integer earns up to 0.5 by how near
+    it is (so a group's samples differ and GRPO's advantages are not all zero); no integer, 0."""
     rewards = []
     for text, want in zip(completions, answer):
         found = re.findall(r"-?\d+", text)
         got = int(found[-1]) if found else None
-        rewards.append(0.0 if got is None else 1.0 if got == want else 0.5 * max(0.0, 1 - abs(got - want) / 10))
+        near = 0.5 * max(0.0, 1 - abs(got - want) / 10) if got is not None else 0.0
+        rewards.append(1.0 if got == want else near)
     return rewards
 
 

@@ -39,7 +39,8 @@ def check(trainer, steps: int) -> None:
     assert len(trainer.step_log) == steps
     for entry in trainer.step_log:
         assert entry["tokens"] > 0
-        assert entry["logprob_bit_mismatch_tokens"] == 0 and entry["train_rollout_logprob_abs_diff_max"] == 0.0
+        assert entry["logprob_bit_mismatch_tokens"] == 0
+        assert entry["train_rollout_logprob_abs_diff_max"] == 0.0
     seeds = [s for step in trainer.rollout_seeds for s in step]
     assert len(set(seeds)) == len(seeds)  # n > 1 samples of a prompt never share a seed
     assert trainer.llm.weights_digest == trainer.weights_digests[-1]
