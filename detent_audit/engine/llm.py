@@ -35,6 +35,7 @@ from detent_audit.engine.tensor_parallel import (
     tensor_parallel_model,
 )
 from detent_audit.engine.tp_ranks import DrivenModel, ProcessRanks, RankProcesses, follow, init_group
+from detent_audit.engine.weight_sync import NamedTensors, load_named_weights, weights_digest
 from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
 from detent_audit.runtime.base import EngineBase
@@ -171,6 +172,8 @@ class LLM(EngineBase[Sequence]):
         self._ids = itertools.count()
         # steps run, by how many sequences shared them (how much co-batching a workload really got)
         self.step_batch_sizes: Counter[int] = Counter()
+        # the in-memory weights' digest once they changed after loading (`load_weights`); None: the checkpoint's
+        self.weights_digest: str | None = None
 
     def _split(self, full: CausalLM) -> CausalLM | TensorParallelLM | DrivenModel:
         """The model over `tensor_parallel_size` ranks: all emulated here, or this process's rank of a group
@@ -238,6 +241,20 @@ class LLM(EngineBase[Sequence]):
         chunk = self.config.max_prefill_chunk if max_prefill_chunk is None else max_prefill_chunk
         self.scheduler = Scheduler(dataclasses.replace(self._scheduler_config, max_prefill_chunk=chunk),
                                    decode=self.tokenizer.decode)
+
+    def load_weights(self, weights: NamedTensors) -> str:
+        """Take new weights in place between steps (an RL policy update): (name, tensor) pairs or a state
+        dict, named as the checkpoint or as this model's parameters (`weight_sync.load_named_weights`). The
+        prefix cache is dropped (its KV came from the old weights) and the facts name the new weights by their
+        digest (returned). An empty `weights` re-digests weights a trainer changed in place. Requests still
+        running are an error (`reset`)."""
+        if not isinstance(self.model, CausalLM):
+            raise BadInput("weights are loaded in place into a TP=1 engine only",
+                           remedy="build the engine with tensor_parallel_size 1")
+        self.reset()
+        load_named_weights(self.model, weights)
+        self.weights_digest = weights_digest(self.model)
+        return self.weights_digest
 
     # ---- the engine contract (detent_audit.runtime.contract)
     @property

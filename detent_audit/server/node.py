@@ -125,6 +125,7 @@ class ServingNode:
         self.keyid = keyid_of(private_key.public_key())
         self.facts = llm.facts()
         self.facts_hash = facts_hash(self.facts)
+        self._weights_digest = getattr(llm, "weights_digest", None)  # new weights loaded in place: new facts
         self.tuple = tuple_values(llm)
         self.tuple_hash = tuple_hash(self.tuple)
         self.run_id = uuid.uuid4().hex
@@ -169,6 +170,10 @@ class ServingNode:
         with self._lock:
             if self._lock_fd is None:
                 raise BadInput("this node is closed: it signs no more receipts")
+            if getattr(self.llm, "weights_digest", None) != self._weights_digest:  # a policy update since
+                self.facts = self.llm.facts()
+                self.facts_hash = facts_hash(self.facts)
+                self._weights_digest = getattr(self.llm, "weights_digest", None)
             if path.exists():
                 raise FileExistsError(f"a receipt named {path.name} exists already")
             receipt = Receipt(deployment_facts=self.facts, deployment_hash=self.facts_hash,
