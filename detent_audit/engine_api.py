@@ -52,7 +52,9 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: SequenceOf[int], skip_special_tokens: bool = True) -> str: ...
 
-    def encode_chat(self, messages: SequenceOf[Any], add_generation_prompt: bool = True) -> list[int]: ...
+    def encode_chat(self, messages: SequenceOf[Any], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]: ...
 
 
 class RequestHandleLike(Protocol):

@@ -12,7 +12,10 @@ ids, or a batch: a list of strings or of token-id lists, one choice and one rece
 top-n), echo (the prompt's text and, with logprobs, each prompt token's logprob and top-n before the output's;
 max_tokens may then be 0: score the prompt, draw nothing). /v1/chat/completions: messages (role and
 text content, rendered by the checkpoint's chat template), logprobs (bool), top_logprobs (int),
-max_completion_tokens. Refused with 400: unknown fields, and fields whose effect the engine cannot produce or a
+max_completion_tokens, and vLLM's add_generation_prompt (default true), continue_final_message (end the prompt
+inside the final message, for the model to continue it; not with add_generation_prompt) and
+chat_template_kwargs (more variables for the template, e.g. enable_thinking), rendered as transformers'
+`apply_chat_template` renders them (engine/tokenizer.py). Refused with 400: unknown fields, and fields whose effect the engine cannot produce or a
 receipt cannot record (best_of above n, suffix, logit_bias, penalties, tools, response_format; a
 batch or echo streamed). Every refusal is an `InvalidRequest` naming the field (`param`).
 """
@@ -26,6 +29,7 @@ from typing import Any
 
 from detent_audit.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, seed_for
 from detent_audit.engine.stop_strings import check_stop_strings
+from detent_audit.engine.tokenizer import RESERVED_TEMPLATE_NAMES
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import MAX_STOP_TOKENS
 
@@ -34,7 +38,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
            "stream", "stream_options", "user", "return_tokens_as_token_ids", "n", "best_of"}
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo"}
 MAX_BATCH = 256  # prompts in one /v1/completions request, and choices (prompts times n) in one response
-_CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+_CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
+                   "continue_final_message", "chat_template_kwargs"}
 _ROLES = ("system", "developer", "user", "assistant")
 # field -> (values that mean "off", why another value is refused)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -216,6 +221,24 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
+def _chat_extras(body: dict) -> tuple[bool, bool, dict[str, Any] | None]:
+    """add_generation_prompt, continue_final_message and chat_template_kwargs, checked as vLLM checks them."""
+    generation = _get(body, "add_generation_prompt", bool, True)
+    continued = _get(body, "continue_final_message", bool, False)
+    if generation and continued:
+        raise InvalidRequest("cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
+                             param="continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs",
+                             code="invalid_type")
+    reserved = sorted(RESERVED_TEMPLATE_NAMES & set(kwargs or {}))
+    if reserved:
+        raise InvalidRequest(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the request's own fields "
+                             "do", param="chat_template_kwargs")
+    return generation, continued, kwargs or None
+
+
 def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> ParsedRequest:
     """Check one request body; raises `InvalidRequest` (or `BadInput` from the chat template)."""
     if not isinstance(body, dict):
@@ -228,7 +251,7 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
     if chat:
         messages = parse_messages(body.get("messages"))
         _fits([m["content"] for m in messages], "messages", limits)
-        prompt_ids = tokenizer.encode_chat(messages)
+        prompt_ids = tokenizer.encode_chat(messages, *_chat_extras(body))
         top_n = _get(body, "top_logprobs", int, None, 0, MAX_LOGPROBS)
         want_logprobs = _get(body, "logprobs", bool, False)
         if top_n is not None and not want_logprobs:
