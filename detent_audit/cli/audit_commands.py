@@ -22,6 +22,7 @@ from detent_audit.cli.options import (
     passphrase,
     workers_count,
 )
+from detent_audit.cli.output import emit_json
 
 
 def keygen(
@@ -54,7 +55,7 @@ def inspect(
     doc = json.loads(body.to_json())
     doc = {"unverified": True, "payload_type": env.payload_type, "signer_keyid_hint": env.keyid, "payload": doc}
     if as_json:
-        typer.echo(json.dumps(doc, indent=2, sort_keys=True))
+        emit_json(json.dumps(doc, indent=2, sort_keys=True))
     else:
         typer.echo(f"{path}: {env.payload_type} (NOT verified; signer hint {env.keyid})")
         typer.echo(json.dumps(doc["payload"], indent=2, sort_keys=True))
@@ -163,7 +164,7 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
                   + f"; signing times are the node's clock, bounded to [2020-01-01, now + {CLOCK_SKEW_NS // 10**9} s]")
     cov = report.coverage
     if as_json:
-        typer.echo(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
+        emit_json(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
                                "sample_seed": report.sample_seed, "published_deployments": report.published,
                                "facts_self_asserted": not report.published,
                                "times_self_asserted": {"earliest_unix_ns": EARLIEST_UNIX_NS,
@@ -225,7 +226,7 @@ def verify_eval(
                                  cache_dir=str(cache_dir) if cache_dir else None,
                                  progress=lambda done, total: progress.update(task, completed=done, total=total))
     if as_json:
-        typer.echo(json.dumps(report.to_json(), indent=2))
+        emit_json(json.dumps(report.to_json(), indent=2))
         raise typer.Exit(report.exit_code)
     for s in report.scores:
         tag = "OK" if s.equal else "FAIL"

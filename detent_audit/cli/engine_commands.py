@@ -23,6 +23,7 @@ from detent_audit.cli.options import (
     THREADS,
     TUPLE,
 )
+from detent_audit.cli.output import emit_json
 
 
 def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
@@ -41,13 +42,13 @@ def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int 
 
         resolved = resolve_model(model)
         doc = {"model": resolved.name, "checkpoint": str(resolved.path), "source": resolved.source}
-        typer.echo(json.dumps(doc) if as_json else str(resolved.path))
+        (emit_json if as_json else typer.echo)(json.dumps(doc) if as_json else str(resolved.path))
         return
     llm = open_engine(model, mode, dtype, threads, tuple_file, device=device)
     facts = collect_facts(llm)
     digest = facts_hash(facts)
     if as_json:
-        typer.echo(json.dumps({"facts": facts, "facts_hash": digest}, indent=2, sort_keys=True))
+        emit_json(json.dumps({"facts": facts, "facts_hash": digest}, indent=2, sort_keys=True))
         return
     typer.echo(json.dumps(facts, indent=2, sort_keys=True))
     typer.echo(f"facts hash: {digest}")
@@ -84,7 +85,7 @@ def battery(
             close()
     failed = [r for r in results if not r.passed]
     if as_json:
-        typer.echo(json.dumps({"engine": engine, "mode": mode, "dtype": dtype, "threads": threads,
+        emit_json(json.dumps({"engine": engine, "mode": mode, "dtype": dtype, "threads": threads,
                                "tensor_parallel_size": tensor_parallel_size,
                                "target_len": target_len, "prefix_block": block,
                                "passed": len(results) - len(failed), "total": len(results),
@@ -122,7 +123,7 @@ def generate(
                             seed=seed_for(temperature, seed))
     outs = llm.generate(prompt, params)
     if as_json:
-        typer.echo(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
+        emit_json(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
                                 "logprobs": o.logprobs, "finish_reason": o.finish_reason, "seed": params.seed}
                                for p, o in zip(prompt, outs)], indent=2))
         return
@@ -166,7 +167,7 @@ def tune(
                                      budget_fraction=budget, seed=seed, concurrency=levels)
     save_tuple(committed, out)
     if as_json:
-        typer.echo(json.dumps({"tuple": committed, "out": str(out), "families": [r.to_json() for r in reports],
+        emit_json(json.dumps({"tuple": committed, "out": str(out), "families": [r.to_json() for r in reports],
                                "concurrency": ["all" if c is None else c for c in levels]},
                               indent=2, sort_keys=True))
         return
@@ -201,7 +202,7 @@ def import_gguf(
         result = run_import(file, out, dtype,
                             progress=lambda done, total: progress.update(task, completed=done, total=total))
     if as_json:
-        typer.echo(json.dumps({"out": str(result.path), "sha256": result.sha256, "tensors": result.num_tensors,
+        emit_json(json.dumps({"out": str(result.path), "sha256": result.sha256, "tensors": result.num_tensors,
                                "quantizations": list(result.quantizations), "dtype": dtype}, indent=2))
         return
     typer.echo(f"OK: {file} (sha256 {result.sha256}) -> {result.path}: {result.num_tensors} tensors "
