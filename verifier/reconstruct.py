@@ -2,8 +2,9 @@
 bit-relevant fact differs.
 
 The engine settings come from the receipt's facts (dtype, thread count, page size, limits, mode) and its tuple;
-the checkpoint is always the verifier's own (`--model`, or the embedded default model): never one a receipt
-names, so no receipt sizes the verifier. Before anything is built, the facts known without building (engine
+the checkpoint is the verifier's own (`--model`; without it, the named model or `random:<shape>` the receipt
+names, whose size the facts' limits bound (`check_sizes`), else the embedded default model): never a folder a
+receipt names. Before anything is built, the facts known without building (engine
 sources, checkpoint file hashes, runtime) are compared; after, the local engine's facts are compared with the
 receipt's, field by field: any difference (weights, kernel sources, torch version, CPU capability, ...) makes
 the receipt not comparable here, and every differing field is named; where the checkpoint differs, the
@@ -162,6 +163,8 @@ def reconstruct(facts: Mapping[str, Any], tuple_values: Mapping[str, Any], model
         return reconstruct_sglang(facts, tuple_values, model, threads, tuple_override)
     if name != EMBEDDED:
         return _reconstruct_vllm(facts, tuple_values, model, threads, tuple_override, kv_tokens=kv_tokens)
+    if model is None:  # the model the receipt names, where its name rebuilds it; else the verifier's default
+        model = named_model(facts)
     config = engine_config(facts, tuple_values, model, cache_dir, threads, tuple_override, kv_tokens=kv_tokens,
                            tensor_parallel=tensor_parallel)
     if config.mode == "stock":
@@ -222,6 +225,17 @@ def older_checkpoint_form(checkpoint: Mapping[str, Any]) -> str | None:
     return ("the receipt's checkpoint hashes are of an older form (the weights files' bytes, tokenizer.json "
             "alone), which this detent-audit no longer computes: it hashes the weights as tensors and every "
             "file that shapes the prompt; verify the receipt with the detent-audit version that served it")
+
+
+def named_model(facts: Mapping[str, Any]) -> str | None:
+    """The model a receipt names where the name alone rebuilds it (a named model, `random:<shape>`); None for a
+    checkpoint folder, which only the verifier can give (`--model`). Its files are still hashed against the
+    receipt's, so a name decides only which model is tried."""
+    checkpoint = facts.get("checkpoint")
+    name = checkpoint.get("name") if isinstance(checkpoint, Mapping) else None
+    if isinstance(name, str) and len(name) <= _SHOWN and (name in NAMES or name.startswith("random:")):
+        return name
+    return None
 
 
 def served_from(facts: Mapping[str, Any], local: Mapping[str, Any]) -> str:
