@@ -207,6 +207,7 @@ def verify_eval(
 
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.verifier.eval_audit import score_line
     from detent_audit.verifier.eval_audit import verify_eval as run_verify_eval
     from detent_audit.verifier.verify import load_deployments
 
@@ -229,9 +230,7 @@ def verify_eval(
         emit_json(json.dumps(report.to_json(), indent=2))
         raise typer.Exit(report.exit_code)
     for s in report.scores:
-        tag = "OK" if s.equal else "FAIL"
-        typer.echo(f"{tag}: {s.task} {s.metric}: reported {s.reported}, recomputed from verified receipts "
-                   f"{s.recomputed}, coverage {s.covered}/{s.total}")
+        typer.echo(score_line(s, report.docs))
     for d in report.docs:
         if not d.covered:
             typer.echo(f"FAIL: {d.task} doc {d.doc_id}: {'; '.join(d.reasons)}")
