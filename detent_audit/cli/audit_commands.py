@@ -22,7 +22,7 @@ from detent_audit.cli.options import (
     passphrase,
     workers_count,
 )
-from detent_audit.cli.output import emit_json
+from detent_audit.cli.output import Progress, emit_json
 
 
 def keygen(
@@ -113,8 +113,6 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
             response: tuple[Any, Any, str | None] | None = None, tensor_parallel: int | None = None) -> None:
     """`verify`, and `verify-response` (with `response` = the request and response documents and the
     endpoint called)."""
-    from rich.console import Console
-    from rich.progress import Progress
 
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_trusted_keys
@@ -148,9 +146,8 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
                                    cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
                                    tuple_override=override, workers=worker_count, deployments=deployments,
                                    tensor_parallel=tensor_parallel)
-    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-        task = progress.add_task("re-executing", total=None)
-        show = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
+    with Progress("re-executing", "receipts") as progress:
+        show = progress.update
         if response is None:
             report = run_verify(paths, trusted, progress=show, **options)
         else:
@@ -202,8 +199,6 @@ def verify_eval(
     the reported score, the recomputed one and the coverage, and name every document, task or record of the
     run that is not the task's, and why. Exit 0 when every document is covered and every score equal, 1
     otherwise, 2 bad input, 3 when the task's data cannot be loaded here."""
-    from rich.console import Console
-    from rich.progress import Progress
 
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_trusted_keys
@@ -220,12 +215,10 @@ def verify_eval(
                        remedy="pip install 'lm-eval[api]'") from None
     trusted = load_trusted_keys(key_source)
     deployments = load_deployments(deployment) if deployment else None
-    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-        task = progress.add_task("verifying receipts", total=None)
+    with Progress("verifying receipts", "receipts") as progress:
         report = run_verify_eval(run, receipts, trusted, model=model or None, deployments=deployments,
                                  include_path=[str(p) for p in include_path or []], workers=worker_count,
-                                 cache_dir=str(cache_dir) if cache_dir else None,
-                                 progress=lambda done, total: progress.update(task, completed=done, total=total))
+                                 cache_dir=str(cache_dir) if cache_dir else None, progress=progress.update)
     if as_json:
         emit_json(json.dumps(report.to_json(), indent=2))
         raise typer.Exit(report.exit_code)

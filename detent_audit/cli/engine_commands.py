@@ -23,7 +23,7 @@ from detent_audit.cli.options import (
     THREADS,
     TUPLE,
 )
-from detent_audit.cli.output import emit_json
+from detent_audit.cli.output import Progress, emit_json
 
 
 def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
@@ -65,7 +65,6 @@ def battery(
     """Run the 35-cell invariance battery; exit 1 if any cell fails. The prefix cells share whole KV pages of
     the engine (16 tokens on the embedded engine, 32 on vLLM CPU)."""
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
     from detent_audit.engine.battery import cells, default_target_len, prefix_block, run_battery
@@ -75,10 +74,9 @@ def battery(
     block = prefix_block(llm)
     target_len = default_target_len(block) if target_len is None else target_len
     try:
-        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-            task = progress.add_task("battery", total=len(cells(block)))
-            results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task),
-                                  target_len=target_len, block=block)
+        with Progress("battery", "cells") as progress:
+            progress.update(0, len(cells(block)))
+            results = run_battery(llm, seed=seed, progress=progress.advance, target_len=target_len, block=block)
     finally:
         close = getattr(llm, "shutdown", None)
         if close is not None:
@@ -163,8 +161,10 @@ def tune(
     llm = open_engine(model, "detent", dtype, threads, tuple_file, device=device,
                       attention_streaming=attention_streaming)
     requests = [r[:3] for r in read_requests(llm, workload)]  # (id, prompt ids, sampling): no binding needed
-    committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
-                                     budget_fraction=budget, seed=seed, concurrency=levels)
+    with Progress("measuring candidates", "candidates") as progress:
+        committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
+                                         budget_fraction=budget, seed=seed, concurrency=levels,
+                                         progress=lambda family, done, total: progress.update(done, total))
     save_tuple(committed, out)
     if as_json:
         emit_json(json.dumps({"tuple": committed, "out": str(out), "families": [r.to_json() for r in reports],
@@ -190,17 +190,13 @@ def import_gguf(
     as_json: bool = JSON,
 ) -> None:
     """Import a GGUF file as a Hugging Face checkpoint folder (config, safetensors, tokenizer, chat template)."""
-    from rich.console import Console
-    from rich.progress import Progress
 
     from detent_audit.engine.gguf_import import check_import
     from detent_audit.engine.gguf_import import import_gguf as run_import
 
     check_import(file, out, dtype)  # bad input fails before the progress bar starts
-    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-        task = progress.add_task("dequantizing", total=None)
-        result = run_import(file, out, dtype,
-                            progress=lambda done, total: progress.update(task, completed=done, total=total))
+    with Progress("dequantizing", "tensors") as progress:
+        result = run_import(file, out, dtype, progress=progress.update)
     if as_json:
         emit_json(json.dumps({"out": str(result.path), "sha256": result.sha256, "tensors": result.num_tensors,
                                "quantizations": list(result.quantizations), "dtype": dtype}, indent=2))

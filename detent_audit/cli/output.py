@@ -12,7 +12,9 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import typer
 
@@ -65,3 +67,57 @@ def json_command() -> Iterator[None]:
         for text in documents:
             real.write(text + "\n")
         real.flush()
+
+
+PIPED_LINES = 10   # lines a run of known length prints when stderr is no terminal (about one per tenth)
+PIPED_EVERY = 50   # items between lines when the length is not known
+
+
+class Progress:
+    """A long run's progress on stderr: a bar on a terminal; elsewhere (a pipe, a log file) a line every N items
+    with the rate (`label: done/total (x.x items/s)`), N a tenth of the run, and one at the end."""
+
+    def __init__(self, label: str, unit: str = "items", *, terminal: bool | None = None) -> None:
+        self.label, self.unit = label, unit
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.done, self._printed = 0, 0
+        self.total: int | None = None
+        self._start = time.monotonic()
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> Progress:
+        if self.terminal:
+            from rich.console import Console
+            from rich.progress import Progress as Bar
+
+            self._bar = Bar(console=Console(stderr=True), transient=True)
+            self._bar.__enter__()
+            self._task = self._bar.add_task(self.label, total=None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+        elif self.done > self._printed and exc[0] is None:
+            self._line()
+
+    def update(self, done: int, total: int | None = None) -> None:
+        """`done` of `total` items (None: not known yet)."""
+        self.done, self.total = done, total if total is not None else self.total
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=self.total)
+            return
+        every = max(1, -(-self.total // PIPED_LINES)) if self.total else PIPED_EVERY
+        if done - self._printed >= every or (self.total is not None and done >= self.total > self._printed):
+            self._line()
+
+    def advance(self, _: object = None) -> None:
+        self.update(self.done + 1)
+
+    def _line(self) -> None:
+        seconds = max(time.monotonic() - self._start, 1e-9)
+        of = f"/{self.total}" if self.total is not None else ""
+        sys.stderr.write(f"{self.label}: {self.done}{of} {self.unit} ({self.done / seconds:.1f} {self.unit}/s)\n")
+        sys.stderr.flush()
+        self._printed = self.done
