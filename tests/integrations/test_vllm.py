@@ -314,3 +314,18 @@ def test_http_serve_then_verify_in_vllm(engine, checkpoint, tmp_path) -> None:
     for mode in ("rescore", "replay"):
         code, report = _verify({"key": key, "ckpt": checkpoint}, tmp_path / "out", extra=("--mode", mode))
         assert code == 0 and report["counts"] == {"OK": 13, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}, report
+
+
+def test_verify_json_on_vllm_receipts_prints_one_document_on_stdout(served) -> None:
+    """In a process of its own (vLLM's logger writes to stdout): stdout is the one JSON document, vLLM's log
+    lines go to stderr."""
+    import subprocess
+    import sys
+
+    receipt = served["out"] / "receipts" / "r0.receipt"
+    res = subprocess.run([sys.executable, "-m", "detent_audit.cli", "verify", str(receipt), "--key",
+                          str(served["key"].public_path), "--model", str(served["ckpt"]), "--workers", "1",
+                          "--json"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["counts"]["OK"] == 1  # the whole of stdout is the one document
+    assert "INFO" in res.stderr  # vLLM logged, to stderr
