@@ -10,10 +10,10 @@ a batch's prompts share their request's seed, as they share one the client gives
 seed for a request once it has seen it, and a verifier recomputes it from the receipt alone.
 
 A request that names its seed and asks for `n` > 1 choices samples choice i with `choice_seed(seed, i)` =
-(seed + i) mod 2**64: vLLM's rule (each choice of a seeded request gets seed + its index), so choice 0 keeps the
-client's seed and no two choices of one request share one. A request answered in several choices names each
-receipt `<response id>-<index>`, index = prompt * n + choice (the OpenAI order of `choices`), and the receipt's
-bound body holds `n`: a verifier reads the choice from the two.
+(seed + i) mod 2**64: vLLM's rule (each choice of a seeded request gets seed + its index), so choice 0 keeps
+the client's seed and no two choices of one request share one. A request answered in several choices names
+each receipt `<response id>-<index>`, index = prompt * n + choice (the OpenAI order of `choices`), and the
+receipt's bound body holds `n`: a verifier reads the choice from the two.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def derived_seed(run_id: str, api: str, body_sha256: str, choice: int = 0) -> in
 
 
 def choice_seed(seed: int, choice: int) -> int:
-    """The seed of choice `choice` of a request whose client named `seed` (vLLM's seed + index, modulo 2**64)."""
+    """The seed of choice `choice` of a request whose client named `seed` (vLLM's seed + index, mod 2**64)."""
     if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice <= MAX_CHOICE:
         raise ValueError(f"choice must be an integer in [0, {MAX_CHOICE}], got {choice!r}")
     return (seed + choice) % _SEEDS

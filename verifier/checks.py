@@ -141,11 +141,11 @@ def _binding_problem(r: Receipt, llm: Any, max_prompt_chars: int) -> str | None:
             name = model if isinstance(model, str) else ""
             parsed = parse_request(body, chat, Limits(name, max_len, vocab, max_prompt_chars), llm.tokenizer)
             ids, params, asked_max, echo = parsed.prompt_ids, parsed.params, parsed.max_tokens, parsed.echo
-            if parsed.multi:  # several choices: the receipt of choice i (prompt i // n) is named <response id>-<i>
+            if parsed.multi:  # several choices: choice i (of prompt i // n) is the receipt <response id>-<i>
                 index = rid.rsplit("-", 1)[-1]
                 if not (index.isdigit() and str(int(index)) == index and int(index) < parsed.choices):
-                    return (f"request id {rid!r} names no choice of the client's request ({len(parsed.prompts)} "
-                            f"prompt(s), n = {parsed.n})")
+                    return (f"request id {rid!r} names no choice of the client's request "
+                            f"({len(parsed.prompts)} prompt(s), n = {parsed.n})")
                 ids, choice = parsed.prompts[int(index) // parsed.n], int(index) % parsed.n
     except DetentError as exc:
         return (f"no front end of this deployment (context {max_len}) admits the client's request as bound: "

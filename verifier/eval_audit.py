@@ -90,15 +90,18 @@ def score_line(score: Score, docs: Sequence[DocVerdict]) -> str:
     """A score's verdict line: OK only where the scores are equal and every document of its task is covered;
     a short coverage names the documents missing (each is named with its reasons on a line of its own)."""
     full = score.covered >= score.total
-    line = (f"{'OK' if score.equal and full else 'FAIL'}: {score.task} {score.metric}: reported {score.reported}, "
-            f"recomputed from verified receipts {score.recomputed}, coverage {score.covered}/{score.total}")
+    tag = "OK" if score.equal and full else "FAIL"
+    line = (f"{tag}: {score.task} {score.metric}: reported {score.reported}, recomputed from verified "
+            f"receipts {score.recomputed}, coverage {score.covered}/{score.total}")
     if full:
         return line
     missing = [d.doc_id for d in docs if d.task == score.task and not d.covered]
-    shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+    more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+    shown = ", ".join(map(str, missing[:10])) + more
     return (line + f": {score.total - score.covered} document(s) not covered"
-            + (f" (doc {shown})" if missing else "") + f", so the recomputed score is over {score.covered} of the "
-            f"{score.total} documents the run reports")
+            + (f" (doc {shown})" if missing else "")
+            + f", so the recomputed score is over {score.covered} of the {score.total} documents the run "
+            "reports")
 
 
 @dataclass

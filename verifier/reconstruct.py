@@ -228,9 +228,9 @@ def older_checkpoint_form(checkpoint: Mapping[str, Any]) -> str | None:
 
 
 def named_model(facts: Mapping[str, Any]) -> str | None:
-    """The model a receipt names where the name alone rebuilds it (a named model, `random:<shape>`); None for a
-    checkpoint folder, which only the verifier can give (`--model`). Its files are still hashed against the
-    receipt's, so a name decides only which model is tried."""
+    """The model a receipt names where the name alone rebuilds it (a named model, `random:<shape>`); None
+    for a checkpoint folder, which only the verifier can give (`--model`). Its files are still hashed against
+    the receipt's, so a name decides only which model is tried."""
     checkpoint = facts.get("checkpoint")
     name = checkpoint.get("name") if isinstance(checkpoint, Mapping) else None
     if isinstance(name, str) and len(name) <= _SHOWN and (name in NAMES or name.startswith("random:")):

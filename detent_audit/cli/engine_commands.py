@@ -76,7 +76,8 @@ def battery(
     try:
         with Progress("battery", "cells") as progress:
             progress.update(0, len(cells(block)))
-            results = run_battery(llm, seed=seed, progress=progress.advance, target_len=target_len, block=block)
+            results = run_battery(llm, seed=seed, progress=progress.advance, target_len=target_len,
+                                  block=block)
     finally:
         close = getattr(llm, "shutdown", None)
         if close is not None:

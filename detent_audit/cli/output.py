@@ -30,7 +30,8 @@ def emit_json(text: str) -> None:
 
 
 def _stdout_handlers(stream: object) -> list[logging.StreamHandler]:
-    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
+    names = list(logging.root.manager.loggerDict)
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in names)]
     return [h for lg in loggers for h in getattr(lg, "handlers", ())
             if isinstance(h, logging.StreamHandler) and h.stream is stream]
 
@@ -74,8 +75,8 @@ PIPED_EVERY = 50   # items between lines when the length is not known
 
 
 class Progress:
-    """A long run's progress on stderr: a bar on a terminal; elsewhere (a pipe, a log file) a line every N items
-    with the rate (`label: done/total (x.x items/s)`), N a tenth of the run, and one at the end."""
+    """A long run's progress on stderr: a bar on a terminal; elsewhere (a pipe, a log file) a line every N
+    items with the rate (`label: done/total (x.x items/s)`), N a tenth of the run, and one at the end."""
 
     def __init__(self, label: str, unit: str = "items", *, terminal: bool | None = None) -> None:
         self.label, self.unit = label, unit
@@ -118,6 +119,7 @@ class Progress:
     def _line(self) -> None:
         seconds = max(time.monotonic() - self._start, 1e-9)
         of = f"/{self.total}" if self.total is not None else ""
-        sys.stderr.write(f"{self.label}: {self.done}{of} {self.unit} ({self.done / seconds:.1f} {self.unit}/s)\n")
+        rate = f"{self.done / seconds:.1f} {self.unit}/s"
+        sys.stderr.write(f"{self.label}: {self.done}{of} {self.unit} ({rate})\n")
         sys.stderr.flush()
         self._printed = self.done

@@ -199,7 +199,8 @@ class Tokenizer:
                                   "tokenizer_config.json) to the checkpoint")
         reserved = sorted(RESERVED_TEMPLATE_NAMES & set(template_kwargs or {}))
         if reserved:
-            raise BadInput(f"chat template variables {', '.join(reserved)} are set by the renderer, not the caller")
+            raise BadInput(f"chat template variables {', '.join(reserved)} are set by the renderer, not the "
+                           "caller")
         if continue_final_message:
             if not messages:
                 raise BadInput("continue_final_message needs a final message to continue")
@@ -214,8 +215,8 @@ class Tokenizer:
             return text
         final, tag = messages[-1]["content"][:-len(_CONTINUE_TAG)], _CONTINUE_TAG.strip()
         if final.strip() not in text or tag not in text:
-            raise BadInput("continue_final_message: the chat template drops part of the final message, so there "
-                           "is no place to continue it from")
+            raise BadInput("continue_final_message: the chat template drops part of the final message, so "
+                           "there is no place to continue it from")
         at = text.rindex(tag)
         return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
@@ -223,5 +224,6 @@ class Tokenizer:
                     continue_final_message: bool = False,
                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of the rendered chat; the template writes any BOS itself (as transformers does)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                        template_kwargs)
         return self.encode(text, add_special_tokens=False)

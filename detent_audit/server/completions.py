@@ -1,8 +1,9 @@
 """/v1/completions and /v1/chat/completions: one request from its body to its signed response.
 
 (1) the body is read (bodies.py) and checked (protocol.py), off the event loop; (2) one engine request per
-choice (a prompt times `n`, each with its own seed: manifests/seeds.py) is submitted; (3) the tokens come back, streamed as SSE chunks or all at once; (4) the node signs each
-receipt and writes it durably; (5) only then does the response, or a stream's final chunk, leave.
+choice (a prompt times `n`, each with its own seed: manifests/seeds.py) is submitted; (3) the tokens come
+back, streamed as SSE chunks or all at once; (4) the node signs each receipt and writes it durably; (5) only
+then does the response, or a stream's final chunk, leave.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ async def serve(state: ServerState, request: Request, chat: bool) -> Response:
         failed = state.node.storage_error is not None  # then a write is tried again, off the event loop
         if failed and not await run_in_threadpool(state.node.storage_ok):  # refused before computing
             raise StorageFailed(state.node.storage_error or "receipts cannot be written")
-        # several choices (a batch, or n > 1): one engine request (and one receipt) per choice, named <id>-<index>
+        # several choices (a batch, or n > 1): one engine request (and one receipt) per choice, named
+        # <id>-<index>
         rids = [f"{rid}-{i}" for i in range(req.choices)] if req.multi else [rid]
         handles = submit(state, req, rids)
     except (BadInput, EngineUnavailable, StorageFailed) as exc:
@@ -103,8 +105,8 @@ async def read_request(state: ServerState, request: Request, chat: bool
         del raw
         req = await run_in_threadpool(parse_request, body, chat, state.limits, state.engine.tokenizer)
         client = await run_in_threadpool(_bind, body, chat)
-        # a sampled request without a seed gets one derived from the run and the body, and choice i of a seeded
-        # one the client's seed + i (manifests/seeds.py)
+        # a sampled request without a seed gets one derived from the run and the body, and choice i of a
+        # seeded one the client's seed + i (manifests/seeds.py)
         named = body.get("seed") is not None
         seeds = tuple(state.node.seeded(req.params, client, named, j).seed for j in range(req.n))
         req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=seeds[0]), seeds=seeds)
@@ -253,7 +255,8 @@ async def stream(state: ServerState, req: ParsedRequest, handles: list[RequestHa
                 continue
             out = outs[index] = await handles[index].result()
             one_rid = f"{rid}-{index}" if req.multi else rid
-            signed = signed_all[index] = await sign(state, out, req, one_rid, client, index=index)  # (4) first
+            # (4), before the choice's final chunk
+            signed = signed_all[index] = await sign(state, out, req, one_rid, client, index=index)
             if req.multi:
                 yield chunk(index, text.flush(), None, out.finish_reason, seed=req.params.seed,
                             proof={"receipt_id": signed.receipt_id, "receipt": signed.client_proof})
@@ -261,9 +264,10 @@ async def stream(state: ServerState, req: ParsedRequest, handles: list[RequestHa
                 yield chunk(index, text.flush(), None, out.finish_reason, receipt_id=signed.receipt_id,
                             seed=req.params.seed, receipt=signed.client_proof)
         if req.include_usage:
-            ids: dict[str, Any] = ({"receipt_ids": [signed_all[i].receipt_id for i in range(len(handles))]}
-                                   if req.multi else
-                                   {"receipt_id": signed_all[0].receipt_id, "receipt": signed_all[0].client_proof})
+            first = signed_all[0]
+            ids: dict[str, Any] = {"receipt_id": first.receipt_id, "receipt": first.client_proof}
+            if req.multi:
+                ids = {"receipt_ids": [signed_all[i].receipt_id for i in range(len(handles))]}
             yield _sse({**head(state, rid, req.chat, chunk=True, created=created), "choices": [],
                         "usage": usage(sum(len(o.prompt_token_ids) for o in outs.values()),
                                        sum(len(o.token_ids) for o in outs.values())), **ids})

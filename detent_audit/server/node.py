@@ -139,17 +139,19 @@ class ServingNode:
 
     def seeded(self, params: SamplingParams, client: ClientRequest, named: bool | None = None, choice: int = 0
                ) -> SamplingParams:
-        """`params` with the seed of choice `choice` of the request: a sampled request whose client named none
-        (`named`: whether it did; None: read from the bound body) gets one derived from this run and the bound
-        request (`manifests/seeds.py`), so that the node cannot choose it once it has seen the request; a seeded
-        request's choice i samples with the client's seed + i (`choice_seed`); a greedy one keeps its own."""
+        """`params` with the seed of choice `choice` of the request: a sampled request whose client named
+        none (`named`: whether it did; None: read from the bound body) gets one derived from this run and the
+        bound request (`manifests/seeds.py`), so that the node cannot choose it once it has seen the request;
+        a seeded request's choice i samples with the client's seed + i (`choice_seed`); a greedy one keeps
+        its own."""
         if named is None:
             named = client.body().get("seed") is not None
         if params.is_greedy:
             return params
         if named:
             return dataclasses.replace(params, seed=choice_seed(params.seed, choice)) if choice else params
-        return dataclasses.replace(params, seed=derived_seed(self.run_id, client.api, client.body_sha256, choice))
+        seed = derived_seed(self.run_id, client.api, client.body_sha256, choice)
+        return dataclasses.replace(params, seed=seed)
 
     def sign(self, output: RequestOutput, params: SamplingParams, request_id: str | None = None,
              client: ClientRequest | None = None, *, max_tokens: int | None = None) -> SignedReceipt:

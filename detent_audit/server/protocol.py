@@ -2,22 +2,22 @@
 
 Supported (both endpoints): model (must name the served model), max_tokens, temperature, top_p, seed (recorded
 in the receipt and returned as `seed`; a sampled request without one gets the node's derived seed, a greedy
-one 0), stop
-(a string or a list of strings: vLLM's rule, stop_strings.py; recorded in the receipt), stream,
+one 0), stop (a string or a list of strings: vLLM's rule, stop_strings.py; recorded in the receipt), stream,
 stream_options.include_usage, user (ignored), and the vLLM-style extensions top_k (0 or -1 = off),
-stop_token_ids, ignore_eos, return_tokens_as_token_ids; n (choices per prompt, each sampled with its own
-seed and signed in its own receipt: manifests/seeds.py) and best_of (accepted equal to n; vLLM ignores it, a
-best_of above n is refused: the ranking that would drop choices is no part of a receipt). /v1/completions: prompt (a string, a list of token
-ids, or a batch: a list of strings or of token-id lists, one choice and one receipt each), logprobs (int,
-top-n), echo (the prompt's text and, with logprobs, each prompt token's logprob and top-n before the output's;
-max_tokens may then be 0: score the prompt, draw nothing). /v1/chat/completions: messages (role and
-text content, rendered by the checkpoint's chat template), logprobs (bool), top_logprobs (int),
-max_completion_tokens, and vLLM's add_generation_prompt (default true), continue_final_message (end the prompt
-inside the final message, for the model to continue it; not with add_generation_prompt) and
-chat_template_kwargs (more variables for the template, e.g. enable_thinking), rendered as transformers'
-`apply_chat_template` renders them (engine/tokenizer.py). Refused with 400: unknown fields, and fields whose effect the engine cannot produce or a
-receipt cannot record (best_of above n, suffix, logit_bias, penalties, tools, response_format; a
-batch or echo streamed). Every refusal is an `InvalidRequest` naming the field (`param`).
+stop_token_ids, ignore_eos, return_tokens_as_token_ids; n (choices per prompt, each sampled with its own seed
+and signed in its own receipt: manifests/seeds.py) and best_of (accepted equal to n; vLLM ignores it, a
+best_of above n is refused: the ranking that would drop choices is no part of a receipt). /v1/completions:
+prompt (a string, a list of token ids, or a batch: a list of strings or of token-id lists, one choice and one
+receipt each), logprobs (int, top-n), echo (the prompt's text and, with logprobs, each prompt token's logprob
+and top-n before the output's; max_tokens may then be 0: score the prompt, draw nothing).
+/v1/chat/completions: messages (role and text content, rendered by the checkpoint's chat template), logprobs
+(bool), top_logprobs (int), max_completion_tokens, and vLLM's add_generation_prompt (default true),
+continue_final_message (end the prompt inside the final message, for the model to continue it; not with
+add_generation_prompt) and chat_template_kwargs (more variables for the template, e.g. enable_thinking),
+rendered as transformers' `apply_chat_template` renders them (engine/tokenizer.py). Refused with 400: unknown
+fields, and fields whose effect the engine cannot produce or a receipt cannot record (best_of above n, suffix,
+logit_bias, penalties, tools, response_format; a batch or echo streamed). Every refusal is an `InvalidRequest`
+naming the field (`param`).
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ class ParsedRequest:
     max_tokens: int = 1     # as requested (0: echo only)
     prompt_texts: tuple[str | None, ...] = ()  # the prompts given as text (None: given as token ids)
     batched: bool = False   # the prompt was a list of prompts: receipts are named `<id>-<index>`
-    n: int = 1              # choices per prompt: choice `index` answers prompt index // n, as its choice index % n
-    seeds: tuple[int, ...] = ()  # the seed of each choice of a prompt, as the node sets them (empty: params.seed)
+    n: int = 1              # choices per prompt: choice `index` answers prompt index // n (its choice: % n)
+    seeds: tuple[int, ...] = ()  # each choice's seed (of a prompt), as the node sets them; empty: params.seed
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -234,8 +234,8 @@ def _chat_extras(body: dict) -> tuple[bool, bool, dict[str, Any] | None]:
                              code="invalid_type")
     reserved = sorted(RESERVED_TEMPLATE_NAMES & set(kwargs or {}))
     if reserved:
-        raise InvalidRequest(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the request's own fields "
-                             "do", param="chat_template_kwargs")
+        raise InvalidRequest(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the request's own "
+                             "fields do", param="chat_template_kwargs")
     return generation, continued, kwargs or None
 
 
@@ -295,8 +295,9 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
     n = _get(body, "n", int, 1, 1, MAX_BATCH)
     best_of = _get(body, "best_of", int, None, 1, MAX_BATCH)
     if best_of is not None and best_of != n:
-        raise InvalidRequest(f"'best_of' {best_of} is not 'n' {n}: choosing the best of more samples than are "
-                             "returned ranks them by a score no receipt binds; send best_of = n or omit it",
+        raise InvalidRequest(f"'best_of' {best_of} is not 'n' {n}: choosing the best of more samples than "
+                             "are returned ranks them by a score no receipt binds; send best_of = n or omit "
+                             "it",
                              param="best_of", code="unsupported")
     if len(prompts) * n > MAX_BATCH:
         raise InvalidRequest(f"{len(prompts)} prompts times n = {n} is more than the {MAX_BATCH} choices one "

@@ -40,7 +40,8 @@ def test_verify_piped_shows_its_progress_on_stderr(make_checkpoint, tmp_path: Pa
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     model = str(make_checkpoint("tiny-llama"))
     served = CliRunner().invoke(app, ["serve", "--model", model, "--signing-key", str(key.private_path),
-                                      "--manifest-out", str(tmp_path / "run"), "--input", str(tmp_path / "in.jsonl"),
+                                      "--manifest-out", str(tmp_path / "run"),
+                                      "--input", str(tmp_path / "in.jsonl"),
                                       "--output", str(tmp_path / "out.jsonl")])
     assert served.exit_code == 0, served.output
     res = subprocess.run([sys.executable, "-m", "detent_audit.cli", "verify", str(tmp_path / "run"),

@@ -138,7 +138,8 @@ def test_gguf_import_refuses_what_it_cannot_read(tmp_path: Path) -> None:
 
 def test_verify_without_model_uses_the_random_shape_the_receipt_names(env: Env, tmp_path: Path) -> None:
     (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt_token_ids": [3, 4, 5], "max_tokens": 3}\n')
-    res = runner.invoke(app, ["serve", "--model", "random:tiny-llama", "--signing-key", str(env.key.private_path),
+    res = runner.invoke(app, ["serve", "--model", "random:tiny-llama",
+                              "--signing-key", str(env.key.private_path),
                               "--manifest-out", str(tmp_path / "run"), "--input", str(tmp_path / "in.jsonl"),
                               "--output", str(tmp_path / "out.jsonl"), "--cache-dir", str(env.cache_dir)])
     assert res.exit_code == 0, res.output

@@ -1,7 +1,7 @@
 """vLLM's chat extras (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`): the prompt
-ids are transformers' `apply_chat_template`'s on the real model's template (and on it with a variable it reads),
-each extra changes them, and a served request that uses them is bound in its receipt and verifies; a receipt
-that ran the prompt without them FAILs."""
+ids are transformers' `apply_chat_template`'s on the real model's template (and on it with a variable it
+reads), each extra changes them, and a served request that uses them is bound in its receipt and verifies;
+a receipt that ran the prompt without them FAILs."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from detent_audit.server.protocol import InvalidRequest, Limits, parse_request
 from detent_audit.verifier.verify import verify
 
 MODEL = "tiny-llama"
-THINKING = "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+THINKING = ("{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
+            "{% endif %}")
 CHATS = [
     [{"role": "user", "content": "Name a city."}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Two plus two?"},
@@ -62,10 +63,12 @@ def test_the_extras_shape_the_prompt_as_transformers_apply_chat_template(templat
             for i, options in enumerate(OPTIONS):
                 parsed = parse_request({"messages": messages, **options}, True, limits, ours)
                 want = theirs.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=options.get("add_generation_prompt", True),
+                    messages, tokenize=False,
+                    add_generation_prompt=options.get("add_generation_prompt", True),
                     continue_final_message=options.get("continue_final_message", False),
                     **options.get("chat_template_kwargs", {}))
-                assert parsed.prompt_ids == theirs(want, add_special_tokens=False)["input_ids"], (folder, options)
+                ids = theirs(want, add_special_tokens=False)["input_ids"]
+                assert parsed.prompt_ids == ids, (folder, options)
                 seen[i] = tuple(parsed.prompt_ids)
             assert len({seen[0], seen[1], seen[2]}) == 3  # each of the first two extras changes the ids
             thinking = folder == templates[1]
@@ -93,12 +96,14 @@ def test_a_request_with_the_extras_is_bound_and_verifies(new_node) -> None:
         got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,  # type: ignore
                                              temperature=0.9, extra_body=extras)
         # the node runs the prompt rendered without the extras under the body that has them
-        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0.9, "seed": 1, **extras}
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0.9, "seed": 1,
+                **extras}
         plain = tokenizer.encode_chat(messages)
         params = SamplingParams(temperature=0.9, max_tokens=4, seed=1)
         n.node.sign(n.llm.generate([plain], params)[0], params, "chatcmpl-plain",
                     ClientRequest.of("openai/v1/chat/completions", body))
-    receipt = verify_envelope(n.node.receipt_path(got.receipt_id).read_bytes(), trusted).receipt  # type: ignore
+    path = n.node.receipt_path(got.receipt_id)  # type: ignore[attr-defined]
+    receipt = verify_envelope(path.read_bytes(), trusted).receipt
     continued = tokenizer.encode_chat(messages, False, True, {"enable_thinking": False})
     assert list(receipt.request.prompt_token_ids) == continued != plain
     assert receipt.request.client.body()["continue_final_message"] is True

@@ -11,7 +11,8 @@ from detent_audit.verifier.eval_audit import DocVerdict, Score, score_line
 def test_a_short_coverage_is_no_ok_and_names_the_missing_documents() -> None:
     total = random.randint(5, 40)
     missing = sorted(random.sample(range(total), random.randint(1, 3)))
-    docs = [DocVerdict("qa", i, i not in missing, [] if i not in missing else ["no receipt"]) for i in range(total)]
+    docs = [DocVerdict("qa", i, i not in missing, ["no receipt"] if i in missing else [])
+            for i in range(total)]
     docs.append(DocVerdict("other", missing[0], False, ["no receipt"]))  # another task's: not this score's
     value = random.random()
     short = score_line(Score("qa", "acc,none", value, value, total - len(missing), total), docs)
