@@ -8,6 +8,12 @@ receipt and manifest of the run; `api` and `body_sha256` are the request as its 
 `request.client`); `choice` is the index of the answer among the request's choices (0 while a request has one;
 a batch's prompts share their request's seed, as they share one the client gives). A node cannot pick another
 seed for a request once it has seen it, and a verifier recomputes it from the receipt alone.
+
+A request that names its seed and asks for `n` > 1 choices samples choice i with `choice_seed(seed, i)` =
+(seed + i) mod 2**64: vLLM's rule (each choice of a seeded request gets seed + its index), so choice 0 keeps
+the client's seed and no two choices of one request share one. A request answered in several choices names
+each receipt `<response id>-<index>`, index = prompt * n + choice (the OpenAI order of `choices`), and the
+receipt's bound body holds `n`: a verifier reads the choice from the two.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import hashlib
 
 DOMAIN = b"detent-audit unseeded sample v1\0"
 MAX_CHOICE = 2**32 - 1
+_SEEDS = 2**64
 
 
 def derived_seed(run_id: str, api: str, body_sha256: str, choice: int = 0) -> int:
@@ -27,3 +34,10 @@ def derived_seed(run_id: str, api: str, body_sha256: str, choice: int = 0) -> in
         h.update(part.encode("utf-8") + b"\0")
     h.update(choice.to_bytes(4, "little"))
     return int.from_bytes(h.digest()[:8], "little")
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request whose client named `seed` (vLLM's seed + index, mod 2**64)."""
+    if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice <= MAX_CHOICE:
+        raise ValueError(f"choice must be an integer in [0, {MAX_CHOICE}], got {choice!r}")
+    return (seed + choice) % _SEEDS

@@ -113,12 +113,12 @@ def _binding_problem(r: Receipt, llm: Engine, max_prompt_chars: int) -> str | No
     its api on this deployment (whose context and vocabulary the verifier's engine has), gives exactly the
     receipt's prompt ids, sampling and seed, and would have been admitted. The returned text must be the
     output tokens' text."""
-    from detent_audit.manifests.seeds import derived_seed
+    from detent_audit.manifests.seeds import choice_seed, derived_seed
     from detent_audit.server.offline import API as OFFLINE_API
     from detent_audit.server.offline import parse_line
     from detent_audit.server.protocol import Limits, parse_request
 
-    client, rid = r.request.client, r.request.request_id
+    client, rid, choice = r.request.client, r.request.request_id, 0
     max_len, vocab = llm.max_model_len, llm.vocab_size
     try:
         body = client.body()
@@ -143,11 +143,12 @@ def _binding_problem(r: Receipt, llm: Engine, max_prompt_chars: int) -> str | No
             name = model if isinstance(model, str) else ""
             parsed = parse_request(body, chat, Limits(name, max_len, vocab, max_prompt_chars), llm.tokenizer)
             ids, params, asked_max, echo = parsed.prompt_ids, parsed.params, parsed.max_tokens, parsed.echo
-            if parsed.batched:  # a batch: the receipt of prompt i is named <response id>-<i>
+            if parsed.multi:  # several choices: choice i (of prompt i // n) is the receipt <response id>-<i>
                 index = rid.rsplit("-", 1)[-1]
-                if not (index.isdigit() and str(int(index)) == index and int(index) < len(parsed.prompts)):
-                    return f"request id {rid!r} names no prompt of the client's batch of {len(parsed.prompts)}"
-                ids = parsed.prompts[int(index)]
+                if not (index.isdigit() and str(int(index)) == index and int(index) < parsed.choices):
+                    return (f"request id {rid!r} names no choice of the client's request "
+                            f"({len(parsed.prompts)} prompt(s), n = {parsed.n})")
+                ids, choice = parsed.prompts[int(index) // parsed.n], int(index) % parsed.n
     except DetentError as exc:
         return (f"no front end of this deployment (context {max_len}) admits the client's request as bound: "
                 f"{exc.message}")
@@ -163,7 +164,9 @@ def _binding_problem(r: Receipt, llm: Engine, max_prompt_chars: int) -> str | No
              "ignore_eos": params.ignore_eos, "logprobs": params.logprobs, "seed": params.seed,
              "stop": tuple(params.stop), "echo": echo}
     if body.get("seed") is None and not params.is_greedy:  # the seed the node derives, never chooses
-        asked["seed"] = derived_seed(r.run.run_id, client.api, client.body_sha256)
+        asked["seed"] = derived_seed(r.run.run_id, client.api, client.body_sha256, choice)
+    elif not params.is_greedy:  # choice i of a seeded request: the client's seed + i
+        asked["seed"] = choice_seed(params.seed, choice)
     differ = [k for k in ran if ran[k] != asked[k]]
     if differ:
         return "the sampling run is not the client's request: " + ", ".join(

@@ -101,12 +101,15 @@ def endpoint_of(request: dict[str, Any], endpoint: str | None) -> str:
 
 
 def _prompts(request: dict[str, Any], endpoint: str) -> tuple[list[str | None], bool]:
-    """Per prompt, its text as the client gave it (None: token ids), and whether the request is a batch (a
-    /v1/completions prompt that is a list of prompts: one choice and one receipt each)."""
+    """Per choice, the text of its prompt as the client gave it (None: token ids), and whether the response
+    has several choices, each with its own receipt named `<id>-<index>`: a batch (a /v1/completions prompt
+    that is a list of prompts), or `n` > 1 choices per prompt (choice i answers prompt i // n)."""
     prompt = request.get("prompt") if endpoint == COMPLETIONS else None
+    n = request.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
     if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-        return [p if isinstance(p, str) else None for p in prompt], True
-    return [prompt if isinstance(prompt, str) else None], False
+        return [p if isinstance(p, str) else None for p in prompt for _ in range(n)], True
+    return [prompt if isinstance(prompt, str) else None] * n, n > 1
 
 
 def check_response(request: Any, response: Any, signed: Sequence[Signed], *, endpoint: str | None = None,
@@ -141,18 +144,18 @@ def check_response(request: Any, response: Any, signed: Sequence[Signed], *, end
             problems.append(f"response.id {rid!r} is not the id of receipt {name!r}"
                             + (" (choice i of a batch is '<id>-i')" if batched else ""))
         if index in by_index or index >= len(prompts):
-            raise BadInput(f"receipt {name}: names no prompt of the request, or one another receipt names",
-                           remedy=f"give one receipt per prompt ({len(prompts)})")
+            raise BadInput(f"receipt {name}: names no choice of the request, or one another receipt names",
+                           remedy=f"give one receipt per choice ({len(prompts)})")
         by_index[index] = item
     if len(by_index) != len(prompts):
-        raise BadInput(f"the request has {len(prompts)} prompt(s) and {len(by_index)} receipt(s) were given",
-                       remedy="give the receipt of every prompt of the request (the response's receipt_ids)")
+        raise BadInput(f"the request has {len(prompts)} choice(s) and {len(by_index)} receipt(s) were given",
+                       remedy="give the receipt of every choice of the request (the response's receipt_ids)")
     receipts = [by_index[i].receipt for i in range(len(prompts))]
     problems += _check_head(view, request, endpoint, batched, [by_index[i] for i in range(len(prompts))],
                             notes)
     # the choices: choice i holds receipt i's answer
     for index in sorted(set(view.choices) - set(by_index)):
-        problems.append(f"choices[{index}]: the request has {len(prompts)} prompt(s), so no choice {index}: "
+        problems.append(f"choices[{index}]: the request has {len(prompts)} choice(s), so no choice {index}: "
                         "text there is text no receipt holds")
     expected = Expected(tokenizer or no_tokenizer)
     echo = endpoint == COMPLETIONS and request.get("echo") is True
@@ -218,8 +221,8 @@ def _check_head(view: ResponseView, request: dict[str, Any], endpoint: str, batc
                             f"({asked[:80]!r})")
     elif model is not None:
         notes.append(f"the response's model {str(model)[:80]!r} is the node's word (the request named none)")
-    seed = view.one("seed")
-    if seed is not None and any(seed != r.request.seed for r in receipts):
+    seed = view.one("seed")  # the request's: choice 0's (choice i of n is seeded apart: manifests/seeds.py)
+    if seed is not None and seed != first.request.seed:
         problems.append(f"response.seed {seed!r} is not the receipt's seed")
     prompt_tokens = sum(len(r.request.prompt_token_ids) for r in receipts)
     completion_tokens = sum(len(r.output.token_ids) for r in receipts)

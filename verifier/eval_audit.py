@@ -34,7 +34,7 @@ import io
 import json
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,24 @@ class Score:
     def to_json(self) -> dict:
         return {"task": self.task, "metric": self.metric, "reported": self.reported, "recomputed": self.recomputed,
                 "equal": self.equal, "covered": self.covered, "total": self.total}
+
+
+def score_line(score: Score, docs: Sequence[DocVerdict]) -> str:
+    """A score's verdict line: OK only where the scores are equal and every document of its task is covered;
+    a short coverage names the documents missing (each is named with its reasons on a line of its own)."""
+    full = score.covered >= score.total
+    tag = "OK" if score.equal and full else "FAIL"
+    line = (f"{tag}: {score.task} {score.metric}: reported {score.reported}, recomputed from verified "
+            f"receipts {score.recomputed}, coverage {score.covered}/{score.total}")
+    if full:
+        return line
+    missing = [d.doc_id for d in docs if d.task == score.task and not d.covered]
+    more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+    shown = ", ".join(map(str, missing[:10])) + more
+    return (line + f": {score.total - score.covered} document(s) not covered"
+            + (f" (doc {shown})" if missing else "")
+            + f", so the recomputed score is over {score.covered} of the {score.total} documents the run "
+            "reports")
 
 
 @dataclass

@@ -28,8 +28,8 @@ _TOP = {"id", "object", "created", "model", "system_fingerprint", "choices", "us
 _CHOICE = {CHAT: {"index", "message", "finish_reason", "logprobs", "stop_reason", "receipt_id", "receipt"},
            COMPLETIONS: {"index", "text", "logprobs", "finish_reason", "stop_reason", "receipt_id",
                          "receipt"}}
-_CHUNK_CHOICE = {CHAT: {"index", "delta", "logprobs", "finish_reason"},
-                 COMPLETIONS: {"index", "text", "logprobs", "finish_reason"}}
+_CHUNK_CHOICE = {CHAT: {"index", "delta", "logprobs", "finish_reason", "receipt_id", "receipt"},
+                 COMPLETIONS: {"index", "text", "logprobs", "finish_reason", "receipt_id", "receipt"}}
 _MESSAGE = {"role", "content"}
 _CHAT_LOGPROBS = {"content"}
 _LEGACY_LOGPROBS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")

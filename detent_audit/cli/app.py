@@ -14,6 +14,7 @@ from typing import Any
 import typer
 from typer.core import TyperCommand
 
+from detent_audit.cli.output import json_command
 from detent_audit.errors import DetentError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -31,10 +32,14 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show trac
 
 
 def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` with its `DetentError`s printed (`FAIL:` and the remedy) and turned into their exit code."""
+    """`fn` with its `DetentError`s printed (`FAIL:` and the remedy) and turned into their exit code; with
+    `--json`, run as `json_command` (one JSON document on stdout)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            if kwargs.get("as_json") is True:  # one JSON document on stdout, everything else on stderr
+                with json_command():
+                    return fn(*args, **kwargs)
             return fn(*args, **kwargs)
         except DetentError as exc:
             if _state["verbose"]:

@@ -22,6 +22,7 @@ from detent_audit.cli.options import (
     passphrase,
     workers_count,
 )
+from detent_audit.cli.output import Progress, emit_json
 
 
 def keygen(
@@ -54,7 +55,7 @@ def inspect(
     doc = json.loads(body.to_json())
     doc = {"unverified": True, "payload_type": env.payload_type, "signer_keyid_hint": env.keyid, "payload": doc}
     if as_json:
-        typer.echo(json.dumps(doc, indent=2, sort_keys=True))
+        emit_json(json.dumps(doc, indent=2, sort_keys=True))
     else:
         typer.echo(f"{path}: {env.payload_type} (NOT verified; signer hint {env.keyid})")
         typer.echo(json.dumps(doc["payload"], indent=2, sort_keys=True))
@@ -112,8 +113,6 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
             response: tuple[Any, Any, str | None] | None = None, tensor_parallel: int | None = None) -> None:
     """`verify`, and `verify-response` (with `response` = the request and response documents and the
     endpoint called)."""
-    from rich.console import Console
-    from rich.progress import Progress
 
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_trusted_keys
@@ -147,9 +146,8 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
                                    cache_dir=str(cache_dir) if cache_dir else None, threads=threads,
                                    tuple_override=override, workers=worker_count, deployments=deployments,
                                    tensor_parallel=tensor_parallel)
-    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-        task = progress.add_task("re-executing", total=None)
-        show = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
+    with Progress("re-executing", "receipts") as progress:
+        show = progress.update
         if response is None:
             report = run_verify(paths, trusted, progress=show, **options)
         else:
@@ -163,7 +161,7 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
                   + f"; signing times are the node's clock, bounded to [2020-01-01, now + {CLOCK_SKEW_NS // 10**9} s]")
     cov = report.coverage
     if as_json:
-        typer.echo(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
+        emit_json(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
                                "sample_seed": report.sample_seed, "published_deployments": report.published,
                                "facts_self_asserted": not report.published,
                                "times_self_asserted": {"earliest_unix_ns": EARLIEST_UNIX_NS,
@@ -207,11 +205,10 @@ def verify_eval(
     run that is not the task's, and why. Exit 0 when every document is covered and every score equal, 1
     otherwise, 2 bad input, 3 when the task's data cannot be loaded here. `--attest FILE` writes the verdict
     as an in-toto test-result Statement (signed with `--attest-key`)."""
-    from rich.console import Console
-    from rich.progress import Progress
 
     from detent_audit.errors import BadInput
     from detent_audit.manifests.keys import load_trusted_keys
+    from detent_audit.verifier.eval_audit import score_line
     from detent_audit.verifier.eval_audit import verify_eval as run_verify_eval
     from detent_audit.verifier.verify import load_deployments
 
@@ -231,23 +228,19 @@ def verify_eval(
                        remedy="pip install 'lm-eval[api]'") from None
     trusted = load_trusted_keys(key_source)
     deployments = load_deployments(deployment) if deployment else None
-    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-        task = progress.add_task("verifying receipts", total=None)
+    with Progress("verifying receipts", "receipts") as progress:
         report = run_verify_eval(run, receipts, trusted, model=model or None, deployments=deployments,
                                  include_path=[str(p) for p in include_path or []], workers=worker_count,
-                                 cache_dir=str(cache_dir) if cache_dir else None,
-                                 progress=lambda done, total: progress.update(task, completed=done, total=total))
+                                 cache_dir=str(cache_dir) if cache_dir else None, progress=progress.update)
     if attest is not None:
         from detent_audit.verifier.eval_attestation import write_attestation
 
         write_attestation(report, attest, signer)
     if as_json:
-        typer.echo(json.dumps(report.to_json(), indent=2))
+        emit_json(json.dumps(report.to_json(), indent=2))
         raise typer.Exit(report.exit_code)
     for s in report.scores:
-        tag = "OK" if s.equal else "FAIL"
-        typer.echo(f"{tag}: {s.task} {s.metric}: reported {s.reported}, recomputed from verified receipts "
-                   f"{s.recomputed}, coverage {s.covered}/{s.total}")
+        typer.echo(score_line(s, report.docs))
     for d in report.docs:
         if not d.covered:
             typer.echo(f"FAIL: {d.task} doc {d.doc_id}: {'; '.join(d.reasons)}")

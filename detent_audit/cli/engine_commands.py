@@ -22,6 +22,7 @@ from detent_audit.cli.options import (
     THREADS,
     TUPLE,
 )
+from detent_audit.cli.output import Progress, emit_json
 from detent_audit.enums import Mode
 
 
@@ -40,13 +41,13 @@ def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int 
 
         resolved = resolve_model(model)
         doc = {"model": resolved.name, "checkpoint": str(resolved.path), "source": resolved.source}
-        typer.echo(json.dumps(doc) if as_json else str(resolved.path))
+        (emit_json if as_json else typer.echo)(json.dumps(doc) if as_json else str(resolved.path))
         return
     llm = open_engine(model, mode, dtype, threads, tuple_file, device=device)
     facts = llm.facts()
     digest = facts_hash(facts)
     if as_json:
-        typer.echo(json.dumps({"facts": facts, "facts_hash": digest}, indent=2, sort_keys=True))
+        emit_json(json.dumps({"facts": facts, "facts_hash": digest}, indent=2, sort_keys=True))
         return
     typer.echo(json.dumps(facts, indent=2, sort_keys=True))
     typer.echo(f"facts hash: {digest}")
@@ -63,7 +64,6 @@ def battery(
     """Run the 35-cell invariance battery; exit 1 if any cell fails. The prefix cells share whole KV pages of
     the engine (16 tokens on the embedded engine, 32 on vLLM CPU)."""
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
     from detent_audit.bench.battery import cells, default_target_len, prefix_block, run_battery
@@ -73,15 +73,15 @@ def battery(
     block = prefix_block(llm)
     target_len = default_target_len(block) if target_len is None else target_len
     try:
-        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-            task = progress.add_task("battery", total=len(cells(block)))
-            results = run_battery(llm, seed=seed, progress=lambda name: progress.advance(task),
-                                  target_len=target_len, block=block)
+        with Progress("battery", "cells") as progress:
+            progress.update(0, len(cells(block)))
+            results = run_battery(llm, seed=seed, progress=progress.advance, target_len=target_len,
+                                  block=block)
     finally:  # a tensor-parallel engine's other ranks stop with it
         llm.shutdown()
     failed = [r for r in results if not r.passed]
     if as_json:
-        typer.echo(json.dumps({"engine": engine, "mode": mode, "dtype": dtype, "threads": threads,
+        emit_json(json.dumps({"engine": engine, "mode": mode, "dtype": dtype, "threads": threads,
                                "tensor_parallel_size": tensor_parallel_size,
                                "target_len": target_len, "prefix_block": block,
                                "passed": len(results) - len(failed), "total": len(results),
@@ -119,7 +119,7 @@ def generate(
                             seed=seed_for(temperature, seed))
     outs = llm.generate(prompt, params)
     if as_json:
-        typer.echo(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
+        emit_json(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
                                 "logprobs": o.logprobs, "finish_reason": o.finish_reason, "seed": params.seed}
                                for p, o in zip(prompt, outs)], indent=2))
         return
@@ -162,11 +162,13 @@ def tune(
     if not isinstance(llm, LLM):  # the embedded engine: tuning reads its kernels' calls
         raise BadInput("tune runs on the embedded engine")
     requests = [r[:3] for r in read_requests(llm, workload)]  # (id, prompt ids, sampling): no binding needed
-    committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
-                                     budget_fraction=budget, seed=seed, concurrency=levels)
+    with Progress("measuring candidates", "candidates") as progress:
+        committed, reports = tune_engine(llm, requests, mode="exhaustive" if exhaustive else "budgeted",
+                                         budget_fraction=budget, seed=seed, concurrency=levels,
+                                         progress=lambda family, done, total: progress.update(done, total))
     save_tuple(committed, out)
     if as_json:
-        typer.echo(json.dumps({"tuple": committed, "out": str(out), "families": [r.to_json() for r in reports],
+        emit_json(json.dumps({"tuple": committed, "out": str(out), "families": [r.to_json() for r in reports],
                                "concurrency": ["all" if c is None else c for c in levels]},
                               indent=2, sort_keys=True))
         return
@@ -189,19 +191,15 @@ def import_gguf(
     as_json: bool = JSON,
 ) -> None:
     """Import a GGUF file as a Hugging Face checkpoint folder (config, safetensors, tokenizer, chat template)."""
-    from rich.console import Console
-    from rich.progress import Progress
 
     from detent_audit.runtime.gguf_import import check_import
     from detent_audit.runtime.gguf_import import import_gguf as run_import
 
     check_import(file, out, dtype)  # bad input fails before the progress bar starts
-    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-        task = progress.add_task("dequantizing", total=None)
-        result = run_import(file, out, dtype,
-                            progress=lambda done, total: progress.update(task, completed=done, total=total))
+    with Progress("dequantizing", "tensors") as progress:
+        result = run_import(file, out, dtype, progress=progress.update)
     if as_json:
-        typer.echo(json.dumps({"out": str(result.path), "sha256": result.sha256, "tensors": result.num_tensors,
+        emit_json(json.dumps({"out": str(result.path), "sha256": result.sha256, "tensors": result.num_tensors,
                                "quantizations": list(result.quantizations), "dtype": dtype}, indent=2))
         return
     typer.echo(f"OK: {file} (sha256 {result.sha256}) -> {result.path}: {result.num_tensors} tensors "

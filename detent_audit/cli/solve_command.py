@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from detent_audit.cli.options import CACHE_DIR, JSON
+from detent_audit.cli.output import emit_json
 
 if TYPE_CHECKING:
     from detent_audit.selection.compiler import SolveResult
@@ -28,7 +29,7 @@ def solve(
 
     results = solve_deployment(deployment, families=family or None, ablation=ablate, cache_dir=cache_dir)
     if as_json:
-        typer.echo(json.dumps({"deployment": str(deployment), "families": [r.report() for r in results]},
+        emit_json(json.dumps({"deployment": str(deployment), "families": [r.report() for r in results]},
                               indent=2, sort_keys=True))
         return
     _print_table(deployment, results)

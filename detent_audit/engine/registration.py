@@ -21,6 +21,7 @@ from detent_audit.runtime.rebuild import (
     check_comparable,
     check_sizes,
     fact,
+    named_model,
     section,
     served_mode,
     served_tensor_parallel,
@@ -69,7 +70,9 @@ def engine_config(request: RebuildRequest) -> EngineConfig:
     return EngineConfig(
         tensor_parallel_size=tp_size, tensor_parallel_ranks=tp_ranks,
         num_kv_blocks=max(2, -(-POOL_TOKENS // block_size)),  # type: ignore[operator]
-        model=request.model, mode=mode.value, dtype=runtime["dtype"],  # type: ignore[arg-type]
+        # the verifier's --model, else the named model or random:<shape> the receipt names (its size bounded
+        # by the facts' limits, checked above), else the default model
+        model=request.model if request.model is not None else named_model(facts), mode=mode.value, dtype=runtime["dtype"],  # type: ignore[arg-type]
         device="cpu" if fact(facts, "runtime", "device") == "cpu" else "cuda",
         num_threads=request.threads or served_threads,
         block_size=sched["block_size"], max_model_len=dep["max_model_len"],  # type: ignore[arg-type]

@@ -80,8 +80,9 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: SequenceOf[int], skip_special_tokens: bool = True) -> str: ...
 
-    def encode_chat(self, messages: SequenceOf[dict[str, str]],
-                    add_generation_prompt: bool = True) -> list[int]: ...
+    def encode_chat(self, messages: SequenceOf[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, object] | None = None) -> list[int]: ...
 
     def max_token_chars(self) -> int: ...       # characters of the longest vocabulary entry
 

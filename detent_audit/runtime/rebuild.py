@@ -274,3 +274,14 @@ def older_checkpoint_form(checkpoint: Mapping[str, object]) -> str | None:
     return ("the receipt's checkpoint hashes are of an older form (the weights files' bytes, tokenizer.json "
             "alone), which this detent-audit no longer computes: it hashes the weights as tensors and every "
             "file that shapes the prompt; verify the receipt with the detent-audit version that served it")
+
+
+def named_model(facts: Mapping[str, object]) -> str | None:
+    """The model a receipt names where the name alone rebuilds it (a named model, `random:<shape>`); None
+    for a checkpoint folder, which only the verifier can give (`--model`). Its files are still hashed against
+    the receipt's, so a name decides only which model is tried."""
+    checkpoint = facts.get("checkpoint")
+    name = checkpoint.get("name") if isinstance(checkpoint, Mapping) else None
+    if isinstance(name, str) and len(name) <= _SHOWN and (name in NAMES or name.startswith("random:")):
+        return name
+    return None

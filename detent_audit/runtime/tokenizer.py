@@ -13,7 +13,7 @@ jinja2 installed that is `BadInput` with the remedy.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,9 +88,16 @@ CHAT_FORMATS: dict[str, ChatFormat] = {
 _NATIVE = {fmt.template: fmt.render for fmt in CHAT_FORMATS.values()}
 
 
+# what a template reads that the caller's `template_kwargs` may not set (vLLM's chat_template_kwargs)
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "bos_token", "eos_token", "add_generation_prompt",
+                                     "raise_exception", "tools", "documents", "continue_final_message"})
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of where the final message ends
+
+
 def render_jinja(template: str, messages: Sequence[Message], bos_token: str | None, eos_token: str | None,
-                 add_generation_prompt: bool) -> str:
-    """Render as transformers does; `BadInput` if jinja2 is not installed."""
+                 add_generation_prompt: bool, template_kwargs: Mapping[str, object] | None = None) -> str:
+    """Render as transformers does (`template_kwargs`: more variables the template reads); `BadInput` if
+    jinja2 is not installed."""
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as exc:
@@ -102,8 +109,9 @@ def render_jinja(template: str, messages: Sequence[Message], bos_token: str | No
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=list(messages), bos_token=bos_token or "",
-                                            eos_token=eos_token or "", add_generation_prompt=add_generation_prompt)
+    return env.from_string(template).render(**(template_kwargs or {}), messages=list(messages),
+                                            bos_token=bos_token or "", eos_token=eos_token or "",
+                                            add_generation_prompt=add_generation_prompt)
 
 
 def _read_json(file: Path) -> dict[str, Any]:
@@ -189,16 +197,44 @@ class Tokenizer:
         """Ids the tokenizer does not know (a model's padded vocabulary) decode to nothing."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            template_kwargs: Mapping[str, object] | None = None) -> str:
+        """The chat as transformers' `apply_chat_template` renders it: `continue_final_message` ends the text
+        inside the final message (open, for the model to continue it: transformers' marker rule), and
+        `template_kwargs` are more variables the template reads (a built-in template's twin renders only
+        without them; with them the template itself renders, through jinja2)."""
         if self.chat_template is None:
             raise BadInput("this checkpoint has no chat template",
                            remedy=f"send a plain prompt, or add {CHAT_TEMPLATE_FILE} (or chat_template in "
                                   "tokenizer_config.json) to the checkpoint")
+        reserved = sorted(RESERVED_TEMPLATE_NAMES & set(template_kwargs or {}))
+        if reserved:
+            raise BadInput(f"chat template variables {', '.join(reserved)} are set by the renderer, not the "
+                           "caller")
+        if continue_final_message:
+            if not messages:
+                raise BadInput("continue_final_message needs a final message to continue")
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
         native = _NATIVE.get(self.chat_template)
-        if native is not None:
-            return native(messages, self.bos_token, add_generation_prompt)
-        return render_jinja(self.chat_template, messages, self.bos_token, self.eos_token, add_generation_prompt)
+        if native is not None and not template_kwargs:
+            text = native(messages, self.bos_token, add_generation_prompt)
+        else:
+            text = render_jinja(self.chat_template, messages, self.bos_token, self.eos_token,
+                                add_generation_prompt, template_kwargs)
+        if not continue_final_message:
+            return text
+        final, tag = messages[-1]["content"][:-len(_CONTINUE_TAG)], _CONTINUE_TAG.strip()
+        if final.strip() not in text or tag not in text:
+            raise BadInput("continue_final_message: the chat template drops part of the final message, so "
+                           "there is no place to continue it from")
+        at = text.rindex(tag)
+        return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, object] | None = None) -> list[int]:
         """Token ids of the rendered chat; the template writes any BOS itself (as transformers does)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                        template_kwargs)
+        return self.encode(text, add_special_tokens=False)

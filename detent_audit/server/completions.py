@@ -1,8 +1,9 @@
 """/v1/completions and /v1/chat/completions: one request from its body to its signed response.
 
 (1) the body is read (bodies.py) and checked (protocol.py), off the event loop; (2) one engine request per
-prompt is submitted; (3) the tokens come back, streamed as SSE chunks or all at once; (4) the node signs each
-receipt and writes it durably; (5) only then does the response, or a stream's final chunk, leave.
+choice (a prompt times `n`, each with its own seed: manifests/seeds.py) is submitted; (3) the tokens come
+back, streamed as SSE chunks or all at once; (4) the node signs each receipt and writes it durably; (5) only
+then does the response, or a stream's final chunk, leave.
 """
 
 from __future__ import annotations
@@ -66,17 +67,18 @@ async def serve(state: ServerState, request: Request, chat: bool) -> Response:
         failed = state.node.storage_error is not None  # then a write is tried again, off the event loop
         if failed and not await run_in_threadpool(state.node.storage_ok):  # refused before computing
             raise StorageFailed(state.node.storage_error or "receipts cannot be written")
-        # a batch: one engine request (and one receipt) per prompt, named <id>-<index>
-        rids = [f"{rid}-{i}" for i in range(len(req.prompts))] if req.batched else [rid]
+        # several choices (a batch, or n > 1): one engine request (and one receipt) per choice, named
+        # <id>-<index>
+        rids = [f"{rid}-{i}" for i in range(req.choices)] if req.multi else [rid]
         handles = submit(state, req, rids)
     except (BadInput, EngineUnavailable, StorageFailed) as exc:
         return error_response(exc)
     try:
         if req.stream:
-            await handles[0].admitted()  # a request the scheduler refuses gets a 400, not a broken stream
-            return StreamingResponse(stream(state, req, handles[0], rid, client),
-                                     media_type="text/event-stream",
-                                     headers={RECEIPT_HEADER: rid, "Cache-Control": "no-cache"})
+            for handle in handles:  # a request the scheduler refuses gets a 400, not a broken stream
+                await handle.admitted()
+            return StreamingResponse(stream(state, req, handles, rid, client), media_type="text/event-stream",
+                                     headers={RECEIPT_HEADER: ",".join(rids), "Cache-Control": "no-cache"})
         outs = [await _result_unless_gone(request, handle) for handle in handles]
     except (BadInput, EngineUnavailable, EngineFailed) as exc:
         for handle in handles:  # the response fails whole: no prompt of it is answered, none signed
@@ -103,19 +105,23 @@ async def read_request(state: ServerState, request: Request, chat: bool
         del raw
         req = await run_in_threadpool(parse_request, body, chat, state.limits, state.engine.tokenizer)
         client = await run_in_threadpool(_bind, body, chat)
-        # a sampled request without a seed gets one derived from the run and the body (manifests/seeds.py)
-        req = dataclasses.replace(req, params=state.node.seeded(req.params, client, body.get("seed") is not None))
+        # a sampled request without a seed gets one derived from the run and the body, and choice i of a
+        # seeded one the client's seed + i (manifests/seeds.py)
+        named = body.get("seed") is not None
+        seeds = tuple(state.node.seeded(req.params, client, named, j).seed for j in range(req.n))
+        req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=seeds[0]), seeds=seeds)
         return req, client  # what stays is the prompt's ids (bounded by the context) and the canonical body
     finally:
         state.budget.give(held[0])  # held while the body and its parsed objects are alive
 
 
 def submit(state: ServerState, req: ParsedRequest, rids: list[str]) -> list[RequestHandle]:
-    """(2): one engine request per prompt; none stays queued when one is refused."""
+    """(2): one engine request per choice; none stays queued when one is refused."""
     handles: list[RequestHandle] = []
     try:
-        for prompt_ids, one_rid in zip(req.prompts, rids):
-            handles.append(state.engine.submit(prompt_ids, req.params, one_rid, score_prompt=req.echo))
+        for index, one_rid in enumerate(rids):
+            handles.append(state.engine.submit(req.prompts[index // req.n], req.params_of(index), one_rid,
+                                               score_prompt=req.echo))
     except EngineUnavailable:
         for handle in handles:
             handle.cancel()
@@ -124,10 +130,12 @@ def submit(state: ServerState, req: ParsedRequest, rids: list[str]) -> list[Requ
 
 
 async def sign(state: ServerState, out: RequestOutput, req: ParsedRequest, rid: str, client: ClientRequest,
-               max_tokens: int | None = None) -> SignedReceipt:
-    """(4): the receipt signed and written durably (counted in the metrics); raises `StorageFailed`."""
+               max_tokens: int | None = None, index: int = 0) -> SignedReceipt:
+    """(4): the receipt of choice `index` signed and written durably (counted in the metrics); raises
+    `StorageFailed`."""
     try:
-        signed = await run_in_threadpool(state.node.sign, out, req.params, rid, client, max_tokens=max_tokens)
+        signed = await run_in_threadpool(state.node.sign, out, req.params_of(index), rid, client,
+                                         max_tokens=max_tokens)
     except StorageFailed:
         state.metrics.storage_error()
         raise
@@ -143,14 +151,14 @@ async def respond(state: ServerState, req: ParsedRequest, outs: list[RequestOutp
         if req.max_tokens == 0:  # echo only: the token the engine drew is neither returned nor signed
             out = dataclasses.replace(out, token_ids=[], logprobs=[], top_logprobs=[], text="",
                                       finish_reason="length")
-        signed = await sign(state, out, req, one_rid, client, max_tokens=req.max_tokens)
+        signed = await sign(state, out, req, one_rid, client, max_tokens=req.max_tokens, index=index)
         signed_all.append(signed)
         prompt_tokens += len(out.prompt_token_ids)
         completion_tokens += len(out.token_ids)
         choices.append(choice_body(state, req, out, index, signed))
     body = {**head(state, rid, req.chat, chunk=False, created=int(time.time())), "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens), "seed": req.params.seed}
-    if req.batched:  # each choice carries its own receipt id and proof
+    if req.multi:  # each choice carries its own receipt id and proof
         body["receipt_ids"] = [s.receipt_id for s in signed_all]
         return json_response(body, headers={RECEIPT_HEADER: ",".join(s.receipt_id for s in signed_all)})
     body.update(receipt_id=signed_all[0].receipt_id, receipt=signed_all[0].client_proof)
@@ -175,7 +183,7 @@ def choice_body(state: ServerState, req: ParsedRequest, out: RequestOutput, inde
     else:
         choice["text"], choice["logprobs"] = _echo(state, req, out, index)
     choice["receipt_id"] = signed.receipt_id
-    if req.batched:
+    if req.multi:
         choice["receipt"] = signed.client_proof
     return choice
 
@@ -185,7 +193,7 @@ def _echo(state: ServerState, req: ParsedRequest, out: RequestOutput, index: int
     """An echo choice's text and logprobs: the prompt first, its first token without a logprob (nothing
     precedes it), as vLLM does."""
     tokenizer, fmt = state.engine.tokenizer, state.fmt
-    text = req.prompt_texts[index]
+    text = req.prompt_texts[index // req.n]
     prompt_text = tokenizer.decode(out.prompt_token_ids) if text is None else text
     if not req.logprobs:
         return prompt_text + out.text, None
@@ -206,49 +214,92 @@ def _sse(body: Any) -> str:
     return f"data: {json.dumps(body, allow_nan=False)}\n\n"
 
 
-async def stream(state: ServerState, req: ParsedRequest, handle: RequestHandle, rid: str,
+async def stream(state: ServerState, req: ParsedRequest, handles: list[RequestHandle], rid: str,
                  client: ClientRequest) -> AsyncIterator[str]:
-    """(3)-(5) of a streamed response: a chunk per step's tokens, the receipt signed before the final chunk;
-    a failure is an error event, then `[DONE]`."""
-    text, created, fmt = TextStream(state.engine.tokenizer, req.params.stop), int(time.time()), state.fmt
+    """(3)-(5) of a streamed response: a chunk per step's tokens of each choice (its `index`), each choice's
+    receipt signed before its final chunk; a failure is an error event, then `[DONE]`. One choice: the receipt
+    is named in the final chunk's head; several (n > 1): in each final chunk's choice, and the usage chunk
+    lists them all (`receipt_ids`)."""
+    tokenizer, created, fmt = state.engine.tokenizer, int(time.time()), state.fmt
+    texts = [TextStream(tokenizer, req.params.stop) for _ in handles]
 
-    def chunk(piece: str, logprobs: Any, finish: str | None, **extra: Any) -> str:
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(index: int, piece: str, logprobs: Any, finish: str | None, proof: dict[str, Any] | None = None,
+              **extra: Any) -> str:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if req.chat:
             choice["delta"] = {"content": piece} if piece or finish is None else {}
         else:
             choice["text"] = piece
+        if proof is not None:
+            choice.update(proof)
         return _sse({**head(state, rid, req.chat, chunk=True, created=created), "choices": [choice], **extra})
 
     try:
         if req.chat:
             yield _sse({**head(state, rid, True, chunk=True, created=created),
-                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]})
-        async for delta in handle.stream():
-            logprobs = None
-            tops = delta.top if req.params.logprobs else [[] for _ in delta.token_ids]
-            if req.logprobs and req.chat:
-                logprobs = chat_logprobs(fmt, delta.token_ids, delta.logprobs, tops, req.tokens_as_ids)
-            elif req.logprobs:
-                logprobs = completion_logprobs(fmt, delta.token_ids, delta.logprobs, tops,
-                                               text.offsets(delta.token_ids), req.tokens_as_ids)
-            yield chunk(text.push(delta.token_ids), logprobs, None)
-        out = await handle.result()
-        signed = await sign(state, out, req, rid, client)  # (4): before the last chunk
-        proof = signed.client_proof
-        yield chunk(text.flush(), None, out.finish_reason, receipt_id=signed.receipt_id, seed=req.params.seed,
-                    receipt=proof)
+                        "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None} for i in range(len(handles))]})
+        outs: dict[int, RequestOutput] = {}
+        signed_all: dict[int, SignedReceipt] = {}
+        async for index, delta in _merged(handles):
+            text = texts[index]
+            if delta is not None:
+                logprobs = None
+                tops = delta.top if req.params.logprobs else [[] for _ in delta.token_ids]
+                if req.logprobs and req.chat:
+                    logprobs = chat_logprobs(fmt, delta.token_ids, delta.logprobs, tops, req.tokens_as_ids)
+                elif req.logprobs:
+                    logprobs = completion_logprobs(fmt, delta.token_ids, delta.logprobs, tops,
+                                                   text.offsets(delta.token_ids), req.tokens_as_ids)
+                yield chunk(index, text.push(delta.token_ids), logprobs, None)
+                continue
+            out = outs[index] = await handles[index].result()
+            one_rid = f"{rid}-{index}" if req.multi else rid
+            # (4), before the choice's final chunk
+            signed = signed_all[index] = await sign(state, out, req, one_rid, client, index=index)
+            if req.multi:
+                yield chunk(index, text.flush(), None, out.finish_reason, seed=req.params.seed,
+                            proof={"receipt_id": signed.receipt_id, "receipt": signed.client_proof})
+            else:
+                yield chunk(index, text.flush(), None, out.finish_reason, receipt_id=signed.receipt_id,
+                            seed=req.params.seed, receipt=signed.client_proof)
         if req.include_usage:
+            first = signed_all[0]
+            ids: dict[str, Any] = {"receipt_id": first.receipt_id, "receipt": first.client_proof}
+            if req.multi:
+                ids = {"receipt_ids": [signed_all[i].receipt_id for i in range(len(handles))]}
             yield _sse({**head(state, rid, req.chat, chunk=True, created=created), "choices": [],
-                        "usage": usage(len(out.prompt_token_ids), len(out.token_ids)),
-                        "receipt_id": signed.receipt_id, "receipt": proof})
+                        "usage": usage(sum(len(o.prompt_token_ids) for o in outs.values()),
+                                       sum(len(o.token_ids) for o in outs.values())), **ids})
         yield "data: [DONE]\n\n"
     except (BadInput, EngineUnavailable, EngineFailed, StorageFailed) as exc:
         yield _sse(error_status(exc)[1])
         yield "data: [DONE]\n\n"
     finally:
-        handle.cancel()  # a no-op once finished; else the client left and the output is discarded
+        for handle in handles:
+            handle.cancel()  # a no-op once finished; else the client left and the output is discarded
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Any]]:
+    """(index, delta) from every handle's stream as the deltas come, then (index, None) when handle `index`
+    has finished; an error of any stream is raised here."""
+    streams = [handle.stream().__aiter__() for handle in handles]
+    pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=lambda f: pending[f]):
+                index = pending.pop(future)
+                try:
+                    delta = future.result()
+                except StopAsyncIteration:
+                    yield index, None
+                    continue
+                yield index, delta
+                pending[asyncio.ensure_future(streams[index].__anext__())] = index
+    finally:
+        for future in pending:
+            future.cancel()
 
 
 def _parse_body(raw: bytes) -> Any:

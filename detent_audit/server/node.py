@@ -50,7 +50,7 @@ from detent_audit.manifests.receipt import (
     sign_receipt,
 )
 from detent_audit.manifests.run_manifest import RunManifest, sign_run_manifest, verify_run_manifest
-from detent_audit.manifests.seeds import derived_seed
+from detent_audit.manifests.seeds import choice_seed, derived_seed
 from detent_audit.runtime.contract import Engine, RequestOutput, TupleValues
 from detent_audit.runtime.sampling_params import SamplingParams
 
@@ -137,16 +137,21 @@ class ServingNode:
 
     # ---- signing
 
-    def seeded(self, params: SamplingParams, client: ClientRequest, named: bool | None = None
+    def seeded(self, params: SamplingParams, client: ClientRequest, named: bool | None = None, choice: int = 0
                ) -> SamplingParams:
-        """`params` with the seed of a sampled request whose client named none (`named`: whether it did; None:
-        read from the bound body) derived from this run and the bound request (`manifests/seeds.py`), so that
-        the node cannot choose it once it has seen the request; a seeded or greedy request keeps its own."""
+        """`params` with the seed of choice `choice` of the request: a sampled request whose client named
+        none (`named`: whether it did; None: read from the bound body) gets one derived from this run and the
+        bound request (`manifests/seeds.py`), so that the node cannot choose it once it has seen the request;
+        a seeded request's choice i samples with the client's seed + i (`choice_seed`); a greedy one keeps
+        its own."""
         if named is None:
             named = client.body().get("seed") is not None
-        if named or params.is_greedy:
+        if params.is_greedy:
             return params
-        return dataclasses.replace(params, seed=derived_seed(self.run_id, client.api, client.body_sha256))
+        if named:
+            return dataclasses.replace(params, seed=choice_seed(params.seed, choice)) if choice else params
+        seed = derived_seed(self.run_id, client.api, client.body_sha256, choice)
+        return dataclasses.replace(params, seed=seed)
 
     def sign(self, output: RequestOutput, params: SamplingParams, request_id: str | None = None,
              client: ClientRequest | None = None, *, max_tokens: int | None = None) -> SignedReceipt:

@@ -2,21 +2,27 @@
 
 Supported (both endpoints): model (must name the served model), max_tokens, temperature, top_p, seed (recorded
 in the receipt and returned as `seed`; a sampled request without one gets the node's derived seed, a greedy
-one 0), stop
-(a string or a list of strings: vLLM's rule, stop_strings.py; recorded in the receipt), stream,
+one 0), stop (a string or a list of strings: vLLM's rule, stop_strings.py; recorded in the receipt), stream,
 stream_options.include_usage, user (ignored), and the vLLM-style extensions top_k (0 or -1 = off),
-stop_token_ids, ignore_eos, return_tokens_as_token_ids. /v1/completions: prompt (a string, a list of token
-ids, or a batch: a list of strings or of token-id lists, one choice and one receipt each), logprobs (int,
-top-n), echo (the prompt's text and, with logprobs, each prompt token's logprob and top-n before the output's;
-max_tokens may then be 0: score the prompt, draw nothing). /v1/chat/completions: messages (role and
-text content, rendered by the checkpoint's chat template), logprobs (bool), top_logprobs (int),
-max_completion_tokens. Refused with 400: unknown fields, and fields whose effect the engine cannot produce or a
-receipt cannot record (n or best_of other than 1, suffix, logit_bias, penalties, tools, response_format; a
-batch or echo streamed). Every refusal is an `InvalidRequest` naming the field (`param`).
+stop_token_ids, ignore_eos, return_tokens_as_token_ids; n (choices per prompt, each sampled with its own seed
+and signed in its own receipt: manifests/seeds.py) and best_of (accepted equal to n; vLLM ignores it, a
+best_of above n is refused: the ranking that would drop choices is no part of a receipt). /v1/completions:
+prompt (a string, a list of token ids, or a batch: a list of strings or of token-id lists, one choice and one
+receipt each), logprobs (int, top-n), echo (the prompt's text and, with logprobs, each prompt token's logprob
+and top-n before the output's; max_tokens may then be 0: score the prompt, draw nothing).
+/v1/chat/completions: messages (role and text content, rendered by the checkpoint's chat template), logprobs
+(bool), top_logprobs (int), max_completion_tokens, and vLLM's add_generation_prompt (default true),
+continue_final_message (end the prompt inside the final message, for the model to continue it; not with
+add_generation_prompt) and chat_template_kwargs (more variables for the template, e.g. enable_thinking),
+rendered as transformers' `apply_chat_template` renders them (engine/tokenizer.py). Refused with 400: unknown
+fields, and fields whose effect the engine cannot produce or a receipt cannot record (best_of above n, suffix,
+logit_bias, penalties, tools, response_format; a batch or echo streamed). Every refusal is an `InvalidRequest`
+naming the field (`param`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -25,18 +31,18 @@ from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import MAX_STOP_TOKENS
 from detent_audit.runtime.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, seed_for
 from detent_audit.runtime.stop_strings import check_stop_strings
+from detent_audit.runtime.tokenizer import RESERVED_TEMPLATE_NAMES
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-           "stream", "stream_options", "user", "return_tokens_as_token_ids"}
+           "stream", "stream_options", "user", "return_tokens_as_token_ids", "n", "best_of"}
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo"}
-MAX_BATCH = 256  # prompts in one /v1/completions request
-_CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+MAX_BATCH = 256  # prompts in one /v1/completions request, and choices (prompts times n) in one response
+_CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
+                   "continue_final_message", "chat_template_kwargs"}
 _ROLES = ("system", "developer", "user", "assistant")
 # field -> (values that mean "off", why another value is refused)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "one choice per request (each answer gets its own receipt)"),
-    "best_of": ((1,), "one sampled choice per request"),
     "suffix": (("",), "insertion is not supported"),
     "logit_bias": (({},), "the engine applies no logit processors"),
     "presence_penalty": ((0, 0.0), "sampling is temperature, top_k and top_p only"),
@@ -124,11 +130,28 @@ class ParsedRequest:
     max_tokens: int = 1     # as requested (0: echo only)
     prompt_texts: tuple[str | None, ...] = ()  # the prompts given as text (None: given as token ids)
     batched: bool = False   # the prompt was a list of prompts: receipts are named `<id>-<index>`
+    n: int = 1              # choices per prompt: choice `index` answers prompt index // n (its choice: % n)
+    seeds: tuple[int, ...] = ()  # each choice's seed (of a prompt), as the node sets them; empty: params.seed
 
     @property
     def prompt_ids(self) -> list[int]:
         """The prompt of a one-prompt request."""
         return self.prompts[0]
+
+    @property
+    def multi(self) -> bool:
+        """Whether the response has several choices (a batch, or n > 1): receipt i is named `<id>-<i>`."""
+        return self.batched or self.n > 1
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def params_of(self, index: int) -> SamplingParams:
+        """The sampling of choice `index`: its own seed (`seeds`, one per choice of a prompt, when set)."""
+        if not self.seeds:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.seeds[index % self.n])
 
 
 def _is(value: Any, kind: type) -> bool:
@@ -197,6 +220,24 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
+def _chat_extras(body: dict) -> tuple[bool, bool, dict[str, Any] | None]:
+    """add_generation_prompt, continue_final_message and chat_template_kwargs, checked as vLLM checks them."""
+    generation = _get(body, "add_generation_prompt", bool, True)
+    continued = _get(body, "continue_final_message", bool, False)
+    if generation and continued:
+        raise InvalidRequest("cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
+                             param="continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs",
+                             code="invalid_type")
+    reserved = sorted(RESERVED_TEMPLATE_NAMES & set(kwargs or {}))
+    if reserved:
+        raise InvalidRequest(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the request's own "
+                             "fields do", param="chat_template_kwargs")
+    return generation, continued, kwargs or None
+
+
 def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> ParsedRequest:
     """Check one request body; raises `InvalidRequest` (or `BadInput` from the chat template)."""
     if not isinstance(body, dict):
@@ -209,7 +250,7 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
     if chat:
         messages = parse_messages(body.get("messages"))
         _fits([m["content"] for m in messages], "messages", limits)
-        prompt_ids = tokenizer.encode_chat(messages)
+        prompt_ids = tokenizer.encode_chat(messages, *_chat_extras(body))
         top_n = _get(body, "top_logprobs", int, None, 0, MAX_LOGPROBS)
         want_logprobs = _get(body, "logprobs", bool, False)
         if top_n is not None and not want_logprobs:
@@ -250,6 +291,16 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
         stop = check_stop_strings(stop, "'stop'")
     except BadInput as exc:
         raise InvalidRequest(exc.message, param="stop") from None
+    n = _get(body, "n", int, 1, 1, MAX_BATCH)
+    best_of = _get(body, "best_of", int, None, 1, MAX_BATCH)
+    if best_of is not None and best_of != n:
+        raise InvalidRequest(f"'best_of' {best_of} is not 'n' {n}: choosing the best of more samples than "
+                             "are returned ranks them by a score no receipt binds; send best_of = n or omit "
+                             "it",
+                             param="best_of", code="unsupported")
+    if len(prompts) * n > MAX_BATCH:
+        raise InvalidRequest(f"{len(prompts)} prompts times n = {n} is more than the {MAX_BATCH} choices one "
+                             "response may hold", param="n")
     stream = _get(body, "stream", bool, False)
     if stream and (batched or echo):
         raise InvalidRequest("a batch of prompts or 'echo' is answered whole, not streamed: send 'stream': false",
@@ -274,7 +325,7 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
     return ParsedRequest(chat, [list(p) for p in prompts], params, stream,
                          _get(options or {}, "include_usage", bool, False), want_logprobs,
                          _get(body, "return_tokens_as_token_ids", bool, False), echo, max_tokens, tuple(texts),
-                         batched)
+                         batched, n)
 
 
 def _prompts(prompt: Any, limits: Limits, tokenizer: Any) -> tuple[list[list[int]], tuple[str | None, ...], bool]:

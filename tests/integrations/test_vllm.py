@@ -335,3 +335,18 @@ def test_the_first_request_of_an_engine_equals_its_hundredth(checkpoint, tmp_pat
     later = VllmEngine(config)
     later.generate(others, SamplingParams(temperature=0.0, max_tokens=2))
     assert _same(first, later.generate([target], params)[0])
+
+
+def test_verify_json_on_vllm_receipts_prints_one_document_on_stdout(served) -> None:
+    """In a process of its own (vLLM's logger writes to stdout): stdout is the one JSON document, vLLM's log
+    lines go to stderr."""
+    import subprocess
+    import sys
+
+    receipt = served["out"] / "receipts" / "r0.receipt"
+    res = subprocess.run([sys.executable, "-m", "detent_audit.cli", "verify", str(receipt), "--key",
+                          str(served["key"].public_path), "--model", str(served["ckpt"]), "--workers", "1",
+                          "--json"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["counts"]["OK"] == 1  # the whole of stdout is the one document
+    assert "INFO" in res.stderr  # vLLM logged, to stderr

@@ -172,8 +172,9 @@ BAD = [  # (endpoint, body, param, fragment of the message)
     ("completions", {"prompt": "x", "top_p": 1.5}, "top_p", "must be in [0, 1]"),
     ("completions", {"prompt": "x", "seed": -1}, "seed", "must be in [0, 18446744073709551615]"),
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "must be in [0, 20]"),
-    ("completions", {"prompt": "x", "n": 2}, "n", "'n' is not supported"),
-    ("completions", {"prompt": "x", "best_of": 3}, "best_of", "'best_of' is not supported"),
+    ("completions", {"prompt": "x", "n": 0}, "n", "must be in [1, 256]"),
+    ("completions", {"prompt": ["a", "b"], "n": 129}, "n", "more than the 256 choices"),
+    ("completions", {"prompt": "x", "best_of": 3}, "best_of", "'best_of' 3 is not 'n' 1"),
     ("completions", {"prompt": "x", "echo": True, "stream": True}, "stream", "answered whole, not streamed"),
     ("completions", {"prompt": "x", "echo": 1}, "echo", "must be a boolean"),
     ("completions", {"prompt": "x", "stop": [""]}, "stop", "1-256 characters"),
@@ -273,7 +274,7 @@ def test_a_client_that_leaves_frees_its_slot_and_gets_no_receipt(serve_live: Any
 def test_unknown_model_is_404_and_the_client_raises(live: Live) -> None:
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         _client(live).completions.create(model="gpt-4", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="'best_of' is not supported"):
+    with pytest.raises(openai.BadRequestError, match="'best_of' 2 is not 'n' 1"):
         _client(live).completions.create(model=MODEL_NAME, prompt="x", best_of=2)
 
 

@@ -134,3 +134,16 @@ def test_gguf_import_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()  # nothing half-written
     res = runner.invoke(app, ["import-gguf", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "o")])
     assert res.exit_code == 2 and res.stderr.startswith("FAIL: ") and "no such GGUF file" in res.stderr
+
+
+def test_verify_without_model_uses_the_random_shape_the_receipt_names(env: Env, tmp_path: Path) -> None:
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt_token_ids": [3, 4, 5], "max_tokens": 3}\n')
+    res = runner.invoke(app, ["serve", "--model", "random:tiny-llama",
+                              "--signing-key", str(env.key.private_path),
+                              "--manifest-out", str(tmp_path / "run"), "--input", str(tmp_path / "in.jsonl"),
+                              "--output", str(tmp_path / "out.jsonl"), "--cache-dir", str(env.cache_dir)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["verify", str(tmp_path / "run"), "--key", str(env.key.public_path), "--json",
+                              "--cache-dir", str(env.cache_dir)])
+    report = json.loads(res.stdout)
+    assert res.exit_code == 0 and report["counts"]["OK"] == 2, report["outcomes"]

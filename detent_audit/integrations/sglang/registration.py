@@ -32,7 +32,8 @@ from detent_audit.runtime.rebuild import (
 from detent_audit.runtime.registry import EngineEntry, EngineOptions, register
 
 if TYPE_CHECKING:
-    from detent_audit.integrations.sglang.engine import SglangEngine
+    from detent_audit.integrations.sglang.engine import SglangEngine  # noqa: F401
+    from detent_audit.runtime.contract import Engine
 
 FACTS_NAME = "sglang"
 
@@ -43,7 +44,7 @@ def missing() -> EngineUnavailable | None:
     return EngineUnavailable("SGLang is not installed here", remedy=package.INSTALL_REMEDY)
 
 
-def build(options: EngineOptions) -> SglangEngine:
+def build(options: EngineOptions) -> Engine:
     if options.device != "cpu" or options.attention_streaming:
         raise BadInput("--engine sglang runs SGLang's CPU path here",
                        remedy="drop --device/--attention-streaming")
@@ -67,7 +68,7 @@ def _plugin_attention(facts: Mapping[str, object]) -> object:
     return plugin.get("attention")
 
 
-def rebuild(request: RebuildRequest) -> SglangEngine:
+def rebuild(request: RebuildRequest) -> Engine:
     """The local `SglangEngine` for a receipt; raises `NotComparable` (exit 3) or `BadInput` (exit 2)."""
     from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine, attention_of_facts
     from detent_audit.kernels.gemm_probe import GemmFormNotInvariant

