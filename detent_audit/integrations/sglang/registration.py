@@ -32,7 +32,6 @@ from detent_audit.runtime.rebuild import (
 from detent_audit.runtime.registry import EngineEntry, EngineOptions, register
 
 if TYPE_CHECKING:
-    from detent_audit.integrations.sglang.engine import SglangEngine  # noqa: F401
     from detent_audit.runtime.contract import Engine
 
 FACTS_NAME = "sglang"
