@@ -72,7 +72,7 @@ def test_gguf_import_writes_the_same_bytes_in_processes_with_other_hash_seeds(gg
 
 def test_two_cache_folders_give_the_same_checkpoint_hashes(gguf_file: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from detent_audit.engine import named_models
+    from detent_audit.runtime import named_models
 
     monkeypatch.setattr(named_models, "wheel_gguf", lambda name: (gguf_file, "test"))
     hashes = []
@@ -92,7 +92,7 @@ def test_two_first_uses_at_once_both_end_with_the_one_folder(gguf_file: Path, tm
     code = f"""
         import sys, time
         from pathlib import Path
-        from detent_audit.engine import named_models
+        from detent_audit.runtime import named_models
         named_models.wheel_gguf = lambda name: (Path({str(gguf_file)!r}), "test")
         barrier = Path({str(tmp_path)!r})
         (barrier / f"ready-{{sys.argv[1]}}").touch()
