@@ -56,4 +56,6 @@ def test_the_verifier_under_the_cap_finds_no_isa_difference() -> None:
     for outcome in outcomes:
         assert outcome["status"] == "NOT_COMPARABLE" and outcome["fields"], outcome
         assert not [f for f in outcome["fields"] if f in ("runtime.isa", "runtime.cpu_capability")], outcome
-        assert "runtime.torch" in outcome["fields"] or served_torch == str(torch.__version__)
+        # another torch build, or (these were served before the CPU's own facts record) an older facts format
+        assert ("runtime.torch" in outcome["fields"] or "format.facts" in outcome["fields"]
+                or served_torch == str(torch.__version__))

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from detent_audit.cli.options import JSON, PASSPHRASE_ENV, passphrase
+from detent_audit.cli.output import emit_json
 
 
 def export(
@@ -65,7 +66,7 @@ def export(
         os.replace(temporary, target)
         written.append({"source": str(source), "written": str(target)})
     if as_json:
-        typer.echo(json.dumps({"format": form, "files": written, "refused": refused}, indent=2))
+        emit_json(json.dumps({"format": form, "files": written, "refused": refused}, indent=2))
     else:
         for entry in written:
             typer.echo(f"OK: {entry['written']} ({form} of {entry['source']})")

@@ -597,13 +597,13 @@ def test_a_chat_answer_cut_at_a_stated_context_says_so_in_its_verdict_line(serve
     plus 5 cuts it at 5 tokens. Without --deployment nothing refutes the stated limit: the receipt's own
     verdict line says it ends at the context the node states; against the published deployment it FAILs."""
     s, llm = served, served["llm"]
-    body = {"messages": MESSAGES}
     prompt = llm.tokenizer.encode_chat(MESSAGES)
     stated = len(prompt) + 5
-    parsed = parse_request(body, True, Limits(MODEL, stated, llm.vocab_size), llm.tokenizer)
-    assert parsed.params.max_tokens == 5
-    for seed in range(1, 200):  # a draw that meets no EOS in 5 tokens
-        params = dataclasses.replace(parsed.params, seed=seed)
+    for seed in range(1, 200):  # a client's seed whose draw meets no EOS in 5 tokens
+        body = {"messages": MESSAGES, "seed": seed}
+        parsed = parse_request(body, True, Limits(MODEL, stated, llm.vocab_size), llm.tokenizer)
+        assert parsed.params.max_tokens == 5
+        params = parsed.params
         (out,) = llm.generate([prompt], params)
         if out.finish_reason == "length":
             break
