@@ -18,6 +18,7 @@ from detent_audit.runtime.contract import EMBEDDED
 from detent_audit.runtime.rebuild import (
     NotComparable,
     RebuildRequest,
+    built_or_refused,
     check_comparable,
     check_sizes,
     fact,
@@ -87,8 +88,6 @@ def rebuild(request: RebuildRequest) -> LLM:
     """The local embedded engine for a receipt; raises `NotComparable` or `BadInput`."""
     from detent_audit.engine.deployment_facts import static_facts
     from detent_audit.engine.llm import LLM
-    from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
-    from detent_audit.selection.errors import IllegalAssignment
 
     facts = request.facts
     config = engine_config(request)
@@ -110,12 +109,7 @@ def rebuild(request: RebuildRequest) -> LLM:
     if isinstance(checkpoint, dict):
         checkpoint.pop("eos_token_ids", None)
     check_comparable(expected, static_facts(config))
-    try:
-        llm = LLM(config)  # select_kernels refuses a tuple that is not legal for the solved pins
-    except IllegalAssignment as exc:
-        raise NotComparable(["tuple"], f"{request.whose_tuple} is not legal here: {exc.message}") from None
-    except GemmFormNotInvariant as exc:  # its GEMM form is not proven here: these bits cannot be had
-        raise NotComparable(["tuple"], f"{request.whose_tuple} cannot run here: {exc.message}") from None
+    llm = built_or_refused(lambda: LLM(config), request)  # select_kernels refuses a tuple not legal here
     check_comparable(dict(facts), llm.facts())
     return llm
 

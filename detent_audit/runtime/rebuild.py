@@ -10,8 +10,9 @@ weights may sit in any folder): they are not compared, the hashes are.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from detent_audit import isa
 from detent_audit.enums import ExitCode, Mode
@@ -285,3 +286,21 @@ def named_model(facts: Mapping[str, object]) -> str | None:
     if isinstance(name, str) and len(name) <= _SHOWN and (name in NAMES or name.startswith("random:")):
         return name
     return None
+
+
+E = TypeVar("E")
+
+
+def built_or_refused(make: Callable[[], E], request: RebuildRequest) -> E:
+    """`make()`, the engine for a receipt, where a tuple that cannot run here is not comparable: not legal for
+    the pins solved here (`IllegalAssignment`), or its GEMM form not proven on this machine
+    (`GemmFormNotInvariant`: these bits cannot be had here)."""
+    from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
+    from detent_audit.selection.errors import IllegalAssignment
+
+    try:
+        return make()
+    except IllegalAssignment as exc:
+        raise NotComparable(["tuple"], f"{request.whose_tuple} is not legal here: {exc.message}") from None
+    except GemmFormNotInvariant as exc:
+        raise NotComparable(["tuple"], f"{request.whose_tuple} cannot run here: {exc.message}") from None

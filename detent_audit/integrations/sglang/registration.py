@@ -22,6 +22,7 @@ from detent_audit.runtime.rebuild import (
     RebuildRequest,
     batch_invariant_mode,
     bounded,
+    built_or_refused,
     check_checkpoint_files,
     check_comparable,
     fact,
@@ -70,9 +71,7 @@ def _plugin_attention(facts: Mapping[str, object]) -> object:
 def rebuild(request: RebuildRequest) -> Engine:
     """The local `SglangEngine` for a receipt; raises `NotComparable` (exit 3) or `BadInput` (exit 2)."""
     from detent_audit.integrations.sglang.engine import SglangConfig, SglangEngine, attention_of_facts
-    from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
     from detent_audit.runtime.facts import checkpoint_hashes
-    from detent_audit.selection.errors import IllegalAssignment
 
     # first: what the receipt's facts alone refuse
     facts = request.facts
@@ -99,12 +98,7 @@ def rebuild(request: RebuildRequest) -> Engine:
     check_checkpoint_files(facts, checkpoint_hashes(resolved.path), resolved.name)
 
     # last: SGLang started with the plugin and the receipt's tuple, its facts compared field by field
-    try:
-        engine = SglangEngine(config)  # the CPU selection refuses a tuple not legal for the solved pins
-    except IllegalAssignment as exc:
-        raise NotComparable(["tuple"], f"{request.whose_tuple} is not legal here: {exc.message}") from None
-    except GemmFormNotInvariant as exc:  # its GEMM form is not proven here: these bits cannot be had
-        raise NotComparable(["tuple"], f"{request.whose_tuple} cannot run here: {exc.message}") from None
+    engine = built_or_refused(lambda: SglangEngine(config), request)  # the CPU selection refuses a tuple
     try:
         check_comparable(dict(facts), engine.facts())
     except NotComparable as exc:

@@ -17,6 +17,7 @@ from detent_audit.runtime.rebuild import (
     RebuildRequest,
     batch_invariant_mode,
     bounded,
+    built_or_refused,
     check_checkpoint_files,
     check_comparable,
     fact,
@@ -90,15 +91,7 @@ def rebuild(request: RebuildRequest) -> Engine:
                         tuple=request.families() if detent else None,
                         gemm=str(gemm) if detent else "onednn",
                         attention=attention_of_facts(plugin.get("attention")) if detent else "auto")
-    from detent_audit.kernels.gemm_probe import GemmFormNotInvariant
-    from detent_audit.selection.errors import IllegalAssignment
-
-    try:
-        engine = VllmEngine(config)  # its GEMM form proven here before vLLM is built
-    except IllegalAssignment as exc:
-        raise NotComparable(["tuple"], f"{request.whose_tuple} is not legal here: {exc.message}") from None
-    except GemmFormNotInvariant as exc:  # its GEMM form is not proven here: these bits cannot be had
-        raise NotComparable(["tuple"], f"{request.whose_tuple} cannot run here: {exc.message}") from None
+    engine = built_or_refused(lambda: VllmEngine(config), request)  # its GEMM form proven before vLLM is built
     try:
         check_comparable(dict(facts), engine.facts())
     except NotComparable as exc:
