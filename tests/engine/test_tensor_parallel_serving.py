@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from detent_audit.engine.llm import LLM, EngineConfig
-from detent_audit.manifests.encoding import facts_hash
+from detent_audit.manifests.encoding import facts_hash, tuple_hash
 from detent_audit.manifests.keys import generate_key, load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import OutputRecord, sign_receipt, verify_envelope
 from detent_audit.server.node import ServingNode
@@ -88,8 +88,10 @@ def _forged(served: dict[str, Any], folder: Path, *, flip: int | None = None, fa
                                                                    r.output.finish_reason, r.output.text))
     if facts_edit is not None:
         facts = json.loads(json.dumps(r.deployment_facts, default=dict))
-        facts_edit(facts)
-        r = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts))
+        tuple_values = json.loads(json.dumps(r.tuple_values, default=dict))
+        facts_edit(facts, tuple_values)
+        r = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts),
+                                tuple_values=tuple_values, tuple_hash=tuple_hash(tuple_values))
     folder.mkdir()
     path = folder / "q4.receipt"
     if resign:
@@ -124,9 +126,11 @@ def test_a_rewritten_tp_fact_is_refused_by_the_signature(served: dict[str, Any],
 def test_a_receipt_signed_with_a_wrong_tp_fact_fails_at_re_execution(served: dict[str, Any], tmp_path: Path
                                                                      ) -> None:
     """A node that signs TP=1 facts for a TP=3 answer: rebuilt at TP=1, the bits differ: FAIL, not OK."""
-    def claim_tp1(facts: dict[str, Any]) -> None:
+    def claim_tp1(facts: dict[str, Any], tuple_values: dict[str, Any]) -> None:
         del facts["parallel"]
         facts["deployment"]["parallel"]["tensor_parallel_size"] = 1
+        del tuple_values["embedded.all_reduce"]  # a consistent lie: TP=1 has no all-reduce to pin
+        del facts["tuple"]["embedded.all_reduce"]
 
     path = _forged(served, tmp_path / "tp1", facts_edit=claim_tp1)
     report = verify([path], load_trusted_keys(served["key"].public_path))
