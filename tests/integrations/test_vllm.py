@@ -349,4 +349,5 @@ def test_verify_json_on_vllm_receipts_prints_one_document_on_stdout(served) -> N
                           "--json"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["counts"]["OK"] == 1  # the whole of stdout is the one document
-    assert "INFO" in res.stderr  # vLLM logged, to stderr
+    # vLLM's own output (its log lines where its logging is configured, its loader's progress) went to stderr
+    assert "INFO" in res.stderr or "checkpoint shards" in res.stderr, res.stderr[-2000:]
