@@ -114,6 +114,12 @@ class Exchange(NamedTuple):
     receipts: list[Path]  # one per prompt
 
 
+def _verify_cli(served: dict, *args: object) -> Any:
+    """`detent-audit verify ARGS` with the served node's key, model and JIT cache."""
+    return runner.invoke(app, ["verify", *map(str, args), "--key", str(served["key"].public_path), "--model",
+                               str(served["ckpt"]), "--cache-dir", str(served["jit"])])
+
+
 def _chunks(text: str) -> list[dict]:
     return [
         json.loads(line[5:])
@@ -342,21 +348,7 @@ def test_a_chat_body_signed_as_an_offline_line_fails_in_verify_and_verify_respon
     path = folder / signed.path.name
     path.write_bytes(signed.path.read_bytes())
     for extra in ((), ("--deployment", str(s["root"] / "deployment.json"))):
-        res = runner.invoke(
-            app,
-            [
-                "verify",
-                str(path),
-                "--key",
-                str(s["key"].public_path),
-                "--model",
-                str(s["ckpt"]),
-                "--cache-dir",
-                str(s["jit"]),
-                "--json",
-                *extra,
-            ],
-        )
+        res = _verify_cli(s, str(path), "--json", *extra)
         (o,) = [o for o in json.loads(res.stdout)["outcomes"] if o["kind"] == "receipt"]
         assert res.exit_code == 1 and o["status"] == "FAIL" and "no input line" in o["message"], (extra, o)
     proof = signed.client_proof
@@ -419,19 +411,7 @@ def test_a_chat_body_signed_as_an_offline_line_fails_in_verify_and_verify_respon
     line_receipt = tmp_path / "lines" / "receipts" / "req-1.receipt"
     bound = verify_envelope(line_receipt.read_bytes(), s["trusted"]).receipt.request.client.body()
     assert bound == {"id": "req-1", "prompt_token_ids": [5, 6, 7], "max_tokens": 3}
-    res = runner.invoke(
-        app,
-        [
-            "verify",
-            str(tmp_path / "lines"),
-            "--key",
-            str(s["key"].public_path),
-            "--model",
-            str(s["ckpt"]),
-            "--cache-dir",
-            str(s["jit"]),
-        ],
-    )
+    res = _verify_cli(s, str(tmp_path / "lines"))
     assert res.exit_code == 0, res.output
 
 
@@ -619,37 +599,11 @@ def test_a_chat_answer_cut_at_a_stated_context_says_so_in_its_verdict_line(serve
     path = tmp_path / "cut" / "chatcmpl-cut.receipt"
     path.parent.mkdir()
     path.write_bytes(sign_receipt(forged, s["private"]))
-    res = runner.invoke(
-        app,
-        [
-            "verify",
-            str(path),
-            "--key",
-            str(s["key"].public_path),
-            "--model",
-            str(s["ckpt"]),
-            "--cache-dir",
-            str(s["jit"]),
-        ],
-    )
+    res = _verify_cli(s, str(path))
     line = next(x for x in res.stdout.splitlines() if "chatcmpl-cut.receipt" in x)
     assert res.exit_code == 0 and line.startswith("OK:"), res.output
     assert f"max_model_len {stated}" in line and "stated, not refuted" in line, line
-    res = runner.invoke(
-        app,
-        [
-            "verify",
-            str(path),
-            "--key",
-            str(s["key"].public_path),
-            "--model",
-            str(s["ckpt"]),
-            "--cache-dir",
-            str(s["jit"]),
-            "--deployment",
-            str(s["root"] / "deployment.json"),
-        ],
-    )
+    res = _verify_cli(s, str(path), "--deployment", str(s["root"] / "deployment.json"))
     assert res.exit_code == 1, res.output
 
 
@@ -658,19 +612,7 @@ def test_the_verdict_says_the_checkpoint_name_is_taken_as_stated(served) -> None
     name is the node's statement."""
     x = served["exchanges"]["completion"]
     r = _signed(served, x.receipts)[0].receipt
-    res = runner.invoke(
-        app,
-        [
-            "verify",
-            str(x.receipts[0]),
-            "--key",
-            str(served["key"].public_path),
-            "--model",
-            str(served["ckpt"]),
-            "--cache-dir",
-            str(served["jit"]),
-        ],
-    )
+    res = _verify_cli(served, str(x.receipts[0]))
     line = next(o for o in res.stdout.splitlines() if o.startswith("OK:") and "receipt" in o)
     name = r.deployment_facts["checkpoint"]["name"]
     assert res.exit_code == 0 and f"checkpoint name {name!r} is as the node states it" in line, res.output
