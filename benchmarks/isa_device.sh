@@ -1,6 +1,7 @@
 #!/bin/bash
-# The portable ISA cap on another CPU: its flags, the embedded battery in detent mode under the cap and natively,
-# receipts served under the cap (brought back to verify on the other CPU class), detent tok/s capped vs native.
+# The portable ISA setting on another CPU: its flags, the embedded battery in detent mode under the cap and
+# natively, receipts served portably here (brought back to verify on the other CPU class) and there (verified
+# here), detent tok/s portable vs native.
 # Run from the repository root with the wheels of the project's dependencies the machine lacks in .whl/ (platformdirs,
 # cryptography, cffi, pycparser, fastapi, starlette, pydantic, pydantic_core, annotated-types, typing-inspection,
 # uvicorn, typer); docs/isa.md reads the results. $OUT
@@ -24,12 +25,19 @@ for isa in portable native; do  # one thread each, side by side (the timing belo
    echo "battery $isa rc=$?" >> "$OUT/log.txt") &
 done
 rm -rf /tmp/served; install -m 600 "$R/tests/fixtures/compat/test-only-node.key" /tmp/node.key
-cli --isa portable serve --model random-20m --key /tmp/node.key \
+cli --isa portable serve --model random-20m --signing-key /tmp/node.key \
   --manifest-out /tmp/served --input "$R/tests/fixtures/portable/requests.jsonl" --output /tmp/responses.jsonl \
   >> "$OUT/log.txt" 2>&1
 echo "serve rc=$?" >> "$OUT/log.txt"
+# receipts served under the portable setting on the other class of CPU (benchmarks/results/isa/epyc-portable)
+cli --isa portable verify "$R/benchmarks/results/isa/epyc-portable" --key "$R/tests/fixtures/compat/test-only-node.key.pub" \
+  --json > "$OUT/verify-epyc-here.json" 2> "$OUT/verify-epyc-here.err"
+echo "verify epyc receipts rc=$?" >> "$OUT/log.txt"
+cli --isa portable verify /tmp/served --key "$R/tests/fixtures/compat/test-only-node.key.pub" > "$OUT/verify-own.txt" 2>&1
+echo "verify own receipts rc=$?" >> "$OUT/log.txt"
 wait; tail -n 3 /tmp/battery-*.err >> "$OUT/log.txt"
 cp /tmp/responses.jsonl /tmp/served/; tar -C /tmp/served -cf "$OUT/served.tar" .
+python3 benchmarks/isa_ops.py --isa portable > "$OUT/ops.json" 2>> "$OUT/log.txt"
 [ -n "${SKIP_SPEED:-}" ] || python3 benchmarks/isa_speed.py --runs 3 --requests 8 > "$OUT/speed.txt" 2>> "$OUT/log.txt"
 echo "speed rc=$?" >> "$OUT/log.txt"
 cat "$OUT/cpu.txt" "$OUT/log.txt" "$OUT/speed.txt"

@@ -38,7 +38,10 @@ def child(args: argparse.Namespace) -> None:
         outs = llm.generate(prompts, params)
         times.append(time.perf_counter() - t0)
     tokens = sum(len(o.token_ids) for o in outs)
-    print(json.dumps({"isa": isa.runtime_facts(), "torch": torch.__version__,
+    from detent_audit.engine.deployment_facts import collect_facts
+
+    kernels = collect_facts(llm).get("kernel_params", {})
+    print(json.dumps({"isa": isa.runtime_facts(), "torch": torch.__version__, "kernels": kernels,
                       "tok_s": tokens / statistics.median(times[1:]), "runs_s": times[1:]}))
 
 
@@ -62,9 +65,10 @@ def main() -> int:
         rows[choice] = json.loads(out.splitlines()[-1])
     print(f"device: {platform.processor() or platform.machine()}, {args.threads} thread(s); random-20m fp32 "
           f"detent; {args.requests} requests x {args.output_tokens} output tokens; median of {args.runs}\n")
-    print("| --isa | runtime fact | output tok/s | over native |\n|---|---|---|---|")
+    print("| --isa | runtime fact | GEMM form | output tok/s | over native |\n|---|---|---|---|---|")
     for choice, row in rows.items():
-        print(f"| {choice} | {row['isa']} | {row['tok_s']:.1f} | {row['tok_s'] / rows['native']['tok_s']:.3f} |")
+        print(f"| {choice} | {row['isa']} | {row['kernels'].get('gemm')} | {row['tok_s']:.1f} "
+              f"| {row['tok_s'] / rows['native']['tok_s']:.3f} |")
     print(json.dumps(rows))
     return 0
 

@@ -101,6 +101,22 @@ def runtime_facts() -> dict[str, Any]:
     return {"isa": PORTABLE_ISA} if capped() else {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
+def blas_cpu() -> dict[str, str]:
+    """Under the cap, the CPU model (`{"cpu_model": ...}`) for an engine whose products are oneDNN's or MKL's
+    (vLLM, SGLang): those libraries choose code by the CPU whatever the cap (docs/isa.md), so such a receipt is
+    checked on the same model; natively, and for the embedded engine's fixed-order kernels, nothing."""
+    if not capped():
+        return {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    import platform
+
+    return {"cpu_model": names[0] if names else platform.processor() or platform.machine()}
+
+
 def hint(served: Any, here: Any) -> str | None:
     """Why two runtimes' facts (`runtime` of a receipt's and of this engine's) differ in their ISA and what to
     do, or None where they agree."""
@@ -109,6 +125,10 @@ def hint(served: Any, here: Any) -> str | None:
     served_isa = served.get("isa") or served.get("cpu_capability")
     here_isa = here.get("isa") or here.get("cpu_capability")
     if served_isa == here_isa:
+        if served.get("cpu_model") != here.get("cpu_model") and served.get("cpu_model"):
+            return (f"the receipt was served by an engine whose products are the BLAS's, on a "
+                    f"{served.get('cpu_model')}: the BLAS chooses code by the CPU whatever the ISA cap, so it "
+                    "is checked on that CPU model; the embedded engine's --isa portable receipts verify on any")
         return None
     if served.get("isa") == PORTABLE_ISA:
         return (f"the receipt was served under the portable ISA cap ({PORTABLE_ISA}); this verifier runs "

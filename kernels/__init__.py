@@ -23,7 +23,7 @@ import torch
 
 from detent_audit.enums import Mode
 from detent_audit.errors import DetentError
-from detent_audit.kernels import attention, gemm, moe, rowlocal
+from detent_audit.kernels import attention, attention_c, gemm, moe, rowlocal, rowlocal_c
 from detent_audit.kernels.attention_metadata import AttentionMetadata
 from detent_audit.kernels.params import AttentionParams, BadParams, GemmParams, MoeParams
 from detent_audit.kernels.rowlocal import RopeCache, RotatedQK
@@ -84,6 +84,9 @@ class KernelSet:
     select_gemm: Callable[..., GemmParams | None]
     select_attention: Callable[..., AttentionParams | None]
     select_moe: Callable[..., MoeParams | None]
+    # the portable ISA setting's kernels: the CPU attention and SiLU in C, every operation's order written out
+    # (attention_c.py, rowlocal_c.py: the same bits on every CPU), not torch's (MKL's products, torch's exp)
+    fixed_order: bool = False
     # family -> the params its kernels were called with so far (what the kernels report, not a configuration)
     called: dict[str, set] = field(default_factory=dict, compare=False, repr=False)
 
@@ -141,6 +144,8 @@ class KernelSet:
             num_seqs=meta.num_seqs, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k
         )
         params = self._checked(selected, AttentionParams, "attention")
+        if self.fixed_order and params is not None:
+            return attention_c.paged_attention(q, k_cache, v_cache, meta, scale=scale, params=params)
         return attention.paged_attention(q, k_cache, v_cache, meta, scale=scale, params=params)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -178,6 +183,8 @@ class KernelSet:
         return q
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed_order and x.dtype == torch.float32 and x.device.type == "cpu":
+            return rowlocal_c.silu_and_mul(x)
         return rowlocal.silu_and_mul(x)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

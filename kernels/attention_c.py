@@ -190,7 +190,7 @@ BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-
 
 
 class Unavailable(DetentError):
-    """The C attention cannot be built or loaded here."""
+    """A C kernel (the attention, the fixed-order GEMM) cannot be built or loaded here."""
 
     exit_code = ExitCode.BAD_INPUT
 
@@ -204,25 +204,26 @@ def _cache_dir() -> Path:
     return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "detent-audit" / "kernels")
 
 
-def build(arch_flags: tuple[str, ...] | None = None) -> Path:
-    """The shared library for these flags, compiled once per source and flags (atomically renamed into
-    place)."""
+def build(arch_flags: tuple[str, ...] | None = None, *, source: str = SOURCE,
+          name: str = "attention") -> Path:
+    """The shared library of `source` (this module's attention by default; the fixed-order GEMM's too) for
+    these flags, compiled once per source and flags (atomically renamed into place)."""
     flags = BASE_FLAGS + (_arch_flags() if arch_flags is None else arch_flags)
     cc = os.environ.get(ENV_CC) or "cc"
-    key = hashlib.sha256((SOURCE + "\0" + " ".join(flags) + "\0" + cc).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"detent_attention_{key}.so"
+    key = hashlib.sha256((source + "\0" + " ".join(flags) + "\0" + cc).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"detent_{name}_{key}.so"
     if lib.is_file():
         return lib
     if shutil.which(cc) is None:
-        raise Unavailable(f"no C compiler {cc!r} on PATH to build the C attention",
+        raise Unavailable(f"no C compiler {cc!r} on PATH to build the C {name}",
                           remedy=f"install a C compiler (apt-get install gcc) or set {ENV_CC}")
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        src, out = Path(tmp) / "attention.c", Path(tmp) / "attention.so"
-        src.write_text(SOURCE)
+        src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+        src.write_text(source)
         proc = subprocess.run([cc, *flags, str(src), "-o", str(out), "-lm"], capture_output=True, text=True)
         if proc.returncode:
-            raise Unavailable(f"{cc} could not build the C attention: {proc.stderr.strip()[-600:]}",
+            raise Unavailable(f"{cc} could not build the C {name}: {proc.stderr.strip()[-600:]}",
                               remedy=f"install gcc or clang, or set {ENV_CC}")
         os.replace(out, lib)
     return lib

@@ -6,7 +6,9 @@
 - "pad": one F.linear over the whole batch, zero-padded to at least `chunk_rows` rows: at M >= chunk_rows
   it is exactly stock's call (invariant only where the BLAS gives a row the same bits at every
   M >= chunk_rows);
-- "row": every row its own one-row product (MKL's gemv; fp32 batches of rows through one batched gemm).
+- "row": every row its own one-row product (MKL's gemv; fp32 batches of rows through one batched gemm);
+- "fixed": the project's own product in C, every operation's order written out (gemm_c.py): invariant by
+  construction and the same bits on every CPU, slower than MKL; fp32 only.
 The pad and row forms rest on the BLAS, so the engine proves them where it runs before it uses them
 (`gemm_probe.py`). The bias is added after the product (a row-local, correctly rounded add), as
 batch_invariant_ops adds it after the K loop.
@@ -39,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from detent_audit.kernels.gemm_c import linear as fixed_order_linear
 from detent_audit.kernels.params import GemmParams
 
 
@@ -102,6 +105,8 @@ def linear(
         out = F.linear(_pad_rows(x2, max(m, params.chunk_rows)), weight)[:m]
     elif params.form == "row":
         out = _row_by_row(x2, weight)
+    elif params.form == "fixed":
+        out = fixed_order_linear(x2, weight)
     else:
         out = _chunked_matmul(x2, weight, params.chunk_rows)
     if bias is not None:

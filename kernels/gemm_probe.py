@@ -36,7 +36,8 @@ MAX_ROWS = 256            # the largest batch a probe computes (the reference ba
 MACS_PER_SHAPE = 1.5e9
 ROW_FORM_MACS_PER_SHAPE = 3e8   # the row form reads the whole weight once per row (memory-bound)
 _DENSE_UP_TO = 24
-_DENSE_FLOOR = {"pad": 12, "chunk": 12, "row": 8}   # every M up to this is tried whatever the budget
+# every M up to this is tried whatever the budget
+_DENSE_FLOOR = {"pad": 12, "chunk": 12, "row": 8, "fixed": 8}
 _MEMO: dict[tuple, ProbeReport] = {}
 # With more than one thread the BLAS splits an unpadded product's rows between threads by M (M 5..11 gave
 # rows in a remainder block other bits at 2 threads); the pad form is offered and accepted at one thread only,
@@ -96,7 +97,8 @@ def plan(n: int, k: int, form: str, max_rows: int = MAX_ROWS) -> tuple[int, tupl
     reference batch and then sizes in ascending order while the rows fit, never fewer than every M up to
     _DENSE_FLOOR (12; the row form 8)."""
     floor = _DENSE_FLOOR[form]
-    budget_rows = int((ROW_FORM_MACS_PER_SHAPE if form == "row" else MACS_PER_SHAPE) // (n * k))
+    macs = ROW_FORM_MACS_PER_SHAPE if form in ("row", "fixed") else MACS_PER_SHAPE
+    budget_rows = int(macs // (n * k))
     ref = max(min(max_rows, budget_rows // 3), min(max_rows, 2 * floor))
     sizes, spent = [], ref
     for m in batch_sizes(ref):

@@ -35,10 +35,11 @@ def _check_int(name: str, value: object) -> int:
 
 GEMM_CHUNK_ROWS_SPACE: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # "chunk": every BLAS call has exactly chunk_rows rows; "pad": one product over the batch, padded to at least
-# chunk_rows rows; "row": every row its own product (chunk_rows == 1). pad and row rest on a property of the
-# BLAS that only a probe on the running CPU can show (kernels/gemm_probe.py): the engine refuses to start
-# with either unless the probe proved it there.
-GEMM_FORMS: tuple[str, ...] = ("chunk", "pad", "row")
+# chunk_rows rows; "row": every row its own product (chunk_rows == 1); "fixed": the project's own C product
+# whose order is written out (kernels/gemm_c.py; chunk_rows == 1), the same bits on every CPU. pad and row
+# rest on a property of the BLAS that only a probe on the running CPU can show (kernels/gemm_probe.py): the
+# engine refuses to start with either unless the probe proved it there.
+GEMM_FORMS: tuple[str, ...] = ("chunk", "pad", "row", "fixed")
 GEMM_PAD_ROWS_SPACE: tuple[int, ...] = (2, 4, 8, 12, 16, 32, 64)
 ATTENTION_KV_TILE_SPACE: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
 # Every listed stride is a multiple of every listed tile, so the grid is the full product. Any positive
@@ -59,6 +60,8 @@ class GemmParams:
       which `gemm_probe.prove` must show on the running CPU and thread count.
     - "row": every row its own product (chunk_rows == 1; MKL's one-row path): invariant where the probe
       shows that the batched one-row products equal the lone one.
+    - "fixed": the project's own fp32 product (kernels/gemm_c.py, chunk_rows == 1), every operation's order
+      written out: invariant by construction and the same bits on every CPU (the portable ISA setting's).
     """
 
     chunk_rows: int
@@ -73,13 +76,16 @@ class GemmParams:
         if self.form == "pad" and self.chunk_rows not in GEMM_PAD_ROWS_SPACE:
             raise BadParams(f"the pad form's least rows must be one of {GEMM_PAD_ROWS_SPACE}, "
                             f"got {self.chunk_rows}")
+        if self.form == "fixed" and self.chunk_rows != 1:
+            raise BadParams(f"the fixed form orders each row's products itself (chunk_rows=1), "
+                            f"got {self.chunk_rows}")
         if self.form == "row" and self.chunk_rows != 1:
             raise BadParams(f"the row form takes one row per product (chunk_rows=1), got {self.chunk_rows}")
 
     @property
     def label(self) -> str:
         """chunk:16, pad:4, row: how errors and reports name the form."""
-        return "row" if self.form == "row" else f"{self.form}:{self.chunk_rows}"
+        return self.form if self.form in ("row", "fixed") else f"{self.form}:{self.chunk_rows}"
 
 
 @dataclass(frozen=True)

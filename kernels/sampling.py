@@ -20,8 +20,10 @@ from typing import NamedTuple
 
 import torch
 
+from detent_audit import isa
 from detent_audit.errors import BadInput
 from detent_audit.kernels.rowlocal import log_softmax
+from detent_audit.kernels.rowlocal_c import log64
 
 
 def _signed(value: int) -> int:
@@ -99,7 +101,9 @@ def sample(
         return greedy
     scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
     keep = _kept(scaled, top_k.to(torch.int64), top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))
+    # torch's log gives other bits on another CPU (MKL's): the portable setting takes the C one (docs/isa.md)
+    log = log64 if logits.device.type == "cpu" and isa.capped() else torch.log
+    gumbel = -log(-log(uniform_noise(seeds, positions, vocab)))
     scores = torch.where(keep, scaled.double() + gumbel, -torch.inf)
     return torch.where(temperature == 0, greedy, scores.argmax(dim=-1))
 

@@ -46,6 +46,12 @@ def static_facts(cfg: EngineConfig) -> dict[str, dict[str, object]]:
                     **isa.runtime_facts(),
                     "num_threads": cfg.num_threads, "dtype": cfg.dtype},
     }
+    if cfg.mode == Mode.DETENT and _device(cfg.device) == "cpu" and isa.capped():
+        # the portable setting's kernels: the project's own, every operation's order written out (docs/isa.md)
+        from detent_audit.kernels import attention_c, gemm_c, rowlocal_c
+
+        facts["runtime"]["fixed_order"] = [attention_c.IMPLEMENTATION, gemm_c.IMPLEMENTATION,
+                                           rowlocal_c.IMPLEMENTATION]
     if cfg.tensor_parallel_size > 1:  # how the ranks' partial sums meet (tensor_parallel.py); threads are per rank
         facts["parallel"] = {"tensor_parallel_size": cfg.tensor_parallel_size,
                              "all_reduce": BACKEND if cfg.mode == Mode.STOCK else ORDERED,

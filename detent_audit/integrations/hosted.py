@@ -116,7 +116,7 @@ class HostedEngine(EngineBase[Request]):
             "checkpoint": {**checkpoint_hashes(Path(self.model_path)), "name": resolved.name,
                            "source": resolved.source, "eos_token_ids": list(self.tokenizer.eos_token_ids)},
             "runtime": {"torch": str(torch.__version__), "device": "cpu",
-                        **isa.runtime_facts(),
+                        **isa.runtime_facts(), **isa.blas_cpu(),
                         "num_threads": self.config.num_threads, "dtype": dtype},
             "tuple": dict(self.selection.tuple) if self.selection is not None else {},
             "format": format_facts(),

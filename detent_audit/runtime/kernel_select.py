@@ -165,8 +165,11 @@ def proven_deployment(deployment: Deployment, gemm: dict[str, Any] | None, shape
 
     dtype = getattr(torch, deployment.model.dtype)
     shapes = tuple(shapes)
+    if gemm is None and isa.capped() and dtype == torch.float32:
+        # under the portable ISA setting the bits may not depend on the CPU: the product whose order the
+        # project writes out (MKL's blocking reads the CPU's vendor and caches, docs/isa.md), no probe's rows
+        gemm = {"chunk_rows": 1, "embedded.gemm.chunk_rows": 1, GEMM_FORM_KNOB: "fixed"}
     if gemm is None:
-        # under the portable ISA cap the tuple may not depend on the CPU: the chunk form, no probe's pad rows
         rows = 0 if isa.capped() else gemm_probe.least_pad_rows(shapes, dtype)
         if not rows:
             return deployment, None
@@ -215,7 +218,8 @@ def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Ma
     selectors = {family: results[family].selector(chosen[family]) for family in results}
     probe = probe_inputs(deployment)
     used = used_axes(results, chosen, selectors, probe)
-    return Selection(_kernel_set(selectors), chosen, results, deployment, used,
+    # the portable ISA setting's attention and SiLU: the C kernels, their order written out (docs/isa.md)
+    return Selection(_kernel_set(selectors, fixed_order=isa.capped()), chosen, results, deployment, used,
                      probe_params(_kernel_set(selectors), probe))
 
 
@@ -370,7 +374,7 @@ def _det_moe_config(deployment: Deployment) -> Any:
     return TritonMoeConfig()
 
 
-def _kernel_set(selectors: dict[str, Any]) -> KernelSet:
+def _kernel_set(selectors: dict[str, Any], fixed_order: bool = False) -> KernelSet:
     gemm_fn = selectors["embedded.gemm"].fn
     attn_fn = selectors["embedded.attention"].fn
     moe_fn = selectors["embedded.moe"].fn if "embedded.moe" in selectors else gemm_fn
@@ -398,4 +402,4 @@ def _kernel_set(selectors: dict[str, Any]) -> KernelSet:
     def select_moe(num_tokens: int) -> MoeParams:
         return MoeParams(gemm=gemm_of(moe_fn(num_tokens).chunk_rows))
 
-    return KernelSet(Mode.DETENT, select_gemm, select_attention, select_moe)
+    return KernelSet(Mode.DETENT, select_gemm, select_attention, select_moe, fixed_order)

@@ -7,7 +7,7 @@ engine would choose them, so the solver finds what to pin:
   bits may depend on M; a pinned chunk makes every call the same shape (the last chunk padded). Two forms
   are legal only where the deployment's facts say a probe proved them on the running CPU (`gemm_pad_rows`,
   `gemm_row_form`): "pad" (one product over the batch, padded to at least the pinned rows) and "row" (each
-  row its own product).
+  row its own product). "fixed" (the project's own product, its order written out) is legal anywhere.
 - Attention: a KV tile and a split of each sequence's KV. Stock: split the KV into as many pieces as keep
   the cores busy given the batch (a count, as FA3's heuristic does), so split boundaries move with the batch;
   the `split_stride` knob cuts at fixed multiples instead.
@@ -94,7 +94,7 @@ def facts(dep: Deployment) -> EmbeddedFacts:
 @program(family="embedded.gemm")
 def embedded_gemm(d: EmbeddedFacts, num_tokens: Runtime[int]) -> EmbeddedGemmChoice:
     assume(1 <= num_tokens <= d.max_num_batched_tokens, "a step holds at most max_num_batched_tokens tokens")
-    form = knob("embedded.gemm.form", ("chunk", "pad", "row"), "chunk")
+    form = knob("embedded.gemm.form", ("chunk", "pad", "row", "fixed"), "chunk")
     chunk = knob("embedded.gemm.chunk_rows", (0, 1, 2, 4, 8, 12, 16, 32, 64), 0)
     if form == "pad":
         require(d.gemm_pad_rows > 0, "the pad form only where a probe proved it on this CPU")
@@ -104,6 +104,9 @@ def embedded_gemm(d: EmbeddedFacts, num_tokens: Runtime[int]) -> EmbeddedGemmCho
         require(d.gemm_row_form, "the row form only where a probe proved it on this CPU")
         require(chunk == 1, "the row form: one row per product")
         chunk_rows = 1
+    elif form == "fixed":  # the project's own product: its order written out, invariant on any CPU
+        require(chunk == 1, "the fixed form orders each row's products itself")
+        chunk_rows = 1
     else:
         require(chunk != 12, "a chunk of 12 rows is a pad size only")
         chunk_rows = num_tokens if chunk == 0 else chunk     # stock: the whole batch in one call
@@ -111,6 +114,7 @@ def embedded_gemm(d: EmbeddedFacts, num_tokens: Runtime[int]) -> EmbeddedGemmCho
     # form's 1
     require(form != "pad" or chunk_rows >= d.gemm_pad_rows, "the pad form pads to at least the proven rows")
     require(form != "row" or chunk_rows == 1, "the row form: one row per product")
+    require(form != "fixed" or chunk_rows == 1, "the fixed form orders each row's products itself")
     return EmbeddedGemmChoice(form=form, chunk_rows=chunk_rows)
 
 

@@ -85,7 +85,10 @@ def test_the_cap_from_the_option_equals_the_cap_from_the_environment(checkpoint)
     environment = _child(checkpoint, **{isa.ENV: "portable"})
     assert option["runtime"]["isa"] == environment["runtime"]["isa"] == isa.PORTABLE_ISA
     assert "cpu_capability" not in option["runtime"]
-    assert option["tuple"]["embedded.gemm"]["embedded.gemm.form"] == "chunk"  # no CPU's probe in the tuple
+    # the project's fixed-order kernels, no CPU's probe in the tuple
+    assert option["tuple"]["embedded.gemm"]["embedded.gemm.form"] == "fixed"
+    assert option["runtime"]["fixed_order"] == environment["runtime"]["fixed_order"]
+    assert len(option["runtime"]["fixed_order"]) == 3
     assert (option["tokens"], option["bits"]) == (environment["tokens"], environment["bits"])
 
 

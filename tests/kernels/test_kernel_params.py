@@ -25,7 +25,7 @@ def test_spaces_are_the_documented_ranges():
     assert GEMM_CHUNK_ROWS_SPACE == tuple(2**i for i in range(9))
     assert ATTENTION_KV_TILE_SPACE == (16, 32, 64, 128, 256, 512)
     assert ATTENTION_SPLIT_STRIDE_SPACE[0] == 0
-    assert GEMM_FORMS == ("chunk", "pad", "row")
+    assert GEMM_FORMS == ("chunk", "pad", "row", "fixed")
     assert len(GEMM_GRID) == 9 + len(GEMM_PAD_ROWS_SPACE) + 1 and len(MOE_GRID) == 9
     assert {g.gemm.form for g in MOE_GRID} == {"chunk"}  # the expert GEMMs keep the chunk form
     assert len(ATTENTION_GRID) == len(ATTENTION_KV_TILE_SPACE) * len(ATTENTION_SPLIT_STRIDE_SPACE)
