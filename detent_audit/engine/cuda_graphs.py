@@ -36,6 +36,13 @@ def capture_sizes(max_size: int) -> tuple[int, ...]:
     return (*sizes, max_size)
 
 
+def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
+    """The cache slot of each row's token into `out` [B]: its block (`tables` [B, blocks]) at `positions` [B],
+    times the block size, plus the offset in the block (what `BlockManager.slot_mapping` gives)."""
+    block = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+    return torch.add(block * block_size, positions % block_size, out=out)
+
+
 class DecodeRows:
     """The decode step's inputs as persistent tensors, one row per decoding sequence, rows [0, B) in use.
 
@@ -184,7 +191,7 @@ class DecodeGraphs:
 
         def step() -> torch.Tensor:
             # the views the kernels read, refreshed inside the graph from the rows
-            torch.add(tables.gather(1, (pos // size).unsqueeze(1)).squeeze(1) * size, pos % size, out=slots)
+            slots_of(tables, pos, size, slots)
             plan.context_lens.copy_(pos)
             plan.block_tables.copy_(tables)
             self.kernels._plan = (meta, cfg, plan)

@@ -1,18 +1,22 @@
 """The decode step's device-resident inputs (`cuda_graphs.DecodeRows`), driven by the real scheduler on the
 CPU: after every placement each row holds exactly what a step laid out from scratch would (its token, its
 position, its block table padded with the scratch block), and every row past the batch is padding, through
-admissions, finishes, preemptions and eager steps in between."""
+admissions, finishes, preemptions and eager steps in between. And the engine's replay path (rows placed,
+slots computed from them, tokens advanced on the device) with the graph taken out gives the eager bits."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
-from detent_audit.engine.cuda_graphs import DecodeRows, capture_sizes
+from detent_audit.engine.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes, slots_of
+from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
 from detent_audit.engine.sequence import Sequence
+from detent_audit.kernels import AttentionMetadata
 from detent_audit.runtime.sampling_params import SamplingParams
 
 SCRATCH = 999
@@ -88,3 +92,45 @@ def test_capture_sizes_pad_little_up_to_the_largest() -> None:
         sizes = capture_sizes(limit)
         # every batch up to the limit pads to a size at most 7 rows (and at most 2x) past it
         assert all(0 <= min(s for s in sizes if s >= b) - b <= min(7, b) for b in range(1, limit + 1))
+
+
+class RowsReplayedEagerly(DecodeGraphs):
+    """The replay path with the CUDA graph taken out: a size's 'replay' runs the decode step of the rows in
+    use eagerly, through the engine's CPU kernels, into that size's logits."""
+
+    def _capture(self, b: int):
+        rows = self.rows
+        logits = torch.empty(b, self.model.config.vocab_size)
+        slots = torch.empty(b, dtype=torch.int64)
+
+        def replay() -> None:
+            ids, pos, tables = rows.ids[:b], rows.positions[:b], rows.tables[:b]
+            meta = AttentionMetadata(cu_seqlens_q=torch.arange(b + 1), context_lens=pos, seq_lens=pos + 1,
+                                     block_tables=tables, slot_mapping=slots_of(tables, pos, self.block_size,
+                                                                                slots),
+                                     max_seqlen_q=1, max_seqlen_k=int(pos.max()) + 1)
+            hidden = self.model(ids, pos, meta, self.kv_caches, self.kernels)
+            logits.copy_(self.model.compute_logits(hidden, self.kernels))
+
+        return replay, logits
+
+
+def test_the_replay_path_gives_the_eager_bits() -> None:
+    rng = random.Random(int(torch.randint(0, 1 << 20, ())))
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(2, 40))] for _ in range(12)]
+    params = [SamplingParams(temperature=0.7 if i % 3 else 0.0, seed=rng.randrange(1 << 30),
+                             logprobs=2 if i % 4 == 1 else None, max_tokens=rng.randint(1, 24), ignore_eos=True)
+              for i in range(12)]
+    config = EngineConfig(model="random:tiny-llama", max_num_seqs=8, max_num_batched_tokens=48, block_size=4,
+                          num_kv_blocks=40, max_model_len=96)
+    eager = LLM(config).generate(prompts, params)
+    llm = LLM(config)
+    blocks = config.num_kv_blocks  # the last one is the padding rows' scratch block, as on a GPU
+    llm._scheduler_config = dataclasses.replace(llm._scheduler_config, num_blocks=blocks - 1)
+    llm.reset()
+    llm.runner.graphs = RowsReplayedEagerly(llm.model, llm.selection.kernels, llm.runner.kv_caches, 4,
+                                            llm.max_model_len, blocks - 1, "cpu", max_size=8)
+    replayed = llm.generate(prompts, params)
+    for a, b in zip(replayed, eager):
+        assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs)
+    assert len(llm.runner.graphs.graphs) >= 3  # decode batches of several sizes replayed
