@@ -245,10 +245,12 @@ class Scheduler:
                 check_token_id(token, "sampled tokens")
         self._pending = None
         finished: list[Sequence] = []
+        size = self.config.block_size
         for entry in output.scheduled:
             seq = entry.seq
             seq.num_computed_tokens = entry.end_pos
-            self.block_manager.commit_full_blocks(seq)
+            if entry.end_pos // size > entry.start_pos // size:  # a block filled (else none to register)
+                self.block_manager.commit_full_blocks(seq)
             token = sampled_tokens[seq.seq_id]
             if token is None:
                 continue
