@@ -6,8 +6,10 @@ steps (capturing the size's graph), then --steps decode steps are timed on the w
 including everything the engine does (schedule, lay out, replay, sample, tokens to the host, update). Then
 the step's CUDA graph alone is replayed --steps times, timed with CUDA events: host work = wall - replay.
 tok/s = B / wall. The floor: (weight bytes + the KV bytes the step reads) / the copy bandwidth measured in
-the same run. The peer (`peer_decode.py`: a plain Llama decode step, torch.compile'd, in one CUDA graph,
-static KV cache) runs the same B at the same context in the same run.
+the same run, or the step's matrix FLOPs (2 x weights x B) / the bf16 matrix rate measured there, whichever
+is larger (at 256 rows the weights' products are compute-bound). The peer (`peer_decode.py`: a plain Llama
+decode step, torch.compile'd, in one CUDA graph, static KV cache) runs the same B at the same context in the
+same run.
 
 Bits: each request's outputs (tokens and fp32 logprobs) at every B against the same request at the other
 sizes, over the tokens both produced: detent's must be equal; stock's differences are listed.
@@ -48,6 +50,14 @@ def copy_bandwidth() -> float:
         times.append(start.elapsed_time(end) / 1e3)
     del a, b
     return 2 * (1 << 30) / sorted(times[5:])[len(times[5:]) // 2]
+
+
+def matmul_rate() -> float:
+    """FLOP/s of a large bf16 matrix product on random data (torch's), median of 20."""
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = event_ms(lambda: x @ y, 25)
+    return 2 * 8192 ** 3 / (ms / 1e3)
 
 
 def event_ms(fn, reps: int) -> float:
@@ -145,9 +155,9 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    bw = copy_bandwidth()
-    result["copy_bandwidth"] = bw
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    bw, rate = copy_bandwidth(), matmul_rate()
+    result["copy_bandwidth"], result["matmul_flop_s"] = bw, rate
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     rng = random.Random(0)
     biggest = max(args.batch_list)
     prompts = [[rng.randrange(1, 32000) for _ in range(args.prompt)] for _ in range(biggest)]
@@ -170,7 +180,9 @@ def main() -> None:
         outputs: dict[int, list] = {}
         for b in args.batch_list:
             row, outputs[b] = engine_rows(llm, prompts, b, args, kv_token_bytes)
-            row["floor_ms"] = (weight_bytes + row["kv_bytes"]) / bw * 1e3
+            row["bytes_floor_ms"] = (weight_bytes + row["kv_bytes"]) / bw * 1e3
+            row["flops_floor_ms"] = 2 * weight_bytes / 2 * b / rate * 1e3  # bf16: 2 bytes a weight
+            row["floor_ms"] = max(row["bytes_floor_ms"], row["flops_floor_ms"])
             row["floor_ratio_wall"] = row["wall_ms"] / row["floor_ms"]
             result.setdefault(mode, {})[str(b)] = row
             print(f"{mode} b={b}: wall {row['wall_ms']:.3f} ms, replay {row['replay_ms']:.3f} ms, host "
@@ -206,7 +218,7 @@ def main() -> None:
             replay_ms = event_ms(peer.graph.replay, args.steps)
             # the static cache is read whole (its mask hides the positions not yet written)
             kv = 2 * shape.layers * b * max_len * shape.kv_heads * shape.head_dim * 2
-            floor_ms = (peer.weight_bytes() + kv) / bw * 1e3
+            floor_ms = max((peer.weight_bytes() + kv) / bw, peer.weight_bytes() * b / rate) * 1e3
             row = {"wall_ms": wall_ms, "replay_ms": replay_ms, "host_ms": wall_ms - replay_ms,
                    "tok_s": b / wall_ms * 1e3, "floor_ms": floor_ms, "floor_ratio_wall": wall_ms / floor_ms,
                    "build_s": time.perf_counter() - t0}
@@ -220,7 +232,7 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     print(f"\n{result['device']}; {args.shape}, bf16, {args.prompt}-token prompts, max_model_len "
-          f"{args.max_model_len}, copy bandwidth {bw / 1e12:.2f} TB/s\n")
+          f"{args.max_model_len}, copy bandwidth {bw / 1e12:.2f} TB/s, matmul {rate / 1e12:.0f} TFLOP/s\n")
     print("| B | who | wall ms/step | replay ms | host ms | tok/s | floor ms | wall / floor |\n"
           "|---|---|---|---|---|---|---|---|")
     for b in args.batch_list:

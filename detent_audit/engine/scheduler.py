@@ -304,6 +304,7 @@ class Scheduler:
             if self.decode is None:
                 raise RuntimeError("a request with stop strings needs a scheduler with a decode function")
             stop_string = find_stop(self.decode(seq.output_token_ids), params.stop) is not None
-        cause = finish_cause(seq.last_token_id, seq.num_output_tokens, seq.num_tokens, params,
+        tokens = seq.token_ids  # (the properties last_token_id, num_output_tokens, num_tokens, read once)
+        cause = finish_cause(tokens[-1], len(tokens) - len(seq.prompt_token_ids), len(tokens), params,
                              self.config.eos_token_ids, self.config.max_model_len, stop_string=stop_string)
         return None if cause is None else cause.reason
