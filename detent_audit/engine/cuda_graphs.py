@@ -36,7 +36,8 @@ def capture_sizes(max_size: int) -> tuple[int, ...]:
     return (*sizes, max_size)
 
 
-def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
+def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int, out: torch.Tensor
+             ) -> torch.Tensor:
     """The cache slot of each row's token into `out` [B]: its block (`tables` [B, blocks]) at `positions` [B],
     times the block size, plus the offset in the block (what `BlockManager.slot_mapping` gives)."""
     block = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)

@@ -116,11 +116,12 @@ class RowsReplayedEagerly(DecodeGraphs):
 
 
 def test_the_replay_path_gives_the_eager_bits() -> None:
-    rng = random.Random(int(torch.randint(0, 1 << 20, ())))
+    seed = int(torch.randint(0, 1 << 20, ()))
+    rng = random.Random(seed)
     prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(2, 40))] for _ in range(12)]
     params = [SamplingParams(temperature=0.7 if i % 3 else 0.0, seed=rng.randrange(1 << 30),
-                             logprobs=2 if i % 4 == 1 else None, max_tokens=rng.randint(1, 24), ignore_eos=True)
-              for i in range(12)]
+                             logprobs=2 if i % 4 == 1 else None, max_tokens=rng.randint(1, 24),
+                             ignore_eos=True) for i in range(12)]
     config = EngineConfig(model="random:tiny-llama", max_num_seqs=8, max_num_batched_tokens=48, block_size=4,
                           num_kv_blocks=40, max_model_len=96)
     eager = LLM(config).generate(prompts, params)
@@ -132,5 +133,5 @@ def test_the_replay_path_gives_the_eager_bits() -> None:
                                             llm.max_model_len, blocks - 1, "cpu", max_size=8)
     replayed = llm.generate(prompts, params)
     for a, b in zip(replayed, eager):
-        assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs)
+        assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs), seed
     assert len(llm.runner.graphs.graphs) >= 3  # decode batches of several sizes replayed

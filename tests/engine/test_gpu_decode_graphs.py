@@ -29,8 +29,9 @@ def requests(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(3, 60))] for _ in range(n)]
     # outputs of many lengths: rows finish at different steps, so the batch shrinks through the sizes
-    params = [SamplingParams(temperature=0.8 if i % 3 else 0.0, seed=seed * 1000 + i, logprobs=3 if i % 4 == 1 else None,
-                             max_tokens=rng.randint(1, 40), ignore_eos=True) for i in range(n)]
+    params = [SamplingParams(temperature=0.8 if i % 3 else 0.0, seed=seed * 1000 + i,
+                             logprobs=3 if i % 4 == 1 else None, max_tokens=rng.randint(1, 40),
+                             ignore_eos=True) for i in range(n)]
     return prompts, params
 
 
@@ -39,24 +40,26 @@ def same(a, b) -> bool:
 
 
 def test_replayed_steps_at_every_size_give_the_eager_bits() -> None:
-    prompts, params = requests(SEATS, seed=int(torch.randint(0, 1 << 20, ())))
+    seed = int(torch.randint(0, 1 << 20, ()))
+    prompts, params = requests(SEATS, seed)
     graphed_llm = engine(True)
     graphed = graphed_llm.generate(prompts, params)
     sizes = set(graphed_llm.runner.graphs.graphs)
     assert len(sizes) >= 4 and max(sizes) > 32  # the walk replayed many sizes, past the old limit of 32
     eager = engine(False).generate(prompts, params)
-    assert all(same(a, b) for a, b in zip(graphed, eager))
+    assert all(same(a, b) for a, b in zip(graphed, eager)), f"seed {seed}"
 
 
 def test_a_request_gets_its_bits_at_every_batch_size() -> None:
-    prompts, params = requests(SEATS, seed=int(torch.randint(0, 1 << 20, ())))
+    seed = int(torch.randint(0, 1 << 20, ()))
+    prompts, params = requests(SEATS, seed)
     params = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=24, ignore_eos=True)
               for p in params]
     llm = engine(True)
     alone = llm.generate(prompts[:1], params[:1])[0]
     for n in (5, 33, SEATS):  # replays at sizes 8, 40, 64
         llm.reset()
-        assert same(llm.generate(prompts[:n], params[:n])[0], alone), n
+        assert same(llm.generate(prompts[:n], params[:n])[0], alone), f"batch {n}, seed {seed}"
     assert {1, 8, 40, SEATS} <= set(llm.runner.graphs.graphs)
 
 
