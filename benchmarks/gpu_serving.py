@@ -70,7 +70,7 @@ from detent_audit.runtime.tuples import load_tuple
 MODES = {"stock": "stock", "det": "det", "detent-default": "detent", "detent-tuned": "detent"}
 ORDER = ("stock", "detent-tuned", "detent-default", "det")
 WORKLOADS = ("sharegpt", "docs-25", "docs-50", "docs-100", "closed-c1", "closed-c8")
-# engine sizes per device: decode batches up to 32 replay CUDA graphs (cuda_graphs.CAPTURE_SIZES)
+# engine sizes per device: decode batches up to max_num_seqs replay CUDA graphs (cuda_graphs.capture_sizes)
 SIZES = {"cuda": dict(max_num_seqs=32, max_num_batched_tokens=2048, num_kv_blocks=16384),
          "cpu": dict(max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=2048)}
 

@@ -192,6 +192,8 @@ class BlockManager:
         self._require_live(seq)
         chain = self._chains[seq.seq_id]
         size = self.block_size
+        if len(chain) >= seq.num_computed_tokens // size:  # no block filled since (most decode steps)
+            return
         for i in range(len(chain), seq.num_computed_tokens // size):
             tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
             h = block_hash(chain[-1] if chain else ROOT_HASH, tokens)

@@ -64,6 +64,7 @@ class EngineConfig:
     model: str | None = None            # a name (named_models), a checkpoint folder or "random:<shape>"; None: the default
     device: str = "cpu"                 # cpu | cuda
     cuda_graphs: bool = True            # GPU: replay captured decode steps (False: always eager)
+    graph_max_batch: int | None = None  # GPU: decode batches up to this many rows replay graphs (None: max_num_seqs)
     mode: str = Mode.DETENT.value                # detent | stock | det
     dtype: str = "float32"
     num_threads: int = 1                # CPU threads, fixed at start (a bit-relevant fact)
@@ -101,6 +102,8 @@ class EngineConfig:
         if self.tensor_parallel_ranks not in ("processes", "emulated"):
             raise BadInput("tensor_parallel_ranks must be processes or emulated, got "
                            f"{self.tensor_parallel_ranks!r}")
+        if self.graph_max_batch is not None and self.graph_max_batch < 1:
+            raise BadInput(f"graph_max_batch must be None or >= 1, got {self.graph_max_batch}")
         if self.tensor_parallel_size > 1 and self.device == "cuda" and self.cuda_graphs:
             raise BadInput("CUDA graphs are not captured for tensor-parallel models yet", remedy="pass --eager")
         if self.tuple is not None and self.mode != Mode.DETENT:
@@ -168,7 +171,8 @@ class LLM(EngineBase[Sequence]):
 
             # the last KV block is the padding rows' scratch: never handed to a sequence
             self.runner.graphs = DecodeGraphs(self.model, self.selection.kernels, self.runner.kv_caches,
-                                              config.block_size, max_len, num_kv_blocks - 1, config.device)
+                                              config.block_size, max_len, num_kv_blocks - 1, config.device,
+                                              max_size=config.graph_max_batch or config.max_num_seqs)
         self._ids = itertools.count()
         # steps run, by how many sequences shared them (how much co-batching a workload really got)
         self.step_batch_sizes: Counter[int] = Counter()
@@ -325,8 +329,7 @@ class LLM(EngineBase[Sequence]):
             return []
         self.step_batch_sizes[len(out.scheduled)] += 1
         bm = self.scheduler.block_manager
-        slots = {e.seq.seq_id: bm.slot_mapping(e.seq, e.start_pos, e.end_pos) for e in out.scheduled}
-        results = self.runner.execute(out, slots)
+        results = self.runner.execute(out, lambda e: bm.slot_mapping(e.seq, e.start_pos, e.end_pos))
         tokens = {sid: r.token for sid, r in results.items()}
         logprobs = {sid: r.logprob for sid, r in results.items() if r.token is not None}
         for e in out.scheduled:

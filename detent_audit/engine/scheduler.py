@@ -18,11 +18,13 @@ is never preempted for a younger one and always fits alone (checked at `add`), s
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 from detent_audit.engine.block_manager import BlockManager
 from detent_audit.engine.sequence import Sequence, SequenceStatus
@@ -79,8 +81,7 @@ class SchedulerConfig:
         return min(self.max_prefill_chunk, self.max_num_batched_tokens)
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     """Compute tokens [start_pos, start_pos + num_new_tokens) of `seq`; sample one token after them iff
     `samples_token` (the chunk reaches the end of the sequence's tokens)."""
 
@@ -163,13 +164,23 @@ class Scheduler:
         scheduled: dict[int, ScheduledSeq] = {}  # seq_id -> entry; insertion order is batch order
         preempted: list[Sequence] = []
 
-        # (1, 2): running decodes, then continuing prefills, each by arrival
-        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival)):
+        # (1, 2): running decodes, then continuing prefills, each by arrival (`running` is kept by arrival)
+        running = self.running
+        decodes = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1]
+        order = decodes if len(decodes) == len(running) else decodes + [  # a copy: preemption mutates running
+            s for s in running if len(s.token_ids) - s.num_computed_tokens > 1]
+        block_size = cfg.block_size
+        for seq in order:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget, cfg.chunk_size)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget, cfg.chunk_size)
+            end = seq.num_computed_tokens + num_new
+            if end <= len(seq.block_table) * block_size:  # its blocks hold the chunk already (most decodes)
+                scheduled[seq.seq_id] = ScheduledSeq(seq, end - num_new, num_new, end == len(seq.token_ids))
+                budget -= num_new
+                continue
             while not blocks.can_append(seq, num_new):
                 victim = max(self.running, key=_arrival)
                 entry = scheduled.pop(victim.seq_id, None)
@@ -194,7 +205,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget, cfg.chunk_size)
             blocks.append_slots(seq, num_new)  # covered by allocate: takes no block
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=_arrival)  # a preempted sequence comes back in its place
             scheduled[seq.seq_id] = self._entry(seq, num_new)
             budget -= num_new
 
@@ -213,11 +224,14 @@ class Scheduler:
         None where the chunk samples nothing. Returns the sequences finished in this step, in batch order."""
         if output is not self._pending:
             raise RuntimeError("update() must receive the output of the last schedule() call")
-        expected = sorted(entry.seq.seq_id for entry in output.scheduled)
-        if sorted(sampled_tokens) != expected:
+        entries = output.scheduled  # seq_ids unique: the keys match iff as many and each entry's is there
+        if len(sampled_tokens) != len(entries) or any(e.seq.seq_id not in sampled_tokens for e in entries):
+            expected = sorted(entry.seq.seq_id for entry in entries)
             raise ValueError(f"sampled_tokens has keys {sorted(sampled_tokens)}, expected {expected}")
-        sampling = sorted(entry.seq.seq_id for entry in output.scheduled if entry.samples_token)
-        if logprobs is not None and sorted(logprobs) != sampling:
+        if logprobs is not None and (
+                len(logprobs) != sum(e.samples_token for e in entries)
+                or any(e.seq.seq_id not in logprobs for e in entries if e.samples_token)):
+            sampling = sorted(entry.seq.seq_id for entry in entries if entry.samples_token)
             raise ValueError(f"logprobs has keys {sorted(logprobs)}, expected the sampling seqs {sampling}")
         for entry in output.scheduled:  # validate everything before mutating anything
             token = sampled_tokens[entry.seq.seq_id]
@@ -231,10 +245,12 @@ class Scheduler:
                 check_token_id(token, "sampled tokens")
         self._pending = None
         finished: list[Sequence] = []
+        size = self.config.block_size
         for entry in output.scheduled:
             seq = entry.seq
             seq.num_computed_tokens = entry.end_pos
-            self.block_manager.commit_full_blocks(seq)
+            if entry.end_pos // size > entry.start_pos // size:  # a block filled (else none to register)
+                self.block_manager.commit_full_blocks(seq)
             token = sampled_tokens[seq.seq_id]
             if token is None:
                 continue
@@ -288,6 +304,7 @@ class Scheduler:
             if self.decode is None:
                 raise RuntimeError("a request with stop strings needs a scheduler with a decode function")
             stop_string = find_stop(self.decode(seq.output_token_ids), params.stop) is not None
-        cause = finish_cause(seq.last_token_id, seq.num_output_tokens, seq.num_tokens, params,
+        tokens = seq.token_ids  # (the properties last_token_id, num_output_tokens, num_tokens, read once)
+        cause = finish_cause(tokens[-1], len(tokens) - len(seq.prompt_token_ids), len(tokens), params,
                              self.config.eos_token_ids, self.config.max_model_len, stop_string=stop_string)
         return None if cause is None else cause.reason

@@ -30,6 +30,8 @@ def is_int(value: object) -> TypeGuard[int]:
 
 def check_token_id(token_id: object, what: str) -> int:
     """Return `token_id` if it is an int in [0, 2**32 - 1], else raise `BadInput` naming `what`."""
+    if type(token_id) is int and 0 <= token_id <= MAX_TOKEN_ID:  # the common case, checked first
+        return token_id
     if not is_int(token_id) or not (0 <= token_id <= MAX_TOKEN_ID):
         raise BadInput(
             f"{what} must be token ids in [0, 2**32 - 1], got {token_id!r}",

@@ -1,0 +1,137 @@
+"""The decode step's device-resident inputs (`cuda_graphs.DecodeRows`), driven by the real scheduler on the
+CPU: after every placement each row holds exactly what a step laid out from scratch would (its token, its
+position, its block table padded with the scratch block), and every row past the batch is padding, through
+admissions, finishes, preemptions and eager steps in between. And the engine's replay path (rows placed,
+slots computed from them, tokens advanced on the device) with the graph taken out gives the eager bits."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from detent_audit.engine.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes, slots_of
+from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
+from detent_audit.engine.sequence import Sequence
+from detent_audit.kernels import AttentionMetadata
+from detent_audit.runtime.sampling_params import SamplingParams
+
+SCRATCH = 999
+
+
+def expected_rows(order: list[Sequence], positions: dict[int, int], num_rows: int, max_blocks: int):
+    ids = torch.zeros(num_rows, dtype=torch.int64)
+    pos = torch.zeros(num_rows, dtype=torch.int64)
+    tables = torch.full((num_rows, max_blocks), SCRATCH, dtype=torch.int64)
+    for r, seq in enumerate(order):
+        p = positions[seq.seq_id]
+        ids[r], pos[r] = seq.token_ids[p], p
+        tables[r, :len(seq.block_table)] = torch.tensor(seq.block_table)
+    return ids, pos, tables
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rows_hold_each_step_as_laid_out_from_scratch(seed: int) -> None:
+    rng = random.Random(seed)
+    block_size, max_len, num_rows = 4, 64, 16
+    max_blocks = -(-max_len // block_size)
+    # few blocks: decodes that cross a block boundary preempt the youngest sequence
+    sched = Scheduler(SchedulerConfig(num_blocks=60, block_size=block_size, max_model_len=max_len,
+                                      max_num_seqs=num_rows, max_num_batched_tokens=64, max_prefill_chunk=24))
+    rows = DecodeRows(num_rows, max_blocks, SCRATCH, "cpu")
+    next_id = 0
+    placed = preempted = eager_decodes = 0
+    for _ in range(400):
+        if rng.random() < 0.15:  # arrivals at random times: admissions turn the next steps into mixed ones
+            for _ in range(rng.randint(1, 4)):
+                prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 20))]
+                sched.add(Sequence(next_id, prompt, SamplingParams(max_tokens=rng.randint(1, 30),
+                                                                   ignore_eos=True)))
+                next_id += 1
+        out = sched.schedule()
+        preempted += len(out.preempted)
+        if not out.scheduled:
+            sched.update(out, {})
+            continue
+        entries = out.scheduled
+        decode_only = all(e.num_new_tokens == 1 and e.samples_token for e in entries)
+        tokens = {e.seq.seq_id: rng.randrange(1000) if e.samples_token else None for e in entries}
+        if decode_only and rng.random() < 0.8:  # the rest run eagerly, as a replay that was not possible
+            positions = {e.seq.seq_id: e.start_pos for e in entries}
+            order = rows.place([e.seq for e in entries], [e.start_pos for e in entries])
+            assert sorted(s.seq_id for s in order) == sorted(positions)
+            for got, want in zip((rows.ids, rows.positions, rows.tables),
+                                 expected_rows(order, positions, num_rows, max_blocks)):
+                assert torch.equal(got, want)
+            placed += 1
+            rows.advance(torch.tensor([tokens[s.seq_id] for s in order], dtype=torch.int64))
+        elif decode_only:
+            eager_decodes += 1
+        sched.update(out, tokens)
+        sched.block_manager.check_integrity()
+    assert placed > 50 and preempted > 0 and eager_decodes > 0  # the walk met what it is here to meet
+
+
+def test_advance_takes_one_token_per_placed_row() -> None:
+    rows = DecodeRows(4, 2, SCRATCH, "cpu")
+    seq = Sequence(0, [5, 6], SamplingParams())
+    seq.block_table = [3]
+    rows.place([seq], [1])
+    with pytest.raises(ValueError, match="one token per placed row"):
+        rows.advance(torch.tensor([1, 2]))
+
+
+def test_capture_sizes_pad_little_up_to_the_largest() -> None:
+    assert capture_sizes(256) == (1, 2, 4, *range(8, 257, 8))
+    assert capture_sizes(3) == (1, 2, 3)
+    assert capture_sizes(40)[-2:] == (32, 40) and capture_sizes(41)[-2:] == (40, 41)
+    for limit in (1, 7, 32, 100, 256):
+        sizes = capture_sizes(limit)
+        # every batch up to the limit pads to a size at most 7 rows (and at most 2x) past it
+        assert all(0 <= min(s for s in sizes if s >= b) - b <= min(7, b) for b in range(1, limit + 1))
+
+
+class RowsReplayedEagerly(DecodeGraphs):
+    """The replay path with the CUDA graph taken out: a size's 'replay' runs the decode step of the rows in
+    use eagerly, through the engine's CPU kernels, into that size's logits."""
+
+    def _capture(self, b: int):
+        rows = self.rows
+        logits = torch.empty(b, self.model.config.vocab_size)
+        slots = torch.empty(b, dtype=torch.int64)
+
+        def replay() -> None:
+            ids, pos, tables = rows.ids[:b], rows.positions[:b], rows.tables[:b]
+            meta = AttentionMetadata(cu_seqlens_q=torch.arange(b + 1), context_lens=pos, seq_lens=pos + 1,
+                                     block_tables=tables, slot_mapping=slots_of(tables, pos, self.block_size,
+                                                                                slots),
+                                     max_seqlen_q=1, max_seqlen_k=int(pos.max()) + 1)
+            hidden = self.model(ids, pos, meta, self.kv_caches, self.kernels)
+            logits.copy_(self.model.compute_logits(hidden, self.kernels))
+
+        return replay, logits
+
+
+def test_the_replay_path_gives_the_eager_bits() -> None:
+    seed = int(torch.randint(0, 1 << 20, ()))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(2, 40))] for _ in range(12)]
+    params = [SamplingParams(temperature=0.7 if i % 3 else 0.0, seed=rng.randrange(1 << 30),
+                             logprobs=2 if i % 4 == 1 else None, max_tokens=rng.randint(1, 24),
+                             ignore_eos=True) for i in range(12)]
+    config = EngineConfig(model="random:tiny-llama", max_num_seqs=8, max_num_batched_tokens=48, block_size=4,
+                          num_kv_blocks=40, max_model_len=96)
+    eager = LLM(config).generate(prompts, params)
+    llm = LLM(config)
+    blocks = config.num_kv_blocks  # the last one is the padding rows' scratch block, as on a GPU
+    llm._scheduler_config = dataclasses.replace(llm._scheduler_config, num_blocks=blocks - 1)
+    llm.reset()
+    llm.runner.graphs = RowsReplayedEagerly(llm.model, llm.selection.kernels, llm.runner.kv_caches, 4,
+                                            llm.max_model_len, blocks - 1, "cpu", max_size=8)
+    replayed = llm.generate(prompts, params)
+    for a, b in zip(replayed, eager):
+        assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs), seed
+    assert len(llm.runner.graphs.graphs) >= 3  # decode batches of several sizes replayed
