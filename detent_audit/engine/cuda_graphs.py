@@ -168,7 +168,6 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_size)
         self.rows = DecodeRows(self.sizes[-1], self.max_blocks, scratch_block, device)
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
-        self._pool = None  # one memory pool for every size's graph (they never run at once)
 
     def _step_at(self, b: int) -> Callable[[], torch.Tensor]:
         """The decode step of rows [0, b): the function a graph captures."""
@@ -209,10 +208,11 @@ class DecodeGraphs:
         step = self._step_at(b)
         step()  # compile and warm up outside the graph
         torch.cuda.synchronize()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        # each size's graph its own memory pool: sizes are captured as batches first reach them and replayed in
+        # any order (with one pool shared, the first replay at 8 rows after a capture at 1 failed with an
+        # illegal address on an H200; with a pool each, the GPU tests pass)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph):
             logits = step()
         for buf, old in zip((rows.ids, rows.positions, rows.tables), saved):
             buf[:b] = old
