@@ -196,8 +196,8 @@ class _Decoder:
             raise self.fail(f"nested deeper than {MAX_DEPTH} levels")
         limit = self.limits.max_map_len if is_map else self.limits.max_array_len
         if count > limit:
-            raise self.fail(f"{'a map' if is_map else 'an array'} of {count} entries is longer than the limit "
-                            f"({limit})")
+            raise self.fail(f"{'a map' if is_map else 'an array'} of {count} entries is longer than the "
+                            f"limit ({limit})")
         if count * (2 if is_map else 1) > len(self.data) - self.pos:  # every element takes a byte at least
             raise self.error(f"{self.what}: truncated (it declares more than its {len(self.data)} bytes)")
         return _Open({} if is_map else [], count)

@@ -1,9 +1,9 @@
 """Deployment facts: what the solver knows about a serving deployment before the first request.
 
-A `Deployment` is the static half of every SelIR program's input (docs/design.md section 3): the model's shape,
-the GPU, the engine's settings, the parallel layout and the engine's tuned tables. It is loaded from a TOML file
-(`manifests/deployments/*.toml`, one section per record below), validated on construction, and hashed
-canonically so a receipt can name the exact facts its tuple was solved for.
+A `Deployment` is the static half of every SelIR program's input (docs/design.md section 3): the model's
+shape, the GPU, the engine's settings, the parallel layout and the engine's tuned tables. It is loaded from a
+TOML file (`manifests/deployments/*.toml`, one section per record below), validated on construction, and
+hashed canonically so a receipt can name the exact facts its tuple was solved for.
 
 Invariants of a `Deployment` that exists: every field has its declared type (no floats anywhere, so the
 canonical form is receipt-safe), counts are positive, head counts fit the tensor-parallel degree, tables
@@ -95,7 +95,8 @@ class ModelFacts:
               "take both head counts from the model's config.json")
         if self.num_experts == 0:
             check(self.num_experts_per_tok == 0 and self.moe_intermediate_size == 0,
-                  "a dense model (num_experts = 0) needs num_experts_per_tok = 0 and moe_intermediate_size = 0")
+                  "a dense model (num_experts = 0) needs num_experts_per_tok = 0 and moe_intermediate_size = "
+                  "0")
         else:
             check(1 <= self.num_experts_per_tok <= self.num_experts,
                   f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
@@ -122,10 +123,11 @@ class ModelFacts:
                                   moe_intermediate_size=self.moe_intermediate_size)
 
 
-def decoder_parameters(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-                       head_dim: int, intermediate_size: int, num_experts: int = 0, moe_intermediate_size: int = 0,
-                       moe_layers: int | None = None, tied_embeddings: bool = False, qkv_bias: bool = False,
-                       o_bias: bool = False, qk_norm: bool = False) -> int:
+def decoder_parameters(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+                       num_kv_heads: int, head_dim: int, intermediate_size: int, num_experts: int = 0,
+                       moe_intermediate_size: int = 0, moe_layers: int | None = None,
+                       tied_embeddings: bool = False, qkv_bias: bool = False, o_bias: bool = False,
+                       qk_norm: bool = False) -> int:
     """The parameter count of a Llama/Qwen decoder: embeddings (and an untied head), per layer attention
     (q, k, v, o; optional biases and per-head q/k norms), two RMSNorms and a gated MLP, or on `moe_layers` of
     them (all, by default, when `num_experts` > 0) a router and `num_experts` gated experts; a final norm."""
@@ -152,7 +154,8 @@ class GpuFacts:
     def __post_init__(self) -> None:
         check(self.arch != CPU, "arch 'cpu': a CPU is described by a [cpu] section (capability, "
               "num_threads), not [gpu]")
-        check(self.arch in ARCH_CAPABILITIES, f"arch {self.arch!r} must be one of {sorted(ARCH_CAPABILITIES)}")
+        check(self.arch in ARCH_CAPABILITIES,
+              f"arch {self.arch!r} must be one of {sorted(ARCH_CAPABILITIES)}")
         expected = ARCH_CAPABILITIES[self.arch]
         check(self.compute_capability in expected, f"compute_capability {self.compute_capability!r} does not "
               f"match arch {self.arch!r} (expected one of {list(expected)})")
@@ -178,7 +181,8 @@ class EngineFacts:
 
     name: str                              # "vllm" | "sglang" | "detent"
     version: str
-    attention_backend: str                 # "fa3", "fa2", "flashinfer", "triton", "detent", "detent-streaming"
+    # "fa3", "fa2", "flashinfer", "triton", "detent", "detent-streaming"
+    attention_backend: str
     uses_vllm_fa_fork: bool                # FlashAttention from vllm-project/flash-attention
     page_size: int                         # KV-cache tokens per page
     max_model_len: int
@@ -200,9 +204,11 @@ class EngineFacts:
     nccl_channels: int = 0                 # NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS (0: not pinned)
     # vLLM --disable-cascade-attn: True, vLLM's default since PR #36318 (engine_defaults.py cites it)
     disable_cascade_attn: bool = True
-    fa3_source: str = ""                   # the FlashAttention-3 build: "<owner>/<repo>@<commit>" ("": unknown)
+    # the FlashAttention-3 build: "<owner>/<repo>@<commit>" ("": unknown)
+    fa3_source: str = ""
     nccl_chain_order: str = ""             # NCCL's per-channel intra-node chain order ("": not recorded)
-    # the embedded engine on a CPU: GEMM forms a probe proved batch-invariant where it runs (kernels/gemm_probe.py)
+    # the embedded engine on a CPU: GEMM forms a probe proved batch-invariant where it runs
+    # (kernels/gemm_probe.py)
     gemm_pad_rows: int = 0                 # one product padded to >= this many rows (0: not proven)
     gemm_row_form: bool = False            # every row its own one-row product
 
@@ -275,7 +281,8 @@ class MatmulBucket:
 
 @dataclass(frozen=True)
 class MatmulShapeConfig:
-    """A tuned (N, K) shape of the engine's batch-invariant matmul table: one BLOCK_K, M-buckets for the rest."""
+    """A tuned (N, K) shape of the engine's batch-invariant matmul table: one BLOCK_K, M-buckets for the
+    rest."""
 
     n: int
     k: int
@@ -333,26 +340,28 @@ class Deployment:
               "one of [gpu] and [cpu]")
         check(m.num_heads % tp == 0, f"tensor_parallel_size ({tp}) must divide [model] num_heads "
               f"({m.num_heads})", section="parallel")
-        check(m.num_kv_heads % tp == 0 or tp % m.num_kv_heads == 0, f"tensor_parallel_size ({tp}) and [model] "
-              f"num_kv_heads ({m.num_kv_heads}) must divide one another (KV heads are split, or replicated "
-              "when TP exceeds them)", section="parallel")
+        check(m.num_kv_heads % tp == 0 or tp % m.num_kv_heads == 0,
+              f"tensor_parallel_size ({tp}) and [model] num_kv_heads ({m.num_kv_heads}) must divide one "
+              "another (KV heads are split, or replicated when TP exceeds them)", section="parallel")
         mlp = m.moe_intermediate_size if m.is_moe else m.intermediate_size
-        check(mlp % tp == 0, f"tensor_parallel_size ({tp}) must divide the MLP size ({mlp})", section="parallel")
+        check(mlp % tp == 0, f"tensor_parallel_size ({tp}) must divide the MLP size ({mlp})",
+              section="parallel")
         check(tp == 1 or self.arch != CPU or e.name == "detent", "tensor_parallel_size: on a CPU only the "
               "detent engine runs tensor-parallel (its ranks as processes over gloo)", section="parallel")
         check(e.max_model_len <= m.max_position_embeddings, f"max_model_len ({e.max_model_len}) exceeds "
               f"[model] max_position_embeddings ({m.max_position_embeddings})", section="engine")
         check(e.attention_backend != "fa3" or self.arch == "sm90",
               f"attention_backend 'fa3': FlashAttention-3 runs on sm90, not {self.arch}", section="engine")
-        check((e.name == "detent") == e.attention_backend.startswith("detent"), "attention_backend 'detent' (and "
-              "'detent-streaming', its GPU kernel's streaming fold) is the detent engine's own, and the detent "
-              "engine uses no other", section="engine")
+        check((e.name == "detent") == e.attention_backend.startswith("detent"),
+              "attention_backend 'detent' (and 'detent-streaming', its GPU kernel's streaming fold) is "
+              "the detent engine's own, and the detent engine uses no other", section="engine")
         check(self.arch != CPU or e.name == "detent", "name: only the detent engine runs on a CPU",
               section="engine")
         check(not self.tables.fused_moe or m.is_moe, "fused_moe: a fused-MoE table needs an MoE model",
               section="tables")
-        check(not self.tables.fused_moe_down or bool(self.tables.fused_moe), "fused_moe_down: a down-projection table "
-              "completes an up-projection table ([tables.fused_moe])", section="tables")
+        check(not self.tables.fused_moe_down or bool(self.tables.fused_moe),
+              "fused_moe_down: a down-projection table completes an up-projection table ([tables.fused_moe])",
+              section="tables")
 
     @property
     def arch(self) -> str:
@@ -460,7 +469,8 @@ def _moe_rows(data: dict, name: str) -> tuple[tuple[int, MoeConfigRow], ...]:
           section="tables")
     rows = []
     for key, row in moe.items():
-        check(isinstance(key, str) and key.isdigit() and int(key) > 0, f"key {key!r} must be a positive token count",
+        check(isinstance(key, str) and key.isdigit() and int(key) > 0,
+              f"key {key!r} must be a positive token count",
               "the keys are the token counts the rows were tuned for", section=f"tables.{name}")
         rows.append((int(key), _parse(MoeConfigRow, row, f"tables.{name}.{key}")))
     return tuple(sorted(rows, key=lambda r: r[0]))
@@ -473,8 +483,8 @@ def _parse_tables(data: dict) -> TunedTables:
           section="tables")
     rows, down = _moe_rows(data, "fused_moe"), _moe_rows(data, "fused_moe_down")
     shapes = data.get("matmul", [])
-    check(isinstance(shapes, list), "matmul must be an array of tables", "write each shape as [[tables.matmul]]",
-          section="tables")
+    check(isinstance(shapes, list), "matmul must be an array of tables",
+          "write each shape as [[tables.matmul]]", section="tables")
     parsed = []
     for i, shape in enumerate(shapes):
         where = f"tables.matmul.{i}"

@@ -64,8 +64,8 @@ def _walk(value: Any, where: str, depth: int, error: type[InvalidReceipt], make_
     if depth > MAX_DEPTH:
         raise error(f"{where or 'value'}: nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, bytes) and not allow_bytes:
-        raise error(f"{where or 'value'}: binary data is not a fact (facts are JSON values: their hash is over "
-                    "canonical JSON)")
+        raise error(f"{where or 'value'}: binary data is not a fact (facts are JSON values: their hash is "
+                    "over canonical JSON)")
     if value is None or isinstance(value, (bool, bytes)):
         return value
     if isinstance(value, int):
@@ -183,21 +183,24 @@ def facts_hash(facts: Any) -> str:
 
 
 def check_tuple(data: Any, source: str) -> dict[str, dict[str, Any]]:
-    """A committed tuple ({family: {axis: value}}, values int, bool or str) with keys sorted; else `BadInput`."""
+    """A committed tuple ({family: {axis: value}}, values int, bool or str) with keys sorted; else
+    `BadInput`."""
     if not isinstance(data, Mapping) or not all(isinstance(k, str) and isinstance(v, Mapping)
                                                 for k, v in data.items()):
         raise BadInput(f"{source}: a tuple maps family names to {{axis: value}} maps")
     for family, axes in data.items():
         for axis, value in axes.items():
             if not isinstance(axis, str) or not isinstance(value, (int, bool, str)):
-                raise BadInput(f"{source}: {family}.{axis} = {value!r}: values are integers, booleans or strings")
+                raise BadInput(f"{source}: {family}.{axis} = {value!r}: values are integers, booleans or "
+                               "strings")
             if isinstance(value, int) and not INT_MIN <= value <= UINT64_MAX:
                 raise BadInput(f"{source}: {family}.{axis} = {value}: does not fit 64 bits")
     return {f: dict(sorted(a.items())) for f, a in sorted(data.items())}
 
 
 def encode_tuple(values: Any) -> bytes:
-    """A tuple's canonical msgpack (it holds no floats, so the encoding is exact): what `tuple_hash` hashes."""
+    """A tuple's canonical msgpack (it holds no floats, so the encoding is exact): what `tuple_hash`
+    hashes."""
     return pack(check_tuple(values, "tuple"))
 
 

@@ -9,7 +9,8 @@ canonical msgpack (encoding.py), one map, schema version 2 (`version`):
                                              form is checked here, the verifier recomputes them (step 3)
     request:      {client: map, id: str, prompt_token_ids_u32le: bin(4m), sampling: map, seed: u64}
     client:       {api: str, body_json: bin, body_sha256: hex}
-    sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, [stop: [str]], stop_token_ids: [u32],
+    sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, [stop: [str]], stop_token_ids:
+    [u32],
                    temperature_f64_bits: u64, top_k: uint, top_p_f64_bits: u64}
     output:       {digest: hex, finish_reason: "length"|"stop", logprobs_f32le: bin(4n), text: str,
                    token_ids_u32le: bin(4n), top_logprobs_f32le: bin(4nk), top_token_ids_u32le: bin(4nk)}
@@ -156,10 +157,12 @@ class SamplingRecord:
     @classmethod
     def from_params(cls, params: Any, max_tokens: int | None = None) -> SamplingRecord:
         """From the engine's `SamplingParams` (read by attribute, so this module never imports the engine);
-        `max_tokens` where the request's differs from the engine's (0 for an echo request that draws nothing)."""
+        `max_tokens` where the request's differs from the engine's (0 for an echo request that draws
+        nothing)."""
         return cls(params.temperature, params.top_k, params.top_p,
                    params.max_tokens if max_tokens is None else max_tokens,
-                   tuple(params.stop_token_ids), params.ignore_eos, params.logprobs, tuple(getattr(params, "stop", ())))
+                   tuple(params.stop_token_ids), params.ignore_eos, params.logprobs,
+                   tuple(getattr(params, "stop", ())))
 
     def _to_wire(self) -> dict[str, Any]:
         wire = {"ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "max_tokens": self.max_tokens,
@@ -172,7 +175,8 @@ class SamplingRecord:
     def _from_wire(cls, wire: Any) -> SamplingRecord:
         w = dec.fields(wire, _SAMPLING_FIELDS, "request.sampling", optional=("stop",))
         if w["stop"] is not None and not w["stop"]:
-            raise InvalidReceipt("request.sampling.stop: present but empty (an absent key means no stop strings)")
+            raise InvalidReceipt("request.sampling.stop: present but empty (an absent key means no stop "
+                                 "strings)")
         bits = {name: dec.check_uint(w[f"{name}_f64_bits"], f"request.sampling.{name}_f64_bits")
                 for name in ("temperature", "top_p")}
         temperature, top_p = enc.f64_from_bits(bits["temperature"]), enc.f64_from_bits(bits["top_p"])
@@ -186,7 +190,8 @@ def body_json(body: Any) -> bytes:
     try:
         return enc.canonical_json(body, ascii=False)
     except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as exc:
-        raise InvalidReceipt(f"request.client.body_json: not a JSON value with a canonical form ({exc})") from None
+        raise InvalidReceipt("request.client.body_json: not a JSON value with a canonical form "
+                             f"({exc})") from None
 
 
 def parse_canonical_json(data: bytes, where: str = "request.client.body_json") -> Any:
@@ -224,8 +229,8 @@ class ClientRequest:
             raise InvalidReceipt(f"request.client.api: expected one of {', '.join(CLIENT_APIS)}, got "
                                  f"{dec.describe(self.api)}")
         if not isinstance(self.body_json, bytes) or not 2 <= len(self.body_json) <= MAX_CLIENT_BODY:
-            raise InvalidReceipt(f"request.client.body_json: expected 2 to {MAX_CLIENT_BODY} bytes of JSON, got "
-                                 f"{dec.describe(self.body_json)}")
+            raise InvalidReceipt(f"request.client.body_json: expected 2 to {MAX_CLIENT_BODY} bytes of JSON, "
+                                 f"got {dec.describe(self.body_json)}")
 
     @classmethod
     def of(cls, api: str, body: Any) -> ClientRequest:
@@ -289,7 +294,8 @@ class RequestRecord:
     def _from_wire(cls, wire: Any) -> RequestRecord:
         w = dec.fields(wire, ("client", "id", "prompt_token_ids_u32le", "sampling", "seed"), "request")
         return cls(w["id"], ClientRequest._from_wire(w["client"]),
-                   _ids_from_wire(w["prompt_token_ids_u32le"], "request.prompt_token_ids_u32le", MAX_TOKENS, 1),
+                   _ids_from_wire(w["prompt_token_ids_u32le"], "request.prompt_token_ids_u32le", MAX_TOKENS,
+                                  1),
                    SamplingRecord._from_wire(w["sampling"]), w["seed"])
 
 
@@ -348,14 +354,14 @@ class OutputRecord:
                                  f"token id), got {dec.describe(self.top_logprobs_f32le)}")
 
     @classmethod
-    def from_floats(cls, token_ids: Sequence[int], logprobs: Sequence[float], finish_reason: str, text: str = "",
-                    top_logprobs: Sequence[Sequence[tuple[int, float]]] = ()) -> OutputRecord:
+    def from_floats(cls, token_ids: Sequence[int], logprobs: Sequence[float], finish_reason: str,
+                    text: str = "", top_logprobs: Sequence[Sequence[tuple[int, float]]] = ()) -> OutputRecord:
         """From Python floats, each rounded to fp32 (from a tensor: `t.numpy().astype("<f4").tobytes()`);
         `top_logprobs`: per output token, its (token id, logprob) alternatives, the same count at each."""
         tops = [list(t) for t in top_logprobs] if any(top_logprobs) else []
         if tops and (len(tops) != len(token_ids) or len({len(t) for t in tops}) != 1):
-            raise InvalidReceipt("output.top_logprobs: expected the same number of alternatives at every output "
-                                 "token")
+            raise InvalidReceipt("output.top_logprobs: expected the same number of alternatives at every "
+                                 "output token")
         return cls(tuple(token_ids), enc.f32le_pack(logprobs), finish_reason, text,
                    tuple(i for t in tops for i, _ in t), enc.f32le_pack(v for t in tops for _, v in t))
 
@@ -427,8 +433,8 @@ class ScoringRecord:
         ids = dec.check_token_ids(self.top_ids, "scoring.top_ids", MAX_TOKENS * 8)
         object.__setattr__(self, "top_ids", ids)
         if len(ids) != self.num_positions * self.top_n:
-            raise InvalidReceipt(f"scoring.top_ids: expected {self.top_n} per position ({self.num_positions * self.top_n}), "
-                                 f"got {len(ids)}")
+            raise InvalidReceipt(f"scoring.top_ids: expected {self.top_n} per position "
+                                 f"({self.num_positions * self.top_n}), got {len(ids)}")
         if not isinstance(self.top_logprobs_f32le, bytes) or len(self.top_logprobs_f32le) != 4 * len(ids):
             raise InvalidReceipt(f"scoring.top_logprobs_f32le: expected {4 * len(ids)} bytes (4 per top id), "
                                  f"got {dec.describe(self.top_logprobs_f32le)}")
@@ -442,9 +448,11 @@ class ScoringRecord:
                     ) -> ScoringRecord:
         """From Python floats (rounded to fp32) and, per position, the top-n (id, logprob) pairs."""
         if any(len(t) != top_n for t in tops) or (top_n and len(tops) != len(logprobs)):
-            raise InvalidReceipt(f"scoring: expected {top_n} alternatives at each of {len(logprobs)} positions")
+            raise InvalidReceipt(f"scoring: expected {top_n} alternatives at each of {len(logprobs)} "
+                                 "positions")
         pairs = [pair for t in tops for pair in t]
-        return cls(enc.f32le_pack(logprobs), top_n, tuple(i for i, _ in pairs), enc.f32le_pack([v for _, v in pairs]))
+        return cls(enc.f32le_pack(logprobs), top_n, tuple(i for i, _ in pairs),
+                   enc.f32le_pack([v for _, v in pairs]))
 
     @property
     def logprobs(self) -> tuple[float, ...]:
@@ -504,13 +512,14 @@ class Receipt:
                 raise InvalidReceipt(f"scoring: expected a ScoringRecord, got {dec.describe(self.scoring)}")
             if self.scoring.num_positions != len(self.request.prompt_token_ids) - 1:
                 raise InvalidReceipt(f"scoring: {self.scoring.num_positions} prompt logprobs for a prompt of "
-                                     f"{len(self.request.prompt_token_ids)} tokens (expected one per token after "
-                                     f"the first)")
+                                     f"{len(self.request.prompt_token_ids)} tokens (expected one per token "
+                                     f"after the first)")
             if self.scoring.top_n != (self.request.sampling.logprobs or 0):
-                raise InvalidReceipt(f"scoring.top_n: {self.scoring.top_n} alternatives per prompt position, but "
-                                     f"the request asked for {self.request.sampling.logprobs or 0}")
+                raise InvalidReceipt(f"scoring.top_n: {self.scoring.top_n} alternatives per prompt position, "
+                                     f"but the request asked for {self.request.sampling.logprobs or 0}")
         elif self.request.sampling.max_tokens == 0:
-            raise InvalidReceipt("request.sampling.max_tokens: 0 only in a receipt that scores its prompt (scoring)")
+            raise InvalidReceipt("request.sampling.max_tokens: 0 only in a receipt that scores its prompt "
+                                 "(scoring)")
 
     def to_bytes(self) -> bytes:
         """The canonical payload bytes (what the envelope signs)."""
@@ -531,7 +540,8 @@ class Receipt:
 
         This checks no signature: a verifier calls `verify_envelope`, which checks it first.
         """
-        w = dec.fields(dec.unpack(data, _LIMITS, what="receipt payload"), _FIELDS, "receipt", optional=("scoring",))
+        w = dec.fields(dec.unpack(data, _LIMITS, what="receipt payload"), _FIELDS, "receipt",
+                       optional=("scoring",))
         if dec.check_uint(w["version"], "receipt.version") != SCHEMA_VERSION:
             raise InvalidReceipt(f"receipt: schema version {w['version']} is not supported (this release "
                                  f"reads version {SCHEMA_VERSION})", remedy="use the release the node ran")
@@ -612,5 +622,6 @@ def open_payload(opened: OpenedEnvelope) -> VerifiedReceipt:
     """Step (3): the signed payload decoded (bounded, schema, canonical re-encoding); it names its signer."""
     receipt = Receipt.from_bytes(opened.payload)
     if receipt.node_keyid != opened.keyid:
-        raise BadSignature(f"the receipt names node key {receipt.node_keyid}, but key {opened.keyid} signed it")
+        raise BadSignature(f"the receipt names node key {receipt.node_keyid}, but key {opened.keyid} signed "
+                           "it")
     return VerifiedReceipt(receipt, opened.keyid)
