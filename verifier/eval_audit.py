@@ -82,8 +82,9 @@ class Score:
             json.dumps(self.reported) == json.dumps(self.recomputed)
 
     def to_json(self) -> dict:
-        return {"task": self.task, "metric": self.metric, "reported": self.reported, "recomputed": self.recomputed,
-                "equal": self.equal, "covered": self.covered, "total": self.total}
+        return {"task": self.task, "metric": self.metric, "reported": self.reported,
+                "recomputed": self.recomputed, "equal": self.equal, "covered": self.covered,
+                "total": self.total}
 
 
 def score_line(score: Score, docs: Sequence[DocVerdict]) -> str:
@@ -147,8 +148,8 @@ def _model_args(results: dict) -> tuple[str, dict[str, Any]]:
     name, args = config.get("model"), config.get("model_args") or {}
     if name not in API_OF_MODEL:
         raise BadInput(f"the run used lm-eval model {name!r}",
-                       remedy="verify-eval audits runs against an OpenAI-compatible server: local-completions "
-                              "or local-chat-completions")
+                       remedy="verify-eval audits runs against an OpenAI-compatible server: "
+                              "local-completions or local-chat-completions")
     if isinstance(args, str):
         from lm_eval.utils import simple_parse_args_string
 
@@ -193,7 +194,8 @@ def response_of(lm: Any, req: Sent, receipt: Any, decode: Callable) -> Any:
 
     A response's top_logprobs entry maps each alternative's text, then the token's own, to its logprob, the
     first of equal texts kept; lm-eval reads only its values (`is_greedy`: the token's logprob equals the
-    largest, the top-1's, which is always kept). Keyed here by token id, the values lm-eval reads are the same."""
+    largest, the top-1's, which is always kept). Keyed here by token id, the values lm-eval reads are the
+    same."""
     out = receipt.output
     if req.kind == "score":
         sc = receipt.scoring
@@ -207,7 +209,8 @@ def response_of(lm: Any, req: Sent, receipt: Any, decode: Callable) -> Any:
             tops.append(entry)
         choice = {"index": 0, "logprobs": {"token_logprobs": [None, *lps], "top_logprobs": [None, *tops]}}
         ids = [*prompt, *out.token_ids]
-        (ll, greedy), = type(lm).parse_logprobs(outputs={"choices": [choice]}, tokens=[ids], ctxlens=[req.ctxlen])
+        (ll, greedy), = type(lm).parse_logprobs(outputs={"choices": [choice]}, tokens=[ids],
+                                                ctxlens=[req.ctxlen])
         return [ll, greedy]
     text, _ = output_text(decode, list(out.token_ids), receipt.request.sampling.stop)
     choice = {"index": 0, "text": text, "message": {"role": "assistant", "content": text}}
