@@ -67,7 +67,8 @@ class ImportRaced(BadInput):
 
 @dataclass(frozen=True)
 class GGUFImport:
-    """What `import_gguf` wrote: the folder, the file's SHA-256, the tensor count and the quantizations met."""
+    """What `import_gguf` wrote: the folder, the file's SHA-256, the tensor count and the quantizations
+    met."""
 
     path: Path
     sha256: str
@@ -94,7 +95,8 @@ def _gguf() -> Any:
 
 
 def open_gguf(file: str | Path) -> Any:
-    """A `GGUFReader` over `file`; `BadInput` naming what is wrong for a missing, foreign or truncated file."""
+    """A `GGUFReader` over `file`; `BadInput` naming what is wrong for a missing, foreign or truncated
+    file."""
     file = Path(file)
     if not file.is_file():
         raise BadInput(f"{file}: no such GGUF file")
@@ -112,8 +114,8 @@ def open_gguf(file: str | Path) -> Any:
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size or t.data.nbytes != int(t.n_bytes):
-            raise BadInput(f"{file} is truncated: tensor {t.name} needs bytes up to {end}, the file has {size}",
-                           remedy="download the file again and check its SHA-256")
+            raise BadInput(f"{file} is truncated: tensor {t.name} needs bytes up to {end}, the file has "
+                           f"{size}", remedy="download the file again and check its SHA-256")
     return reader
 
 
@@ -139,7 +141,8 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     hidden = int(_field(reader, "llama.embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
-    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id", None), _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id", None)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": hidden, "num_hidden_layers": int(_field(reader, "llama.block_count")),
@@ -195,7 +198,8 @@ def build_tokenizer_json(reader: Any) -> tuple[Any, dict[str, Any]]:
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise UnsupportedModel(f"GGUF tokenizer model {kind!r} is not supported by the importer (only 'gpt2' BPE)")
+        raise UnsupportedModel(f"GGUF tokenizer model {kind!r} is not supported by the importer (only 'gpt2' "
+                               "BPE)")
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
@@ -216,7 +220,8 @@ def build_tokenizer_json(reader: Any) -> tuple[Any, dict[str, Any]]:
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                            special_tokens=[(bos, bos_id)])
     tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
-                  "eos_token": text("tokenizer.ggml.eos_token_id"), "unk_token": text("tokenizer.ggml.unknown_token_id"),
+                  "eos_token": text("tokenizer.ggml.eos_token_id"),
+                  "unk_token": text("tokenizer.ggml.unknown_token_id"),
                   "pad_token": text("tokenizer.ggml.padding_token_id"), "clean_up_tokenization_spaces": False,
                   "model_max_length": int(_field(reader, "llama.context_length"))}
     return tok, {k: v for k, v in tok_config.items() if v is not None}
@@ -237,7 +242,8 @@ def write_checkpoint(reader: Any, folder: Path, dtype: str, sha256: str,
     gguf = _gguf()
     for i, t in enumerate(reader.tensors):
         if t.name == "rope_freqs.weight":
-            raise UnsupportedModel("GGUF tensor rope_freqs.weight (scaled RoPE) is not supported by the importer")
+            raise UnsupportedModel("GGUF tensor rope_freqs.weight (scaled RoPE) is not supported by the "
+                                   "importer")
         name = hf_name(t.name)
         if name in tensors:
             raise BadInput(f"the GGUF file holds tensor {t.name} twice")

@@ -24,7 +24,10 @@ def load_tuple(path: str | Path) -> dict[str, dict[str, Any]]:
     except OSError as exc:
         raise BadInput(f"{path.name}: cannot read the tuple file ({exc.strerror})") from None
     try:
-        data = json.loads(raw) if path.suffix == ".json" else msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        if path.suffix == ".json":
+            data = json.loads(raw)
+        else:
+            data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as exc:
         raise BadInput(f"{path.name}: not a tuple file ({exc})") from None
     return check_tuple(data, path.name)
