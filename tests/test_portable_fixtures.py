@@ -1,7 +1,7 @@
-"""Receipts served under the portable ISA cap on another class of CPU (tests/fixtures/portable/xeon/: an Intel Xeon
-with AVX-512 and AMX, torch 2.11.0+cu130's CPU kernels, `--isa portable serve --model random-20m --input
-tests/fixtures/portable/requests.jsonl` signed with the compat fixtures' test-only key; benchmarks/isa_device.sh)
-are checked here by the verifier under the same cap, on whatever CPU runs the tests.
+"""Receipts served under the portable ISA cap on another class of CPU (tests/fixtures/portable/xeon/: an Intel
+Xeon with AVX-512 and AMX, torch 2.11.0+cu130's CPU kernels, `--isa portable serve --model random-20m --input
+tests/fixtures/portable/requests.jsonl` signed with the compat fixtures' test-only key;
+benchmarks/isa_device.sh) are checked here by the verifier under the same cap, on whatever CPU runs the tests.
 
 Their ISA fact is the cap's, whatever CPU served them, so it never makes them not comparable: where this torch
 build and kernels are theirs they verify bit for bit; elsewhere the verdict names the facts that differ (the
@@ -43,9 +43,9 @@ def test_the_verifier_under_the_cap_finds_no_isa_difference() -> None:
     """Under the cap, the ISA is never why they are not comparable: they verify (bits equal) where every other
     fact is this machine's, else the verdict names the other facts (the torch build, the kernels' sources)."""
     env = {k: v for k, v in os.environ.items() if k not in isa.PORTABLE_ENV and k != isa.ENV}
-    done = subprocess.run([sys.executable, "-m", "detent_audit.cli", "--isa", "portable", "verify", *map(str, RECEIPTS),
-                           "--key", str(KEY), "--model", "random-20m", "--json"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "detent_audit.cli", "--isa", "portable", "verify",
+                           *map(str, RECEIPTS), "--key", str(KEY), "--model", "random-20m", "--json"],
+                          env=env, capture_output=True, text=True, timeout=600)
     outcomes = json.loads(done.stdout)["outcomes"]
     assert len(outcomes) == 4, done.stderr[-2000:]
     if done.returncode == 0:
