@@ -18,10 +18,13 @@ import functools
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from detent_audit.errors import BadInput
-from detent_audit.manifests.encoding import canonical_json, facts_hash
+from detent_audit.manifests.encoding import JsonValue, canonical_json, facts_hash
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 try:
     import tomllib
@@ -59,7 +62,7 @@ def check(ok: bool, message: str, remedy: str = "correct the value", section: st
         raise BadDeployment(f"[{section}] {message}", remedy=remedy)
 
 
-def _positive(record: Any, names: tuple[str, ...]) -> None:
+def _positive(record: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(record, name)
         check(value > 0, f"{name} ({value}) must be positive", f"set {name} to a positive integer")
@@ -390,9 +393,9 @@ class Deployment:
     def num_kv_heads_per_rank(self) -> int:
         return max(1, self.model.num_kv_heads // self.parallel.tensor_parallel_size)
 
-    def to_canonical(self) -> dict[str, Any]:
+    def to_canonical(self) -> dict[str, JsonValue]:
         """Plain types only, keys sorted, in the TOML file's schema; `from_canonical` inverts it."""
-        out: dict[str, Any] = {"name": self.name, "description": self.description}
+        out: dict[str, JsonValue] = {"name": self.name, "description": self.description}
         for section in ("model", "gpu", "cpu", "engine", "parallel"):
             if getattr(self, section) is not None:
                 out[section] = {k: list(v) if isinstance(v, tuple) else v
@@ -403,7 +406,7 @@ class Deployment:
             "matmul": [{"n": s.n, "k": s.k, "block_k": s.block_k,
                         "buckets": [dataclasses.asdict(b) for b in s.buckets]} for s in self.tables.matmul],
         }
-        return _sorted_keys(out)
+        return {k: _sorted_keys(out[k]) for k in sorted(out)}
 
     def canonical_json(self) -> bytes:
         """The hashed encoding (`encoding.canonical_json`: sorted keys, no whitespace, ASCII)."""
@@ -414,7 +417,7 @@ class Deployment:
         return facts_hash(self.to_canonical())
 
     @classmethod
-    def from_canonical(cls, data: Any, source: str = "<canonical facts>") -> Deployment:
+    def from_canonical(cls, data: object, source: str = "<canonical facts>") -> Deployment:
         """Build from a plain dict (a parsed TOML file, a receipt's facts). Raises `BadDeployment`."""
         try:
             return _build(data)
@@ -446,20 +449,19 @@ def shipped_deployments() -> dict[str, Path]:
 
 # ---- parsing: a plain dict -> records, each problem located as "[section] ..." ----
 
-def _build(data: Any) -> Deployment:
+def _build(data: object) -> Deployment:
     top = _parse(_TopLevel, data, None)
-    sections = {name: _parse(cls, getattr(top, name), name) for name, cls in
-                (("model", ModelFacts), ("engine", EngineFacts), ("parallel", ParallelFacts))}
-    devices = [name for name in ("gpu", "cpu") if name in data]
+    model, engine = _parse(ModelFacts, top.model, "model"), _parse(EngineFacts, top.engine, "engine")
+    parallel = _parse(ParallelFacts, top.parallel, "parallel")
+    devices = [name for name in ("gpu", "cpu") if isinstance(data, dict) and name in data]
     _require(len(devices) == 1, "missing section [gpu] (or [cpu])" if not devices else
              "both [gpu] and [cpu]: a deployment runs on one kind of device",
              "give exactly one of [gpu] and [cpu]")
-    if devices == ["gpu"]:
-        sections["gpu"] = _parse(GpuFacts, top.gpu, "gpu")
-    else:
-        sections["gpu"], sections["cpu"] = None, _parse(CpuFacts, top.cpu, "cpu")
+    gpu = _parse(GpuFacts, top.gpu, "gpu") if devices == ["gpu"] else None
+    cpu = _parse(CpuFacts, top.cpu, "cpu") if gpu is None else None
     tables = _parse_tables(top.tables)
-    return Deployment(name=top.name, description=top.description, tables=tables, **sections)
+    return Deployment(name=top.name, description=top.description, model=model, gpu=gpu, cpu=cpu,
+                      engine=engine, parallel=parallel, tables=tables)
 
 
 def _moe_rows(data: dict, name: str) -> tuple[tuple[int, MoeConfigRow], ...]:
@@ -495,24 +497,27 @@ def _parse_tables(data: dict) -> TunedTables:
     return _located(lambda: TunedTables(rows, tuple(parsed), down), "tables")
 
 
+_T = TypeVar("_T")
+_Record = TypeVar("_Record", bound="DataclassInstance")
 _TYPE_NAMES: dict[type, str] = {int: "an integer", str: "a string", bool: "true or false", dict: "a table",
                                  list: "an array"}
 _KIND_NAMES: dict[type, str] = {**_TYPE_NAMES, float: "a float", bool: "a boolean"}
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     for t in (bool, int, str, float, dict, list):
         if isinstance(value, t):
             return _KIND_NAMES.get(t, t.__name__)
     return type(value).__name__
 
 
-def _convert(value: Any, hint: Any) -> tuple[bool, Any]:
+def _convert(value: object, hint: object) -> tuple[bool, object]:
     """(ok, value converted to the field's type): exact types only (a bool is not an integer)."""
     origin = typing.get_origin(hint)
     if origin is tuple:
-        ok = isinstance(value, list) and all(type(v) is int for v in value)
-        return ok, tuple(value) if ok else value
+        if not (isinstance(value, list) and all(type(v) is int for v in value)):
+            return False, value
+        return True, tuple(value)
     if hint in (int, str, bool):
         return type(value) is hint, value
     if hint is dict or origin is dict:
@@ -522,17 +527,19 @@ def _convert(value: Any, hint: Any) -> tuple[bool, Any]:
     raise TypeError(f"no parser for {hint!r}")  # a programming error in this module, not bad input
 
 
-def _describe(hint: Any) -> str:
+def _describe(hint: object) -> str:
     if typing.get_origin(hint) is tuple:
         return "an array of integers"
-    return _TYPE_NAMES.get(typing.get_origin(hint) or hint, str(hint))
+    origin = typing.get_origin(hint) or hint
+    return _TYPE_NAMES.get(origin, str(hint)) if isinstance(origin, type) else str(hint)
 
 
-def _parse(cls: type, data: Any, section: str | None) -> Any:
+def _parse(cls: type[_Record], data: object, section: str | None) -> _Record:
     """Build record `cls` from `data` (a dict from TOML or canonical JSON), each error located."""
     where = f"[{section}]" if section else "the top level"
-    _require(isinstance(data, dict), f"{where} must be a table, not {_kind(data)}",
-             f"write {where} as a TOML table")
+    if not isinstance(data, dict):
+        raise BadDeployment(f"{where} must be a table, not {_kind(data)}",
+                            remedy=f"write {where} as a TOML table")
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
@@ -540,7 +547,7 @@ def _parse(cls: type, data: Any, section: str | None) -> Any:
     if unknown:
         _require(False, f"{where} has unknown field {unknown[0]!r}",
                  f"remove it or correct its spelling; {where} takes: {', '.join(names)}")
-    values = {}
+    values: dict[str, object] = {}
     for f in fields:
         hint = hints[f.name]
         if f.name not in data:
@@ -562,7 +569,7 @@ def _require(ok: bool, message: str, remedy: str) -> None:
         raise BadDeployment(message, remedy=remedy)
 
 
-def _located(build: typing.Callable[[], Any], section: str | None) -> Any:
+def _located(build: typing.Callable[[], _T], section: str | None) -> _T:
     """Run a record constructor; a record's own check gets its `[section]` prefix."""
     try:
         return build()
@@ -592,7 +599,7 @@ class _MatmulShapeFields:
     buckets: list
 
 
-def _sorted_keys(value: Any) -> Any:
+def _sorted_keys(value: JsonValue) -> JsonValue:
     if isinstance(value, dict):
         return {k: _sorted_keys(value[k]) for k in sorted(value)}
     if isinstance(value, list):
