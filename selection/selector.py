@@ -56,9 +56,9 @@ def make_template(prog: IRProgram, pins: Sequence[Node], pin_names: Sequence[str
     outputs = {k: v for k, v in prog.outputs.items() if isinstance(v, Node)}
     consts: dict[str, Any] = {}
     # the domain bounds read the real inputs, even an input the cut pinned
-    dom = emit([c.cond for c in bounds], input_names={n: n for n in inputs}, knob_names={}, pin_names={},
+    dom = emit([c.node for c in bounds], input_names={n: n for n in inputs}, knob_names={}, pin_names={},
                consts=consts, prefix="d")
-    em = emit([*outputs.values(), *(c.cond for c in checks[len(bounds):])],
+    em = emit([*outputs.values(), *(c.node for c in checks[len(bounds):])],
               input_names={n: n for n in inputs},
               knob_names={k: f"__KNOB_{j}__" for j, k in enumerate(knob_names)},
               pin_names={p.id: f"__PIN_{i}__" for i, p in enumerate(pins)}, consts=consts)
@@ -70,7 +70,7 @@ def make_template(prog: IRProgram, pins: Sequence[Node], pin_names: Sequence[str
              "        return _hit"]
     lines += [f"    {ln}" for ln in dom.lines + em.lines]
     for i, c in enumerate(checks):
-        name = (dom if i < len(bounds) else em).names[c.cond.id]
+        name = (dom if i < len(bounds) else em).names[c.node.id]
         lines += [f"    if _failed({name}):", f"        _violation({i}, _key)"]
     for k, v in outputs.items():
         if em.names[v.id].startswith("v"):  # a computed value (pins and constants are literals)
