@@ -128,9 +128,11 @@ class Table(tuple):
         return f"Table({tuple.__repr__(self)})"
 
 
-def static_lookup(base: tuple | list | dict | str | range, key: object) -> object:
+def static_lookup(base: object, key: object) -> object:
     """`base[key]` of static values: a table or dict by key, a sequence by index or slice. Raises what Python
     raises (KeyError, IndexError, TypeError)."""
+    if not isinstance(base, (tuple, list, dict, str, range)):
+        raise TypeError(f"{type(base).__name__} object is not subscriptable")
     if isinstance(base, (dict, Table)):
         return base[key]
     if isinstance(key, (int, slice)):

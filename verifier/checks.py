@@ -6,7 +6,6 @@ parser, is the request the engine ran, and the text returned is the output token
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from detent_audit.errors import DetentError
 from detent_audit.manifests import encoding as enc
@@ -94,7 +93,7 @@ def _vocabulary_problem(r: Receipt, vocab_size: int) -> str | None:
     return None
 
 
-def _prompt_chars(body: Any) -> int:
+def _prompt_chars(body: object) -> int:
     """The characters of prompt text in a client body (a prompt, a batch of prompts, or messages' contents),
     counted without parsing them."""
     if not isinstance(body, dict):

@@ -17,7 +17,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from detent_audit.errors import BadInput
 
@@ -110,7 +110,7 @@ class Workload:
     kind: WorkloadKind
     requests: tuple[Request, ...]
     concurrency: int | None = None
-    params: Mapping[str, Any] = field(default_factory=dict)
+    params: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -170,7 +170,7 @@ class Workload:
                              concurrency=concurrency)
 
     def _retimed(self, kind: WorkloadKind, times: Sequence[float | None], in_flight: int | None,
-                 name: str | None, **params: Any) -> Workload:
+                 name: str | None, **params: object) -> Workload:
         requests = tuple(dataclasses.replace(r, arrival=t) for r, t in zip(self.requests, times))
         kept = {k: v for k, v in self.params.items() if k not in ("rate", "arrival_seed", "concurrency")}
         return Workload(name or self.name, kind, requests, in_flight, {**kept, **params})
@@ -190,7 +190,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def _arrange(name: str, requests: list[Request], rate: float | None, concurrency: int, seed: int,
-             params: dict[str, Any]) -> Workload:
+             params: dict[str, object]) -> Workload:
     closed = Workload(name, "closed", tuple(requests), concurrency, params)
     return closed if rate is None else closed.with_poisson_arrivals(rate, seed)
 

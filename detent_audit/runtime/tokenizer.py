@@ -125,7 +125,7 @@ def _read_json(file: Path) -> dict[str, Any]:
         raise BadCheckpoint(f"cannot read {file}: {exc}") from exc
 
 
-def chat_template_of(path: Path, tok_config: dict[str, Any]) -> str | None:
+def chat_template_of(path: Path, tok_config: Mapping[str, object]) -> str | None:
     """The checkpoint's chat template (see the module docstring); `BadCheckpoint` for one of another type."""
     jinja = path / CHAT_TEMPLATE_FILE
     if jinja.is_file():
@@ -144,8 +144,9 @@ def chat_template_of(path: Path, tok_config: dict[str, Any]) -> str | None:
                         f"templates with a 'default' one (got {type(value).__name__})")
 
 
-def _token_text(value: Any) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value  # AddedToken dicts or plain strings
+def _token_text(value: object) -> str | None:
+    text = value.get("content") if isinstance(value, dict) else value  # AddedToken dicts or plain strings
+    return text if isinstance(text, str) else None
 
 
 class Tokenizer:
