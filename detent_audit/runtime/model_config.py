@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.manifests.deployment import DTYPE_BYTES, decoder_parameters
+from detent_audit.manifests.encoding import JsonValue
 from detent_audit.runtime.errors import BadCheckpoint, UnsupportedModel
 
 # architecture -> HF model_type
@@ -48,7 +49,7 @@ class RopeScaling:
         if not (self.factor > 0 and self.high_freq_factor > self.low_freq_factor > 0):
             raise BadCheckpoint(f"rope_scaling {self.as_dict()} needs factor > 0 and high > low > 0")
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, JsonValue]:
         """HF's `rope_scaling` dict (what `RopeCache` and config.json take)."""
         return dataclasses.asdict(self)
 
@@ -219,20 +220,20 @@ class ModelConfig:
                                    remedy=f"use one of {sorted(NAMED_SHAPES)}")
         return NAMED_SHAPES[name]
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, JsonValue]:
         """config.json with HF's key names (v4 form, which transformers 4.x and 5.x both read)."""
-        d: dict[str, Any] = {
+        ids = self.eos_token_ids
+        eos: JsonValue = list(ids) if len(ids) != 1 else ids[0]
+        d: dict[str, JsonValue] = {
             "architectures": [self.architecture], "model_type": self.model_type, "hidden_act": "silu",
             "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
             "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling and self.rope_scaling.as_dict(),
+            "rope_scaling": self.rope_scaling.as_dict() if self.rope_scaling else None,
             "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids)
-            if len(self.eos_token_ids) != 1 else self.eos_token_ids[0], "torch_dtype": self.torch_dtype,
-            "use_cache": True,
+            "eos_token_id": eos, "torch_dtype": self.torch_dtype, "use_cache": True,
         }
         if self.architecture != "Qwen2ForCausalLM":
             d["attention_bias"] = self.attention_bias
