@@ -45,8 +45,8 @@ def test_missing_file_is_one_line_exit_2(tmp_path) -> None:
 def test_unknown_family_and_ablation_exit_2(tmp_path) -> None:
     out = runner.invoke(app, ["solve", "--deployment", DEP, "--family", "nonsense"])
     assert out.exit_code == 2 and "no family ['nonsense']" in out.stderr
-    out = runner.invoke(app,
-                        ["solve", "--deployment", DEP, "--ablate", "bogus", "--cache-dir", str(tmp_path)])
+    args = ["solve", "--deployment", DEP, "--ablate", "bogus", "--cache-dir", str(tmp_path)]
+    out = runner.invoke(app, args)
     assert out.exit_code == 2 and "unknown ablation 'bogus'" in out.stderr
 
 

@@ -96,8 +96,8 @@ def test_output_digest_follows_its_definition() -> None:
     by_hand = hashlib.sha256(OUTPUT_DIGEST_TAG + struct.pack("<Q", n)
                              + b"".join(struct.pack("<I", t) for t in out.token_ids)
                              + out.logprobs_f32le + struct.pack("<Q", out.top_k)
-                             + b"".join(struct.pack("<I", t)
-                                        for t in out.top_token_ids) + out.top_logprobs_f32le
+                             + b"".join(struct.pack("<I", t) for t in out.top_token_ids)
+                             + out.top_logprobs_f32le
                              + struct.pack("<Q", len(text)) + text).hexdigest()
     assert out.digest == by_hand == wire(receipt)["output"]["digest"]
     assert receipt.digest == hashlib.sha256(receipt.to_bytes()).hexdigest()

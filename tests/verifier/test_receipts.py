@@ -82,9 +82,8 @@ def test_the_honest_receipts_verify_and_say_whose_request_they_are(node_run, tmp
         code, report = _verify(node_run, node_run["out"], extra=("--mode", mode, "--deployment", published))
         assert code == 0 and report["facts_self_asserted"] is False
         assert len(report["published_deployments"]) == 1
-    res = runner.invoke(app,
-                        ["verify", str(node_run["out"]), "--key", str(node_run["key"].public_path), "--model",
-                              str(node_run["ckpt"]), "--cache-dir", str(node_run["root"] / "jit")])
+    res = runner.invoke(app, ["verify", str(node_run["out"]), "--key", str(node_run["key"].public_path),
+                              "--model", str(node_run["ckpt"]), "--cache-dir", str(node_run["root"] / "jit")])
     assert res.exit_code == 0 and "request long" in res.stdout and "facts are self-asserted" in res.stdout
     assert "coverage: 2 of 2 receipts in 1 run manifest(s)" in res.stdout
 

@@ -198,8 +198,8 @@ def test_untrusted_key_and_garbage_are_refused(served, tmp_path) -> None:
     res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path.parent)])
     assert res.exit_code == 2 and "--trusted-keys" in res.stderr
     for extra, says in ((("--threads", "0"), "--threads"), (("--seed", "3"), "--seed")):
-        res = runner.invoke(app,
-                            ["verify", str(served["out"]), "--key", str(served["key"].public_path), *extra])
+        key = str(served["key"].public_path)
+        res = runner.invoke(app, ["verify", str(served["out"]), "--key", key, *extra])
         assert res.exit_code == 2 and says in res.stderr, res.output
 
 
@@ -250,11 +250,10 @@ def test_workers_give_the_verdicts_of_one_process(served, tmp_path) -> None:
 def test_workers_report_a_deployment_mismatch_and_refuse_a_bad_count(served) -> None:
     code, report = _verify(served, served["out"], extra=("--threads", "2", "--workers", "2"))
     assert code == 3
-    assert {tuple(o["fields"])
-            for o in report["outcomes"] if o["kind"] == "receipt"} == {("runtime.num_threads",)}
-    res = runner.invoke(app,
-                        ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers",
-                         "0"])
+    fields = {tuple(o["fields"]) for o in report["outcomes"] if o["kind"] == "receipt"}
+    assert fields == {("runtime.num_threads",)}
+    key = str(served["key"].public_path)
+    res = runner.invoke(app, ["verify", str(served["out"]), "--key", key, "--workers", "0"])
     assert res.exit_code == 2 and "workers" in res.stderr
 
 
@@ -279,13 +278,11 @@ def test_auto_workers_follow_cores_receipts_threads_and_memory(served) -> None:
     assert auto_workers(64 * BATCH, [facts, gpu], cores=16, available_memory=lots) == 1
     # the estimate grows with the model: the weights of the receipt's shape in its dtype, plus the overhead
     model = facts["deployment"]["model"]
-    wider = {**facts,
-             "deployment": {**facts["deployment"],
-                            "model": {**model, "hidden_size": 2 * model["hidden_size"]}}}
+    wider_model = {**model, "hidden_size": 2 * model["hidden_size"]}
+    wider = {**facts, "deployment": {**facts["deployment"], "model": wider_model}}
     assert engine_bytes(wider) > engine
-    res = runner.invoke(app,
-                        ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers",
-                         "x"])
+    key = str(served["key"].public_path)
+    res = runner.invoke(app, ["verify", str(served["out"]), "--key", key, "--workers", "x"])
     assert res.exit_code == 2 and "workers" in res.stderr
 
 
@@ -536,9 +533,9 @@ def test_a_response_cut_by_the_context_and_a_request_longer_than_the_default_kv_
             "ignore_eos": True}))
         node.close()
         for mode in ("rescore", "replay"):
-            res = runner.invoke(app,
-                                ["verify", str(tmp_path / name), "--key", str(key.public_path), "--model",
-                                      str(ckpt), "--cache-dir", str(tmp_path / "jit"), "--mode", mode])
+            res = runner.invoke(app, ["verify", str(tmp_path / name), "--key", str(key.public_path),
+                                      "--model", str(ckpt), "--cache-dir", str(tmp_path / "jit"),
+                                      "--mode", mode])
             assert res.exit_code == 0, (name, mode, res.output)
 
 
