@@ -37,9 +37,10 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.manifests.receipt import Receipt
 from detent_audit.runtime.stop_strings import output_text
 from detent_audit.verifier.eval_inputs import find_run, read_results, read_samples
 from detent_audit.verifier.eval_rebuild import (
@@ -52,6 +53,9 @@ from detent_audit.verifier.eval_rebuild import (
     rebuild_tasks,
     replay,
 )
+
+if TYPE_CHECKING:
+    from lm_eval.api.model import LM
 
 LOGPROB_FLOOR = -9999.0  # what the server writes for a logprob JSON cannot hold (server/responses.py)
 
@@ -143,7 +147,7 @@ class EvalReport:
 # ---- (b): lm-eval's own model class, as the run made it
 
 
-def _model_args(results: dict) -> tuple[str, dict[str, Any]]:
+def _model_args(results: dict) -> tuple[str, dict[str, object]]:
     config = results.get("config") or {}
     name, args = config.get("model"), config.get("model_args") or {}
     if name not in API_OF_MODEL:
@@ -159,7 +163,7 @@ def _model_args(results: dict) -> tuple[str, dict[str, Any]]:
     return name, dict(args)
 
 
-def make_lm(results: dict, tokenizer_path: str | None, batch_size: int) -> Any:
+def make_lm(results: dict, tokenizer_path: str | None, batch_size: int) -> LM:
     """lm-eval's model object for the run's model, arguments and batch size, built offline: its tokenizer from
     the run's `tokenizer` argument (else `tokenizer_path`: the deployment's checkpoint), no request sent."""
     from lm_eval.api.registry import get_model
@@ -188,7 +192,7 @@ def _json_logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR  # JSON has no -inf: the server writes -9999.0
 
 
-def response_of(lm: Any, req: Sent, receipt: Any, decode: Callable) -> Any:
+def response_of(lm: LM, req: Sent, receipt: Any, decode: Callable) -> object:
     """What lm-eval parses from the response this receipt's bits give: the echoed prompt's logprobs, or the
     output text cut at its stop string (the server's rule, stop_strings.py).
 
@@ -217,7 +221,7 @@ def response_of(lm: Any, req: Sent, receipt: Any, decode: Callable) -> Any:
     return lm.parse_generations(outputs={"choices": [choice]})[0]
 
 
-def _same(logged: Any, rebuilt: Any) -> bool:
+def _same(logged: object, rebuilt: object) -> bool:
     """lm-eval logs a loglikelihood response (a tuple) as the str() of each value, a generation as its text;
     str() of a float is its shortest round-trip form, so equal strings are equal bits."""
     if isinstance(rebuilt, list):
@@ -349,7 +353,7 @@ def _doc_problems(doc: RebuiltDoc, sample: dict | None) -> list[str]:
     if sample is None:
         return ["the run logged no sample of this document of the task"]
 
-    def as_json(x: Any) -> str:
+    def as_json(x: object) -> str:
         return json.dumps(x, sort_keys=True, default=handle_non_serializable, ensure_ascii=False)
 
     problems = []
@@ -396,7 +400,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     # (c), first half: every receipt opened (steps (1)-(3): read, signature, payload)
     files = collect(receipts)
     receipt_paths, bad = files.receipts, files.bad
-    opened: dict[Path, Any] = {}
+    opened: dict[Path, Receipt] = {}
     failed_open: dict[Path, str] = {Path(o.path): o.message for o in bad}
     for p in receipt_paths:
         try:

@@ -57,7 +57,8 @@ class ResponseView:
 
     endpoint: str
     stream: bool
-    heads: dict[str, list[object]] = field(default_factory=dict)  # top-level field -> its values, chunk by chunk
+    # top-level field -> its values, chunk by chunk
+    heads: dict[str, list[object]] = field(default_factory=dict)
     choices: dict[int, ChoiceView] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -113,7 +114,8 @@ def response_view(response: object, endpoint: str) -> ResponseView:
     return view
 
 
-def _read_choice(view: ResponseView, choice: dict[str, JsonValue], position: int, where: str, shows: str) -> None:
+def _read_choice(view: ResponseView, choice: dict[str, JsonValue], position: int, where: str,
+                 shows: str) -> None:
     """One choice (or a chunk's choice) into `view.choices[its index]`."""
     index = choice.get("index")
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
