@@ -59,8 +59,8 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
         except VerificationError as exc:
             opened.pop(p, None)
             outcomes.append(Outcome.refuted(str(p), "receipt", exc))
-        # noqa: BLE001 (a signed payload that breaks a check is a bad receipt, not a crash)
-        except Exception as exc:
+        # a signed payload that breaks a check is a bad receipt, not a crash
+        except Exception as exc:  # noqa: BLE001
             opened.pop(p, None)
             outcomes.append(Outcome.refuted(str(p), "receipt",
                                             PayloadError(f"{p.name}: {type(exc).__name__}: {exc}")))

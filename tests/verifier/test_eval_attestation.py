@@ -38,8 +38,8 @@ def _parsed(statement: dict) -> test_result_pb2.TestResult:  # type: ignore[name
     pb = json_format.Parse(json.dumps(statement), statement_pb2.Statement())  # type: ignore[attr-defined]
     Statement.copy_from_pb(pb).validate()
     assert pb.predicate_type == TEST_RESULT_PREDICATE_TYPE
-    # type: ignore[attr-defined]
-    return json_format.ParseDict(statement["predicate"], test_result_pb2.TestResult(),
+    result = test_result_pb2.TestResult()  # type: ignore[attr-defined]
+    return json_format.ParseDict(statement["predicate"], result,
                                  ignore_unknown_fields=True)  # scores, coverage, receipts: our extension
 
 
