@@ -68,7 +68,7 @@ def read_bounded(path: str | Path, max_bytes: int, *, what: str,
     return data
 
 
-def unpack(data: bytes, limits: Limits, *, what: str, error: type[InvalidReceipt] = InvalidReceipt) -> Any:
+def unpack(data: bytes, limits: Limits, *, what: str, error: type[InvalidReceipt] = InvalidReceipt) -> object:
     """Decode exactly one msgpack object filling all of `data`, within `limits`.
 
     A decoder of its own (no recursion, no allocation before a check): every container's declared length is
@@ -109,42 +109,41 @@ class _Decoder:
     def uint(self, n: int) -> int:
         return int.from_bytes(self.take(n), "big")
 
-    def run(self) -> tuple[Any, int]:
-        # each frame: [container (list or dict), remaining elements, pending map key or _NO_KEY]
-        stack: list[list[Any]] = []
+    def run(self) -> tuple[object, int]:
+        stack: list[_Frame] = []
         while True:
             value = self.item(len(stack))
             if isinstance(value, _Open):
                 if value.length == 0:
                     value = value.container
                 else:
-                    stack.append([value.container, value.length, _NO_KEY])
+                    stack.append(_Frame(value.container, value.length))
                     continue
             while True:  # place the value in its container; close every container it completes
                 if not stack:
                     return value, self.pos
                 frame = stack[-1]
-                container = frame[0]
+                container = frame.container
                 if isinstance(container, list):
                     container.append(value)
-                    frame[1] -= 1
-                elif frame[2] is _NO_KEY:
+                    frame.remaining -= 1
+                elif frame.key is None:
                     if not isinstance(value, str):
                         raise self.fail(f"a map key must be a string, got {type(value).__name__}")
                     if value in container:
                         raise self.fail(f"the map key {value[:64]!r} appears twice")
-                    frame[2] = value
+                    frame.key = value
                     break
                 else:
-                    container[frame[2]] = value
-                    frame[2] = _NO_KEY
-                    frame[1] -= 1
-                if frame[1]:
+                    container[frame.key] = value
+                    frame.key = None
+                    frame.remaining -= 1
+                if frame.remaining:
                     break
                 stack.pop()
                 value = container
 
-    def item(self, depth: int) -> Any:
+    def item(self, depth: int) -> object:
         self.objects += 1
         if self.objects > self.limits.max_objects:
             raise self.fail(f"more than {self.limits.max_objects} objects")
@@ -196,25 +195,32 @@ class _Decoder:
             raise self.fail(f"nested deeper than {MAX_DEPTH} levels")
         limit = self.limits.max_map_len if is_map else self.limits.max_array_len
         if count > limit:
-            raise self.fail(f"{'a map' if is_map else 'an array'} of {count} entries is longer than the limit "
-                            f"({limit})")
+            raise self.fail(f"{'a map' if is_map else 'an array'} of {count} entries is longer than the "
+                            f"limit ({limit})")
         if count * (2 if is_map else 1) > len(self.data) - self.pos:  # every element takes a byte at least
             raise self.error(f"{self.what}: truncated (it declares more than its {len(self.data)} bytes)")
         return _Open({} if is_map else [], count)
 
 
 class _Open(NamedTuple):
-    container: Any
+    container: dict[str, object] | list[object]
     length: int
 
 
-_NO_KEY = object()
+@dataclass
+class _Frame:
+    """An open container on the decoder's stack: its elements still to come, and a map's pending key."""
+
+    container: dict[str, object] | list[object]
+    remaining: int
+    key: str | None = None
 
 
-def fields(value: Any, names: tuple[str, ...], where: str, *, error: type[InvalidReceipt] = InvalidReceipt,
-           optional: tuple[str, ...] = ()) -> dict[str, Any]:
+def fields(value: object, names: tuple[str, ...], where: str, *,
+           error: type[InvalidReceipt] = InvalidReceipt, optional: tuple[str, ...] = ()) -> dict[str, Any]:
     """`value` as a dict with exactly the keys `names` (and any of `optional`, absent ones as None); unknown,
-    extra or missing keys raise `error`."""
+    extra or missing keys raise `error`. The values are unchecked (typed Any): the records built from them
+    validate each on construction."""
     if not isinstance(value, dict):
         raise error(f"{where}: expected a map, got {describe(value)}")
     allowed = set(names) | set(optional)
@@ -230,7 +236,7 @@ def fields(value: Any, names: tuple[str, ...], where: str, *, error: type[Invali
 # ---- checks shared by the schemas -------------------------------------------------------------------
 
 
-def check_uint(value: Any, where: str, maximum: int = UINT64_MAX, minimum: int = 0, *,
+def check_uint(value: object, where: str, maximum: int = UINT64_MAX, minimum: int = 0, *,
                error: type[InvalidReceipt] = InvalidReceipt) -> int:
     """`value` if it is an int (not a bool) in [minimum, maximum], else raise `error`."""
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
@@ -238,7 +244,7 @@ def check_uint(value: Any, where: str, maximum: int = UINT64_MAX, minimum: int =
     return value
 
 
-def check_str(value: Any, where: str, max_len: int, *, min_len: int = 1,
+def check_str(value: object, where: str, max_len: int, *, min_len: int = 1,
               error: type[InvalidReceipt] = InvalidReceipt) -> str:
     """`value` if it is a str of min_len..max_len characters, else raise `error`."""
     if not isinstance(value, str) or not min_len <= len(value) <= max_len:
@@ -246,14 +252,14 @@ def check_str(value: Any, where: str, max_len: int, *, min_len: int = 1,
     return value
 
 
-def check_digest(value: Any, where: str, *, error: type[InvalidReceipt] = InvalidReceipt) -> str:
+def check_digest(value: object, where: str, *, error: type[InvalidReceipt] = InvalidReceipt) -> str:
     """`value` if it is a SHA-256 digest as 64 lowercase hex digits, else raise `error`."""
     if not isinstance(value, str) or len(value) != 64 or not HEX_DIGITS.issuperset(value):
         raise error(f"{where}: expected a SHA-256 digest as 64 lowercase hex digits, got {describe(value)}")
     return value
 
 
-def check_token_ids(value: Any, where: str, max_len: int, *, min_len: int = 0,
+def check_token_ids(value: object, where: str, max_len: int, *, min_len: int = 0,
                     error: type[InvalidReceipt] = InvalidReceipt) -> tuple[int, ...]:
     """`value` as a tuple of token ids (ints in [0, 2**32 - 1]), min_len..max_len of them."""
     if not isinstance(value, (list, tuple)) or not min_len <= len(value) <= max_len:
@@ -264,7 +270,7 @@ def check_token_ids(value: Any, where: str, max_len: int, *, min_len: int = 0,
     return tuple(value)
 
 
-def describe(value: Any) -> str:
+def describe(value: object) -> str:
     if isinstance(value, (list, tuple, dict, bytes, str)) and len(value) > 8:
         return f"{type(value).__name__} of length {len(value)}"
     return f"{type(value).__name__} {value!r}"

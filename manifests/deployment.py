@@ -1,9 +1,9 @@
 """Deployment facts: what the solver knows about a serving deployment before the first request.
 
-A `Deployment` is the static half of every SelIR program's input (docs/design.md section 3): the model's shape,
-the GPU, the engine's settings, the parallel layout and the engine's tuned tables. It is loaded from a TOML file
-(`manifests/deployments/*.toml`, one section per record below), validated on construction, and hashed
-canonically so a receipt can name the exact facts its tuple was solved for.
+A `Deployment` is the static half of every SelIR program's input (docs/design.md section 3): the model's
+shape, the GPU, the engine's settings, the parallel layout and the engine's tuned tables. It is loaded from a
+TOML file (`manifests/deployments/*.toml`, one section per record below), validated on construction, and
+hashed canonically so a receipt can name the exact facts its tuple was solved for.
 
 Invariants of a `Deployment` that exists: every field has its declared type (no floats anywhere, so the
 canonical form is receipt-safe), counts are positive, head counts fit the tensor-parallel degree, tables
@@ -18,10 +18,13 @@ import functools
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from detent_audit.errors import BadInput
-from detent_audit.manifests.encoding import canonical_json, facts_hash
+from detent_audit.manifests.encoding import JsonValue, canonical_json, facts_hash
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 try:
     import tomllib
@@ -59,7 +62,7 @@ def check(ok: bool, message: str, remedy: str = "correct the value", section: st
         raise BadDeployment(f"[{section}] {message}", remedy=remedy)
 
 
-def _positive(record: Any, names: tuple[str, ...]) -> None:
+def _positive(record: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(record, name)
         check(value > 0, f"{name} ({value}) must be positive", f"set {name} to a positive integer")
@@ -95,7 +98,8 @@ class ModelFacts:
               "take both head counts from the model's config.json")
         if self.num_experts == 0:
             check(self.num_experts_per_tok == 0 and self.moe_intermediate_size == 0,
-                  "a dense model (num_experts = 0) needs num_experts_per_tok = 0 and moe_intermediate_size = 0")
+                  "a dense model (num_experts = 0) needs num_experts_per_tok = 0 and moe_intermediate_size = "
+                  "0")
         else:
             check(1 <= self.num_experts_per_tok <= self.num_experts,
                   f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
@@ -122,10 +126,11 @@ class ModelFacts:
                                   moe_intermediate_size=self.moe_intermediate_size)
 
 
-def decoder_parameters(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-                       head_dim: int, intermediate_size: int, num_experts: int = 0, moe_intermediate_size: int = 0,
-                       moe_layers: int | None = None, tied_embeddings: bool = False, qkv_bias: bool = False,
-                       o_bias: bool = False, qk_norm: bool = False) -> int:
+def decoder_parameters(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+                       num_kv_heads: int, head_dim: int, intermediate_size: int, num_experts: int = 0,
+                       moe_intermediate_size: int = 0, moe_layers: int | None = None,
+                       tied_embeddings: bool = False, qkv_bias: bool = False, o_bias: bool = False,
+                       qk_norm: bool = False) -> int:
     """The parameter count of a Llama/Qwen decoder: embeddings (and an untied head), per layer attention
     (q, k, v, o; optional biases and per-head q/k norms), two RMSNorms and a gated MLP, or on `moe_layers` of
     them (all, by default, when `num_experts` > 0) a router and `num_experts` gated experts; a final norm."""
@@ -152,7 +157,8 @@ class GpuFacts:
     def __post_init__(self) -> None:
         check(self.arch != CPU, "arch 'cpu': a CPU is described by a [cpu] section (capability, "
               "num_threads), not [gpu]")
-        check(self.arch in ARCH_CAPABILITIES, f"arch {self.arch!r} must be one of {sorted(ARCH_CAPABILITIES)}")
+        check(self.arch in ARCH_CAPABILITIES,
+              f"arch {self.arch!r} must be one of {sorted(ARCH_CAPABILITIES)}")
         expected = ARCH_CAPABILITIES[self.arch]
         check(self.compute_capability in expected, f"compute_capability {self.compute_capability!r} does not "
               f"match arch {self.arch!r} (expected one of {list(expected)})")
@@ -178,7 +184,8 @@ class EngineFacts:
 
     name: str                              # "vllm" | "sglang" | "detent"
     version: str
-    attention_backend: str                 # "fa3", "fa2", "flashinfer", "triton", "detent", "detent-streaming"
+    # "fa3", "fa2", "flashinfer", "triton", "detent", "detent-streaming"
+    attention_backend: str
     uses_vllm_fa_fork: bool                # FlashAttention from vllm-project/flash-attention
     page_size: int                         # KV-cache tokens per page
     max_model_len: int
@@ -200,9 +207,11 @@ class EngineFacts:
     nccl_channels: int = 0                 # NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS (0: not pinned)
     # vLLM --disable-cascade-attn: True, vLLM's default since PR #36318 (engine_defaults.py cites it)
     disable_cascade_attn: bool = True
-    fa3_source: str = ""                   # the FlashAttention-3 build: "<owner>/<repo>@<commit>" ("": unknown)
+    # the FlashAttention-3 build: "<owner>/<repo>@<commit>" ("": unknown)
+    fa3_source: str = ""
     nccl_chain_order: str = ""             # NCCL's per-channel intra-node chain order ("": not recorded)
-    # the embedded engine on a CPU: GEMM forms a probe proved batch-invariant where it runs (kernels/gemm_probe.py)
+    # the embedded engine on a CPU: GEMM forms a probe proved batch-invariant where it runs
+    # (kernels/gemm_probe.py)
     gemm_pad_rows: int = 0                 # one product padded to >= this many rows (0: not proven)
     gemm_row_form: bool = False            # every row its own one-row product
 
@@ -275,7 +284,8 @@ class MatmulBucket:
 
 @dataclass(frozen=True)
 class MatmulShapeConfig:
-    """A tuned (N, K) shape of the engine's batch-invariant matmul table: one BLOCK_K, M-buckets for the rest."""
+    """A tuned (N, K) shape of the engine's batch-invariant matmul table: one BLOCK_K, M-buckets for the
+    rest."""
 
     n: int
     k: int
@@ -333,26 +343,28 @@ class Deployment:
               "one of [gpu] and [cpu]")
         check(m.num_heads % tp == 0, f"tensor_parallel_size ({tp}) must divide [model] num_heads "
               f"({m.num_heads})", section="parallel")
-        check(m.num_kv_heads % tp == 0 or tp % m.num_kv_heads == 0, f"tensor_parallel_size ({tp}) and [model] "
-              f"num_kv_heads ({m.num_kv_heads}) must divide one another (KV heads are split, or replicated "
-              "when TP exceeds them)", section="parallel")
+        check(m.num_kv_heads % tp == 0 or tp % m.num_kv_heads == 0,
+              f"tensor_parallel_size ({tp}) and [model] num_kv_heads ({m.num_kv_heads}) must divide one "
+              "another (KV heads are split, or replicated when TP exceeds them)", section="parallel")
         mlp = m.moe_intermediate_size if m.is_moe else m.intermediate_size
-        check(mlp % tp == 0, f"tensor_parallel_size ({tp}) must divide the MLP size ({mlp})", section="parallel")
+        check(mlp % tp == 0, f"tensor_parallel_size ({tp}) must divide the MLP size ({mlp})",
+              section="parallel")
         check(tp == 1 or self.arch != CPU or e.name == "detent", "tensor_parallel_size: on a CPU only the "
               "detent engine runs tensor-parallel (its ranks as processes over gloo)", section="parallel")
         check(e.max_model_len <= m.max_position_embeddings, f"max_model_len ({e.max_model_len}) exceeds "
               f"[model] max_position_embeddings ({m.max_position_embeddings})", section="engine")
         check(e.attention_backend != "fa3" or self.arch == "sm90",
               f"attention_backend 'fa3': FlashAttention-3 runs on sm90, not {self.arch}", section="engine")
-        check((e.name == "detent") == e.attention_backend.startswith("detent"), "attention_backend 'detent' (and "
-              "'detent-streaming', its GPU kernel's streaming fold) is the detent engine's own, and the detent "
-              "engine uses no other", section="engine")
+        check((e.name == "detent") == e.attention_backend.startswith("detent"),
+              "attention_backend 'detent' (and 'detent-streaming', its GPU kernel's streaming fold) is "
+              "the detent engine's own, and the detent engine uses no other", section="engine")
         check(self.arch != CPU or e.name == "detent", "name: only the detent engine runs on a CPU",
               section="engine")
         check(not self.tables.fused_moe or m.is_moe, "fused_moe: a fused-MoE table needs an MoE model",
               section="tables")
-        check(not self.tables.fused_moe_down or bool(self.tables.fused_moe), "fused_moe_down: a down-projection table "
-              "completes an up-projection table ([tables.fused_moe])", section="tables")
+        check(not self.tables.fused_moe_down or bool(self.tables.fused_moe),
+              "fused_moe_down: a down-projection table completes an up-projection table ([tables.fused_moe])",
+              section="tables")
 
     @property
     def arch(self) -> str:
@@ -381,9 +393,9 @@ class Deployment:
     def num_kv_heads_per_rank(self) -> int:
         return max(1, self.model.num_kv_heads // self.parallel.tensor_parallel_size)
 
-    def to_canonical(self) -> dict[str, Any]:
+    def to_canonical(self) -> dict[str, JsonValue]:
         """Plain types only, keys sorted, in the TOML file's schema; `from_canonical` inverts it."""
-        out: dict[str, Any] = {"name": self.name, "description": self.description}
+        out: dict[str, JsonValue] = {"name": self.name, "description": self.description}
         for section in ("model", "gpu", "cpu", "engine", "parallel"):
             if getattr(self, section) is not None:
                 out[section] = {k: list(v) if isinstance(v, tuple) else v
@@ -394,7 +406,7 @@ class Deployment:
             "matmul": [{"n": s.n, "k": s.k, "block_k": s.block_k,
                         "buckets": [dataclasses.asdict(b) for b in s.buckets]} for s in self.tables.matmul],
         }
-        return _sorted_keys(out)
+        return {k: _sorted_keys(out[k]) for k in sorted(out)}
 
     def canonical_json(self) -> bytes:
         """The hashed encoding (`encoding.canonical_json`: sorted keys, no whitespace, ASCII)."""
@@ -405,7 +417,7 @@ class Deployment:
         return facts_hash(self.to_canonical())
 
     @classmethod
-    def from_canonical(cls, data: Any, source: str = "<canonical facts>") -> Deployment:
+    def from_canonical(cls, data: object, source: str = "<canonical facts>") -> Deployment:
         """Build from a plain dict (a parsed TOML file, a receipt's facts). Raises `BadDeployment`."""
         try:
             return _build(data)
@@ -437,20 +449,19 @@ def shipped_deployments() -> dict[str, Path]:
 
 # ---- parsing: a plain dict -> records, each problem located as "[section] ..." ----
 
-def _build(data: Any) -> Deployment:
+def _build(data: object) -> Deployment:
     top = _parse(_TopLevel, data, None)
-    sections = {name: _parse(cls, getattr(top, name), name) for name, cls in
-                (("model", ModelFacts), ("engine", EngineFacts), ("parallel", ParallelFacts))}
-    devices = [name for name in ("gpu", "cpu") if name in data]
+    model, engine = _parse(ModelFacts, top.model, "model"), _parse(EngineFacts, top.engine, "engine")
+    parallel = _parse(ParallelFacts, top.parallel, "parallel")
+    devices = [name for name in ("gpu", "cpu") if isinstance(data, dict) and name in data]
     _require(len(devices) == 1, "missing section [gpu] (or [cpu])" if not devices else
              "both [gpu] and [cpu]: a deployment runs on one kind of device",
              "give exactly one of [gpu] and [cpu]")
-    if devices == ["gpu"]:
-        sections["gpu"] = _parse(GpuFacts, top.gpu, "gpu")
-    else:
-        sections["gpu"], sections["cpu"] = None, _parse(CpuFacts, top.cpu, "cpu")
+    gpu = _parse(GpuFacts, top.gpu, "gpu") if devices == ["gpu"] else None
+    cpu = _parse(CpuFacts, top.cpu, "cpu") if gpu is None else None
     tables = _parse_tables(top.tables)
-    return Deployment(name=top.name, description=top.description, tables=tables, **sections)
+    return Deployment(name=top.name, description=top.description, model=model, gpu=gpu, cpu=cpu,
+                      engine=engine, parallel=parallel, tables=tables)
 
 
 def _moe_rows(data: dict, name: str) -> tuple[tuple[int, MoeConfigRow], ...]:
@@ -460,7 +471,8 @@ def _moe_rows(data: dict, name: str) -> tuple[tuple[int, MoeConfigRow], ...]:
           section="tables")
     rows = []
     for key, row in moe.items():
-        check(isinstance(key, str) and key.isdigit() and int(key) > 0, f"key {key!r} must be a positive token count",
+        check(isinstance(key, str) and key.isdigit() and int(key) > 0,
+              f"key {key!r} must be a positive token count",
               "the keys are the token counts the rows were tuned for", section=f"tables.{name}")
         rows.append((int(key), _parse(MoeConfigRow, row, f"tables.{name}.{key}")))
     return tuple(sorted(rows, key=lambda r: r[0]))
@@ -473,8 +485,8 @@ def _parse_tables(data: dict) -> TunedTables:
           section="tables")
     rows, down = _moe_rows(data, "fused_moe"), _moe_rows(data, "fused_moe_down")
     shapes = data.get("matmul", [])
-    check(isinstance(shapes, list), "matmul must be an array of tables", "write each shape as [[tables.matmul]]",
-          section="tables")
+    check(isinstance(shapes, list), "matmul must be an array of tables",
+          "write each shape as [[tables.matmul]]", section="tables")
     parsed = []
     for i, shape in enumerate(shapes):
         where = f"tables.matmul.{i}"
@@ -485,24 +497,27 @@ def _parse_tables(data: dict) -> TunedTables:
     return _located(lambda: TunedTables(rows, tuple(parsed), down), "tables")
 
 
+_T = TypeVar("_T")
+_Record = TypeVar("_Record", bound="DataclassInstance")
 _TYPE_NAMES: dict[type, str] = {int: "an integer", str: "a string", bool: "true or false", dict: "a table",
                                  list: "an array"}
 _KIND_NAMES: dict[type, str] = {**_TYPE_NAMES, float: "a float", bool: "a boolean"}
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     for t in (bool, int, str, float, dict, list):
         if isinstance(value, t):
             return _KIND_NAMES.get(t, t.__name__)
     return type(value).__name__
 
 
-def _convert(value: Any, hint: Any) -> tuple[bool, Any]:
+def _convert(value: object, hint: object) -> tuple[bool, object]:
     """(ok, value converted to the field's type): exact types only (a bool is not an integer)."""
     origin = typing.get_origin(hint)
     if origin is tuple:
-        ok = isinstance(value, list) and all(type(v) is int for v in value)
-        return ok, tuple(value) if ok else value
+        if not (isinstance(value, list) and all(type(v) is int for v in value)):
+            return False, value
+        return True, tuple(value)
     if hint in (int, str, bool):
         return type(value) is hint, value
     if hint is dict or origin is dict:
@@ -512,17 +527,19 @@ def _convert(value: Any, hint: Any) -> tuple[bool, Any]:
     raise TypeError(f"no parser for {hint!r}")  # a programming error in this module, not bad input
 
 
-def _describe(hint: Any) -> str:
+def _describe(hint: object) -> str:
     if typing.get_origin(hint) is tuple:
         return "an array of integers"
-    return _TYPE_NAMES.get(typing.get_origin(hint) or hint, str(hint))
+    origin = typing.get_origin(hint) or hint
+    return _TYPE_NAMES.get(origin, str(hint)) if isinstance(origin, type) else str(hint)
 
 
-def _parse(cls: type, data: Any, section: str | None) -> Any:
+def _parse(cls: type[_Record], data: object, section: str | None) -> _Record:
     """Build record `cls` from `data` (a dict from TOML or canonical JSON), each error located."""
     where = f"[{section}]" if section else "the top level"
-    _require(isinstance(data, dict), f"{where} must be a table, not {_kind(data)}",
-             f"write {where} as a TOML table")
+    if not isinstance(data, dict):
+        raise BadDeployment(f"{where} must be a table, not {_kind(data)}",
+                            remedy=f"write {where} as a TOML table")
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
@@ -530,7 +547,7 @@ def _parse(cls: type, data: Any, section: str | None) -> Any:
     if unknown:
         _require(False, f"{where} has unknown field {unknown[0]!r}",
                  f"remove it or correct its spelling; {where} takes: {', '.join(names)}")
-    values = {}
+    values: dict[str, object] = {}
     for f in fields:
         hint = hints[f.name]
         if f.name not in data:
@@ -552,7 +569,7 @@ def _require(ok: bool, message: str, remedy: str) -> None:
         raise BadDeployment(message, remedy=remedy)
 
 
-def _located(build: typing.Callable[[], Any], section: str | None) -> Any:
+def _located(build: typing.Callable[[], _T], section: str | None) -> _T:
     """Run a record constructor; a record's own check gets its `[section]` prefix."""
     try:
         return build()
@@ -582,7 +599,7 @@ class _MatmulShapeFields:
     buckets: list
 
 
-def _sorted_keys(value: Any) -> Any:
+def _sorted_keys(value: JsonValue) -> JsonValue:
     if isinstance(value, dict):
         return {k: _sorted_keys(value[k]) for k in sorted(value)}
     if isinstance(value, list):

@@ -136,8 +136,8 @@ class OpenedEnvelope(NamedTuple):
 
 def open_envelope(data: bytes, trusted_keys: Mapping[str, Ed25519PublicKey], payload_type: str, *,
                   error: type[InvalidReceipt] = InvalidReceipt) -> OpenedEnvelope:
-    """Steps (1)-(2) of verifying a signed file (docs/design.md section 7); the caller decodes the payload only
-    after this returns.
+    """Steps (1)-(2) of verifying a signed file (docs/design.md section 7); the caller decodes the payload
+    only after this returns.
 
     Raises `error` (malformed envelope, other payload type), `UntrustedKey`, `BadSignature`.
     """

@@ -23,8 +23,8 @@ import json
 import math
 import struct
 import types
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Union
 
 import msgpack
 
@@ -34,23 +34,29 @@ from detent_audit.manifests.errors import InvalidReceipt
 MAX_DEPTH = 32  # nesting of maps and arrays; receipts need 5
 INT_MIN, UINT64_MAX, UINT32_MAX = -(2**63), 2**64 - 1, 2**32 - 1
 
+# a JSON document as read or written: facts, a client's request body, a statement, a report
+JsonValue = Union[str, int, float, bool, None, list["JsonValue"], dict[str, "JsonValue"]]
+# a committed tuple: family -> axis -> value (no floats, so its msgpack encoding is exact)
+AxisValue = Union[int, bool, str]
+TupleValues = dict[str, dict[str, AxisValue]]
+
 
 # ---- encode -------------------------------------------------------------------------------------------
 
 
-def pack(value: Any, *, error: type[InvalidReceipt] = InvalidReceipt) -> bytes:
+def pack(value: object, *, error: type[InvalidReceipt] = InvalidReceipt) -> bytes:
     """The canonical msgpack bytes of `value`; raises `error` naming the path of a value it cannot encode."""
     return msgpack.packb(_walk(value, "", 0, error, dict, list), use_bin_type=True)
 
 
-def freeze(value: Any, where: str, *, error: type[InvalidReceipt] = InvalidReceipt, allow_bytes: bool = True
-           ) -> Any:
+def freeze(value: object, where: str, *, error: type[InvalidReceipt] = InvalidReceipt,
+           allow_bytes: bool = True) -> object:
     """A validated, immutable copy: maps become read-only (keys sorted), arrays become tuples. With
     `allow_bytes=False` (facts, which are hashed as JSON), a bin value is refused too."""
     return _walk(value, where, 0, error, types.MappingProxyType, tuple, allow_bytes)
 
 
-def thaw(value: Any) -> Any:
+def thaw(value: object) -> object:
     """A plain copy of a canonical value (dicts and lists), e.g. for JSON or for a caller to modify."""
     if isinstance(value, Mapping):
         return {k: thaw(v) for k, v in value.items()}
@@ -59,13 +65,14 @@ def thaw(value: Any) -> Any:
     return value
 
 
-def _walk(value: Any, where: str, depth: int, error: type[InvalidReceipt], make_map: Any, make_list: Any,
-          allow_bytes: bool = True) -> Any:
+def _walk(value: object, where: str, depth: int, error: type[InvalidReceipt],
+          make_map: Callable[[dict[str, object]], object], make_list: Callable[[Iterator[object]], object],
+          allow_bytes: bool = True) -> object:
     if depth > MAX_DEPTH:
         raise error(f"{where or 'value'}: nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, bytes) and not allow_bytes:
-        raise error(f"{where or 'value'}: binary data is not a fact (facts are JSON values: their hash is over "
-                    "canonical JSON)")
+        raise error(f"{where or 'value'}: binary data is not a fact (facts are JSON values: their hash is "
+                    "over canonical JSON)")
     if value is None or isinstance(value, (bool, bytes)):
         return value
     if isinstance(value, int):
@@ -82,7 +89,7 @@ def _walk(value: Any, where: str, depth: int, error: type[InvalidReceipt], make_
         raise error(f"{where or 'value'}: floats are not allowed in signed data (got {value!r}); "
                     "encode it as its IEEE-754 bits")
     if isinstance(value, Mapping):
-        out = {}
+        out: dict[str, object] = {}
         for key in sorted(_check_keys(value, where, error)):
             path = f"{where}.{key}" if where else key
             out[key] = _walk(value[key], path, depth + 1, error, make_map, make_list, allow_bytes)
@@ -114,10 +121,10 @@ def f64_from_bits(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<Q", bits))[0]
 
 
-def u32le_pack(values: Any) -> bytes:
+def u32le_pack(values: Iterable[int]) -> bytes:
     """Unsigned 32-bit ints as consecutive little-endian words (token ids)."""
-    values = list(values)
-    return struct.pack(f"<{len(values)}I", *values)
+    words = list(values)
+    return struct.pack(f"<{len(words)}I", *words)
 
 
 def u32le_unpack(data: bytes) -> tuple[int, ...]:
@@ -125,10 +132,10 @@ def u32le_unpack(data: bytes) -> tuple[int, ...]:
     return struct.unpack(f"<{len(data) // 4}I", data)
 
 
-def f32le_pack(values: Any) -> bytes:
+def f32le_pack(values: Iterable[float]) -> bytes:
     """Floats as consecutive little-endian binary32, each rounded to the nearest fp32."""
-    values = list(values)
-    return struct.pack(f"<{len(values)}f", *values)
+    floats = list(values)
+    return struct.pack(f"<{len(floats)}f", *floats)
 
 
 def f32le_unpack(data: bytes) -> tuple[float, ...]:
@@ -143,7 +150,7 @@ def rfc3339_utc(unix_ns: int) -> str:
     return f"{utc:%Y-%m-%dT%H:%M:%S}.{nanos:09d}Z"
 
 
-def f64_view(value: float) -> dict[str, Any]:
+def f64_view(value: float) -> dict[str, float | str]:
     """A float for people: its binary64 bits in hex, labelled, beside its value."""
     return {"f64_bits_hex": f"0x{f64_to_bits(value):016x}", "value": json_float(value)}
 
@@ -161,13 +168,13 @@ def sha256_hex(data: bytes) -> str:
 # ---- canonical JSON and the digests a receipt names ------------------------------------------------
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> dict:
     if isinstance(value, Mapping):
         return dict(value)
     raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
-def canonical_json(value: Any, *, ascii: bool = True) -> bytes:
+def canonical_json(value: object, *, ascii: bool = True) -> bytes:
     """The canonical JSON bytes of `value`: keys sorted, no whitespace, NaN and infinities refused, floats as
     Python writes them (the shortest text that reads back the same double); read-only mappings (a decoded
     receipt's) as objects, tuples as arrays. `ascii`: other characters as \\u escapes (facts, cache keys);
@@ -177,30 +184,33 @@ def canonical_json(value: Any, *, ascii: bool = True) -> bytes:
                       default=_plain).encode("utf-8")
 
 
-def facts_hash(facts: Any) -> str:
+def facts_hash(facts: object) -> str:
     """SHA-256 hex of the facts' canonical (ASCII) JSON: a receipt's `deployment.hash`."""
     return sha256_hex(canonical_json(facts))
 
 
-def check_tuple(data: Any, source: str) -> dict[str, dict[str, Any]]:
-    """A committed tuple ({family: {axis: value}}, values int, bool or str) with keys sorted; else `BadInput`."""
+def check_tuple(data: object, source: str) -> TupleValues:
+    """A committed tuple ({family: {axis: value}}, values int, bool or str) with keys sorted; else
+    `BadInput`."""
     if not isinstance(data, Mapping) or not all(isinstance(k, str) and isinstance(v, Mapping)
                                                 for k, v in data.items()):
         raise BadInput(f"{source}: a tuple maps family names to {{axis: value}} maps")
     for family, axes in data.items():
         for axis, value in axes.items():
             if not isinstance(axis, str) or not isinstance(value, (int, bool, str)):
-                raise BadInput(f"{source}: {family}.{axis} = {value!r}: values are integers, booleans or strings")
+                raise BadInput(f"{source}: {family}.{axis} = {value!r}: values are integers, booleans or "
+                               "strings")
             if isinstance(value, int) and not INT_MIN <= value <= UINT64_MAX:
                 raise BadInput(f"{source}: {family}.{axis} = {value}: does not fit 64 bits")
     return {f: dict(sorted(a.items())) for f, a in sorted(data.items())}
 
 
-def encode_tuple(values: Any) -> bytes:
-    """A tuple's canonical msgpack (it holds no floats, so the encoding is exact): what `tuple_hash` hashes."""
+def encode_tuple(values: object) -> bytes:
+    """A tuple's canonical msgpack (it holds no floats, so the encoding is exact): what `tuple_hash`
+    hashes."""
     return pack(check_tuple(values, "tuple"))
 
 
-def tuple_hash(values: Any) -> str:
+def tuple_hash(values: object) -> str:
     """SHA-256 hex of `encode_tuple`: a receipt's `tuple.hash`."""
     return sha256_hex(encode_tuple(values))

@@ -36,7 +36,7 @@ import binascii
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -49,6 +49,7 @@ from detent_audit.manifests.dsse import (
     Envelope,
     sign_envelope,
 )
+from detent_audit.manifests.encoding import JsonValue
 from detent_audit.manifests.errors import BadSignature, InvalidReceipt
 from detent_audit.manifests.keys import keyid as keyid_of
 from detent_audit.manifests.receipt import Receipt
@@ -70,7 +71,7 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _unb64(text: Any, where: str) -> bytes:
+def _unb64(text: object, where: str) -> bytes:
     if not isinstance(text, str):
         raise InvalidReceipt(f"{where}: expected base64 text, got {dec.describe(text)}")
     try:
@@ -79,13 +80,13 @@ def _unb64(text: Any, where: str) -> bytes:
         raise InvalidReceipt(f"{where}: not base64") from None
 
 
-def envelope_json(envelope: Envelope) -> dict[str, Any]:
+def envelope_json(envelope: Envelope) -> dict[str, JsonValue]:
     """The DSSE JSON form of an envelope (DSSE envelope.md): payload and signature base64."""
     return {"payload": _b64(envelope.payload), "payloadType": envelope.payload_type,
             "signatures": [{"keyid": envelope.keyid, "sig": _b64(envelope.signature)}]}
 
 
-def envelope_from_json(wire: Any, where: str) -> Envelope:
+def envelope_from_json(wire: object, where: str) -> Envelope:
     """An `Envelope` from its DSSE JSON form (exactly one signature, as dsse.py requires)."""
     w = dec.fields(wire, ("payload", "payloadType", "signatures"), where)
     if not isinstance(w["signatures"], list) or len(w["signatures"]) != 1:
@@ -95,7 +96,7 @@ def envelope_from_json(wire: Any, where: str) -> Envelope:
                     _unb64(sig["sig"], f"{where}.signatures[0].sig"))
 
 
-def _digest(name: str, value: Any) -> dict[str, Any] | None:
+def _digest(name: str, value: object) -> JsonValue:
     """A resource descriptor of a 64-hex SHA-256 fact (`tensors-sha256:` weights named so); else None."""
     if not isinstance(value, str):
         return None
@@ -105,9 +106,9 @@ def _digest(name: str, value: Any) -> dict[str, Any] | None:
     return {"name": name, "digest": {(algorithm or "sha256"): hexdigest}}
 
 
-def _resolved_dependencies(facts: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _resolved_dependencies(facts: Mapping[str, object]) -> list[JsonValue]:
     """The checkpoint's files and the engine's sources, each a digest the facts state."""
-    out = []
+    out: list[JsonValue] = []
     checkpoint = facts.get("checkpoint", {})
     for part in ("weights", "config", "tokenizer"):
         value = checkpoint.get(part) if isinstance(checkpoint, Mapping) else None
@@ -115,13 +116,15 @@ def _resolved_dependencies(facts: Mapping[str, Any]) -> list[dict[str, Any]]:
             out.append(rd)
     engine = facts.get("engine", {})
     sources = engine.get("sources", {}) if isinstance(engine, Mapping) else {}
-    for name in sorted(sources) if isinstance(sources, Mapping) else ():
+    if not isinstance(sources, Mapping):
+        return out
+    for name in sorted(sources):
         if (rd := _digest(f"engine/{name}", sources[name])) is not None:
             out.append(rd)
     return out
 
 
-def receipt_statement(envelope: Envelope, receipt: Receipt) -> dict[str, Any]:
+def receipt_statement(envelope: Envelope, receipt: Receipt) -> dict[str, JsonValue]:
     """The in-toto Statement of a receipt and the node's envelope that signs it (module docstring)."""
     r, out = receipt, receipt.output
     return {
@@ -152,7 +155,7 @@ def receipt_statement(envelope: Envelope, receipt: Receipt) -> dict[str, Any]:
     }
 
 
-def manifest_statement(envelope: Envelope, manifest: RunManifest) -> dict[str, Any]:
+def manifest_statement(envelope: Envelope, manifest: RunManifest) -> dict[str, JsonValue]:
     """The in-toto Statement of a run manifest and the node's envelope that signs it."""
     m = manifest
     return {
@@ -167,7 +170,7 @@ def manifest_statement(envelope: Envelope, manifest: RunManifest) -> dict[str, A
     }
 
 
-def envelope_statement(envelope: Envelope) -> dict[str, Any]:
+def envelope_statement(envelope: Envelope) -> dict[str, JsonValue]:
     """The Statement of a node's envelope whose payload does not decode (or is of another type): its subject
     the payload's SHA-256, its predicate the envelope alone, so that a reader reaches the verdict it reaches
     on the node's file."""
@@ -176,7 +179,7 @@ def envelope_statement(envelope: Envelope) -> dict[str, Any]:
             "predicateType": ENVELOPE_PREDICATE_TYPE, "predicate": {"envelope": envelope_json(envelope)}}
 
 
-def statement(envelope: Envelope) -> dict[str, Any]:
+def statement(envelope: Envelope) -> dict[str, JsonValue]:
     """The Statement of a node's envelope (a receipt, a run manifest, or else `envelope_statement`), decoded
     without its signature checked: an exporter's view; a reader checks the signature first (`read_export`,
     then `check_statement`)."""
@@ -195,7 +198,7 @@ def export(envelope: Envelope, form: str, signing_key: Ed25519PrivateKey | None 
     `signing_key`) or "sigstore-bundle" (the signed envelope in a bundle; needs `signing_key`)."""
     if form not in FORMATS:
         raise InvalidReceipt(f"--format: expected one of {', '.join(FORMATS)}, got {form!r}")
-    doc: dict[str, Any] = statement(envelope)
+    doc: dict[str, JsonValue] = statement(envelope)
     if signing_key is not None:
         signed = sign_envelope(INTOTO_PAYLOAD_TYPE, enc.canonical_json(doc), signing_key)
         doc = envelope_json(signed)
@@ -213,7 +216,7 @@ class Export(NamedTuple):
     envelope around that Statement (None for a bare Statement)."""
 
     envelope: Envelope
-    statement: dict[str, Any]
+    statement: dict[str, JsonValue]
     outer: Envelope | None
 
 

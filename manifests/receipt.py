@@ -9,7 +9,8 @@ canonical msgpack (encoding.py), one map, schema version 2 (`version`):
                                              form is checked here, the verifier recomputes them (step 3)
     request:      {client: map, id: str, prompt_token_ids_u32le: bin(4m), sampling: map, seed: u64}
     client:       {api: str, body_json: bin, body_sha256: hex}
-    sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, [stop: [str]], stop_token_ids: [u32],
+    sampling:     {ignore_eos: bool, logprobs: uint|nil, max_tokens: uint, [stop: [str]], stop_token_ids:
+    [u32],
                    temperature_f64_bits: u64, top_k: uint, top_p_f64_bits: u64}
     output:       {digest: hex, finish_reason: "length"|"stop", logprobs_f32le: bin(4n), text: str,
                    token_ids_u32le: bin(4n), top_logprobs_f32le: bin(4nk), top_token_ids_u32le: bin(4nk)}
@@ -78,7 +79,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -91,6 +92,7 @@ from detent_audit.manifests.dsse import (
     open_envelope,
     sign_envelope,
 )
+from detent_audit.manifests.encoding import JsonValue
 from detent_audit.manifests.errors import BadSignature, InvalidReceipt
 
 SCHEMA_VERSION = 2
@@ -113,6 +115,26 @@ _SAMPLING_FIELDS = ("ignore_eos", "logprobs", "max_tokens", "stop_token_ids", "t
 _FIELDS = ("deployment", "node_keyid", "output", "request", "run", "time_unix_ns", "tuple", "version")
 _SCORING_FIELDS = ("logprobs_f32le", "top_ids", "top_logprobs_f32le", "top_n")
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+
+
+class EngineSampling(Protocol):
+    """An engine's sampling parameters as `SamplingRecord.from_params` reads them (by attribute, so this
+    module imports no engine; its stop strings, where it has them, by `getattr`)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def stop_token_ids(self) -> Sequence[int]: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+    @property
+    def logprobs(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -154,25 +176,29 @@ class SamplingRecord:
                                                for s in self.stop))
 
     @classmethod
-    def from_params(cls, params: Any, max_tokens: int | None = None) -> SamplingRecord:
+    def from_params(cls, params: EngineSampling, max_tokens: int | None = None) -> SamplingRecord:
         """From the engine's `SamplingParams` (read by attribute, so this module never imports the engine);
-        `max_tokens` where the request's differs from the engine's (0 for an echo request that draws nothing)."""
+        `max_tokens` where the request's differs from the engine's (0 for an echo request that draws
+        nothing)."""
         return cls(params.temperature, params.top_k, params.top_p,
                    params.max_tokens if max_tokens is None else max_tokens,
-                   tuple(params.stop_token_ids), params.ignore_eos, params.logprobs, tuple(getattr(params, "stop", ())))
+                   tuple(params.stop_token_ids), params.ignore_eos, params.logprobs,
+                   tuple(getattr(params, "stop", ())))
 
-    def _to_wire(self) -> dict[str, Any]:
-        wire = {"ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "max_tokens": self.max_tokens,
-                "stop_token_ids": list(self.stop_token_ids), "top_k": self.top_k,
-                "temperature_f64_bits": enc.f64_to_bits(self.temperature),
-                "top_p_f64_bits": enc.f64_to_bits(self.top_p)}
+    def _to_wire(self) -> dict[str, object]:
+        wire: dict[str, object] = {
+            "ignore_eos": self.ignore_eos, "logprobs": self.logprobs, "max_tokens": self.max_tokens,
+            "stop_token_ids": list(self.stop_token_ids), "top_k": self.top_k,
+            "temperature_f64_bits": enc.f64_to_bits(self.temperature),
+            "top_p_f64_bits": enc.f64_to_bits(self.top_p)}
         return {**wire, "stop": list(self.stop)} if self.stop else wire
 
     @classmethod
-    def _from_wire(cls, wire: Any) -> SamplingRecord:
+    def _from_wire(cls, wire: object) -> SamplingRecord:
         w = dec.fields(wire, _SAMPLING_FIELDS, "request.sampling", optional=("stop",))
         if w["stop"] is not None and not w["stop"]:
-            raise InvalidReceipt("request.sampling.stop: present but empty (an absent key means no stop strings)")
+            raise InvalidReceipt("request.sampling.stop: present but empty (an absent key means no stop "
+                                 "strings)")
         bits = {name: dec.check_uint(w[f"{name}_f64_bits"], f"request.sampling.{name}_f64_bits")
                 for name in ("temperature", "top_p")}
         temperature, top_p = enc.f64_from_bits(bits["temperature"]), enc.f64_from_bits(bits["top_p"])
@@ -180,22 +206,24 @@ class SamplingRecord:
                    w["logprobs"], tuple(w["stop"] or ()))
 
 
-def body_json(body: Any) -> bytes:
+def body_json(body: object) -> bytes:
     """A request body's canonical JSON (`encoding.canonical_json`, UTF-8 rather than ASCII escapes): what a
     client computes `body_sha256` over, for the body it sent. Raises `InvalidReceipt` for a non-JSON value."""
     try:
         return enc.canonical_json(body, ascii=False)
     except (TypeError, ValueError, RecursionError, UnicodeEncodeError) as exc:
-        raise InvalidReceipt(f"request.client.body_json: not a JSON value with a canonical form ({exc})") from None
+        raise InvalidReceipt("request.client.body_json: not a JSON value with a canonical form "
+                             f"({exc})") from None
 
 
-def parse_canonical_json(data: bytes, where: str = "request.client.body_json") -> Any:
+def parse_canonical_json(data: bytes,
+                         where: str = "request.client.body_json") -> dict[str, JsonValue]:
     """The JSON object of canonical bytes, in bounded memory: at most `MAX_JSON_CONTAINERS` arrays and objects
     (counted as bracket bytes before parsing), no repeated key, and the bytes must be its canonical form."""
     if data.count(b"[") + data.count(b"{") > MAX_JSON_CONTAINERS:
         raise InvalidReceipt(f"{where}: more than {MAX_JSON_CONTAINERS} arrays and objects")
 
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    def unique(pairs: list[tuple[str, JsonValue]]) -> dict[str, JsonValue]:
         out = dict(pairs)
         if len(out) != len(pairs):
             raise ValueError("a key appears twice in one object")
@@ -224,11 +252,11 @@ class ClientRequest:
             raise InvalidReceipt(f"request.client.api: expected one of {', '.join(CLIENT_APIS)}, got "
                                  f"{dec.describe(self.api)}")
         if not isinstance(self.body_json, bytes) or not 2 <= len(self.body_json) <= MAX_CLIENT_BODY:
-            raise InvalidReceipt(f"request.client.body_json: expected 2 to {MAX_CLIENT_BODY} bytes of JSON, got "
-                                 f"{dec.describe(self.body_json)}")
+            raise InvalidReceipt(f"request.client.body_json: expected 2 to {MAX_CLIENT_BODY} bytes of JSON, "
+                                 f"got {dec.describe(self.body_json)}")
 
     @classmethod
-    def of(cls, api: str, body: Any) -> ClientRequest:
+    def of(cls, api: str, body: object) -> ClientRequest:
         """From a parsed JSON body (a client's, or the node's as it parsed the request)."""
         return cls(api, body_json(body))
 
@@ -236,15 +264,15 @@ class ClientRequest:
     def body_sha256(self) -> str:
         return enc.sha256_hex(self.body_json)
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, JsonValue]:
         """The body as a JSON object (parsed in bounded memory; refused unless canonical)."""
         return parse_canonical_json(self.body_json)
 
-    def _to_wire(self) -> dict[str, Any]:
+    def _to_wire(self) -> dict[str, object]:
         return {"api": self.api, "body_json": self.body_json, "body_sha256": self.body_sha256}
 
     @classmethod
-    def _from_wire(cls, wire: Any) -> ClientRequest:
+    def _from_wire(cls, wire: object) -> ClientRequest:
         w = dec.fields(wire, ("api", "body_json", "body_sha256"), "request.client")
         client = cls(w["api"], w["body_json"])
         if dec.check_digest(w["body_sha256"], "request.client.body_sha256") != client.body_sha256:
@@ -252,7 +280,7 @@ class ClientRequest:
         return client
 
 
-def _ids_from_wire(value: Any, where: str, max_len: int, min_len: int = 0) -> tuple[int, ...]:
+def _ids_from_wire(value: object, where: str, max_len: int, min_len: int = 0) -> tuple[int, ...]:
     if not isinstance(value, bytes) or len(value) % 4 or not min_len <= len(value) // 4 <= max_len:
         raise InvalidReceipt(f"{where}: expected {min_len} to {max_len} token ids as u32le bytes, got "
                              f"{dec.describe(value)}")
@@ -280,16 +308,17 @@ class RequestRecord:
                                  f"got {dec.describe(self.sampling)}")
         dec.check_uint(self.seed, "request.seed")
 
-    def _to_wire(self) -> dict[str, Any]:
+    def _to_wire(self) -> dict[str, object]:
         return {"client": self.client._to_wire(), "id": self.request_id,
                 "prompt_token_ids_u32le": enc.u32le_pack(self.prompt_token_ids),
                 "sampling": self.sampling._to_wire(), "seed": self.seed}
 
     @classmethod
-    def _from_wire(cls, wire: Any) -> RequestRecord:
+    def _from_wire(cls, wire: object) -> RequestRecord:
         w = dec.fields(wire, ("client", "id", "prompt_token_ids_u32le", "sampling", "seed"), "request")
         return cls(w["id"], ClientRequest._from_wire(w["client"]),
-                   _ids_from_wire(w["prompt_token_ids_u32le"], "request.prompt_token_ids_u32le", MAX_TOKENS, 1),
+                   _ids_from_wire(w["prompt_token_ids_u32le"], "request.prompt_token_ids_u32le", MAX_TOKENS,
+                                  1),
                    SamplingRecord._from_wire(w["sampling"]), w["seed"])
 
 
@@ -304,11 +333,11 @@ class RunRecord:
         dec.check_str(self.run_id, "run.id", MAX_RUN_ID_LEN)
         dec.check_uint(self.seq, "run.seq")
 
-    def _to_wire(self) -> dict[str, Any]:
+    def _to_wire(self) -> dict[str, object]:
         return {"id": self.run_id, "seq": self.seq}
 
     @classmethod
-    def _from_wire(cls, wire: Any) -> RunRecord:
+    def _from_wire(cls, wire: object) -> RunRecord:
         w = dec.fields(wire, ("id", "seq"), "run")
         return cls(w["id"], w["seq"])
 
@@ -348,14 +377,14 @@ class OutputRecord:
                                  f"token id), got {dec.describe(self.top_logprobs_f32le)}")
 
     @classmethod
-    def from_floats(cls, token_ids: Sequence[int], logprobs: Sequence[float], finish_reason: str, text: str = "",
-                    top_logprobs: Sequence[Sequence[tuple[int, float]]] = ()) -> OutputRecord:
+    def from_floats(cls, token_ids: Sequence[int], logprobs: Sequence[float], finish_reason: str,
+                    text: str = "", top_logprobs: Sequence[Sequence[tuple[int, float]]] = ()) -> OutputRecord:
         """From Python floats, each rounded to fp32 (from a tensor: `t.numpy().astype("<f4").tobytes()`);
         `top_logprobs`: per output token, its (token id, logprob) alternatives, the same count at each."""
         tops = [list(t) for t in top_logprobs] if any(top_logprobs) else []
         if tops and (len(tops) != len(token_ids) or len({len(t) for t in tops}) != 1):
-            raise InvalidReceipt("output.top_logprobs: expected the same number of alternatives at every output "
-                                 "token")
+            raise InvalidReceipt("output.top_logprobs: expected the same number of alternatives at every "
+                                 "output token")
         return cls(tuple(token_ids), enc.f32le_pack(logprobs), finish_reason, text,
                    tuple(i for t in tops for i, _ in t), enc.f32le_pack(v for t in tops for _, v in t))
 
@@ -387,7 +416,7 @@ class OutputRecord:
                  self.top_logprobs_f32le, struct.pack("<Q", len(text)), text]
         return enc.sha256_hex(b"".join(parts))
 
-    def _to_wire(self) -> dict[str, Any]:
+    def _to_wire(self) -> dict[str, object]:
         return {"digest": self.digest, "finish_reason": self.finish_reason,
                 "logprobs_f32le": self.logprobs_f32le, "text": self.text,
                 "token_ids_u32le": enc.u32le_pack(self.token_ids),
@@ -395,7 +424,7 @@ class OutputRecord:
                 "top_token_ids_u32le": enc.u32le_pack(self.top_token_ids)}
 
     @classmethod
-    def _from_wire(cls, wire: Any) -> OutputRecord:
+    def _from_wire(cls, wire: object) -> OutputRecord:
         w = dec.fields(wire, ("digest", "finish_reason", "logprobs_f32le", "text", "token_ids_u32le",
                               "top_logprobs_f32le", "top_token_ids_u32le"), "output")
         output = cls(_ids_from_wire(w["token_ids_u32le"], "output.token_ids_u32le", MAX_TOKENS),
@@ -427,8 +456,8 @@ class ScoringRecord:
         ids = dec.check_token_ids(self.top_ids, "scoring.top_ids", MAX_TOKENS * 8)
         object.__setattr__(self, "top_ids", ids)
         if len(ids) != self.num_positions * self.top_n:
-            raise InvalidReceipt(f"scoring.top_ids: expected {self.top_n} per position ({self.num_positions * self.top_n}), "
-                                 f"got {len(ids)}")
+            raise InvalidReceipt(f"scoring.top_ids: expected {self.top_n} per position "
+                                 f"({self.num_positions * self.top_n}), got {len(ids)}")
         if not isinstance(self.top_logprobs_f32le, bytes) or len(self.top_logprobs_f32le) != 4 * len(ids):
             raise InvalidReceipt(f"scoring.top_logprobs_f32le: expected {4 * len(ids)} bytes (4 per top id), "
                                  f"got {dec.describe(self.top_logprobs_f32le)}")
@@ -442,9 +471,11 @@ class ScoringRecord:
                     ) -> ScoringRecord:
         """From Python floats (rounded to fp32) and, per position, the top-n (id, logprob) pairs."""
         if any(len(t) != top_n for t in tops) or (top_n and len(tops) != len(logprobs)):
-            raise InvalidReceipt(f"scoring: expected {top_n} alternatives at each of {len(logprobs)} positions")
+            raise InvalidReceipt(f"scoring: expected {top_n} alternatives at each of {len(logprobs)} "
+                                 "positions")
         pairs = [pair for t in tops for pair in t]
-        return cls(enc.f32le_pack(logprobs), top_n, tuple(i for i, _ in pairs), enc.f32le_pack([v for _, v in pairs]))
+        return cls(enc.f32le_pack(logprobs), top_n, tuple(i for i, _ in pairs),
+                   enc.f32le_pack([v for _, v in pairs]))
 
     @property
     def logprobs(self) -> tuple[float, ...]:
@@ -457,12 +488,12 @@ class ScoringRecord:
         pairs = list(zip(self.top_ids, values))
         return [pairs[i * k:(i + 1) * k] for i in range(self.num_positions)] if k else []
 
-    def _to_wire(self) -> dict[str, Any]:
+    def _to_wire(self) -> dict[str, object]:
         return {"logprobs_f32le": self.logprobs_f32le, "top_ids": list(self.top_ids),
                 "top_logprobs_f32le": self.top_logprobs_f32le, "top_n": self.top_n}
 
     @classmethod
-    def _from_wire(cls, wire: Any) -> ScoringRecord:
+    def _from_wire(cls, wire: object) -> ScoringRecord:
         w = dec.fields(wire, _SCORING_FIELDS, "scoring")
         return cls(w["logprobs_f32le"], w["top_n"], w["top_ids"], w["top_logprobs_f32le"])
 
@@ -473,7 +504,7 @@ class Receipt:
 
     deployment_facts: Mapping[str, Any]
     deployment_hash: str
-    tuple_values: Mapping[str, Any]
+    tuple_values: Mapping[str, Mapping[str, object]]  # family -> axis -> value (`encoding.check_tuple`)
     tuple_hash: str
     request: RequestRecord
     output: OutputRecord
@@ -504,13 +535,14 @@ class Receipt:
                 raise InvalidReceipt(f"scoring: expected a ScoringRecord, got {dec.describe(self.scoring)}")
             if self.scoring.num_positions != len(self.request.prompt_token_ids) - 1:
                 raise InvalidReceipt(f"scoring: {self.scoring.num_positions} prompt logprobs for a prompt of "
-                                     f"{len(self.request.prompt_token_ids)} tokens (expected one per token after "
-                                     f"the first)")
+                                     f"{len(self.request.prompt_token_ids)} tokens (expected one per token "
+                                     f"after the first)")
             if self.scoring.top_n != (self.request.sampling.logprobs or 0):
-                raise InvalidReceipt(f"scoring.top_n: {self.scoring.top_n} alternatives per prompt position, but "
-                                     f"the request asked for {self.request.sampling.logprobs or 0}")
+                raise InvalidReceipt(f"scoring.top_n: {self.scoring.top_n} alternatives per prompt position, "
+                                     f"but the request asked for {self.request.sampling.logprobs or 0}")
         elif self.request.sampling.max_tokens == 0:
-            raise InvalidReceipt("request.sampling.max_tokens: 0 only in a receipt that scores its prompt (scoring)")
+            raise InvalidReceipt("request.sampling.max_tokens: 0 only in a receipt that scores its prompt "
+                                 "(scoring)")
 
     def to_bytes(self) -> bytes:
         """The canonical payload bytes (what the envelope signs)."""
@@ -531,7 +563,8 @@ class Receipt:
 
         This checks no signature: a verifier calls `verify_envelope`, which checks it first.
         """
-        w = dec.fields(dec.unpack(data, _LIMITS, what="receipt payload"), _FIELDS, "receipt", optional=("scoring",))
+        w = dec.fields(dec.unpack(data, _LIMITS, what="receipt payload"), _FIELDS, "receipt",
+                       optional=("scoring",))
         if dec.check_uint(w["version"], "receipt.version") != SCHEMA_VERSION:
             raise InvalidReceipt(f"receipt: schema version {w['version']} is not supported (this release "
                                  f"reads version {SCHEMA_VERSION})", remedy="use the release the node ran")
@@ -612,5 +645,6 @@ def open_payload(opened: OpenedEnvelope) -> VerifiedReceipt:
     """Step (3): the signed payload decoded (bounded, schema, canonical re-encoding); it names its signer."""
     receipt = Receipt.from_bytes(opened.payload)
     if receipt.node_keyid != opened.keyid:
-        raise BadSignature(f"the receipt names node key {receipt.node_keyid}, but key {opened.keyid} signed it")
+        raise BadSignature(f"the receipt names node key {receipt.node_keyid}, but key {opened.keyid} signed "
+                           "it")
     return VerifiedReceipt(receipt, opened.keyid)

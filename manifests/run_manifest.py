@@ -52,8 +52,8 @@ MAX_RUN_RECEIPTS = 1 << 19  # 67 bytes each keeps a manifest under MAX_PAYLOAD_B
 _LIMITS = dec.Limits(max_bytes=dsse.MAX_PAYLOAD_BYTES, max_str_len=1024, max_bin_len=0,
                      max_array_len=MAX_RUN_RECEIPTS, max_map_len=16, max_objects=MAX_RUN_RECEIPTS + 64)
 _FIELDS = ("deployment_hash", "kind", "merkle_root", "node_keyid", "output_tokens", "prompt_tokens",
-           "receipt_count", "receipt_digests", "run_id", "seq_first", "seq_last", "time_unix_ns", "tuple_hash",
-           "version")
+           "receipt_count", "receipt_digests", "run_id", "seq_first", "seq_last", "time_unix_ns",
+           "tuple_hash", "version")
 
 
 def merkle_root(digests: Sequence[bytes]) -> bytes:
@@ -106,8 +106,8 @@ class RunManifest:
         span = self.seq_last - self.seq_first + 1
         if span < 1 or (self.kind != "recovery" and len(self.receipt_digests) != span) \
                 or len(self.receipt_digests) > span:
-            raise InvalidManifest(f"seq_first {self.seq_first}, seq_last {self.seq_last}: a {self.kind} manifest "
-                                  f"of {len(self.receipt_digests)} receipts cannot cover that range")
+            raise InvalidManifest(f"seq_first {self.seq_first}, seq_last {self.seq_last}: a {self.kind} "
+                                  f"manifest of {len(self.receipt_digests)} receipts cannot cover that range")
         for name in ("node_keyid", "deployment_hash", "tuple_hash"):
             dec.check_digest(getattr(self, name), name, error=InvalidManifest)
         for name in ("prompt_tokens", "output_tokens", "time_unix_ns"):

@@ -9,15 +9,15 @@ miss, the entry is removed and the program solved again: a bad entry is never tr
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from detent_audit.atomic import write_atomically
 from detent_audit.cache_dir import cache_root
 from detent_audit.manifests.encoding import canonical_json, sha256_hex
 
 
-def cache_key(parts: dict[str, Any]) -> str:
+def cache_key(parts: Mapping[str, object]) -> str:
     return sha256_hex(canonical_json(parts))
 
 

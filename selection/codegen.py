@@ -8,7 +8,7 @@ selector. Static values that have no literal spelling (tables, non-finite floats
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,13 +22,13 @@ _SIMPLE = (int, bool, str, type(None))
 class Emitted:
     lines: list[str]
     names: dict[int, str]                       # node id -> expression naming its value
-    consts: dict[str, Any] = field(default_factory=dict)
+    consts: dict[str, object] = field(default_factory=dict)
     inputs_read: set[str] = field(default_factory=set)
     knobs_read: set[str] = field(default_factory=set)
     pins_read: set[int] = field(default_factory=set)
 
 
-def literal(value: Any, consts: dict[str, Any]) -> str:
+def literal(value: object, consts: dict[str, object]) -> str:
     """A Python spelling of a static value: a literal when one exists, else a module constant."""
     if isinstance(value, _SIMPLE) or (isinstance(value, float) and math.isfinite(value)):
         return repr(value)
@@ -49,7 +49,7 @@ class _Poison:
 
     __slots__ = ()
 
-    def _same(self, *_: Any) -> _Poison:
+    def _same(self, *_: object) -> _Poison:
         return self
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __neg__ = __pos__ = _same
@@ -74,8 +74,8 @@ class _Poison:
 POISON = _Poison()
 
 
-def _guarded(fn: Any) -> Any:
-    def call(*args: Any) -> Any:
+def _guarded(fn: Callable[..., object]) -> Callable[..., object]:
+    def call(*args: object) -> object:
         for a in args:
             if a is POISON:
                 return POISON
@@ -87,29 +87,29 @@ def _guarded(fn: Any) -> Any:
     return call
 
 
-def _select(c: Any, t: Any, e: Any) -> Any:
+def _select(c: object, t: object, e: object) -> object:
     if c is POISON:
         return POISON
     return t if c else e
 
 
-def _and(a: Any, b: Any) -> Any:
+def _and(a: object, b: object) -> object:
     if a is POISON:
         return POISON
     return b if a else a
 
 
-def _or(a: Any, b: Any) -> Any:
+def _or(a: object, b: object) -> object:
     if a is POISON:
         return POISON
     return a if a else b
 
 
-def _not(a: Any) -> Any:
+def _not(a: object) -> object:
     return POISON if a is POISON else not a
 
 
-def failed(v: Any) -> bool:
+def failed(v: object) -> bool:
     """A check that does not hold, or could not be evaluated."""
     return v is POISON or not v
 
@@ -117,11 +117,11 @@ def failed(v: Any) -> bool:
 _FALLIBLE = {"/": "_op_div", "//": "_op_floordiv", "%": "_op_mod", "**": "_op_pow"}
 
 
-def builtins_namespace() -> dict[str, Any]:
+def builtins_namespace() -> dict[str, object]:
     """The names generated code reads: guarded builtins and operators, the poison-aware control ops."""
     import operator
 
-    ns: dict[str, Any] = {f"_b_{k}": _guarded(v) for k, v in lang.BUILTINS.items()}
+    ns: dict[str, object] = {f"_b_{k}": _guarded(v) for k, v in lang.BUILTINS.items()}
     ns.update(_op_div=_guarded(operator.truediv), _op_floordiv=_guarded(operator.floordiv),
               _op_mod=_guarded(operator.mod), _op_pow=_guarded(operator.pow),
               _getitem=_guarded(operator.getitem), _select=_select, _and=_and, _or=_or, _not=_not,
@@ -130,7 +130,7 @@ def builtins_namespace() -> dict[str, Any]:
 
 
 def emit(roots: Iterable[Node], *, input_names: dict[str, str], knob_names: dict[str, str],
-         pin_names: dict[int, str], consts: dict[str, Any] | None = None, prefix: str = "v") -> Emitted:
+         pin_names: dict[int, str], consts: dict[str, object] | None = None, prefix: str = "v") -> Emitted:
     """Assignments computing every root; pinned nodes and knobs are read from the given spellings."""
     out = Emitted([], {}, consts if consts is not None else {})
     order: dict[int, Node] = {}
@@ -190,8 +190,12 @@ def _expr(node: Node, out: Emitted, input_names: dict[str, str], knob_names: dic
     raise AssertionError(f"no code for {node!r}")
 
 
-def compile_function(source: str, name: str, namespace: dict[str, Any], filename: str) -> Any:
+def compile_function(source: str, name: str, namespace: dict[str, object],
+                     filename: str) -> Callable[..., object]:
     """Compile generated `source` and return the function `name` defined in it."""
     ns = dict(namespace)
     exec(compile(source, filename, "exec"), ns)  # noqa: S102 - our own generated code
-    return ns[name]
+    fn = ns[name]
+    if not callable(fn):
+        raise AssertionError(f"the generated code defines no function {name}")
+    return fn

@@ -61,7 +61,7 @@ class SolvedPin:
     candidates: tuple[Value, ...]
     legal_values: tuple[Value, ...]
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {"name": self.name, "line": self.line, "candidates": list(self.candidates),
                 "legal_values": list(self.legal_values)}
 
@@ -78,7 +78,7 @@ class FoldedConstant:
     line: int
     value: Value
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {"name": self.name, "line": self.line, "value": self.value}
 
     @classmethod
@@ -106,7 +106,7 @@ class SolveResult:
     default: AxisValues | None
     points_tried: int
     exhaustive: bool
-    template: dict[str, Any]              # SelectorTemplate.to_json()
+    template: dict[str, object]           # SelectorTemplate.to_json()
     constants: tuple[FoldedConstant, ...] = ()
     solve_seconds: float = 0.0
     cache: str = "miss"
@@ -116,7 +116,7 @@ class SolveResult:
     def axes(self) -> list[str]:
         return [p.name for p in self.pins] + [k.name for k in self.knobs]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"family": self.family, "program": self.program, "filename": self.filename,
                 "ablation": self.ablation, "num_values": self.num_values,
                 "selection_points": list(self.selection_points),
@@ -157,14 +157,14 @@ class SolveResult:
             constants=tuple(FoldedConstant.from_dict(c) for c in d["constants"]),
             solve_seconds=d["solve_seconds"], cache=d["cache"])
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """The user-facing summary (no template, no assignment list)."""
         d = self.to_json()
         d.pop("template")
         d.pop("legal_groups")
         return d
 
-    def is_legal(self, assignment: Mapping[str, Any]) -> bool:
+    def is_legal(self, assignment: Mapping[str, object]) -> bool:
         if set(assignment) != set(self.axes):
             return False
         return all(g.admits(assignment) for g in self.legal_groups)
@@ -178,7 +178,7 @@ class SolveResult:
                 out.update(zip(g.axes, row))
             yield {a: out[a] for a in axes}
 
-    def selector(self, assignment: Mapping[str, Any] | None = None) -> CompiledSelector:
+    def selector(self, assignment: Mapping[str, object] | None = None) -> CompiledSelector:
         """The compiled selector for `assignment` (default: the solve's default assignment)."""
         if assignment is None:
             if self.default is None:
@@ -197,7 +197,7 @@ class SolveResult:
         return CompiledSelector(SelectorTemplate.from_json(self.template), self.result_cls, pins, knobs,
                                 self.family)
 
-    def repin(self, selector: CompiledSelector, **values: Any) -> CompiledSelector:
+    def repin(self, selector: CompiledSelector, **values: object) -> CompiledSelector:
         """Swap pin/knob constants of `selector` (checked legal) without solving again."""
         pin_names = {p.name for p in self.pins}
         pins = {k: v for k, v in values.items() if k in pin_names}
@@ -205,7 +205,7 @@ class SolveResult:
         return selector.repin(pins, knobs, legal=lambda p, k: self.is_legal({**p, **k}))
 
 
-def _facts_json(facts: Any) -> Any:
+def _facts_json(facts: object) -> object:
     if dataclasses.is_dataclass(facts):
         return {"__record__": type(facts).__name__,
                 **{f.name: _facts_json(getattr(facts, f.name)) for f in dataclasses.fields(facts)}}
@@ -218,7 +218,7 @@ def _facts_json(facts: Any) -> Any:
     return facts
 
 
-def solve(program: Callable[..., Any] | tuple[Source, str], facts: Any, *, ablation: str | None = None,
+def solve(program: Callable[..., object] | tuple[Source, str], facts: object, *, ablation: str | None = None,
           cache: JitCache | None = None, family: str | None = None, debug: bool | None = None) -> SolveResult:
     """Solve one program for one facts record; consult and fill `cache` when given."""
     if ablation is not None and ablation not in ABLATIONS:
@@ -278,7 +278,7 @@ class Compilation:
         return self.cut.pins
 
 
-def compile_passes(src: Source, name: str, facts: Any, *, ablation: str | None = None,
+def compile_passes(src: Source, name: str, facts: object, *, ablation: str | None = None,
                    debug: bool | None = None) -> Compilation:
     """The passes, in order, without the cache; with `debug` the IR checker runs after every pass."""
     debug = debug_enabled() if debug is None else debug
@@ -334,13 +334,13 @@ def _checked_inputs(prog: IRProgram) -> frozenset[int]:
     return frozenset(n.id for n in toposort(roots) if n.op is Op.INPUT)
 
 
-def _result_cls(src: Source, name: str) -> Any:
+def _result_cls(src: Source, name: str) -> type:
     fn = src.functions[name]
     ann = fn.returns
     if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
         ann = ast.parse(ann.value, mode="eval").body
     cls = src.namespace.get(ann.id) if isinstance(ann, ast.Name) else None
-    if cls is None:
+    if not isinstance(cls, type):
         raise SelIRError(f"program `{name}` must annotate its @record return type")
     return cls
 

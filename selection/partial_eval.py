@@ -14,7 +14,6 @@ in both (`cdiv(a, max(1, b))`).
 from __future__ import annotations
 
 import ast
-from typing import Any
 
 from detent_audit.selection.errors import SelIRError
 from detent_audit.selection.frontend import Source, check_grammar, program_inputs
@@ -35,7 +34,7 @@ from detent_audit.selection.pe_values import (
 class PartialEvaluator(ExpressionEvaluator):
     """Evaluates one program against one facts record. Use `run()`."""
 
-    def __init__(self, src: Source, fn_name: str, facts: Any, *, max_inline_depth: int = 32) -> None:
+    def __init__(self, src: Source, fn_name: str, facts: object, *, max_inline_depth: int = 32) -> None:
         self.src, self.fn_name, self.facts = src, fn_name, facts
         self.b = Builder()
         self.knobs: dict[str, Node] = {}
@@ -67,7 +66,7 @@ class PartialEvaluator(ExpressionEvaluator):
                          dict(result.fields), self.checks, self.b)
 
     # ---- small constructors with static simplification
-    def node(self, v: Any, at: ast.AST | None = None) -> Node:
+    def node(self, v: object, at: ast.AST | None = None) -> Node:
         if isinstance(v, Node):
             return v
         if isinstance(v, SCALARS) or (isinstance(v, tuple) and all(isinstance(e, SCALARS) for e in v)):
@@ -77,14 +76,14 @@ class PartialEvaluator(ExpressionEvaluator):
     def _pos(self, at: ast.AST | None) -> tuple[int, int]:
         return (getattr(at, "lineno", 0), getattr(at, "col_offset", 0))
 
-    def not_(self, a: Any, at: ast.AST | None = None) -> Any:
+    def not_(self, a: object, at: ast.AST | None = None) -> object:
         if not isinstance(a, Node):
             return not a
         if a.op is Op.UNARY and a.arg == "not" and a.src[0].op in (Op.COMPARE, Op.UNARY, Op.AND, Op.OR):
             return a.src[0]
         return self.b.make(Op.UNARY, "not", (a,), line=self._pos(at)[0], col=self._pos(at)[1])
 
-    def and_(self, a: Any, b: Any, at: ast.AST | None = None) -> Any:
+    def and_(self, a: object, b: object, at: ast.AST | None = None) -> object:
         if not isinstance(a, Node):
             return b if a else a
         if not isinstance(b, Node) and b:
@@ -93,7 +92,7 @@ class PartialEvaluator(ExpressionEvaluator):
             return False  # `<boolean> and False` is False whichever the boolean
         return self.b.make(Op.AND, None, (a, self.node(b, at)), line=self._pos(at)[0], col=self._pos(at)[1])
 
-    def or_(self, a: Any, b: Any, at: ast.AST | None = None) -> Any:
+    def or_(self, a: object, b: object, at: ast.AST | None = None) -> object:
         if not isinstance(a, Node):
             return a if a else b
         if not isinstance(b, Node) and not b:
@@ -102,7 +101,7 @@ class PartialEvaluator(ExpressionEvaluator):
             return True  # `<boolean> or True` is True whichever the boolean
         return self.b.make(Op.OR, None, (a, self.node(b, at)), line=self._pos(at)[0], col=self._pos(at)[1])
 
-    def merge(self, cond: Any, a: Any, b: Any, at: ast.AST | None = None) -> Any:
+    def merge(self, cond: object, a: object, b: object, at: ast.AST | None = None) -> object:
         """The value that is `a` where `cond` holds and `b` elsewhere."""
         if a is UNDEF:
             return b
@@ -113,9 +112,9 @@ class PartialEvaluator(ExpressionEvaluator):
         if not isinstance(a, Node) and not isinstance(b, Node) and type(a) is type(b):
             if isinstance(a, SCALARS) and a == b:
                 return a
-            if isinstance(a, (tuple, list)) and len(a) == len(b):
+            if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
                 return type(a)(self.merge(cond, x, y, at) for x, y in zip(a, b))
-            if isinstance(a, RecordVal) and a.cls is b.cls:
+            if isinstance(a, RecordVal) and isinstance(b, RecordVal) and a.cls is b.cls:
                 return RecordVal(a.cls, {k: self.merge(cond, a.fields[k], b.fields[k], at) for k in a.fields})
             if a == b:
                 return a
@@ -123,19 +122,19 @@ class PartialEvaluator(ExpressionEvaluator):
         return self.b.make(Op.SELECT, None, (cond, self.node(a, at), self.node(b, at)), line=line, col=col)
 
     # ---- control state
-    def live(self, frame: Frame) -> Any:
-        live: Any = True
+    def live(self, frame: Frame) -> object:
+        live: object = True
         for flag in ("$returned", "$broken", "$continued"):
             live = self.and_(live, self.not_(frame.env.get(flag, False)))
         return live
 
-    def guard(self, frame: Frame) -> Any:
+    def guard(self, frame: Frame) -> object:
         g = frame.entry_guard
         for cond in frame.branch:
             g = self.and_(g, cond)
         return self.and_(g, self.live(frame))
 
-    def bind(self, frame: Frame, name: str, value: Any, at: ast.AST) -> None:
+    def bind(self, frame: Frame, name: str, value: object, at: ast.AST) -> None:
         if isinstance(value,
                       Node) and value.name is None and value.op is not Op.CONST and not name.startswith("$"):
             value.name = name  # ($ret and the control flags are no names: the caller's variable names it)
@@ -193,7 +192,7 @@ class PartialEvaluator(ExpressionEvaluator):
         if "$loop" not in frame.env:
             raise self.src.error(s, "`break`/`continue` outside a loop")
 
-    def _assign(self, target: ast.AST, value: Any, frame: Frame) -> None:
+    def _assign(self, target: ast.AST, value: object, frame: Frame) -> None:
         if isinstance(target, ast.Name):
             self.bind(frame, target.id, value, target)
             return
@@ -269,7 +268,7 @@ class PartialEvaluator(ExpressionEvaluator):
         self.checks.append(Check(kind, effective, msg_node.value, call.lineno, call.col_offset,
                                  guard is True))
 
-    def _inline(self, name: str, e: ast.Call, frame: Frame) -> Any:
+    def _inline(self, name: str, e: ast.Call, frame: Frame) -> object:
         if name in self._stack:
             raise self.src.error(e, f"helper `{name}` is recursive: SelIR inlines helpers")
         if len(self._stack) >= self._max_depth:
@@ -297,10 +296,10 @@ class PartialEvaluator(ExpressionEvaluator):
             raise self.src.error(fn, f"helper `{name}` returns no value")
         return result
 
-    def _describe(self, v: Any) -> str:
+    def _describe(self, v: object) -> str:
         return "a runtime value" if isinstance(v, Node) else f"a {type(v).__name__}"
 
 
-def partial_evaluate(src: Source, fn_name: str, facts: Any) -> IRProgram:
+def partial_evaluate(src: Source, fn_name: str, facts: object) -> IRProgram:
     """Pass: partial evaluation of `fn_name` with `facts`."""
     return PartialEvaluator(src, fn_name, facts).run()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from detent_audit.selection import lang
 from detent_audit.selection.ir import Builder, Node, Op
@@ -27,6 +27,7 @@ from detent_audit.selection.pe_values import (
     RecordVal,
     freeze,
     is_static,
+    static_lookup,
 )
 
 
@@ -40,15 +41,15 @@ class ExpressionEvaluator:
     knobs: dict[str, Node]
 
     if TYPE_CHECKING:
-        def node(self, v: Any, at: ast.AST | None = None) -> Node: ...
+        def node(self, v: object, at: ast.AST | None = None) -> Node: ...
         def _pos(self, at: ast.AST | None) -> tuple[int, int]: ...
-        def not_(self, a: Any, at: ast.AST | None = None) -> Any: ...
-        def and_(self, a: Any, b: Any, at: ast.AST | None = None) -> Any: ...
-        def or_(self, a: Any, b: Any, at: ast.AST | None = None) -> Any: ...
-        def merge(self, cond: Any, a: Any, b: Any, at: ast.AST | None = None) -> Any: ...
-        def _inline(self, name: str, e: ast.Call, frame: Frame) -> Any: ...
+        def not_(self, a: object, at: ast.AST | None = None) -> object: ...
+        def and_(self, a: object, b: object, at: ast.AST | None = None) -> object: ...
+        def or_(self, a: object, b: object, at: ast.AST | None = None) -> object: ...
+        def merge(self, cond: object, a: object, b: object, at: ast.AST | None = None) -> object: ...
+        def _inline(self, name: str, e: ast.Call, frame: Frame) -> object: ...
 
-    def eval(self, e: ast.expr, frame: Frame) -> Any:
+    def eval(self, e: ast.expr, frame: Frame) -> object:
         method = getattr(self, f"_e_{type(e).__name__}", None)
         if method is None:
             raise self.src.error(e, f"`{type(e).__name__}` is not SelIR")
@@ -62,13 +63,13 @@ class ExpressionEvaluator:
             raise self.src.error(target, "only names and tuples of names can be assigned in SelIR")
         return names
 
-    def _e_Constant(self, e: ast.Constant, frame: Frame) -> Any:
+    def _e_Constant(self, e: ast.Constant, frame: Frame) -> object:
         return e.value
 
-    def _e_Name(self, e: ast.Name, frame: Frame) -> Any:
+    def _e_Name(self, e: ast.Name, frame: Frame) -> object:
         return self._lookup(e.id, frame, e)
 
-    def _lookup(self, name: str, frame: Frame, at: ast.AST) -> Any:
+    def _lookup(self, name: str, frame: Frame, at: ast.AST) -> object:
         for scope in reversed(frame.scopes):
             if name in scope:
                 return scope[name]
@@ -94,7 +95,7 @@ class ExpressionEvaluator:
                                      "strings, tuples or tables)")
         raise self.src.error(at, f"undefined name `{name}`")
 
-    def _e_Attribute(self, e: ast.Attribute, frame: Frame) -> Any:
+    def _e_Attribute(self, e: ast.Attribute, frame: Frame) -> object:
         base = self.eval(e.value, frame)
         if isinstance(base, (Node, RecordVal)):
             raise self.src.error(e, "attributes can only be read from static facts records")
@@ -106,20 +107,23 @@ class ExpressionEvaluator:
             raise self.src.error(e, "method calls are not SelIR")
         return value
 
-    def _e_Subscript(self, e: ast.Subscript, frame: Frame) -> Any:
+    def _e_Subscript(self, e: ast.Subscript, frame: Frame) -> object:
         base = self.eval(e.value, frame)
+        if not isinstance(base, (Node, tuple, list, dict, str, range)):
+            raise self.src.error(e, f"only static tables and collections can be indexed, not "
+                                    f"{type(base).__name__}")
         if isinstance(e.slice, ast.Slice):
             parts = [None if p is None else self.eval(p, frame) for p in (e.slice.lower, e.slice.upper,
                                                                           e.slice.step)]
             if isinstance(base, Node) or any(isinstance(p, Node) for p in parts):
                 raise self.src.error(e, "slices take static bounds of a static collection")
-            return base[slice(*parts)]
+            return static_lookup(base, slice(*parts))
         key = self.eval(e.slice, frame)
         if isinstance(base, Node):
             raise self.src.error(e, "only static tables and collections can be indexed")
         if not isinstance(key, Node):
             try:
-                return base[key]
+                return static_lookup(base, key)
             except (KeyError, IndexError, TypeError) as exc:
                 raise self.src.error(e, f"lookup failed: {exc!r}") from None
         if isinstance(base, (tuple, list)) and not all(is_static(v) for v in base):
@@ -128,7 +132,7 @@ class ExpressionEvaluator:
         line, col = self._pos(e)
         return self.b.make(Op.CALL, "getitem", (self.b.const(freeze(table)), key), line=line, col=col)
 
-    def _binop(self, op: str, a: Any, b: Any, at: ast.AST) -> Any:
+    def _binop(self, op: str, a: object, b: object, at: ast.AST) -> object:
         if not isinstance(a, Node) and not isinstance(b, Node):
             try:
                 return PY_OPS[op](a, b)
@@ -138,10 +142,10 @@ class ExpressionEvaluator:
         kind = Op.COMPARE if op in ("<", "<=", ">", ">=", "==", "!=") else Op.BINARY
         return self.b.make(kind, op, (self.node(a, at), self.node(b, at)), line=line, col=col)
 
-    def _e_BinOp(self, e: ast.BinOp, frame: Frame) -> Any:
+    def _e_BinOp(self, e: ast.BinOp, frame: Frame) -> object:
         return self._binop(BINOPS[type(e.op)], self.eval(e.left, frame), self.eval(e.right, frame), e)
 
-    def _e_UnaryOp(self, e: ast.UnaryOp, frame: Frame) -> Any:
+    def _e_UnaryOp(self, e: ast.UnaryOp, frame: Frame) -> object:
         v = self.eval(e.operand, frame)
         op = {ast.USub: "-", ast.UAdd: "+", ast.Not: "not"}[type(e.op)]
         if not isinstance(v, Node):
@@ -150,7 +154,7 @@ class ExpressionEvaluator:
             return self.not_(v, e)
         return self.b.make(Op.UNARY, op, (v,), line=e.lineno, col=e.col_offset)
 
-    def _e_BoolOp(self, e: ast.BoolOp, frame: Frame) -> Any:
+    def _e_BoolOp(self, e: ast.BoolOp, frame: Frame) -> object:
         is_and = isinstance(e.op, ast.And)
         value = self.eval(e.values[0], frame)
         for operand in e.values[1:]:
@@ -161,7 +165,7 @@ class ExpressionEvaluator:
             value = self.and_(value, nxt, e) if is_and else self.or_(value, nxt, e)
         return value
 
-    def _eval_under(self, e: ast.expr, frame: Frame, cond: Any) -> Any:
+    def _eval_under(self, e: ast.expr, frame: Frame, cond: object) -> object:
         """Evaluate `e` where `cond` holds: the require/assume of helpers it calls are gated by `cond`."""
         if not isinstance(cond, Node):
             return self.eval(e, frame)
@@ -171,9 +175,9 @@ class ExpressionEvaluator:
         finally:
             frame.branch.pop()
 
-    def _e_Compare(self, e: ast.Compare, frame: Frame) -> Any:
+    def _e_Compare(self, e: ast.Compare, frame: Frame) -> object:
         left = self.eval(e.left, frame)
-        result: Any = True
+        result: object = True
         for op, right_e in zip(e.ops, e.comparators):
             right = self.eval(right_e, frame)
             result = self.and_(result, self._binop(CMPOPS[type(op)], left, right, e), e)
@@ -182,28 +186,28 @@ class ExpressionEvaluator:
             left = right
         return result
 
-    def _e_IfExp(self, e: ast.IfExp, frame: Frame) -> Any:
+    def _e_IfExp(self, e: ast.IfExp, frame: Frame) -> object:
         cond = self.eval(e.test, frame)
         if not isinstance(cond, Node):
             return self.eval(e.body if cond else e.orelse, frame)
         return self.merge(cond, self._eval_under(e.body, frame, cond),
                           self._eval_under(e.orelse, frame, self.not_(cond, e.test)), e)
 
-    def _e_Tuple(self, e: ast.Tuple, frame: Frame) -> Any:
+    def _e_Tuple(self, e: ast.Tuple, frame: Frame) -> object:
         return tuple(self.eval(x, frame) for x in e.elts)
 
-    def _e_List(self, e: ast.List, frame: Frame) -> Any:
+    def _e_List(self, e: ast.List, frame: Frame) -> object:
         return [self.eval(x, frame) for x in e.elts]
 
-    def _e_ListComp(self, e: ast.ListComp | ast.GeneratorExp, frame: Frame) -> Any:
-        out: list[Any] = []
+    def _e_ListComp(self, e: ast.ListComp | ast.GeneratorExp, frame: Frame) -> object:
+        out: list[object] = []
         self._comprehend(e.generators, 0, e.elt, frame, out)
         return out
 
     _e_GeneratorExp = _e_ListComp
 
     def _comprehend(self, gens: list[ast.comprehension], i: int, elt: ast.expr, frame: Frame,
-                    out: list[Any]) -> None:
+                    out: list[object]) -> None:
         if i == len(gens):
             out.append(self.eval(elt, frame))
             return
@@ -212,7 +216,7 @@ class ExpressionEvaluator:
         if isinstance(items, Node) or not isinstance(items, (tuple, list, range)):
             raise self.src.error(gen.iter, "a comprehension runs over a static collection")
         for item in items:
-            scope: dict[str, Any] = {}
+            scope: dict[str, object] = {}
             frame.scopes.append(scope)
             try:
                 if isinstance(gen.target, ast.Name):
@@ -235,7 +239,7 @@ class ExpressionEvaluator:
             finally:
                 frame.scopes.pop()
 
-    def _e_Call(self, e: ast.Call, frame: Frame) -> Any:
+    def _e_Call(self, e: ast.Call, frame: Frame) -> object:
         fn = self.eval(e.func, frame)
         if isinstance(fn, type):
             return self._record(fn, e, frame)
@@ -252,7 +256,7 @@ class ExpressionEvaluator:
         args = [self.eval(a, frame) for a in e.args]
         return self._builtin(fn.name, args, e)
 
-    def _builtin(self, name: str, args: list[Any], e: ast.AST) -> Any:
+    def _builtin(self, name: str, args: list[object], e: ast.AST) -> object:
         impl = lang.BUILTINS[name]
         if all(is_static(a) for a in args):
             try:
@@ -266,12 +270,12 @@ class ExpressionEvaluator:
             if not args:
                 raise self.src.error(e, f"`{name}` of an empty collection")
         if name == "sum":
-            total: Any = 0
+            total: object = 0
             for a in args:
                 total = self._binop("+", total, a, e)
             return total
         if name in ("any", "all"):
-            acc: Any = name == "all"
+            acc: object = name == "all"
             for a in args:
                 b = a if not isinstance(a, Node) else self.b.make(Op.CALL, "bool", (a,), line=line, col=col)
                 acc = self.and_(acc, b, e) if name == "all" else self.or_(acc, b, e)
@@ -301,7 +305,7 @@ class ExpressionEvaluator:
         if e.args:
             raise self.src.error(e, f"@record `{cls.__name__}` takes keyword arguments")
         names = [f.name for f in dataclasses.fields(cls)]
-        given: dict[str, Any] = {}
+        given: dict[str, object] = {}
         for k in e.keywords:
             if k.arg is None:
                 raise self.src.error(e, f"`{cls.__name__}`: `**` arguments are not SelIR")

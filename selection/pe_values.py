@@ -31,7 +31,7 @@ CMPOPS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", 
 PY_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
           "//": operator.floordiv, "%": operator.mod, "**": operator.pow, "<": operator.lt,
           "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne}
-UNARY_OPS: dict[str, Callable[[Any], Any]] = {"-": operator.neg, "+": operator.pos, "not": operator.not_}
+UNARY_OPS: dict[str, Callable[[Any], object]] = {"-": operator.neg, "+": operator.pos, "not": operator.not_}
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class RecordVal:
     """A @record under construction whose fields may be runtime values."""
 
     cls: type
-    fields: dict[str, Any]
+    fields: dict[str, object]
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,18 @@ class InputInfo:
 @dataclass(frozen=True)
 class Check:
     kind: str            # require | assume
-    cond: Any            # Node or static value: must be truthy
+    cond: object            # Node or static value: must be truthy
     msg: str
     line: int
     col: int
     top_level: bool      # ran unconditionally (may bound an input's domain)
+
+    @property
+    def node(self) -> Node:
+        """The condition of a runtime check (one a pass kept because its value is not known statically)."""
+        if not isinstance(self.cond, Node):
+            raise AssertionError(f"the check at line {self.line} holds statically and was kept")
+        return self.cond
 
 
 @dataclass
@@ -79,7 +86,7 @@ class IRProgram:
     result_cls: type
     inputs: list[InputInfo]
     knobs: dict[str, Node]
-    outputs: dict[str, Any]  # field -> Node or static value
+    outputs: dict[str, object]  # field -> Node or static value
     checks: list[Check]
     builder: Builder
 
@@ -89,7 +96,7 @@ class IRProgram:
         return nodes
 
 
-def is_static(v: Any) -> bool:
+def is_static(v: object) -> bool:
     if isinstance(v, Node) or isinstance(v, (RecordVal, Helper, Builtin)) or v is UNDEF:
         return False
     if isinstance(v, (tuple, list)):
@@ -99,7 +106,7 @@ def is_static(v: Any) -> bool:
     return isinstance(v, (*SCALARS, range, frozenset)) or dataclasses.is_dataclass(v)
 
 
-def freeze(v: Any) -> Any:
+def freeze(v: object) -> object:
     """A hashable, reprable form of a static table (dict -> sorted tuple of items)."""
     if isinstance(v, dict):
         return Table(tuple(sorted((k, freeze(x)) for k, x in v.items())))
@@ -111,7 +118,7 @@ def freeze(v: Any) -> Any:
 class Table(tuple):
     """A frozen dict: indexable by key, hashable, with a stable repr."""
 
-    def __getitem__(self, key: Any) -> Any:  # type: ignore[override]
+    def __getitem__(self, key: object) -> object:  # type: ignore[override]
         for k, v in tuple.__iter__(self):
             if k == key:
                 return v
@@ -121,14 +128,26 @@ class Table(tuple):
         return f"Table({tuple.__repr__(self)})"
 
 
+def static_lookup(base: object, key: object) -> object:
+    """`base[key]` of static values: a table or dict by key, a sequence by index or slice. Raises what Python
+    raises (KeyError, IndexError, TypeError)."""
+    if not isinstance(base, (tuple, list, dict, str, range)):
+        raise TypeError(f"{type(base).__name__} object is not subscriptable")
+    if isinstance(base, (dict, Table)):
+        return base[key]
+    if isinstance(key, (int, slice)):
+        return base[key]
+    raise TypeError(f"{type(base).__name__} indices must be integers or slices, not {type(key).__name__}")
+
+
 @dataclass
 class Frame:
     """The evaluation state of one function body: variables, path conditions, comprehension scopes."""
 
-    env: dict[str, Any]
-    entry_guard: Any = True
-    branch: list[Any] = field(default_factory=list)
-    scopes: list[dict[str, Any]] = field(default_factory=list)
+    env: dict[str, object]
+    entry_guard: object = True
+    branch: list[object] = field(default_factory=list)
+    scopes: list[dict[str, object]] = field(default_factory=list)
     helper: str | None = None
 
 

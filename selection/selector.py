@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from detent_audit.selection.codegen import builtins_namespace, compile_function, emit, literal
 from detent_audit.selection.errors import IllegalAssignment, SelectionViolation
@@ -54,11 +53,11 @@ def make_template(prog: IRProgram, pins: Sequence[Node], pin_names: Sequence[str
     bounds = [c for i, c in enumerate(prog.checks) if i in domain]
     checks = bounds + [c for i, c in enumerate(prog.checks) if i not in domain and isinstance(c.cond, Node)]
     outputs = {k: v for k, v in prog.outputs.items() if isinstance(v, Node)}
-    consts: dict[str, Any] = {}
+    consts: dict[str, object] = {}
     # the domain bounds read the real inputs, even an input the cut pinned
-    dom = emit([c.cond for c in bounds], input_names={n: n for n in inputs}, knob_names={}, pin_names={},
+    dom = emit([c.node for c in bounds], input_names={n: n for n in inputs}, knob_names={}, pin_names={},
                consts=consts, prefix="d")
-    em = emit([*outputs.values(), *(c.cond for c in checks[len(bounds):])],
+    em = emit([*outputs.values(), *(c.node for c in checks[len(bounds):])],
               input_names={n: n for n in inputs},
               knob_names={k: f"__KNOB_{j}__" for j, k in enumerate(knob_names)},
               pin_names={p.id: f"__PIN_{i}__" for i, p in enumerate(pins)}, consts=consts)
@@ -70,7 +69,7 @@ def make_template(prog: IRProgram, pins: Sequence[Node], pin_names: Sequence[str
              "        return _hit"]
     lines += [f"    {ln}" for ln in dom.lines + em.lines]
     for i, c in enumerate(checks):
-        name = (dom if i < len(bounds) else em).names[c.cond.id]
+        name = (dom if i < len(bounds) else em).names[c.node.id]
         lines += [f"    if _failed({name}):", f"        _violation({i}, _key)"]
     for k, v in outputs.items():
         if em.names[v.id].startswith("v"):  # a computed value (pins and constants are literals)
@@ -87,15 +86,15 @@ def make_template(prog: IRProgram, pins: Sequence[Node], pin_names: Sequence[str
                             tuple((c.kind, c.msg, c.line) for c in checks))
 
 
-def _restore(text: str) -> Any:
+def _restore(text: str) -> object:
     return eval(text, {"__builtins__": {}}, {"Table": Table, "inf": math.inf, "nan": math.nan})  # noqa: S307
 
 
 class CompiledSelector:
     """A program's selector with every pin and knob fixed. Call it with the runtime inputs."""
 
-    def __init__(self, template: SelectorTemplate, result_cls: type, pins: Mapping[str, Any],
-                 knobs: Mapping[str, Any], family: str = "") -> None:
+    def __init__(self, template: SelectorTemplate, result_cls: type, pins: Mapping[str, object],
+                 knobs: Mapping[str, object], family: str = "") -> None:
         self.template, self.result_cls, self.family = template, result_cls, family
         self.pins, self.knobs = dict(pins), dict(knobs)
         source = template.source
@@ -104,18 +103,17 @@ class CompiledSelector:
         for j, name in enumerate(template.knob_names):
             source = source.replace(f"__KNOB_{j}__", _spell(self.knobs[name]))
         self.source = source
-        self._memo: dict[tuple, Any] = {}
+        self._memo: dict[tuple, object] = {}
         ns = {**builtins_namespace(), **{k: _restore(v) for k, v in template.consts.items()},
               "_Result": result_cls, "_memo": self._memo, "_violation": self._violation,
               "_undefined": self._undefined}
-        self._fn: Callable[..., Any] = compile_function(source, "_selector", ns,
-                                                        f"<selector {template.program}>")
+        self._fn = compile_function(source, "_selector", ns, f"<selector {template.program}>")
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         return self._fn(*args, **kwargs)
 
     @property
-    def fn(self) -> Callable[..., Any]:
+    def fn(self) -> Callable[..., object]:
         """The raw generated function (positional inputs in program order), for hot paths."""
         return self._fn
 
@@ -129,7 +127,7 @@ class CompiledSelector:
                                  "computation raised)", 0, dict(zip(self.template.inputs, key)),
                                  {**self.pins, **self.knobs})
 
-    def repin(self, pins: Mapping[str, Any] | None = None, knobs: Mapping[str, Any] | None = None,
+    def repin(self, pins: Mapping[str, object] | None = None, knobs: Mapping[str, object] | None = None,
               legal: Callable[[dict, dict], bool] | None = None) -> CompiledSelector:
         """A selector with some pins/knobs replaced (no solving); `legal` vetoes illegal assignments."""
         new_pins = {**self.pins, **(pins or {})}
@@ -143,7 +141,7 @@ class CompiledSelector:
         return CompiledSelector(self.template, self.result_cls, new_pins, new_knobs, self.family)
 
 
-def _spell(value: Any) -> str:
+def _spell(value: object) -> str:
     text = literal(value, {})
     if text.startswith("_c"):
         raise IllegalAssignment(f"pin value {value!r} has no literal form")

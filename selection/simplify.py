@@ -10,20 +10,19 @@ are what the selector checks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from detent_audit.selection.intervals import Interval, interval_of
 from detent_audit.selection.ir import Node, Op, is_boolean, toposort
 from detent_audit.selection.lang import BUILTINS, nearest
-from detent_audit.selection.pe_values import PY_OPS, UNARY_OPS, Check, IRProgram
+from detent_audit.selection.pe_values import PY_OPS, UNARY_OPS, Check, IRProgram, static_lookup
 
 _KEEP = object()  # "keep the operation" (None is a value a node may fold to)
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
 
 
-def _conjuncts(node: Any) -> list[Node]:
+def _conjuncts(node: object) -> list[Node]:
     if isinstance(node, Node) and node.op is Op.AND:
         return _conjuncts(node.src[0]) + _conjuncts(node.src[1])
     return [node] if isinstance(node, Node) else []
@@ -71,7 +70,7 @@ def input_domains(prog: IRProgram) -> dict[str, Interval]:
     return {n: Interval(lo[n], hi[n]) for n in sorted(set(lo) & set(hi))}
 
 
-def simplify(prog: IRProgram, domains: dict[str, Interval], *, fixed: Mapping[int, Any] | None = None,
+def simplify(prog: IRProgram, domains: dict[str, Interval], *, fixed: Mapping[int, object] | None = None,
              ranges: bool = True) -> IRProgram:
     """Pass: range-based folding and dead-code elimination; returns a new IRProgram.
 
@@ -84,9 +83,9 @@ def simplify(prog: IRProgram, domains: dict[str, Interval], *, fixed: Mapping[in
     roots += [c.cond for i, c in enumerate(prog.checks) if i not in keep and isinstance(c.cond, Node)]
     b = prog.builder
     env: dict[int, Interval] = {}
-    new: dict[int, Any] = {}  # old id -> Node or static value
+    new: dict[int, object] = {}  # old id -> Node or static value
 
-    def get(n: Node) -> Any:
+    def get(n: Node) -> object:
         return new.get(n.id, n)
 
     for node in toposort(roots):
@@ -117,7 +116,7 @@ def simplify(prog: IRProgram, domains: dict[str, Interval], *, fixed: Mapping[in
     return replace(prog, outputs=outputs, checks=checks)
 
 
-def _evaluate(node: Node, src: list[Any]) -> Any:
+def _evaluate(node: Node, src: list[object]) -> object:
     """`node`'s operation on static arguments (constant propagation); None when it raises (an arm a SELECT
     drops may divide by zero: the node is kept and codegen poisons it), else _KEEP."""
     op, arg = node.op, node.arg
@@ -133,7 +132,7 @@ def _evaluate(node: Node, src: list[Any]) -> Any:
         if op is Op.SELECT:
             return src[1] if src[0] else src[2]
         if op is Op.CALL and arg == "getitem":
-            return src[0][src[1]]
+            return static_lookup(src[0], src[1])
         if op is Op.CALL:
             return BUILTINS[arg](*src)
     except (ArithmeticError, LookupError, TypeError, ValueError):
@@ -141,9 +140,9 @@ def _evaluate(node: Node, src: list[Any]) -> Any:
     return _KEEP
 
 
-def _fold(node: Node, src: list[Any], env: dict[int, Interval], domains: dict[str, Interval]) -> Any:
+def _fold(node: Node, src: list[object], env: dict[int, Interval], domains: dict[str, Interval]) -> object:
     """A replacement for `node` (an argument node or a static value), or None to keep the operation."""
-    def iv(x: Any) -> Interval:
+    def iv(x: object) -> Interval:
         if isinstance(x, Node):
             return env.get(x.id) or interval_of(x, env, domains)
         return Interval(float(x), float(x)) if isinstance(x, (int, float)) else Interval(float("-inf"),
@@ -187,9 +186,10 @@ def _fold(node: Node, src: list[Any], env: dict[int, Interval], domains: dict[st
         if len(kept) == 1:
             return kept[0]
         return None  # (dropping losers changes nothing observable; keep the node simple)
-    if op is Op.CALL and node.arg == "nearest" and not isinstance(src[0], Node) or (
-            op is Op.CALL and node.arg == "nearest" and src[0].op is Op.CONST):
+    if op is Op.CALL and node.arg == "nearest" and (not isinstance(src[0], Node) or src[0].op is Op.CONST):
         keys = src[0].arg if isinstance(src[0], Node) else src[0]
+        if not isinstance(keys, (tuple, list)):
+            return None
         x = iv(src[1])
         if list(keys) == sorted(keys) and not any(map(_inf, (x.lo, x.hi))):
             lo_key, hi_key = nearest(keys, x.lo), nearest(keys, x.hi)
@@ -202,13 +202,13 @@ def _fold(node: Node, src: list[Any], env: dict[int, Interval], domains: dict[st
             table = src[0].arg if isinstance(src[0], Node) else src[0]
             key = int(k.lo) if float(k.lo).is_integer() else k.lo
             try:
-                return table[key]
+                return static_lookup(table, key)
             except (KeyError, IndexError, TypeError):
                 return None
     return None
 
 
-def _boolean(x: Any) -> bool:
+def _boolean(x: object) -> bool:
     return isinstance(x, bool) or (isinstance(x, Node) and is_boolean(x))
 
 
@@ -216,7 +216,8 @@ def _inf(x: float) -> bool:
     return x in (float("inf"), float("-inf"))
 
 
-def _interval_with(node: Node, src: list[Any], iv: Any, domains: dict[str, Interval]) -> Interval:
+def _interval_with(node: Node, src: list[object], iv: Callable[[object], Interval],
+                   domains: dict[str, Interval]) -> Interval:
     """The interval of `node`'s operation applied to (possibly rewritten, possibly static) arguments."""
     proxies, env = [], {}
     for i, s in enumerate(src):

@@ -160,12 +160,12 @@ def analyse(prog: IRProgram, pins: list[Node], domains: dict[str, Interval], pin
     # candidates: the pins' values in the unpinned program wherever all checks hold
     checks = [c for c in prog.checks if isinstance(c.cond, Node)]
     knob_vars = {k: f"k{j}" for j, k in enumerate(knob_names)}  # knob names may hold dots
-    unpinned = emit([*pins, *(c.cond for c in checks)], input_names={n: f"i_{n}" for n in inputs},
+    unpinned = emit([*pins, *(c.node for c in checks)], input_names={n: f"i_{n}" for n in inputs},
                     knob_names=knob_vars, pin_names={})
     params = [f"i_{n}" for n in inputs] + [knob_vars[k] for k in knob_names]
     body = "\n    ".join(unpinned.lines) or "pass"
     pin_vals = ", ".join(unpinned.names[p.id] for p in pins)
-    chk_vals = " and ".join(f"not _failed({unpinned.names[c.cond.id]})" for c in checks) or "True"
+    chk_vals = " and ".join(f"not _failed({unpinned.names[c.node.id]})" for c in checks) or "True"
     src = (f"def _eval({', '.join(params)}):\n    {body}\n    return (({pin_vals}{',' if pins else ''}), "
            f"{chk_vals})\n")
     fn = compile_function(src, "_eval", {**ns, **unpinned.consts}, f"<vra {prog.name}>")

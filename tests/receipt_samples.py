@@ -35,8 +35,9 @@ def random_receipt(rng: random.Random, key: Ed25519PrivateKey, *, max_prompt: in
              "engine": {"cuda_graphs": rng.random() < 0.5, "offset": -rng.getrandbits(20), "note": None}}
     values = {"attention.num_splits": rng.randint(1, 64), "gemm.block_k": rng.choice([32, 64, 128]),
               "all_reduce.algo": rng.choice(["ring", "tree"])}
-    sampling = SamplingRecord(temperature=rng.choice([0.0, -0.0, rng.uniform(1e-3, 2.0)]), top_k=rng.randint(0, 100),
-                              top_p=rng.uniform(1e-3, 1.0), max_tokens=n_out + rng.randint(0, 8),
+    sampling = SamplingRecord(temperature=rng.choice([0.0, -0.0, rng.uniform(1e-3, 2.0)]),
+                              top_k=rng.randint(0, 100), top_p=rng.uniform(1e-3, 1.0),
+                              max_tokens=n_out + rng.randint(0, 8),
                               stop_token_ids=tuple(rng.getrandbits(32) for _ in range(rng.randint(0, 3))),
                               ignore_eos=rng.random() < 0.5, logprobs=rng.choice([None, rng.randint(0, 20)]))
     body = {"model": "m", "prompt": _text(rng, rng.randint(1, 30)), "temperature": rng.uniform(0, 2),
@@ -59,5 +60,6 @@ def random_run(rng: random.Random, n: int, key: Ed25519PrivateKey, *, run_id: st
     not given), small enough for many per test."""
     deployment_hash = deployment_hash or rng.randbytes(32).hex()
     tuple_hash = tuple_hash or rng.randbytes(32).hex()
-    return [dataclasses.replace(random_receipt(rng, key, max_prompt=30, max_output=12, run=RunRecord(run_id, first + i)),
+    return [dataclasses.replace(random_receipt(rng, key, max_prompt=30, max_output=12,
+                                               run=RunRecord(run_id, first + i)),
                                 deployment_hash=deployment_hash, tuple_hash=tuple_hash) for i in range(n)]

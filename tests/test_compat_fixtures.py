@@ -1,6 +1,6 @@
-"""Receipts and run manifests of format v2 as they were committed (tests/fixtures/compat/, signed with a key for
-these tests only) verify forever, and each tampered copy fails with the error its name gives: a change that
-breaks old receipts, or lets a defect through, cannot land silently. The bytes are read as committed
+"""Receipts and run manifests of format v2 as they were committed (tests/fixtures/compat/, signed with a key
+for these tests only) verify forever, and each tampered copy fails with the error its name gives: a change
+that breaks old receipts, or lets a defect through, cannot land silently. The bytes are read as committed
 (tests/fixtures/make_compat_fixtures.py wrote them; rerun it only for an intended format change)."""
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ from detent_audit.verifier.steps import ERRORS, Step, VerificationError
 FIXTURES = Path(__file__).parent / "fixtures" / "compat"
 GOLDEN_RECEIPTS = sorted(FIXTURES.glob("golden-*.receipt"))
 
-# tampered receipt -> (the verification step that refutes it, the error it raises there, what its message says)
+# tampered receipt -> (the verification step that refutes it, the error it raises there, what its message
+# says)
 BAD_RECEIPTS = {
-    "receipt-flipped-logprob-bit-unsigned": (Step.SIGNATURE, BadSignature, "does not verify over this payload"),
+    "receipt-flipped-logprob-bit-unsigned": (Step.SIGNATURE, BadSignature,
+                                             "does not verify over this payload"),
     "receipt-flipped-signature-bit": (Step.SIGNATURE, BadSignature, "does not verify over this payload"),
     "receipt-truncated-envelope": (Step.READ, InvalidReceipt, "envelope: truncated"),
-    "receipt-signed-by-an-untrusted-key": (Step.SIGNATURE, UntrustedKey, "which is not among the 1 trusted key"),
+    "receipt-signed-by-an-untrusted-key": (Step.SIGNATURE, UntrustedKey,
+                                           "which is not among the 1 trusted key"),
     "receipt-manifest-payload-type": (Step.SIGNATURE, InvalidReceipt, "envelope.payloadType: expected "
                                       "'application/vnd.detent-audit.receipt.v2+msgpack'"),
     "receipt-flipped-logprob-bit-resigned": (Step.PAYLOAD, InvalidReceipt, "is not the digest of the output"),
@@ -35,14 +38,16 @@ BAD_RECEIPTS = {
                                               "request.client.body_sha256: not the SHA-256"),
     "receipt-facts-changed-under-their-hash-resigned": (Step.PAYLOAD, InvalidReceipt,
                                                         "deployment hash does not match the facts"),
-    "receipt-wrong-tuple-hash-resigned": (Step.PAYLOAD, InvalidReceipt, "tuple hash does not match the tuple"),
+    "receipt-wrong-tuple-hash-resigned": (Step.PAYLOAD, InvalidReceipt,
+                                          "tuple hash does not match the tuple"),
     "receipt-version-1-resigned": (Step.PAYLOAD, InvalidReceipt, "schema version 1 is not supported"),
     "receipt-unknown-field-resigned": (Step.PAYLOAD, InvalidReceipt, "output: unknown comment"),
     "receipt-non-canonical-key-order-resigned": (Step.PAYLOAD, InvalidReceipt, "not canonical msgpack"),
 }
 # tampered manifest -> (the verifier's status, what its message says)
 BAD_MANIFESTS = {
-    "manifest-omits-a-receipt-resigned": ("FAIL", "the run's final manifest ends it at receipt 1, yet 1 receipt(s)"),
+    "manifest-omits-a-receipt-resigned": ("FAIL",
+                                          "the run's final manifest ends it at receipt 1, yet 1 receipt(s)"),
     "manifest-flipped-signature-bit": ("FAIL", "does not verify over this payload"),
     "manifest-truncated-envelope": ("BAD", "envelope: truncated"),
     "manifest-wrong-merkle-root-resigned": ("BAD", "is not the root of the listed digests"),
@@ -62,7 +67,8 @@ def golden(trusted: dict) -> dict[Path, Receipt]:
 
 def test_every_fixture_is_named_here() -> None:
     names = {p.stem for p in FIXTURES.iterdir() if p.suffix in (".receipt", ".manifest")}
-    assert names == {p.stem for p in GOLDEN_RECEIPTS} | {"golden-run"} | set(BAD_RECEIPTS) | set(BAD_MANIFESTS)
+    assert names == {p.stem
+                     for p in GOLDEN_RECEIPTS} | {"golden-run"} | set(BAD_RECEIPTS) | set(BAD_MANIFESTS)
 
 
 def test_golden_receipts_verify_and_keep_their_bytes(golden: dict[Path, Receipt], trusted: dict) -> None:
@@ -73,7 +79,8 @@ def test_golden_receipts_verify_and_keep_their_bytes(golden: dict[Path, Receipt]
         envelope = Envelope.from_bytes(path.read_bytes())
         assert r.to_bytes() == envelope.payload  # decoded and re-encoded: the signed bytes, exactly
         assert verify_envelope(path.read_bytes(), trusted).keyid == r.node_keyid
-        assert (facts_hash(r.deployment_facts), tuple_hash(r.tuple_values)) == (r.deployment_hash, r.tuple_hash)
+        assert facts_hash(r.deployment_facts) == r.deployment_hash
+        assert tuple_hash(r.tuple_values) == r.tuple_hash
         assert r.request.client.body()["id"] == r.request.request_id  # the client's body, as it was sent
     # what each request exercised is still read back (optional fields included)
     assert by_id["completion-top-logprobs"].output.top_k == 2
@@ -96,7 +103,8 @@ def test_each_tampered_receipt_fails_with_its_named_error(name: str, trusted: di
     step, error, message = BAD_RECEIPTS[name]
     with pytest.raises(VerificationError) as caught:
         open_receipt(FIXTURES / f"{name}.receipt", trusted)
-    assert type(caught.value) is ERRORS[step] and message in caught.value.message, (caught.value.step, caught.value.message)
+    got = (caught.value.step, caught.value.message)
+    assert type(caught.value) is ERRORS[step] and message in caught.value.message, got
     cause = caught.value.__cause__
     assert type(cause) is error and cause.exit_code == caught.value.exit_code, repr(cause)
 

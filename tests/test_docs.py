@@ -63,12 +63,14 @@ def _offending(pattern: re.Pattern[str]) -> list[str]:
 
 def test_no_text_cites_documents_outside_the_repository() -> None:
     hits = _offending(OUTSIDE)
-    assert not hits, "cite the upstream source (repo, file, version) or docs/design.md instead:\n" + "\n".join(hits)
+    assert not hits, ("cite the upstream source (repo, file, version) or docs/design.md instead:\n"
+                      + "\n".join(hits))
 
 
 def test_no_text_speaks_of_the_work_schedule() -> None:
     hits = _offending(HISTORY)
-    assert not hits, "say what the figure or code is, not when or in which step it was made:\n" + "\n".join(hits)
+    assert not hits, ("say what the figure or code is, not when or in which step it was made:\n"
+                      + "\n".join(hits))
 
 
 def test_the_patterns_catch_what_they_are_for() -> None:
@@ -98,7 +100,8 @@ def _documented(path: Path) -> bool:
         return True
     body = [node for node in ast.parse(path.read_text()).body
             if not (isinstance(node, ast.ImportFrom) and node.module == "__future__")]
-    only_docstring = len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    only_docstring = (len(body) == 1 and isinstance(body[0], ast.Expr)
+                      and isinstance(body[0].value, ast.Constant))
     return bool(body) and not only_docstring
 
 
@@ -109,7 +112,8 @@ def test_structure_names_every_module_of_each_folder(folder) -> None:
     named = set(re.findall(r"`([^`]+\.py)`", section))
     modules = {p.relative_to(ROOT / folder).as_posix() for p in (ROOT / folder).rglob("*.py")
                if "__pycache__" not in p.parts and _documented(p)}
-    assert not modules - named, f"add a line to docs/structure.md, section {folder}/: {sorted(modules - named)}"
+    missing = sorted(modules - named)
+    assert not missing, f"add a line to docs/structure.md, section {folder}/: {missing}"
     gone = {n for n in named if "*" not in n and not (ROOT / folder / n).exists()}
     assert not gone, f"docs/structure.md names modules that are gone: {sorted(gone)}"
 

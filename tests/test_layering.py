@@ -1,4 +1,5 @@
-"""Imports follow the arrows of docs/design.md section 2, read from the source (AST) of every installed module.
+"""Imports follow the arrows of docs/design.md section 2, read from the source (AST) of every installed
+module.
 
 Each module belongs to one layer; `ALLOWED` lists the layers each layer may import. For the arrows every
 import counts, also one inside a function or under `TYPE_CHECKING`: a lazy import is still a dependency. An
@@ -54,8 +55,8 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("detent_audit.runtime.named_models", "detent_audit.engine.checkpoint"): "the random-20m writer",
     ("detent_audit.runtime.named_models", "detent_audit.engine.generated"): "a random:<shape> model's card",
 }
-CORE = frozenset({"detent_audit", "detent_audit.errors", "detent_audit.atomic", "detent_audit.cache_dir", "detent_audit.enums",
-                  "detent_audit.isa"})
+CORE = frozenset({"detent_audit", "detent_audit.errors", "detent_audit.atomic", "detent_audit.cache_dir",
+                  "detent_audit.enums", "detent_audit.isa"})
 NO_TORCH = frozenset({"manifests", "selection"})  # they run where torch is not installed
 # modules other layers must not reach into: (module, the layers that may import it)
 INTERNAL = {
@@ -161,9 +162,11 @@ def wrong_arrows(graph: nx.DiGraph) -> list[str]:
         if (a, b) in EXCEPTIONS and not data["at_load"]:
             continue
         if la != lb and lb not in ALLOWED[la]:
-            wrong.append(f"{data['where']}: {a} ({la}) imports {b} ({lb}); {la} may import {sorted(ALLOWED[la])}")
+            wrong.append(f"{data['where']}: {a} ({la}) imports {b} ({lb}); {la} may import "
+                         f"{sorted(ALLOWED[la])}")
         if b in INTERNAL and la not in INTERNAL[b]:
-            wrong.append(f"{data['where']}: {a} reaches into {b}, which only {sorted(INTERNAL[b])} may import")
+            wrong.append(f"{data['where']}: {a} reaches into {b}, which only {sorted(INTERNAL[b])} "
+                         "may import")
     return wrong
 
 
@@ -175,7 +178,8 @@ def new_cycles(graph: nx.DiGraph) -> list[str]:
     for component in nx.strongly_connected_components(loading):
         if len(component) > 1:
             cycle = nx.find_cycle(loading.subgraph(component))
-            cycles.append(" -> ".join(f"{a} ({graph.edges[a, b]['where']})" for a, b in cycle) + f" -> {cycle[0][0]}")
+            cycles.append(" -> ".join(f"{a} ({graph.edges[a, b]['where']})"
+                                      for a, b in cycle) + f" -> {cycle[0][0]}")
     return sorted(cycles)
 
 
@@ -189,7 +193,8 @@ def torch_importers(root: Path) -> list[str]:
         if layer(name) in NO_TORCH:
             for node in ast.walk(ast.parse(path.read_text())):
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                         and not node.level else [])
                 if any(n.split(".")[0] == "torch" for n in names):
                     found.append(f"{path.relative_to(root)}:{node.lineno}")
     return found
@@ -202,7 +207,8 @@ def graph() -> nx.DiGraph:
 
 def test_every_module_is_in_a_layer(graph) -> None:
     assert len(graph) > 50  # the whole package was read
-    assert not unplaced(graph), f"give these a layer in ALLOWED (and docs/design.md section 2): {unplaced(graph)}"
+    missing = unplaced(graph)
+    assert not missing, f"give these a layer in ALLOWED (and docs/design.md section 2): {missing}"
 
 
 def test_imports_follow_the_arrows(graph) -> None:
@@ -230,7 +236,8 @@ def test_manifests_and_selection_import_no_torch() -> None:
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     (tmp_path / "pyproject.toml").write_text(
-        '[tool.setuptools]\npackage-dir = { "detent_audit" = "detent_audit", "detent_audit.kernels" = "kernels" }\n')
+        '[tool.setuptools]\npackage-dir = { "detent_audit" = "detent_audit", "detent_audit.kernels" = '
+        '"kernels" }\n')
     for rel, text in {"detent_audit/__init__.py": "", "detent_audit/errors.py": "", **files}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
@@ -259,7 +266,8 @@ def test_the_checker_finds_a_package_cycle_a_wrong_arrow_and_a_stray_module(tmp_
 
 def test_the_checker_accepts_the_fixed_forms(tmp_path) -> None:
     root = _tree(tmp_path, {
-        "kernels/__init__.py": "from detent_audit.kernels import moe\nfrom detent_audit.kernels.gemm import f\n",
+        "kernels/__init__.py": "from detent_audit.kernels import moe\nfrom detent_audit.kernels.gemm import "
+        "f\n",
         "kernels/moe.py": "from detent_audit.kernels.gemm import f\nimport detent_audit.kernels.gemm\n",
         "kernels/gemm.py": "from detent_audit.errors import DetentError\n",
     })
@@ -270,10 +278,12 @@ def test_the_checker_accepts_the_fixed_forms(tmp_path) -> None:
 def test_an_import_that_runs_later_breaks_a_cycle_but_still_counts_as_an_arrow(tmp_path) -> None:
     root = _tree(tmp_path, {
         "kernels/__init__.py": "",
-        "kernels/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from detent_audit.kernels.b import B\n",
-        "kernels/b.py": "import detent_audit.kernels.a\n\ndef f():\n    from detent_audit.engine.llm import LLM\n",
-        "detent_audit/engine/__init__.py": "",
-        "detent_audit/engine/llm.py": "class LLM:\n    import detent_audit.kernels.b\n",  # a class body runs at load
+        "kernels/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from "
+        "detent_audit.kernels.b import B\n",
+        "kernels/b.py": "import detent_audit.kernels.a\n\ndef f():\n    from detent_audit.engine.llm import "
+        "LLM\n", "detent_audit/engine/__init__.py": "",
+        # a class body runs at load
+        "detent_audit/engine/llm.py": "class LLM:\n    import detent_audit.kernels.b\n",
     })
     g = import_graph(root)
     assert not g.edges["detent_audit.kernels.a", "detent_audit.kernels.b"]["at_load"]
@@ -285,8 +295,8 @@ def test_an_import_that_runs_later_breaks_a_cycle_but_still_counts_as_an_arrow(t
 
 def test_the_checker_finds_a_cli_command_that_imports_the_app(tmp_path) -> None:
     root = _tree(tmp_path, {
-        "detent_audit/cli/__init__.py": "from detent_audit.cli import good, bad\nfrom detent_audit.cli.app import app\n",
-        "detent_audit/cli/app.py": "import typer\n",
+        "detent_audit/cli/__init__.py": "from detent_audit.cli import good, bad\nfrom detent_audit.cli.app "
+        "import app\n", "detent_audit/cli/app.py": "import typer\n",
         "detent_audit/cli/options.py": "import typer\n",
         "detent_audit/cli/good.py": "from detent_audit.cli.options import JSON\n",
         "detent_audit/cli/bad.py": "def f():\n    from detent_audit.cli.app import app\n",

@@ -1,12 +1,12 @@
-"""Receipts served under the portable ISA setting on another class of CPU (tests/fixtures/portable/xeon/: an Intel
-Xeon with AVX-512 and AMX, torch 2.11.0+cu130's CPU kernels, `--isa portable serve --model random-20m --input
-tests/fixtures/portable/requests.jsonl` signed with the compat fixtures' test-only key; benchmarks/isa_device.sh)
-are checked here by the verifier under the same setting, on whatever CPU runs the tests.
+"""Receipts served under the portable ISA setting on another class of CPU (tests/fixtures/portable/xeon/: an
+Intel Xeon with AVX-512 and AMX, torch 2.11.0+cu130's CPU kernels, `--isa portable serve --model random-20m
+--input tests/fixtures/portable/requests.jsonl` signed with the compat fixtures' test-only key;
+benchmarks/isa_device.sh) are checked here by the verifier under the same setting, on whatever CPU runs the tests.
 
 Their ISA fact is the setting's, whatever CPU served them, so it never makes them not comparable: where this
 torch build and kernel sources are theirs they verify bit for bit (they did on an AMD EPYC with AVX2 only:
-docs/isa.md); elsewhere the verdict names the facts that differ (the torch build, the kernels' sources) and never
-the ISA (not comparable, exit 3)."""
+docs/isa.md); elsewhere the verdict names the facts that differ (the torch build, the kernels' sources) and
+never the ISA (not comparable, exit 3)."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def test_the_verifier_under_the_cap_finds_no_isa_difference() -> None:
     """Under the cap, the ISA is never why they are not comparable: they verify (bits equal) where every other
     fact is this machine's, else the verdict names the other facts (the torch build, the kernels' sources)."""
     env = {k: v for k, v in os.environ.items() if k not in isa.PORTABLE_ENV and k != isa.ENV}
-    done = subprocess.run([sys.executable, "-m", "detent_audit.cli", "--isa", "portable", "verify", *map(str, RECEIPTS),
-                           "--key", str(KEY), "--model", "random-20m", "--json"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "detent_audit.cli", "--isa", "portable", "verify",
+                           *map(str, RECEIPTS), "--key", str(KEY), "--model", "random-20m", "--json"],
+                          env=env, capture_output=True, text=True, timeout=600)
     outcomes = json.loads(done.stdout)["outcomes"]
     assert len(outcomes) == 4, done.stderr[-2000:]
     if done.returncode == 0:

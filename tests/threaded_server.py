@@ -1,4 +1,5 @@
-"""An ASGI app served by uvicorn in a thread on a free port of 127.0.0.1, for the tests that talk HTTP to it."""
+"""An ASGI app served by uvicorn in a thread on a free port of 127.0.0.1, for the tests that talk HTTP to
+it."""
 
 from __future__ import annotations
 

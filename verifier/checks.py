@@ -6,7 +6,6 @@ parser, is the request the engine ran, and the text returned is the output token
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from detent_audit.errors import DetentError
 from detent_audit.manifests import encoding as enc
@@ -32,7 +31,8 @@ def refutation(r: Receipt, llm: Engine, eos: set[int], max_prompt_chars: int) ->
     return None if problem is None else RequestError(problem, request_id=rid)
 
 
-def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Callable | None = None) -> str | None:
+def _finish_problem(r: Receipt, eos: set[int], max_model_len: int,
+                    decode: Callable | None = None) -> str | None:
     """The stated finish must be the one generation reaches (the scheduler's rule, runtime/finish.py): no
     stop token before the end, and no earlier token whose text completed a stop string (recomputed with the
     deployment's tokenizer, `decode`); 'stop' exactly when the last token is a stop token or completes a stop
@@ -63,17 +63,18 @@ def _finish_problem(r: Receipt, eos: set[int], max_model_len: int, decode: Calla
         what = f"{cause.value} ({tokens[-1]})" if cause is not FinishCause.STOP_STRING else cause.value
         return f"the output ends on {what}, so it finished with 'stop', not {reason!r}"
     if reason == "stop" and (cause is None or cause.reason != "stop"):
-        return ("finish 'stop' without a stop token at the end" + (", and the output text contains none of the "
-                "stop strings (the node cut it early)" if s.stop else ""))
+        also = ", and the output text contains none of the stop strings (the node cut it early)"
+        return "finish 'stop' without a stop token at the end" + (also if s.stop else "")
     if reason == "length" and cause is None:
-        return (f"finish 'length' after {len(tokens)} of max_tokens={s.max_tokens} tokens, with {total} of the "
-                f"context's {max_model_len} used")
+        return (f"finish 'length' after {len(tokens)} of max_tokens={s.max_tokens} tokens, with {total} of "
+                f"the context's {max_model_len} used")
     return None
 
 
 def _tuple_problem(r: Receipt) -> str | None:
     """The tuple a receipt commits to must be the engine's own: its facts' mode and per-family tuple (the
-    engine is rebuilt, and its facts compared, from the facts; a different signed tuple would go unchecked)."""
+    engine is rebuilt, and its facts compared, from the facts; a different signed tuple would go
+    unchecked)."""
     try:
         recorded = {"mode": {"name": r.deployment_facts["engine"]["mode"]}, **r.deployment_facts["tuple"]}
     except (KeyError, TypeError):
@@ -92,7 +93,7 @@ def _vocabulary_problem(r: Receipt, vocab_size: int) -> str | None:
     return None
 
 
-def _prompt_chars(body: Any) -> int:
+def _prompt_chars(body: object) -> int:
     """The characters of prompt text in a client body (a prompt, a batch of prompts, or messages' contents),
     counted without parsing them."""
     if not isinstance(body, dict):
@@ -125,8 +126,8 @@ def _binding_problem(r: Receipt, llm: Engine, max_prompt_chars: int) -> str | No
         chars = _prompt_chars(body)
         if chars > max_prompt_chars:  # refused before it is tokenized, which would take minutes and GBs
             return (f"the client's request holds {chars} characters of prompt text, more than this "
-                    f"deployment's context of {max_len} tokens can hold (at most {max_prompt_chars}: no token "
-                    "is longer)")
+                    f"deployment's context of {max_len} tokens can hold (at most {max_prompt_chars}: no "
+                    "token is longer)")
         if client.api == OFFLINE_API:  # a line is bound with its id, which no HTTP body may hold
             if "id" not in body:
                 return ("the bound request has no id, so it is no input line the node read (a line is bound "
@@ -158,7 +159,8 @@ def _binding_problem(r: Receipt, llm: Engine, max_prompt_chars: int) -> str | No
     s = r.request.sampling
     ran = {"temperature": enc.f64_to_bits(s.temperature), "top_p": enc.f64_to_bits(s.top_p), "top_k": s.top_k,
            "max_tokens": s.max_tokens, "stop_token_ids": tuple(s.stop_token_ids), "ignore_eos": s.ignore_eos,
-           "logprobs": s.logprobs, "seed": r.request.seed, "stop": tuple(s.stop), "echo": r.scoring is not None}
+           "logprobs": s.logprobs, "seed": r.request.seed, "stop": tuple(s.stop),
+           "echo": r.scoring is not None}
     asked = {"temperature": enc.f64_to_bits(params.temperature), "top_p": enc.f64_to_bits(params.top_p),
              "top_k": params.top_k, "max_tokens": asked_max, "stop_token_ids": tuple(params.stop_token_ids),
              "ignore_eos": params.ignore_eos, "logprobs": params.logprobs, "seed": params.seed,

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from detent_audit.errors import BadInput, DetentError
 from detent_audit.manifests import decoding as dec
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.dsse import Envelope, read_envelope_bytes
+from detent_audit.manifests.encoding import JsonValue
 from detent_audit.manifests.receipt import Receipt, body_json, verify_envelope
 from detent_audit.verifier.expected_response import (
     Expected,
@@ -43,11 +44,14 @@ from detent_audit.verifier.response_view import (
 )
 from detent_audit.verifier.verify import verify
 
+if TYPE_CHECKING:
+    from detent_audit.runtime.tokenizer import Tokenizer
+
 MAX_DOCUMENT_BYTES = 256 << 20
 ENDPOINTS = tuple(API_OF)
 
 
-def read_json_document(path: str | Path, what: str) -> Any:
+def read_json_document(path: str | Path, what: str) -> JsonValue:
     """A JSON object (a request or a response), or a response saved as a server-sent-event stream (the list of
     its chunks). Raises `BadInput` for anything else."""
     try:
@@ -85,7 +89,7 @@ class ResponseCheck(NamedTuple):
     notes: list[str]
 
 
-def endpoint_of(request: dict[str, Any], endpoint: str | None) -> str:
+def endpoint_of(request: Mapping[str, object], endpoint: str | None) -> str:
     """The endpoint the client called: as given, else the one its body is a request to (the two take disjoint
     bodies: `messages` only chat, `prompt` only completions)."""
     if endpoint is not None:
@@ -100,7 +104,7 @@ def endpoint_of(request: dict[str, Any], endpoint: str | None) -> str:
                    remedy=f"pass --endpoint ({', '.join(ENDPOINTS)})")
 
 
-def _prompts(request: dict[str, Any], endpoint: str) -> tuple[list[str | None], bool]:
+def _prompts(request: Mapping[str, object], endpoint: str) -> tuple[list[str | None], bool]:
     """Per choice, the text of its prompt as the client gave it (None: token ids), and whether the response
     has several choices, each with its own receipt named `<id>-<index>`: a batch (a /v1/completions prompt
     that is a list of prompts), or `n` > 1 choices per prompt (choice i answers prompt i // n)."""
@@ -112,8 +116,9 @@ def _prompts(request: dict[str, Any], endpoint: str) -> tuple[list[str | None], 
     return [prompt if isinstance(prompt, str) else None] * n, n > 1
 
 
-def check_response(request: Any, response: Any, signed: Sequence[Signed], *, endpoint: str | None = None,
-                   tokenizer: Callable[[], Any] | None = None) -> ResponseCheck:
+def check_response(request: object, response: object, signed: Sequence[Signed], *,
+                   endpoint: str | None = None,
+                   tokenizer: Callable[[], Tokenizer] | None = None) -> ResponseCheck:
     """The differences between what the client sent and received and what the receipts (one per prompt) bind.
     `endpoint`: the one the client called (None: from its body); `tokenizer`: gives the deployment's tokenizer
     (token strings and offsets are checked with it). Raises `BadInput` for a malformed request or response."""
@@ -201,7 +206,7 @@ def check_response(request: Any, response: Any, signed: Sequence[Signed], *, end
     return ResponseCheck(problems, notes)
 
 
-def _check_head(view: ResponseView, request: dict[str, Any], endpoint: str, batched: bool,
+def _check_head(view: ResponseView, request: Mapping[str, object], endpoint: str, batched: bool,
                 signed: list[Signed], notes: list[str]) -> list[str]:
     """The response's own fields: object, fingerprint, model, seed, usage, receipt ids and proof."""
     problems, receipts = [], [s.receipt for s in signed]
@@ -256,7 +261,7 @@ def _check_head(view: ResponseView, request: dict[str, Any], endpoint: str, batc
     return problems + _proof_problems(view.one("receipt"), signed[0], "response.receipt")
 
 
-def _proof_problems(proof: Any, signed: Signed, where: str) -> list[str]:
+def _proof_problems(proof: object, signed: Signed, where: str) -> list[str]:
     """The proof a response carries (digest, keyid, signature) must be this receipt's."""
     if not isinstance(proof, dict):
         return [f"the response carries no receipt proof ({where})"]
@@ -271,7 +276,7 @@ def _proof_problems(proof: Any, signed: Signed, where: str) -> list[str]:
     return problems
 
 
-def verify_response(request: Any, response: Any, receipt_paths: str | Path | Sequence[str | Path],
+def verify_response(request: object, response: object, receipt_paths: str | Path | Sequence[str | Path],
                     trusted: dict, *, endpoint: str | None = None,
                     progress: Callable[[int, int], None] | None = None,
                     **verify_options: Any) -> Report:

@@ -64,12 +64,12 @@ def prompt_divergence(prompt: list[int], expected_lps: list[float], got_lps: lis
     logprob bits, or whose top-n ids or bits, differ (position 1 is the first scored token), or None."""
     for i, (e, g) in enumerate(zip(expected_lps, got_lps)):
         if f32_bits(e) != f32_bits(g):
-            return (f"logprob of prompt token {i + 1} ({prompt[i + 1]}): expected bits {f32_bits(e):08x}, got "
-                    f"{f32_bits(g):08x} ({ulp_distance(e, g)} ULP)")
+            return (f"logprob of prompt token {i + 1} ({prompt[i + 1]}): expected bits {f32_bits(e):08x}, "
+                    f"got {f32_bits(g):08x} ({ulp_distance(e, g)} ULP)")
     for i, (e_top, g_top) in enumerate(zip(expected_tops, got_tops)):
         e_bits, g_bits = [(t, f32_bits(v)) for t, v in e_top], [(t, f32_bits(v)) for t, v in g_top]
         if e_bits != g_bits:
-            return (f"top alternatives of prompt token {i + 1}: expected {[(t, f'{b:08x}') for t, b in e_bits]}, "
-                    f"got {[(t, f'{b:08x}') for t, b in g_bits]}")
+            return (f"top alternatives of prompt token {i + 1}: expected "
+                    f"{[(t, f'{b:08x}') for t, b in e_bits]}, got {[(t, f'{b:08x}') for t, b in g_bits]}")
     return None
 

@@ -17,25 +17,25 @@ fields it does not know).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from detent_audit.manifests import encoding as enc
 from detent_audit.manifests.dsse import sign_envelope
 from detent_audit.manifests.intoto import INTOTO_PAYLOAD_TYPE, STATEMENT_TYPE, envelope_json
-from detent_audit.verifier.eval_audit import EvalReport
+from detent_audit.verifier.eval_audit import EvalReport, Score
 
 TEST_RESULT_PREDICATE_TYPE = "https://in-toto.io/attestation/test-result/v0.1"
 
 
-def _score_line(s: Any) -> str:
+def _score_line(s: Score) -> str:
     return (f"{s.task} {s.metric}: reported {s.reported}, recomputed {s.recomputed}, "
             f"coverage {s.covered}/{s.total}")
 
 
-def eval_statement(report: EvalReport) -> dict[str, Any]:
+def eval_statement(report: EvalReport) -> dict[str, object]:
     """The test-result Statement of a verify-eval report (module docstring)."""
     passed = [_score_line(s) for s in report.scores if s.equal and s.covered == s.total]
     failed = [_score_line(s) for s in report.scores if not (s.equal and s.covered == s.total)]
@@ -64,7 +64,7 @@ def eval_statement(report: EvalReport) -> dict[str, Any]:
 
 def write_attestation(report: EvalReport, path: Path, key: Ed25519PrivateKey | None = None) -> None:
     """Write the Statement to `path` (JSON), in a DSSE envelope signed by `key` when one is given."""
-    doc = eval_statement(report)
+    doc: Mapping[str, object] = eval_statement(report)
     if key is not None:
         doc = envelope_json(sign_envelope(INTOTO_PAYLOAD_TYPE, enc.canonical_json(doc), key))
     path.write_text(enc.canonical_json(doc).decode("ascii") + "\n")

@@ -37,9 +37,10 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from detent_audit.errors import BadInput, DetentError
+from detent_audit.manifests.receipt import Receipt
 from detent_audit.runtime.stop_strings import output_text
 from detent_audit.verifier.eval_inputs import find_run, read_results, read_samples
 from detent_audit.verifier.eval_rebuild import (
@@ -52,6 +53,9 @@ from detent_audit.verifier.eval_rebuild import (
     rebuild_tasks,
     replay,
 )
+
+if TYPE_CHECKING:
+    from lm_eval.api.model import LM
 
 LOGPROB_FLOOR = -9999.0  # what the server writes for a logprob JSON cannot hold (server/responses.py)
 
@@ -82,8 +86,9 @@ class Score:
             json.dumps(self.reported) == json.dumps(self.recomputed)
 
     def to_json(self) -> dict:
-        return {"task": self.task, "metric": self.metric, "reported": self.reported, "recomputed": self.recomputed,
-                "equal": self.equal, "covered": self.covered, "total": self.total}
+        return {"task": self.task, "metric": self.metric, "reported": self.reported,
+                "recomputed": self.recomputed, "equal": self.equal, "covered": self.covered,
+                "total": self.total}
 
 
 def score_line(score: Score, docs: Sequence[DocVerdict]) -> str:
@@ -142,13 +147,13 @@ class EvalReport:
 # ---- (b): lm-eval's own model class, as the run made it
 
 
-def _model_args(results: dict) -> tuple[str, dict[str, Any]]:
+def _model_args(results: dict) -> tuple[str, dict[str, object]]:
     config = results.get("config") or {}
     name, args = config.get("model"), config.get("model_args") or {}
     if name not in API_OF_MODEL:
         raise BadInput(f"the run used lm-eval model {name!r}",
-                       remedy="verify-eval audits runs against an OpenAI-compatible server: local-completions "
-                              "or local-chat-completions")
+                       remedy="verify-eval audits runs against an OpenAI-compatible server: "
+                              "local-completions or local-chat-completions")
     if isinstance(args, str):
         from lm_eval.utils import simple_parse_args_string
 
@@ -158,7 +163,7 @@ def _model_args(results: dict) -> tuple[str, dict[str, Any]]:
     return name, dict(args)
 
 
-def make_lm(results: dict, tokenizer_path: str | None, batch_size: int) -> Any:
+def make_lm(results: dict, tokenizer_path: str | None, batch_size: int) -> LM:
     """lm-eval's model object for the run's model, arguments and batch size, built offline: its tokenizer from
     the run's `tokenizer` argument (else `tokenizer_path`: the deployment's checkpoint), no request sent."""
     from lm_eval.api.registry import get_model
@@ -187,13 +192,14 @@ def _json_logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR  # JSON has no -inf: the server writes -9999.0
 
 
-def response_of(lm: Any, req: Sent, receipt: Any, decode: Callable) -> Any:
+def response_of(lm: LM, req: Sent, receipt: Any, decode: Callable) -> object:
     """What lm-eval parses from the response this receipt's bits give: the echoed prompt's logprobs, or the
     output text cut at its stop string (the server's rule, stop_strings.py).
 
     A response's top_logprobs entry maps each alternative's text, then the token's own, to its logprob, the
     first of equal texts kept; lm-eval reads only its values (`is_greedy`: the token's logprob equals the
-    largest, the top-1's, which is always kept). Keyed here by token id, the values lm-eval reads are the same."""
+    largest, the top-1's, which is always kept). Keyed here by token id, the values lm-eval reads are the
+    same."""
     out = receipt.output
     if req.kind == "score":
         sc = receipt.scoring
@@ -207,14 +213,15 @@ def response_of(lm: Any, req: Sent, receipt: Any, decode: Callable) -> Any:
             tops.append(entry)
         choice = {"index": 0, "logprobs": {"token_logprobs": [None, *lps], "top_logprobs": [None, *tops]}}
         ids = [*prompt, *out.token_ids]
-        (ll, greedy), = type(lm).parse_logprobs(outputs={"choices": [choice]}, tokens=[ids], ctxlens=[req.ctxlen])
+        (ll, greedy), = type(lm).parse_logprobs(outputs={"choices": [choice]}, tokens=[ids],
+                                                ctxlens=[req.ctxlen])
         return [ll, greedy]
     text, _ = output_text(decode, list(out.token_ids), receipt.request.sampling.stop)
     choice = {"index": 0, "text": text, "message": {"role": "assistant", "content": text}}
     return lm.parse_generations(outputs={"choices": [choice]})[0]
 
 
-def _same(logged: Any, rebuilt: Any) -> bool:
+def _same(logged: object, rebuilt: object) -> bool:
     """lm-eval logs a loglikelihood response (a tuple) as the str() of each value, a generation as its text;
     str() of a float is its shortest round-trip form, so equal strings are equal bits."""
     if isinstance(rebuilt, list):
@@ -346,7 +353,7 @@ def _doc_problems(doc: RebuiltDoc, sample: dict | None) -> list[str]:
     if sample is None:
         return ["the run logged no sample of this document of the task"]
 
-    def as_json(x: Any) -> str:
+    def as_json(x: object) -> str:
         return json.dumps(x, sort_keys=True, default=handle_non_serializable, ensure_ascii=False)
 
     problems = []
@@ -393,7 +400,7 @@ def verify_eval(run: Path, receipts: list[Path], trusted: dict, *, model: str | 
     # (c), first half: every receipt opened (steps (1)-(3): read, signature, payload)
     files = collect(receipts)
     receipt_paths, bad = files.receipts, files.bad
-    opened: dict[Path, Any] = {}
+    opened: dict[Path, Receipt] = {}
     failed_open: dict[Path, str] = {Path(o.path): o.message for o in bad}
     for p in receipt_paths:
         try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 from detent_audit.errors import BadInput
 from detent_audit.manifests import decoding as dec
@@ -56,7 +55,7 @@ def _read_text(path: Path, max_bytes: int, what: str) -> str:
         raise BadInput(f"{path}: not UTF-8 text (byte {exc.start})", remedy=_REMEDY) from None
 
 
-def _json(text: str, where: str) -> Any:
+def _json(text: str, where: str) -> object:
     try:
         value = json.loads(text)
     except (ValueError, RecursionError) as exc:
@@ -65,8 +64,8 @@ def _json(text: str, where: str) -> Any:
     return value
 
 
-def _check_depth(value: Any, where: str) -> None:
-    stack = [(value, 0)]
+def _check_depth(value: object, where: str) -> None:
+    stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_DEPTH:
@@ -77,7 +76,7 @@ def _check_depth(value: Any, where: str) -> None:
             stack += [(v, depth + 1) for v in node]
 
 
-def _object(value: Any, where: str) -> dict:
+def _object(value: object, where: str) -> dict:
     if not isinstance(value, dict):
         raise BadInput(f"{where}: expected a JSON object, got {dec.describe(value)}", remedy=_REMEDY)
     return value

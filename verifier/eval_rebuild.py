@@ -20,10 +20,15 @@ import io
 import json
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from detent_audit.enums import ExitCode
 from detent_audit.errors import BadInput, DetentError
+
+if TYPE_CHECKING:
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import LM
+    from lm_eval.api.task import Task
 
 API_OF_MODEL = {"local-completions": "openai/v1/completions",
                 "local-chat-completions": "openai/v1/chat/completions"}
@@ -76,7 +81,7 @@ class RebuiltDoc:
     doc_id: int
     doc: Any
     target: Any
-    instances: list[Any]       # lm-eval's Instances of the document, by idx
+    instances: list[Instance]  # lm-eval's Instances of the document, by idx
     doc_hash: str
     prompt_hash: str
     target_hash: str
@@ -85,7 +90,7 @@ class RebuiltDoc:
 @dataclass
 class RebuiltTask:
     name: str
-    task: Any                  # lm-eval's Task, configured as the run was
+    task: Task                 # lm-eval's Task, configured as the run was
     docs: dict[int, RebuiltDoc]
     config: dict               # its config as lm-eval logs it (`dump_config`, JSON)
     task_documents: int        # the task's evaluation documents (the run's are all, or the limit's prefix)
@@ -137,7 +142,7 @@ def load_tasks(names: list[str], include_path: list[str], metadata: dict | None 
                                     "data and never uses the samples file's copy") from None
 
 
-def _configure(name: str, task: Any, settings: RunSettings) -> None:
+def _configure(name: str, task: Task, settings: RunSettings) -> None:
     """The overrides lm-eval's `simple_evaluate` applies to a loaded task, from the run's settings."""
     if task.get_config("output_type") == "generate_until" and settings.gen_kwargs is not None:
         task.set_config(key="generation_kwargs", value=copy.deepcopy(settings.gen_kwargs), update=True)
@@ -146,13 +151,13 @@ def _configure(name: str, task: Any, settings: RunSettings) -> None:
     task.set_fewshot_seed(seed=settings.fewshot_seed)
 
 
-def _logged_config(task: Any) -> dict:
+def _logged_config(task: Task) -> dict:
     from lm_eval.utils import handle_non_serializable
 
     return json.loads(json.dumps(task.dump_config(), default=handle_non_serializable, ensure_ascii=False))
 
 
-def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettings, lm: Any,
+def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettings, lm: LM,
                   metadata: dict | None = None) -> dict[str, RebuiltTask]:
     """Each task's documents (all, or the run's `--limit` prefix in lm-eval's order) and their requests,
     built by lm-eval's own code from the task's own data (`metadata`: as `load_tasks`)."""
@@ -200,7 +205,7 @@ def rebuild_tasks(names: list[str], include_path: list[str], settings: RunSettin
 # ---- the bodies lm-eval sent
 
 
-def replay(lm: Any, api: str, tasks: dict[str, RebuiltTask]) -> dict[tuple[str, int, int], Sent]:
+def replay(lm: LM, api: str, tasks: dict[str, RebuiltTask]) -> dict[tuple[str, int, int], Sent]:
     """Every request of the run as lm-eval sent it: its request loop run per request type over all the
     tasks' instances in the run's order (as `evaluate` pools them, so batches span tasks as they did), with
     the network call replaced by a recorder of the payload it builds (`_create_payload`, as its `model_call`
@@ -227,7 +232,7 @@ def replay(lm: Any, api: str, tasks: dict[str, RebuiltTask]) -> dict[tuple[str, 
     return sent
 
 
-def _record(lm: Any, request_type: str, instances: list, bodies: list[tuple[bytes, list[int]]]) -> list:
+def _record(lm: LM, request_type: str, instances: list, bodies: list[tuple[bytes, list[int]]]) -> list:
     """Run lm-eval's loop for these instances; `bodies` gets each body sent (with its context lengths); the
     result is, per instance in order, (the body's index in `bodies`, the prompt's place in it)."""
     from detent_audit.manifests.receipt import body_json

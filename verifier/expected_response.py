@@ -9,14 +9,17 @@ import json
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, NoReturn
 
 from detent_audit.errors import BadInput
 from detent_audit.manifests.receipt import Receipt
 from detent_audit.verifier.response_view import CHAT
 
+if TYPE_CHECKING:
+    from detent_audit.runtime.tokenizer import Tokenizer
 
-def _f32(value: Any, where: str) -> bytes:
+
+def _f32(value: object, where: str) -> bytes:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadInput(f"the response's {where} must be a number, got {type(value).__name__}")
     try:
@@ -25,7 +28,7 @@ def _f32(value: Any, where: str) -> bytes:
         return struct.pack("<d", value)
 
 
-def first_difference(expected: Any, got: Any, where: str) -> str | None:
+def first_difference(expected: object, got: object, where: str) -> str | None:
     """The first place where `got` (parsed JSON) differs from `expected` (as the server writes it): fields,
     lengths, order, strings and ints exactly, floats (logprobs) as fp32 bits; a field `got` adds is a
     difference unless null (an SDK's dump adds those)."""
@@ -55,7 +58,7 @@ def first_difference(expected: Any, got: Any, where: str) -> str | None:
     return None
 
 
-def legacy_pairs(block: Any) -> Any:
+def legacy_pairs(block: object) -> object:
     """A legacy logprobs block with each position's top_logprobs as [token, logprob] pairs, in order (a JSON
     object's order is the server's, most likely first)."""
     if not isinstance(block, dict) or not isinstance(block.get("top_logprobs"), list):
@@ -68,11 +71,12 @@ class Expected:
     """What the server writes for one receipt (its text, logprobs block and stop reason), with the
     deployment's tokenizer where token strings are needed."""
 
-    def __init__(self, tokenizer: Callable[[], Any]) -> None:
-        self._get, self._tokenizer = tokenizer, None
+    def __init__(self, tokenizer: Callable[[], Tokenizer]) -> None:
+        self._get: Callable[[], Tokenizer] = tokenizer
+        self._tokenizer: Tokenizer | None = None
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             self._tokenizer = self._get()
         return self._tokenizer
@@ -80,7 +84,7 @@ class Expected:
     def prompt_text(self, r: Receipt, given: str | None) -> str:
         return self.tokenizer.decode(list(r.request.prompt_token_ids)) if given is None else given
 
-    def logprobs(self, r: Receipt, endpoint: str, echo: bool, prompt_text: str, as_ids: bool) -> Any:
+    def logprobs(self, r: Receipt, endpoint: str, echo: bool, prompt_text: str, as_ids: bool) -> object:
         from detent_audit.server.responses import (
             TextStream,
             TokenFormatter,
@@ -103,7 +107,7 @@ class Expected:
         return echo_logprobs(fmt, list(r.request.prompt_token_ids), ids, r.scoring.logprobs, out.logprobs,
                              prompt_tops, tops, prompt_text, as_ids)
 
-    def stop_reason(self, r: Receipt) -> Any:
+    def stop_reason(self, r: Receipt) -> object:
         from detent_audit.server.responses import stop_reason
 
         s = r.request.sampling
@@ -111,15 +115,15 @@ class Expected:
         return stop_reason(list(r.output.token_ids), r.output.finish_reason, s.stop_token_ids, s.stop, decode)
 
 
-def no_tokenizer() -> Any:
+def no_tokenizer() -> NoReturn:
     raise BadInput("the response's token strings and offsets are checked with the deployment's tokenizer, "
                    "and none was given")
 
 
-def model_tokenizer(model: str | Path | None, cache_dir: str | None) -> Callable[[], Any]:
+def model_tokenizer(model: str | Path | None, cache_dir: str | None) -> Callable[[], Tokenizer]:
     """The tokenizer of the verifier's `--model` (the receipts' checkpoint, whose tokenizer hash verify
     compares), loaded when first needed."""
-    def load() -> Any:
+    def load() -> Tokenizer:
         from detent_audit.runtime.named_models import resolve_model
         from detent_audit.runtime.tokenizer import Tokenizer
 

@@ -25,9 +25,10 @@ from detent_audit.verifier.report import Outcome
 
 RECEIPT_SUFFIX, MANIFEST_SUFFIX = ".receipt", ".manifest"
 BATCH = 64  # requests re-executed together
-_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-               "num_experts", "moe_intermediate_size")
-_ENGINE_OVERHEAD = 512 << 20  # bytes a worker's engine needs besides its weights (torch, KV pool, activations)
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+               "intermediate_size", "num_experts", "moe_intermediate_size")
+# bytes a worker's engine needs besides its weights (torch, KV pool, activations)
+_ENGINE_OVERHEAD = 512 << 20
 
 
 class Files(NamedTuple):

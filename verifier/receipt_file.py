@@ -18,8 +18,8 @@ CLOCK_SKEW_NS = 600 * 10**9  # a receipt may be dated this far after the verifie
 
 
 def open_receipt(path: Path, trusted: dict) -> Receipt:
-    """Steps (1)-(3): the receipt in the file at `path`, signed by one of the `trusted` keys. Raises the step's
-    error (`ReadError`, `SignatureError`, `PayloadError`), the manifests layer's error as its cause.
+    """Steps (1)-(3): the receipt in the file at `path`, signed by one of the `trusted` keys. Raises the
+    step's error (`ReadError`, `SignatureError`, `PayloadError`), the manifests layer's error as its cause.
 
     An exported file (`manifests/intoto.py`) is read for the node's envelope it carries, which is checked as
     the node's own file is; its Statement must then be the one that envelope's payload gives."""
@@ -46,15 +46,17 @@ def open_receipt(path: Path, trusted: dict) -> Receipt:
 
 
 def check_claims(path: Path, r: Receipt, deployments: dict[str, dict | None] | None, now_ns: int) -> None:
-    """Step (4): what a receipt's own content refutes before any engine: its file names another request; a time
-    no node could have signed at; a deployment that is not among the published ones (None: none given)."""
+    """Step (4): what a receipt's own content refutes before any engine: its file names another request; a
+    time no node could have signed at; a deployment that is not among the published ones (None: none
+    given)."""
     rid = r.request.request_id
     if (exported_name(path.name) or path.name) != f"{rid}{RECEIPT_SUFFIX}":
         raise ClaimError(f"the file is named {path.name!r}, but it is the receipt of request {rid!r} (a copy "
                          "under another request's name)", request_id=rid)
     if not EARLIEST_UNIX_NS <= r.time_unix_ns <= now_ns + CLOCK_SKEW_NS:
-        raise ClaimError(f"signed at {r.time_unix_ns} ns since the epoch, outside [2020-01-01, the verifier's "
-                         f"clock + {CLOCK_SKEW_NS // 10**9} s]: no node signed it then", request_id=rid)
+        raise ClaimError(f"signed at {r.time_unix_ns} ns since the epoch, outside [2020-01-01, the "
+                         f"verifier's clock + {CLOCK_SKEW_NS // 10**9} s]: no node signed it then",
+                         request_id=rid)
     if deployments is not None and r.deployment_hash not in deployments:
         raise ClaimError(f"its deployment {r.deployment_hash[:16]}... is not among the {len(deployments)} "
                          "published deployment(s) given with --deployment", request_id=rid)

@@ -37,7 +37,8 @@ def reconstruct(facts: Mapping[str, object], tuple_values: Mapping[str, object],
                 kv_tokens: int = 0, tensor_parallel: int | None = None) -> Engine:
     """Step (7), the deployment and its tuple: the local engine for these facts, of the engine they name;
     raises `NotComparable` (also for an engine this installation does not have) or `BadInput`.
-    `tensor_parallel`: re-execute a tensor-parallel receipt natively at that size (None: by rank emulation)."""
+    `tensor_parallel`: re-execute a tensor-parallel receipt natively at that size (None: by rank
+    emulation)."""
     request = rebuild.RebuildRequest(facts, tuple_values, None if model is None else str(model), cache_dir,
                                      threads, tuple_override, kv_tokens, tensor_parallel=tensor_parallel)
     try:

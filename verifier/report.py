@@ -28,7 +28,8 @@ class Outcome:
     step: Step | None = None
 
     @classmethod
-    def refuted(cls, path: str, kind: str, error: VerificationError, request_id: str | None = None) -> Outcome:
+    def refuted(cls, path: str, kind: str, error: VerificationError,
+                request_id: str | None = None) -> Outcome:
         """The outcome of a file that `error` refuted (`request_id`: the file's, where the error has none)."""
         return cls(path, kind, STATUS_OF_EXIT.get(error.exit_code, "BAD"), error.message,
                    error.request_id or request_id,
@@ -39,7 +40,8 @@ class Outcome:
         return {"path": self.path, "kind": self.kind, "status": self.status, "message": self.message,
                 "request_id": self.request_id, "fields": self.fields, "missing": self.missing,
                 "divergence": self.divergence.to_json() if self.divergence else None,
-                "step": None if self.step is None else {"number": int(self.step), "name": self.step.name.lower()}}
+                "step": None
+                if self.step is None else {"number": int(self.step), "name": self.step.name.lower()}}
 
 
 @dataclass

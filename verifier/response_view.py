@@ -13,10 +13,12 @@ list, a choice that is a string) are malformed input (`BadInput`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from detent_audit.errors import BadInput
+from detent_audit.manifests.encoding import JsonValue
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 API_OF = {CHAT: "openai/v1/chat/completions", COMPLETIONS: "openai/v1/completions"}  # a receipt's client.api
@@ -43,9 +45,9 @@ class ChoiceView:
     text: str = ""
     finish_reason: str | None = None
     logprobs: Any = None
-    stop_reason: Any = None
-    receipt_id: Any = None
-    proof: Any = None
+    stop_reason: object = None
+    receipt_id: object = None
+    proof: object = None
 
 
 @dataclass
@@ -55,11 +57,12 @@ class ResponseView:
 
     endpoint: str
     stream: bool
-    heads: dict[str, list[Any]] = field(default_factory=dict)  # top-level field -> its values, chunk by chunk
+    # top-level field -> its values, chunk by chunk
+    heads: dict[str, list[object]] = field(default_factory=dict)
     choices: dict[int, ChoiceView] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
-    def one(self, name: str) -> Any:
+    def one(self, name: str) -> object:
         """A top-level field's value: every chunk that has it (not null) must agree (else a problem)."""
         values = [v for v in self.heads.get(name, []) if v is not None]
         if any(v != values[0] for v in values[1:]):
@@ -67,33 +70,33 @@ class ResponseView:
         return values[0] if values else None
 
 
-def _object(value: Any, where: str) -> dict[str, Any]:
+def _object(value: object, where: str) -> dict[str, JsonValue]:
     if not isinstance(value, dict):
         raise BadInput(f"the response's {where} must be a JSON object, got {type(value).__name__}")
     return value
 
 
-def _extra(obj: dict[str, Any], allowed: set[str], where: str, problems: list[str], shows: str) -> None:
+def _extra(obj: Mapping[str, object], allowed: set[str], where: str, problems: list[str], shows: str) -> None:
     """Fields of `obj` (not null) that the server never sends there: the SDK does not show them as the
     answer."""
     for key in sorted(k for k, v in obj.items() if k not in allowed and v is not None):
         problems.append(f"{where}.{key}: a field the client's SDK does not show as the answer ({shows})")
 
 
-def response_view(response: Any, endpoint: str) -> ResponseView:
+def response_view(response: object, endpoint: str) -> ResponseView:
     """The view of a response body (a JSON object) or a stream (the list of its chunks) from `endpoint`.
     Raises `BadInput` for a malformed response."""
     if endpoint not in API_OF:
         raise BadInput(f"unknown endpoint {endpoint!r}", remedy=f"use one of {', '.join(API_OF)}")
     stream = isinstance(response, list)
-    chunks = response if stream else [response]
+    chunks: list[object] = response if isinstance(response, list) else [response]
     if not chunks:
         raise BadInput("the response is an empty list: a stream has at least one chunk")
     shows = ("it shows choices[i].delta.content" if stream else "it shows choices[i].message.content") \
         if endpoint == CHAT else "it shows choices[i].text"
     view = ResponseView(endpoint, stream)
-    for n, chunk in enumerate(chunks):
-        chunk = _object(chunk, f"chunk {n}" if stream else "body")
+    for n, item in enumerate(chunks):
+        chunk = _object(item, f"chunk {n}" if stream else "body")
         where = f"chunk {n}" if stream else "response"
         _extra(chunk, _TOP, where, view.problems, shows)
         for key in _TOP - {"choices"}:
@@ -111,7 +114,8 @@ def response_view(response: Any, endpoint: str) -> ResponseView:
     return view
 
 
-def _read_choice(view: ResponseView, choice: dict[str, Any], position: int, where: str, shows: str) -> None:
+def _read_choice(view: ResponseView, choice: dict[str, JsonValue], position: int, where: str,
+                 shows: str) -> None:
     """One choice (or a chunk's choice) into `view.choices[its index]`."""
     index = choice.get("index")
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
@@ -151,7 +155,7 @@ def _read_choice(view: ResponseView, choice: dict[str, Any], position: int, wher
     _read_logprobs(view, got, choice.get("logprobs"), f"{here}.logprobs")
 
 
-def _read_logprobs(view: ResponseView, got: ChoiceView, block: Any, where: str) -> None:
+def _read_logprobs(view: ResponseView, got: ChoiceView, block: object, where: str) -> None:
     """A choice's logprobs block, appended to what earlier chunks gave."""
     if block is None:
         return

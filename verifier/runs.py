@@ -15,7 +15,8 @@ from detent_audit.verifier.report import Coverage, Outcome
 from detent_audit.verifier.steps import CoverageError, ManifestError
 
 
-def check_manifest(path: Path, trusted: dict, opened: dict[Path, Receipt]) -> tuple[Outcome, RunManifest | None]:
+def check_manifest(path: Path, trusted: dict,
+                   opened: dict[Path, Receipt]) -> tuple[Outcome, RunManifest | None]:
     """Step (5): a manifest's verdict, and the manifest itself when its signature verified (it then covers its
     digests): (1)-(3) of its file; its receipts present reproduce its root; none of its run's receipts present
     in its range is left out; a recovery manifest has no hole in its range; after a final or recovery
@@ -40,21 +41,24 @@ def check_manifest(path: Path, trusted: dict, opened: dict[Path, Receipt]) -> tu
     except DetentError as exc:
         error = ManifestError(exc.message, exit_code=1 if exc.exit_code == 1 else 2)
         return Outcome.refuted(str(path), "manifest", error), manifest
-    return Outcome(str(path), "manifest", "OK", f"{manifest.kind} manifest of run {manifest.run_id[:12]}, receipts "
-                   f"{manifest.seq_first}-{manifest.seq_last}: {manifest.receipt_count} receipts, Merkle root "
-                   f"{manifest.merkle_root[:16]}..."), manifest
+    return Outcome(str(path), "manifest", "OK",
+                   f"{manifest.kind} manifest of run {manifest.run_id[:12]}, receipts "
+                   f"{manifest.seq_first}-{manifest.seq_last}: {manifest.receipt_count} receipts, Merkle "
+                   f"root {manifest.merkle_root[:16]}..."), manifest
 
 
 def _check_run(manifest: RunManifest, opened: dict[Path, Receipt]) -> None:
     wanted = set(manifest.receipt_digests)
     present = [r for r in opened.values() if r.digest in wanted]
     check_run(manifest, present)
-    of_run = [r for r in opened.values() if r.run.run_id == manifest.run_id and r.node_keyid == manifest.node_keyid]
+    of_run = [r for r in opened.values() if r.run.run_id == manifest.run_id
+              and r.node_keyid == manifest.node_keyid]
     omitted = sorted(r.request.request_id for r in of_run
                      if manifest.seq_first <= r.run.seq <= manifest.seq_last and r.digest not in wanted)
     if omitted:  # a receipt of its range it does not list: the manifest leaves out an answered request
         raise ManifestError(f"omits {len(omitted)} receipt(s) present in its range {manifest.seq_first}-"
-                            f"{manifest.seq_last} of run {manifest.run_id}: {', '.join(map(repr, omitted[:3]))}")
+                            f"{manifest.seq_last} of run {manifest.run_id}: "
+                            f"{', '.join(map(repr, omitted[:3]))}")
     span = manifest.seq_last - manifest.seq_first + 1
     if manifest.kind == "recovery" and manifest.receipt_count < span:
         # a run numbers its receipts without a gap (a number is taken once its receipt is on disk), and the

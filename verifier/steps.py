@@ -20,16 +20,26 @@ from detent_audit.verifier.compare import Divergence
 
 
 class Step(IntEnum):
-    READ = 1         # a bounded read of a regular file; the envelope decoded (bounded, canonical)
-    SIGNATURE = 2    # PAE(payloadType, payload) signed by a trusted key, before the payload is parsed; its type
-    PAYLOAD = 3      # bounded decode, v2 schema, canonical; it names its signer; its facts and tuple hash as stated
-    CLAIMS = 4       # named after its request; signed at a time a node could have; its deployment published
-    MANIFESTS = 5    # a run manifest's (1)-(3); its receipts reproduce its root; none omitted, none after a final
-    COVERAGE = 6     # a folder's receipts covered by verified manifests; a run's numbers and request ids unique
-    DEPLOYMENT = 7   # the engine rebuilt from the facts, equal field by field; the tuple legal, the facts' own
-    OUTPUT = 8       # ids within the vocabulary; the finish the scheduler's rule gives (stop tokens and strings)
-    REQUEST = 9      # the client's bound body, reparsed by the node's parser, is the request run; the text
-    BITS = 10        # re-executed (rescore or replay): token ids, logprob bits, alternatives, prompt scores
+    # a bounded read of a regular file; the envelope decoded (bounded, canonical)
+    READ = 1
+    # PAE(payloadType, payload) signed by a trusted key, before the payload is parsed; its type
+    SIGNATURE = 2
+    # bounded decode, v2 schema, canonical; it names its signer; its facts and tuple hash as stated
+    PAYLOAD = 3
+    # named after its request; signed at a time a node could have; its deployment published
+    CLAIMS = 4
+    # a run manifest's (1)-(3); its receipts reproduce its root; none omitted, none after a final
+    MANIFESTS = 5
+    # a folder's receipts covered by verified manifests; a run's numbers and request ids unique
+    COVERAGE = 6
+    # the engine rebuilt from the facts, equal field by field; the tuple legal, the facts' own
+    DEPLOYMENT = 7
+    # ids within the vocabulary; the finish the scheduler's rule gives (stop tokens and strings)
+    OUTPUT = 8
+    # the client's bound body, reparsed by the node's parser, is the request run; the text
+    REQUEST = 9
+    # re-executed (rescore or replay): token ids, logprob bits, alternatives, prompt scores
+    BITS = 10
 
 
 class VerificationError(DetentError):

@@ -3,10 +3,10 @@
 
 (1) read, (2) signature, (3) payload, (4) claims (`receipt_file.py`); (5) run manifests, (6) coverage
 (`runs.py`); (7) deployment, (8) output, (9) request, (10) bits (`reexecute.py`, `checks.py`); then the
-report, one outcome per file, whose exit code is 1 for any FAIL, else 2 for any BAD, else 3 for any receipt not
-comparable here. A receipt that fails a step is that receipt's verdict, never the run's end. `sample` draws
-its seed at random unless one is given, so a node cannot know it; `workers` spreads the batches over processes
-(`plan.py`).
+report, one outcome per file, whose exit code is 1 for any FAIL, else 2 for any BAD, else 3 for any receipt
+not comparable here. A receipt that fails a step is that receipt's verdict, never the run's end. `sample`
+draws its seed at random unless one is given, so a node cannot know it; `workers` spreads the batches over
+processes (`plan.py`).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from detent_audit.verifier.workers import worker_pool
 MAX_DEPLOYMENT_FILE = 16 << 20
 
 
-def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | None = None, mode: str = "rescore",
-           sample: float | None = None, seed: int | None = None, cache_dir: str | None = None,
-           threads: int | None = None, tuple_override: dict | None = None, workers: int | str = 1,
-           progress: Callable[[int, int], None] | None = None,
+def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | None = None,
+           mode: str = "rescore", sample: float | None = None, seed: int | None = None,
+           cache_dir: str | None = None, threads: int | None = None, tuple_override: dict | None = None,
+           workers: int | str = 1, progress: Callable[[int, int], None] | None = None,
            deployments: dict[str, dict | None] | None = None, tensor_parallel: int | None = None) -> Report:
     """Verify every receipt and run manifest under `paths`; never raises for a bad receipt: reports it.
     `workers`: processes that re-execute (`plan.auto_workers` for "auto"). `deployments`: the published ones
@@ -59,9 +59,11 @@ def verify(paths: Iterable[str | Path], trusted: dict, *, model: str | Path | No
         except VerificationError as exc:
             opened.pop(p, None)
             outcomes.append(Outcome.refuted(str(p), "receipt", exc))
-        except Exception as exc:  # noqa: BLE001 (a signed payload that breaks a check is a bad receipt, not a crash)
+        # a signed payload that breaks a check is a bad receipt, not a crash
+        except Exception as exc:  # noqa: BLE001
             opened.pop(p, None)
-            outcomes.append(Outcome.refuted(str(p), "receipt", PayloadError(f"{p.name}: {type(exc).__name__}: {exc}")))
+            outcomes.append(Outcome.refuted(str(p), "receipt",
+                                            PayloadError(f"{p.name}: {type(exc).__name__}: {exc}")))
     # (5): each run manifest; (6): the receipts' coverage by them
     manifests: dict[Path, RunManifest] = {}
     for m in files.manifests:
@@ -122,8 +124,8 @@ def _run_batches(batches: list[list[Path]], opened: dict[Path, Receipt], options
 
 
 def load_deployments(specs: Iterable[str]) -> dict[str, dict | None]:
-    """Published deployments by hash: each spec a 64-hex deployment hash, or a file `serve --publish-deployment`
-    wrote (its facts must hash to its hash). Raises `BadInput` naming the spec."""
+    """Published deployments by hash: each spec a 64-hex deployment hash, or a file `serve
+    --publish-deployment` wrote (its facts must hash to its hash). Raises `BadInput` naming the spec."""
     out: dict[str, dict | None] = {}
     for spec in specs:
         spec = str(spec)
@@ -133,11 +135,13 @@ def load_deployments(specs: Iterable[str]) -> dict[str, dict | None]:
         try:
             doc = json.loads(dec.read_bounded(spec, MAX_DEPLOYMENT_FILE, what="published deployment"))
         except InvalidReceipt as exc:
-            raise BadInput(exc.message, remedy="pass a deployment hash (64 hex digits) or the file that "
-                                               "`detent-audit serve --publish-deployment FILE` wrote") from None
+            remedy = ("pass a deployment hash (64 hex digits) or the file that "
+                      "`detent-audit serve --publish-deployment FILE` wrote")
+            raise BadInput(exc.message, remedy=remedy) from None
         except (ValueError, RecursionError) as exc:
             raise BadInput(f"--deployment {spec}: not JSON ({str(exc)[:200]})") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("facts"), dict) or not isinstance(doc.get("hash"), str):
+        if not isinstance(doc, dict) or not isinstance(doc.get("facts"),
+                                                       dict) or not isinstance(doc.get("hash"), str):
             raise BadInput(f"--deployment {spec}: expected a published deployment ({{facts, hash}})")
         try:
             digest = facts_hash(doc["facts"])

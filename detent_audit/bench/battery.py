@@ -110,7 +110,8 @@ def default_target_len(block: int) -> int:
 
 
 def _warm_then(shared: Callable[[list[int]], list[int]], chunk: int | None = None) -> Callable:
-    """Finish a request sharing a prefix with the target first (it fills the prefix cache), then the target."""
+    """Finish a request sharing a prefix with the target first (it fills the prefix cache), then the
+    target."""
     def run(llm: Engine, target: list[int], rng: random.Random) -> tuple[list[int], list[float]]:
         if chunk is not None:
             llm.reset(max_prefill_chunk=chunk)
@@ -146,7 +147,8 @@ def _strong(k: int, kind: str, seed: int) -> Callable:
 
 
 def cells(block: int = 16) -> list[Cell]:
-    """The 35 cells; the prefix cells share whole `block`-token pages of the target (16: the embedded engine's)."""
+    """The 35 cells; the prefix cells share whole `block`-token pages of the target (16: the embedded
+    engine's)."""
     b = block
     out = [Cell("rerun-alone", "rerun", "the target alone again", _alone),
            Cell("rerun-batch", "rerun", "the same 4-request batch twice", _rerun_batch)]
@@ -156,7 +158,8 @@ def cells(block: int = 16) -> list[Cell]:
     for row in (1, 3, 5, 7):
         out.append(Cell(f"row-{row}", "row", f"target at row {row} of 8", _row(row)))
     out += [
-        Cell("prefix-full", "prefix", "the same prompt cached first (all full blocks hit)", _warm_then(lambda t: t)),
+        Cell("prefix-full", "prefix", "the same prompt cached first (all full blocks hit)",
+             _warm_then(lambda t: t)),
         Cell("prefix-1-block", "prefix", f"a prompt sharing {b} tokens cached first",
              _warm_then(lambda t: t[:b] + [7] * 9)),
         Cell("prefix-2-blocks", "prefix", f"a prompt sharing {2 * b} tokens cached first",
@@ -170,8 +173,8 @@ def cells(block: int = 16) -> list[Cell]:
     ]
     for k in (1, 8, 32):
         for kind in ("short", "long", "mixed"):
-            out.append(Cell(f"strong-{kind}-{k}", "strong", f"{k} {kind} neighbours, row moved, half join late",
-                            _strong(k, kind, seed=k)))
+            out.append(Cell(f"strong-{kind}-{k}", "strong",
+                            f"{k} {kind} neighbours, row moved, half join late", _strong(k, kind, seed=k)))
     return out
 
 
@@ -182,7 +185,8 @@ def run_battery(llm: Engine, seed: int = 0, progress: Callable[[str], None] | No
     share `block`-token pages of it."""
     target_len = default_target_len(block) if target_len is None else target_len
     if block < 2 or target_len < 2 * block + 1:
-        raise BadInput(f"the battery's target of {target_len} tokens must be longer than two {block}-token blocks",
+        raise BadInput(f"the battery's target of {target_len} tokens must be longer than two {block}-token "
+                       "blocks",
                        remedy=f"use a target of at least {2 * block + 1} tokens, or a smaller block")
     rng = random.Random(seed)
     target = _prompt(rng, target_len)

@@ -17,7 +17,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from detent_audit.errors import BadInput
 
@@ -110,7 +110,7 @@ class Workload:
     kind: WorkloadKind
     requests: tuple[Request, ...]
     concurrency: int | None = None
-    params: Mapping[str, Any] = field(default_factory=dict)
+    params: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -166,10 +166,11 @@ class Workload:
 
     def as_closed_loop(self, concurrency: int, name: str | None = None) -> Workload:
         """The same requests, closed loop at `concurrency`."""
-        return self._retimed("closed", [None] * len(self.requests), concurrency, name, concurrency=concurrency)
+        return self._retimed("closed", [None] * len(self.requests), concurrency, name,
+                             concurrency=concurrency)
 
     def _retimed(self, kind: WorkloadKind, times: Sequence[float | None], in_flight: int | None,
-                 name: str | None, **params: Any) -> Workload:
+                 name: str | None, **params: object) -> Workload:
         requests = tuple(dataclasses.replace(r, arrival=t) for r, t in zip(self.requests, times))
         kept = {k: v for k, v in self.params.items() if k not in ("rate", "arrival_seed", "concurrency")}
         return Workload(name or self.name, kind, requests, in_flight, {**kept, **params})
@@ -189,7 +190,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def _arrange(name: str, requests: list[Request], rate: float | None, concurrency: int, seed: int,
-             params: dict[str, Any]) -> Workload:
+             params: dict[str, object]) -> Workload:
     closed = Workload(name, "closed", tuple(requests), concurrency, params)
     return closed if rate is None else closed.with_poisson_arrivals(rate, seed)
 
@@ -240,7 +241,8 @@ def sharegpt_like(num_requests: int = 600, *, seed: int = 0, vocab: int | TokenS
     started = 0
     while len(requests) < n:
         while len(active) < ACTIVE_CONVERSATIONS:
-            active.append(_Conversation(started, rng.choices(range(1, len(TURN_WEIGHTS) + 1), TURN_WEIGHTS)[0]))
+            active.append(_Conversation(started,
+                                        rng.choices(range(1, len(TURN_WEIGHTS) + 1), TURN_WEIGHTS)[0]))
             started += 1
         j = rng.randrange(len(active))
         conv = active[j]
@@ -291,7 +293,8 @@ def closed_loop(num_requests: int = 32, concurrency: int = 8, *, prompt_tokens: 
     requests = []
     for i in range(num_requests):
         prompt = space.draw(rng, rng.randint(*prompt_tokens))
-        requests.append(Request(i, tuple(prompt), rng.randint(*output_tokens), temperature, rng.getrandbits(63)))
+        requests.append(Request(i, tuple(prompt), rng.randint(*output_tokens), temperature,
+                                rng.getrandbits(63)))
     params = dict(generator="closed_loop", num_requests=num_requests, prompt_tokens=list(prompt_tokens),
                   output_tokens=list(output_tokens), seed=seed, vocab=space.vocab, temperature=temperature)
     return Workload(f"closed-c{concurrency}", "closed", tuple(requests), concurrency, params)

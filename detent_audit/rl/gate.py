@@ -106,8 +106,8 @@ class ParityGate:
         report = compare(rollout, trainer, sample_names)
         if report.first is not None:
             if self.fail:
-                remedy = ("score with the rollout's weights and committed tuple (detent_audit.rl.scorer.Scorer), "
-                          "or gate with fail=False to log and continue")
+                remedy = ("score with the rollout's weights and committed tuple "
+                          "(detent_audit.rl.scorer.Scorer), or gate with fail=False to log and continue")
                 raise LogprobMismatch(report.message, remedy=remedy)
             log.warning("logprob mismatch (%d of %d tokens): %s", report.mismatched, report.tokens,
                         report.message)

@@ -18,9 +18,9 @@ Entropy, if asked, is the differentiable forward's (its logits; the serving path
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from detent_audit.engine.llm import LLM
 from detent_audit.engine.model import CausalLM
@@ -34,11 +34,11 @@ class _ServingValues(torch.autograd.Function):
     """forward(diff, exact) = exact; backward passes the gradient to `diff` unchanged."""
 
     @staticmethod
-    def forward(ctx: Any, diff: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, diff: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
         return exact.to(diff.dtype).clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 

@@ -2,13 +2,14 @@
 
 What a receipt's facts record (every engine alike): engine version and mode, source hashes of the kernels and
 selection programs, the deployment the selection was solved for, checkpoint hashes (config, weights,
-tokenizer: every file that shapes the prompt's tokens; weights: the tensors), the model's name and source (descriptive: the hashes are its identity) and its EOS ids, dtype,
-device, torch version, the CPU thread count (fixed at start: it changes BLAS bits), the tuple as the kernels
-read it. Weight hashes are cached by (path, device, inode, size, mtime, ctime): a write with the mtime set
-back still changes the ctime (which no user call can set), and a file replaced by another has another inode.
-Settings that change no bit (the prefill chunk, which batch invariance makes irrelevant) are not facts: a
-receipt signs only what a verifier's bits can confirm or what shapes selection. Each engine collects its own
-(the embedded one: `detent_audit.engine.deployment_facts`).
+tokenizer: every file that shapes the prompt's tokens; weights: the tensors), the model's name and source
+(descriptive: the hashes are its identity) and its EOS ids, dtype, device, torch version, the CPU thread count
+(fixed at start: it changes BLAS bits), the tuple as the kernels read it. Weight hashes are cached by (path,
+device, inode, size, mtime, ctime): a write with the mtime set back still changes the ctime (which no user
+call can set), and a file replaced by another has another inode. Settings that change no bit (the prefill
+chunk, which batch invariance makes irrelevant) are not facts: a receipt signs only what a verifier's bits can
+confirm or what shapes selection. Each engine collects its own (the embedded one:
+`detent_audit.engine.deployment_facts`).
 """
 
 from __future__ import annotations

@@ -26,15 +26,21 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from detent_audit.errors import BadInput
+from detent_audit.manifests.encoding import JsonValue
 from detent_audit.runtime.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.runtime.errors import UnsupportedModel
 from detent_audit.runtime.tensor_files import write_canonical
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader, ReaderTensor
+    from tokenizers import Tokenizer
 
 IMPORT_VERSION = 2  # bump when the written files change, so cached imports are redone
 GGUF_MAGIC = b"GGUF"
@@ -67,7 +73,8 @@ class ImportRaced(BadInput):
 
 @dataclass(frozen=True)
 class GGUFImport:
-    """What `import_gguf` wrote: the folder, the file's SHA-256, the tensor count and the quantizations met."""
+    """What `import_gguf` wrote: the folder, the file's SHA-256, the tensor count and the quantizations
+    met."""
 
     path: Path
     sha256: str
@@ -83,7 +90,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _gguf() -> Any:
+def _gguf() -> ModuleType:
     try:
         import gguf
         import gguf.quants  # noqa: F401
@@ -93,8 +100,9 @@ def _gguf() -> Any:
     return gguf
 
 
-def open_gguf(file: str | Path) -> Any:
-    """A `GGUFReader` over `file`; `BadInput` naming what is wrong for a missing, foreign or truncated file."""
+def open_gguf(file: str | Path) -> GGUFReader:
+    """A `GGUFReader` over `file`; `BadInput` naming what is wrong for a missing, foreign or truncated
+    file."""
     file = Path(file)
     if not file.is_file():
         raise BadInput(f"{file}: no such GGUF file")
@@ -112,12 +120,12 @@ def open_gguf(file: str | Path) -> Any:
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size or t.data.nbytes != int(t.n_bytes):
-            raise BadInput(f"{file} is truncated: tensor {t.name} needs bytes up to {end}, the file has {size}",
-                           remedy="download the file again and check its SHA-256")
+            raise BadInput(f"{file} is truncated: tensor {t.name} needs bytes up to {end}, the file has "
+                           f"{size}", remedy="download the file again and check its SHA-256")
     return reader
 
 
-def _field(reader: Any, key: str, default: Any = ...) -> Any:
+def _field(reader: GGUFReader, key: str, default: Any = ...) -> Any:
     field = reader.fields.get(key)
     if field is None:
         if default is ...:
@@ -127,7 +135,7 @@ def _field(reader: Any, key: str, default: Any = ...) -> Any:
     return value
 
 
-def gguf_config(reader: Any) -> dict[str, Any]:
+def gguf_config(reader: GGUFReader) -> dict[str, Any]:
     """config.json (HF keys) from the metadata; `UnsupportedModel` for an architecture other than llama."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
@@ -139,7 +147,8 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     hidden = int(_field(reader, "llama.embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
-    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id", None), _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id", None)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": hidden, "num_hidden_layers": int(_field(reader, "llama.block_count")),
@@ -176,7 +185,7 @@ def unpermute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
             .reshape(weight.shape))
 
 
-def dequantized(reader_tensor: Any) -> np.ndarray:
+def dequantized(reader_tensor: ReaderTensor) -> np.ndarray:
     """A tensor's float32 values in HF order ([out, in] for matrices)."""
     gguf = _gguf()
     qtype = gguf.GGMLQuantizationType(int(reader_tensor.tensor_type))
@@ -188,14 +197,15 @@ def dequantized(reader_tensor: Any) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
 
 
-def build_tokenizer_json(reader: Any) -> tuple[Any, dict[str, Any]]:
+def build_tokenizer_json(reader: GGUFReader) -> tuple[Tokenizer, dict[str, JsonValue]]:
     """A `tokenizers` byte-level BPE from the GGUF vocabulary and merges, control tokens special; and the
     tokenizer_config.json entries. Only `gpt2`-style (BPE) vocabularies are read."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise UnsupportedModel(f"GGUF tokenizer model {kind!r} is not supported by the importer (only 'gpt2' BPE)")
+        raise UnsupportedModel(f"GGUF tokenizer model {kind!r} is not supported by the importer (only 'gpt2' "
+                               "BPE)")
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
@@ -215,18 +225,19 @@ def build_tokenizer_json(reader: Any) -> tuple[Any, dict[str, Any]]:
         bos_id = tokens.index(bos)
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                            special_tokens=[(bos, bos_id)])
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
-                  "eos_token": text("tokenizer.ggml.eos_token_id"), "unk_token": text("tokenizer.ggml.unknown_token_id"),
+    tok_config: dict[str, JsonValue] = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
+                  "eos_token": text("tokenizer.ggml.eos_token_id"),
+                  "unk_token": text("tokenizer.ggml.unknown_token_id"),
                   "pad_token": text("tokenizer.ggml.padding_token_id"), "clean_up_tokenization_spaces": False,
                   "model_max_length": int(_field(reader, "llama.context_length"))}
     return tok, {k: v for k, v in tok_config.items() if v is not None}
 
 
-def _write_json(file: Path, data: Any) -> None:
+def _write_json(file: Path, data: object) -> None:
     file.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_checkpoint(reader: Any, folder: Path, dtype: str, sha256: str,
+def write_checkpoint(reader: GGUFReader, folder: Path, dtype: str, sha256: str,
                      progress: Callable[[int, int], None] | None = None) -> tuple[int, tuple[str, ...]]:
     """Write the HF files of `reader` into the (empty) `folder`; returns (tensors, quantizations)."""
     config = gguf_config(reader)
@@ -237,7 +248,8 @@ def write_checkpoint(reader: Any, folder: Path, dtype: str, sha256: str,
     gguf = _gguf()
     for i, t in enumerate(reader.tensors):
         if t.name == "rope_freqs.weight":
-            raise UnsupportedModel("GGUF tensor rope_freqs.weight (scaled RoPE) is not supported by the importer")
+            raise UnsupportedModel("GGUF tensor rope_freqs.weight (scaled RoPE) is not supported by the "
+                                   "importer")
         name = hf_name(t.name)
         if name in tensors:
             raise BadInput(f"the GGUF file holds tensor {t.name} twice")
@@ -263,7 +275,7 @@ def write_checkpoint(reader: Any, folder: Path, dtype: str, sha256: str,
     return len(tensors), tuple(sorted(qtypes))
 
 
-def check_import(file: str | Path, out: str | Path, dtype: str) -> Any:
+def check_import(file: str | Path, out: str | Path, dtype: str) -> GGUFReader:
     """The checks of `import_gguf` before anything is written: the reader of `file`, or `BadInput`."""
     out = Path(out)
     if dtype not in RUN_DTYPES:

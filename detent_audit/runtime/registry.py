@@ -10,7 +10,8 @@ installed).
 `PACKAGES` names, for each shipped engine, the module that registers it: imported (and so registered) the
 first time the registry is asked, never before, so the runtime imports no engine and an engine's own imports
 (vLLM, SGLang, torch) load only when that engine is used. Adding an engine is one new package with a
-`registration` module and one line in `PACKAGES` (docs/design.md section 2); a test registers its own with `register`.
+`registration` module and one line in `PACKAGES` (docs/design.md section 2); a test registers its own with
+`register`.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ class SamplingParams:
                 f"ignore_eos must be a bool, got {self.ignore_eos!r}",
                 remedy="pass ignore_eos=True or ignore_eos=False",
             )
-        if self.logprobs is not None and (not is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)):
+        if self.logprobs is not None and (not is_int(self.logprobs)
+                                          or not (0 <= self.logprobs <= MAX_LOGPROBS)):
             raise BadInput(
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
                 remedy=f"ask for at most {MAX_LOGPROBS} alternatives per token",

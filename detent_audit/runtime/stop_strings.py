@@ -30,17 +30,19 @@ class StopHit(NamedTuple):
 
 
 def check_stop_strings(stop: Sequence[str], where: str = "stop") -> tuple[str, ...]:
-    """`stop` as a tuple if every entry is a non-empty string without U+FFFD, within the limits; else BadInput."""
+    """`stop` as a tuple if every entry is a non-empty string without U+FFFD, within the limits; else
+    BadInput."""
     if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP_STRINGS:
         raise BadInput(f"{where} must be a list of at most {MAX_STOP_STRINGS} strings, got {stop!r:.80}")
     for s in stop:
         if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS or "\ufffd" in s:
-            raise BadInput(f"{where}: each stop string must be 1-{MAX_STOP_CHARS} characters of text (no U+FFFD, "
-                           f"which stands for an incomplete character), got {s!r:.80}")
+            raise BadInput(f"{where}: each stop string must be 1-{MAX_STOP_CHARS} characters of text (no "
+                           f"U+FFFD, which stands for an incomplete character), got {s!r:.80}")
         try:
             s.encode("utf-8")
         except UnicodeEncodeError:
-            raise BadInput(f"{where}: {s!r:.80} is not valid Unicode text (it holds a lone surrogate)") from None
+            raise BadInput(f"{where}: {s!r:.80} is not valid Unicode text (it holds a lone "
+                           "surrogate)") from None
     return tuple(stop)
 
 
@@ -69,6 +71,6 @@ def check_stop(decode: Decode, output_ids: Sequence[int], stop: Sequence[str]) -
         return False, None
     before = find_stop(decode(output_ids[:-1]), stop)
     if before is not None:
-        return False, (f"the output text before its last token already contains the stop string {before.stop!r}, "
-                       "so generation would have stopped earlier")
+        return False, ("the output text before its last token already contains the stop string "
+                       f"{before.stop!r}, so generation would have stopped earlier")
     return find_stop(decode(output_ids), stop) is not None, None

@@ -29,7 +29,8 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, the alphabet of byte-level BPE."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
@@ -81,7 +82,8 @@ class ChatFormat:
 CHAT_FORMATS: dict[str, ChatFormat] = {
     "llama3": ChatFormat("llama3", ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                                     "<|end_header_id|>", "<|eot_id|>"),
-                         "<|begin_of_text|>", ("<|eot_id|>", "<|end_of_text|>"), LLAMA3_TEMPLATE, _render_llama3),
+                         "<|begin_of_text|>", ("<|eot_id|>", "<|end_of_text|>"), LLAMA3_TEMPLATE,
+                         _render_llama3),
     "chatml": ChatFormat("chatml", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                          None, ("<|im_end|>", "<|endoftext|>"), CHATML_TEMPLATE, _render_chatml),
 }
@@ -123,7 +125,7 @@ def _read_json(file: Path) -> dict[str, Any]:
         raise BadCheckpoint(f"cannot read {file}: {exc}") from exc
 
 
-def chat_template_of(path: Path, tok_config: dict[str, Any]) -> str | None:
+def chat_template_of(path: Path, tok_config: Mapping[str, object]) -> str | None:
     """The checkpoint's chat template (see the module docstring); `BadCheckpoint` for one of another type."""
     jinja = path / CHAT_TEMPLATE_FILE
     if jinja.is_file():
@@ -138,12 +140,13 @@ def chat_template_of(path: Path, tok_config: dict[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         if isinstance(named.get("default"), str):
             return named["default"]
-    raise BadCheckpoint(f"tokenizer_config.json's chat_template is neither a string nor a list of named templates "
-                        f"with a 'default' one (got {type(value).__name__})")
+    raise BadCheckpoint("tokenizer_config.json's chat_template is neither a string nor a list of named "
+                        f"templates with a 'default' one (got {type(value).__name__})")
 
 
-def _token_text(value: Any) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value  # AddedToken dicts or plain strings
+def _token_text(value: object) -> str | None:
+    text = value.get("content") if isinstance(value, dict) else value  # AddedToken dicts or plain strings
+    return text if isinstance(text, str) else None
 
 
 class Tokenizer:
@@ -157,12 +160,13 @@ class Tokenizer:
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self._max_token_chars: int | None = None
         if not self.eos_token_ids:
-            raise BadCheckpoint("the checkpoint names no EOS token (tokenizer_config, generation_config or config)")
+            raise BadCheckpoint("the checkpoint names no EOS token (tokenizer_config, generation_config or "
+                                "config)")
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """tokenizer.json, plus tokenizer_config.json (bos/eos), the chat template (`chat_template_of`) and the
-        EOS ids of generation_config.json and config.json (their union)."""
+        """tokenizer.json, plus tokenizer_config.json (bos/eos), the chat template (`chat_template_of`) and
+        the EOS ids of generation_config.json and config.json (their union)."""
         path = Path(path)
         try:
             tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))

@@ -1,4 +1,5 @@
-"""Tensor-parallel all-reduce dispatch as SelIR: vLLM 0.33 (`all_reduce_vllm`) and SGLang 0.5.23 (`all_reduce_sglang`).
+"""Tensor-parallel all-reduce dispatch as SelIR: vLLM 0.33 (`all_reduce_vllm`) and SGLang 0.5.23
+(`all_reduce_sglang`).
 
 vLLM: `vllm/distributed/device_communicators/cuda_communicator.py` (`CudaCommunicator.all_reduce`, first
 match wins), `all_reduce_utils.py` (`should_nccl_symm_mem_allreduce`, the max-size tables),
@@ -54,7 +55,8 @@ CUSTOM_AR_SUPPORTED_WORLD_SIZES = (2, 4, 6, 8, 16)   # custom_all_reduce.py _SUP
 SGLANG_V2_SM90_GRAPH = {
     2: (16 * MiB, 128 * MiB, 128 * MiB, 0, 0), 3: (1280 * KiB, 1280 * KiB, 128 * MiB, 0, 0),
     4: (384 * KiB, 384 * KiB, 128 * MiB, 0, 0), 5: (192 * KiB, 192 * KiB, 32 * MiB, 0, 0),
-    6: (128 * KiB, 128 * KiB, 32 * MiB, 8 * MiB, 32 * MiB), 7: (128 * KiB, 128 * KiB, 32 * MiB, 1 * MiB, 32 * MiB),
+    6: (128 * KiB, 128 * KiB, 32 * MiB, 8 * MiB, 32 * MiB),
+    7: (128 * KiB, 128 * KiB, 32 * MiB, 1 * MiB, 32 * MiB),
     8: (128 * KiB, 128 * KiB, 32 * MiB, 512 * KiB, 128 * MiB),
 }
 SGLANG_V2_SM90_EAGER = {
@@ -84,7 +86,8 @@ class AllReduceFacts:
     multicast: bool              # SGLang V2: multicast 2shot_pull available
     v2_graph: tuple              # SGLang V2 thresholds in CUDA graphs (see SGLANG_V2_SM90_GRAPH)
     v2_eager: tuple              # ... eagerly
-    nccl_path: str               # NCCL's reduction order when pinned (see nccl_path); "" when NCCL picks by size
+    # NCCL's reduction order when pinned (see nccl_path); "" when NCCL picks by size
+    nccl_path: str
     nccl_chain_order: str        # NCCL's per-channel chain order as recorded; "": not recorded (NCCL illegal)
 
 
@@ -101,10 +104,10 @@ def nccl_path(dep: Deployment) -> str:
     NCCL's tuner picks algorithm, protocol and channel count from the message size (each a different
     reduction order), so a pinned NCCL path is batch-invariant only with all three fixed: by the deployment's
     NCCL_ALGO / NCCL_PROTO / NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS facts, or by the engine's deterministic
-    mode: vLLM's override_envs_for_invariance (tree, Simple, 1 channel; model_executor/layers/batch_invariant.py) and
-    SGLang's --enable-deterministic-inference (allreduce:tree, SGLANG_DETERMINISTIC_NCCL_NCHANNELS = 8
-    channels; the protocol is left to NCCL, which moves bytes but does not reorder tree sums: the
-    deterministic-mode tree, taken as upstream's determinism claim).
+    mode: vLLM's override_envs_for_invariance (tree, Simple, 1 channel;
+    model_executor/layers/batch_invariant.py) and SGLang's --enable-deterministic-inference (allreduce:tree,
+    SGLANG_DETERMINISTIC_NCCL_NCHANNELS = 8 channels; the protocol is left to NCCL, which moves bytes but does
+    not reorder tree sums: the deterministic-mode tree, taken as upstream's determinism claim).
     """
     e = dep.engine
     if e.batch_invariant and e.name == "vllm":
@@ -149,7 +152,9 @@ def all_reduce_vllm(d: AllReduceFacts, num_tokens: Runtime[int],
     nbytes = num_tokens * d.hidden_size * d.dtype_bytes
     actual_bytes = num_tokens_actual * d.hidden_size * d.dtype_bytes
     # 256 KiB .. 64 MiB, default 8 MiB (knob arguments are literals)
-    max_size = knob("all_reduce.max_size", (262144, 524288, 1048576, 2097152, 4194304, 8388608, 16777216, 33554432, 67108864), 8388608)
+    max_size = knob("all_reduce.max_size",
+                    (262144, 524288, 1048576, 2097152, 4194304, 8388608, 16777216, 33554432, 67108864),
+                    8388608)
     chunked = knob("all_reduce.chunked", (False, True), False)
     ordered = knob("all_reduce.ordered", (False, True), False)
     # custom_all_reduce.py: max_size (8 MiB by default) is capped by the table when torch symm-mem is on
@@ -205,7 +210,9 @@ def all_reduce_sglang(d: AllReduceFacts, num_tokens: Runtime[int], in_cuda_graph
     actual_bytes = num_tokens_actual * d.hidden_size * d.dtype_bytes
     # the V2 workspace cap (SGLANG_CUSTOM_ALL_REDUCE_V2_MAX_SIZE_KB, 16 MiB); clipping the thresholds by it
     # follows a later SGLang's Heuristic.clip (inferred for 0.5.23)
-    cap = knob("all_reduce.max_size", (262144, 524288, 1048576, 2097152, 4194304, 8388608, 16777216, 33554432, 67108864), 16777216)  # 256 KiB .. 64 MiB, default 16 MiB
+    cap = knob("all_reduce.max_size",
+               # 256 KiB .. 64 MiB, default 16 MiB
+               (262144, 524288, 1048576, 2097152, 4194304, 8388608, 16777216, 33554432, 67108864), 16777216)
     # custom_all_reduce_v2.py _pick_config: separate thresholds inside CUDA graphs and eagerly
     one_push = min(cap, d.v2_graph[0]) if in_cuda_graph == 1 else min(cap, d.v2_eager[0])
     one_pull = min(cap, d.v2_graph[1]) if in_cuda_graph == 1 else min(cap, d.v2_eager[1])

@@ -1,5 +1,5 @@
-"""FlashAttention-3 (sm90) kernel selection as SelIR: upstream `hopper/` (`fa3`), the vLLM fork (`fa3_vllm`) and
-SGLang's sgl-attn build (`fa3_sglang`).
+"""FlashAttention-3 (sm90) kernel selection as SelIR: upstream `hopper/` (`fa3`), the vLLM fork (`fa3_vllm`)
+and SGLang's sgl-attn build (`fa3_sglang`).
 
 Transcribed from Dao-AILab/flash-attention @ 0251105a and vllm-project/flash-attention @ 617264c1
 (`hopper/flash_api.cpp`, `heuristics.h`, `tile_size.h`, `flash_prepare_scheduler.cu`), as the engines call
@@ -77,7 +77,8 @@ class Fa3Facts:
     num_splits_arg: int        # num_splits the engine passes outside full CUDA graphs (0: FA3's heuristic)
     graph_num_splits_arg: int  # ... inside full CUDA graphs
     max_cuda_graph_size: int   # 0: no full CUDA graphs
-    cascade_enabled: bool      # vLLM: cascade attention possible (not disabled, not batch-invariant, prefix cache)
+    # vLLM: cascade attention possible (not disabled, not batch-invariant, prefix cache)
+    cascade_enabled: bool
     alibi: bool                # ALiBi slopes (cascade does not support them)
 
 
@@ -110,8 +111,8 @@ def facts(dep: Deployment) -> Fa3Facts:
     return Fa3Facts(
         num_sms=dep.compute_units, head_dim=m.head_dim, head_dim_v=m.head_dim, num_heads=heads,
         num_kv_heads=kv_heads, element_size=2, softcap=False, causal=True,
-        window_left=m.sliding_window - 1 if m.sliding_window > 0 else -1, paged_kv=True, page_size=e.page_size,
-        varlen=True, max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
+        window_left=m.sliding_window - 1 if m.sliding_window > 0 else -1, paged_kv=True,
+        page_size=e.page_size, varlen=True, max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
         max_query_len=min(e.max_num_batched_tokens, e.max_model_len),
         max_total_blocks=(cdiv(e.max_num_batched_tokens * (heads // kv_heads), MIN_TILE) + e.max_num_seqs)
@@ -119,9 +120,10 @@ def facts(dep: Deployment) -> Fa3Facts:
         num_splits_arg=1 if e.batch_invariant else 0,
         graph_num_splits_arg=1 if e.batch_invariant else e.fa_max_num_splits_for_cuda_graph,
         max_cuda_graph_size=e.max_cuda_graph_size if e.full_cuda_graph else 0,
-        # vLLM gpu_model_runner: cascade_attn_enabled = not model_config.disable_cascade_attn, forced off under
-        # VLLM_BATCH_INVARIANT; the common prefix comes from the prefix cache's shared blocks. The setting
-        # defaults to True (off) since PR #36318 (v0.33.0 vllm/config/model.py:316): only an opt-in sets it
+        # vLLM gpu_model_runner: cascade_attn_enabled = not model_config.disable_cascade_attn, forced off
+        # under VLLM_BATCH_INVARIANT; the common prefix comes from the prefix cache's shared blocks. The
+        # setting defaults to True (off) since PR #36318 (v0.33.0 vllm/config/model.py:316): only an opt-in
+        # sets it
         cascade_enabled=e.name == "vllm" and not e.disable_cascade_attn and not e.batch_invariant
         and e.prefix_caching,
         alibi=False)
@@ -187,8 +189,8 @@ def fa3_vllm(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], max_
     pagedkv_tma = (d.paged_kv and not is_local and d.page_size % probe_n == 0
                    and max_seqlen_q > probe_m // ratio)             # max_seqlen_q * ratio > probe_m
     paged_non_tma = d.paged_kv and not pagedkv_tma
-    block_m, block_n = tile_size_fwd_sm90_vllm(hdim, hdim_v, is_causal, is_local, d.element_size, paged_non_tma,
-                                               d.softcap, one_mma_wg)
+    block_m, block_n = tile_size_fwd_sm90_vllm(hdim, hdim_v, is_causal, is_local, d.element_size,
+                                               paged_non_tma, d.softcap, one_mma_wg)
     in_graph = d.max_cuda_graph_size > 0 and num_tokens <= d.max_cuda_graph_size
     num_splits = static_num_splits(d, in_graph, d.varlen, num_seqs, max_seqlen_q, max_seqlen_k, block_m,
                                    block_n, is_causal, is_local)
@@ -238,7 +240,8 @@ def fa3_sglang(d: Fa3Facts, num_tokens: Runtime[int], num_seqs: Runtime[int], ma
     # graphs' page table is ceil(context_len / page_size) wide (flashattention_backend.py
     # init_cuda_graph_state, decode_cuda_graph_metadata["page_table"]); eagerly it is
     # req_to_token[:, :max_seq_len_k]
-    kernel_seqlen_k = round_up(d.max_model_len, d.page_size) if in_graph else round_up(max_seqlen_k, d.page_size)
+    kernel_seqlen_k = (round_up(d.max_model_len, d.page_size) if in_graph
+                       else round_up(max_seqlen_k, d.page_size))
     is_causal, is_local = attention_flags(d, max_seqlen_q, kernel_seqlen_k)
     # flash_api.cpp:395-404 get_pagedkv_tma: the probe tile assumes TMA; tile_size.h tile_size_fwd_sm90 is
     # upstream's (tile_size.h equals Dao-AILab 9dbed03's and 0251105a's)
@@ -427,7 +430,8 @@ def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, num_m_blocks, siz
     best = max(effs)
     # the smallest count within 85% of the best efficiency (the best qualifies, so one always does)
     first_good = min([s if s <= cap and split_efficiency(total_mblocks, s, num_sms) >= 0.85 * best
-                      else MAX_SPLITS_HEURISTIC + 1 for s in range(1, min(MAX_SPLITS_HEURISTIC, num_sms) + 1)])
+                      else MAX_SPLITS_HEURISTIC + 1
+                      for s in range(1, min(MAX_SPLITS_HEURISTIC, num_sms) + 1)])
     if total_mblocks >= 0.8 * num_sms:
         # "almost fills the GPU": 1 split, unless one KV head overflows L2, queries go over it at least
         # twice and attention is neither causal nor local

@@ -27,7 +27,8 @@ def engines(make_checkpoint, tmp_path_factory) -> dict[str, LLM]:
 
 def _requests(llm: LLM, n: int = 10, seed: int = 11):
     """Fresh random prompts of 3-60 tokens, 2-9 output tokens, sampled with a seed each."""
-    return closed_loop(n, 1, prompt_tokens=(3, 60), output_tokens=(2, 9), seed=seed, vocab=token_space_of(llm))
+    return closed_loop(n, 1, prompt_tokens=(3, 60), output_tokens=(2, 9), seed=seed,
+                       vocab=token_space_of(llm))
 
 
 def _check_timings(result: RunResult, n: int) -> None:

@@ -45,7 +45,8 @@ def test_missing_file_is_one_line_exit_2(tmp_path) -> None:
 def test_unknown_family_and_ablation_exit_2(tmp_path) -> None:
     out = runner.invoke(app, ["solve", "--deployment", DEP, "--family", "nonsense"])
     assert out.exit_code == 2 and "no family ['nonsense']" in out.stderr
-    out = runner.invoke(app, ["solve", "--deployment", DEP, "--ablate", "bogus", "--cache-dir", str(tmp_path)])
+    args = ["solve", "--deployment", DEP, "--ablate", "bogus", "--cache-dir", str(tmp_path)]
+    out = runner.invoke(app, args)
     assert out.exit_code == 2 and "unknown ablation 'bogus'" in out.stderr
 
 
@@ -62,8 +63,10 @@ def test_untranscribed_attention_is_exit_3_not_zero_pins(tmp_path) -> None:
     # vLLM with Triton attention: no program transcribes it, so there is no answer (never "0 pins")
     base = shipped_deployments()["llama-3.1-8b-instruct-tp1-h100-vllm"].read_text()
     bad = tmp_path / "triton.toml"
-    bad.write_text(base.replace('attention_backend                = "fa3"', 'attention_backend                = "triton"')
-                   .replace("uses_vllm_fa_fork                = true", "uses_vllm_fa_fork                = false"))
+    bad.write_text(base.replace('attention_backend                = "fa3"',
+                                'attention_backend                = "triton"')
+                   .replace("uses_vllm_fa_fork                = true",
+                            "uses_vllm_fa_fork                = false"))
     out = runner.invoke(app, ["solve", "--deployment", str(bad), "--cache-dir", str(tmp_path)])
     assert out.exit_code == 3, out.output
     assert "backend 'triton'" in out.stderr and "not transcribed" in out.stderr

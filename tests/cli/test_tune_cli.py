@@ -24,8 +24,8 @@ def _workload(tmp_path):
 def test_tune_commits_a_legal_tuple(make_checkpoint, tmp_path) -> None:
     ckpt = str(make_checkpoint("tiny-qwen3-moe"))
     out = tmp_path / "t.tuple"
-    res = runner.invoke(app, ["tune", "--model", ckpt, "--workload", str(_workload(tmp_path)), "--out", str(out),
-                              "--json"])
+    res = runner.invoke(app, ["tune", "--model", ckpt, "--workload", str(_workload(tmp_path)),
+                              "--out", str(out), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     fams = {r["family"]: r for r in doc["families"]}
@@ -36,13 +36,15 @@ def test_tune_commits_a_legal_tuple(make_checkpoint, tmp_path) -> None:
     assert committed == doc["tuple"]
     llm = LLM(EngineConfig(model=ckpt, tuple=committed))  # the engine checks legality on load
     assert llm.selection.tuple == committed
-    again = runner.invoke(app, ["tune", "--model", ckpt, "--workload", str(_workload(tmp_path)), "--out", str(out)])
+    again = runner.invoke(app, ["tune", "--model", ckpt, "--workload", str(_workload(tmp_path)),
+                                "--out", str(out)])
     assert again.exit_code == 2 and "exists" in again.stderr
 
 
 def test_exhaustive_measures_the_whole_grid(make_checkpoint, tmp_path) -> None:
     res = runner.invoke(app, ["tune", "--model", str(make_checkpoint("tiny-llama")), "--workload",
-                              str(_workload(tmp_path)), "--out", str(tmp_path / "x.tuple"), "--exhaustive", "--json"])
+                              str(_workload(tmp_path)), "--out", str(tmp_path / "x.tuple"), "--exhaustive",
+                              "--json"])
     assert res.exit_code == 0, res.output
     for r in json.loads(res.stdout)["families"]:
         assert r["measured"] == r["grid_size"]
@@ -77,8 +79,8 @@ def test_streaming_attention_without_a_gpu_is_exit_2(make_checkpoint, tmp_path) 
 def test_concurrency_profiles_each_level_and_bad_levels_are_exit_2(make_checkpoint, tmp_path) -> None:
     ckpt = str(make_checkpoint("tiny-llama"))
     out = tmp_path / "c.tuple"
-    res = runner.invoke(app, ["tune", "--model", ckpt, "--workload", str(_workload(tmp_path)), "--out", str(out),
-                              "--concurrency", "1, all", "--json"])
+    res = runner.invoke(app, ["tune", "--model", ckpt, "--workload", str(_workload(tmp_path)),
+                              "--out", str(out), "--concurrency", "1, all", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["concurrency"] == [1, "all"]
     assert load_tuple(out) == json.loads(res.stdout)["tuple"]

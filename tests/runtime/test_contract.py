@@ -26,7 +26,8 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def llm(make_checkpoint, tmp_path_factory) -> LLM:
-    return LLM(EngineConfig(model=str(make_checkpoint("tiny-llama")), cache_dir=str(tmp_path_factory.mktemp("jit"))))
+    return LLM(EngineConfig(model=str(make_checkpoint("tiny-llama")),
+                            cache_dir=str(tmp_path_factory.mktemp("jit"))))
 
 
 def test_embedded_engine_implements_the_contract(llm: LLM) -> None:
@@ -47,7 +48,8 @@ def test_rescore_equals_generation_through_the_contract(llm: LLM) -> None:
     scored = engine.rescore_batch([(p, o.token_ids) for p, o in zip(prompts, outs)], params)
     for o, s in zip(outs, scored):
         assert s.tokens == o.token_ids
-        assert torch.equal(torch.tensor(s.logprobs, dtype=torch.float32), torch.tensor(o.logprobs, dtype=torch.float32))
+        assert torch.equal(torch.tensor(s.logprobs, dtype=torch.float32),
+                           torch.tensor(o.logprobs, dtype=torch.float32))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,8 @@ def served(llm: LLM, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("served")
     key = generate_key(root / "node.key")
     node = ServingNode(llm, load_private_key(key.private_path), root / "out")
-    (root / "in.jsonl").write_text(json.dumps({"id": "r0", "prompt_token_ids": [5, 6, 7, 8], "max_tokens": 4}))
+    (root / "in.jsonl").write_text(json.dumps({"id": "r0", "prompt_token_ids": [5, 6, 7, 8],
+                                               "max_tokens": 4}))
     serve_offline(llm, node, root / "in.jsonl", root / "out.jsonl")
     node.close()
     return {"root": root, "key": key, "receipt": root / "out" / "receipts" / "r0.receipt"}
@@ -97,7 +100,8 @@ def test_embedded_engine_version_differs_is_not_comparable(served, llm: LLM) -> 
 
 
 class _Stalling:
-    """An engine whose scheduler gives up with a request still live (the shared loop must say so, not spin)."""
+    """An engine whose scheduler gives up with a request still live (the shared loop must say so, not
+    spin)."""
 
     name = "stalling"
 
@@ -123,7 +127,8 @@ def test_run_and_generate_are_one_implementation_over_the_contract(llm: LLM) -> 
     from detent_audit.runtime import contract
 
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
-    params = [SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(temperature=0.8, seed=3, max_tokens=4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=4)]
     direct = llm.generate(prompts, params)
     shared = contract.generate(llm, prompts, params, default=SamplingParams(temperature=0.0))
     for a, b in zip(direct, shared, strict=True):

@@ -1,6 +1,6 @@
-"""The finish rule is one function: the scheduler finishes a sequence exactly where `finish_cause` says, and the
-verifier accepts that finish and refuses any other, on random requests and token streams (stop tokens, EOS,
-stop strings, max_tokens, max_model_len)."""
+"""The finish rule is one function: the scheduler finishes a sequence exactly where `finish_cause` says, and
+the verifier accepts that finish and refuses any other, on random requests and token streams (stop tokens,
+EOS, stop strings, max_tokens, max_model_len)."""
 
 from __future__ import annotations
 
@@ -72,16 +72,18 @@ def test_scheduler_and_verifier_apply_the_one_rule(seed: int) -> None:
         seq = run(params, prompt, stream)
         assert (seq.output_token_ids, seq.finish_reason) == (stream[:n], cause.reason)
         causes.add(cause)
-        assert _finish_problem(receipt(params, prompt, stream[:n], cause.reason), {EOS}, MAX_MODEL_LEN, decode) is None
+        assert _finish_problem(receipt(params, prompt, stream[:n], cause.reason), {EOS}, MAX_MODEL_LEN,
+                               decode) is None
         other = "length" if cause.reason == "stop" else "stop"
-        assert _finish_problem(receipt(params, prompt, stream[:n], other), {EOS}, MAX_MODEL_LEN, decode) is not None
+        assert _finish_problem(receipt(params, prompt, stream[:n], other), {EOS}, MAX_MODEL_LEN,
+                               decode) is not None
         if n > 1:  # cut early, under either reason: a stop or a limit the rule would not have reached there
             for reason in ("stop", "length"):
                 assert _finish_problem(receipt(params, prompt, stream[:n - 1], reason), {EOS}, MAX_MODEL_LEN,
                                        decode) is not None
         if n < len(stream):  # generation that went on past the finish
-            assert _finish_problem(receipt(params, prompt, stream[:n + 1], cause.reason), {EOS}, MAX_MODEL_LEN,
-                                   decode) is not None
+            assert _finish_problem(receipt(params, prompt, stream[:n + 1], cause.reason), {EOS},
+                                   MAX_MODEL_LEN, decode) is not None
     assert len(causes) >= 4, causes
 
 

@@ -1,5 +1,5 @@
-"""The one thread-count rule: `set_threads` holds where `torch.set_num_threads` has been made a no-op (as vLLM's
-CPU worker makes it), and refuses a count torch does not run."""
+"""The one thread-count rule: `set_threads` holds where `torch.set_num_threads` has been made a no-op (as
+vLLM's CPU worker makes it), and refuses a count torch does not run."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def test_a_count_torch_does_not_run_is_refused(monkeypatch: pytest.MonkeyPatch) 
     before = torch.get_num_threads()
     monkeypatch.setattr(threads.torch._C, "set_num_threads", lambda n: None)
     target = before + 1
-    with pytest.raises(ThreadCountNotSet, match=f"torch runs {before} threads after {target} were asked") as err:
+    with pytest.raises(ThreadCountNotSet,
+                       match=f"torch runs {before} threads after {target} were asked") as err:
         set_threads(target)
     assert "OMP_NUM_THREADS" in err.value.remedy
 
@@ -64,7 +65,8 @@ def test_the_project_sets_thread_counts_through_set_threads_only() -> None:
 
     root = Path(__file__).parents[2]
     calls = []
-    for folder in ("detent_audit", "kernels", "verifier", "manifests", "selection", "benchmarks", "tests", "examples"):
+    for folder in ("detent_audit", "kernels", "verifier", "manifests", "selection", "benchmarks", "tests",
+                   "examples"):
         for path in sorted((root / folder).rglob("*.py")):
             if path in (root / "detent_audit" / "runtime" / "threads.py", Path(__file__)):  # rule, its test
                 continue

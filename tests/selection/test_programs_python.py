@@ -36,7 +36,8 @@ def _points(facts, params: list[str]):
     for num_tokens, seq_k, num_seqs in itertools.product((1, 7, 512, tokens), (1, 300, ctx), (1, 3, 200)):
         num_seqs = min(num_seqs, getattr(facts, "max_num_seqs", num_seqs), num_tokens)
         values = {"num_tokens": num_tokens, "num_tokens_actual": num_tokens, "expert_rows": num_tokens,
-                  "num_seqs": num_seqs, "max_seqlen_q": min(num_tokens, getattr(facts, "max_query_len", tokens)),
+                  "num_seqs": num_seqs,
+                  "max_seqlen_q": min(num_tokens, getattr(facts, "max_query_len", tokens)),
                   "max_seqlen_k": seq_k, "seqlen_k": seq_k, "total_blocks": num_seqs * (seq_k // 64 + 1),
                   "in_cuda_graph": int(num_tokens <= 160), "common_prefix_len": min(seq_k, 300),
                   "max_kv_pages": max(1, seq_k // 16), "num_q_tiles": num_seqs}
@@ -206,9 +207,11 @@ def test_moe_default_config_and_sglang_combine_switch() -> None:
     assert (small.block_size_m, small.block_size_n, small.block_size_k, small.group_size_m) == (16, 32, 64, 1)
     assert (large.block_size_m, large.block_size_n, large.block_size_k, large.group_size_m) == (64, 64, 32, 8)
     bi = dataclasses.replace(d, batch_invariant=True)
-    assert {(c.block_size_m, c.block_size_k) for c in (moe.fused_moe(bi, 1), moe.fused_moe(bi, 8000))} == {(64, 32)}
+    assert {(c.block_size_m, c.block_size_k)
+            for c in (moe.fused_moe(bi, 1), moe.fused_moe(bi, 8000))} == {(64, 32)}
     sgl = dataclasses.replace(d, sum_switch_tokens=32, sum_impl="moe_sum_reduce")
-    assert (moe.fused_moe(sgl, 32).combine, moe.fused_moe(sgl, 33).combine) == ("torch_compile_sum", "moe_sum_reduce")
+    combines = (moe.fused_moe(sgl, 32).combine, moe.fused_moe(sgl, 33).combine)
+    assert combines == ("torch_compile_sum", "moe_sum_reduce")
     assert moe.fused_moe(dataclasses.replace(sgl, batch_invariant=True), 5).combine == "moe_sum_reduce"
     assert moe.fused_moe(dataclasses.replace(sgl, top_k=2), 5).combine == "add"
 
@@ -307,7 +310,8 @@ def test_embedded_programs() -> None:
     with knob_settings({"embedded.gemm.chunk_rows": 16}):
         assert {embedded.embedded_gemm(d, n).chunk_rows for n in (3, 300)} == {16}
     # stock attention: 64 cores / (1 seq x 8 KV heads) = 8 splits; 8 sequences -> 1 split
-    alone, crowded = embedded.embedded_attention(d, 1, 4096, 4096), embedded.embedded_attention(d, 8, 4096, 4096)
+    alone = embedded.embedded_attention(d, 1, 4096, 4096)
+    crowded = embedded.embedded_attention(d, 8, 4096, 4096)
     assert (alone.num_splits, alone.tiles_per_split) == (8, 8)
     assert (crowded.num_splits, crowded.tiles_per_split) == (1, 64)
     with knob_settings({"embedded.attention.split_stride": 1024}):

@@ -144,7 +144,8 @@ def test_sglang_heuristic_reads_the_page_table_width() -> None:
     assert graph == {fa3.fa3(d, 4, 4, 1, 32768, 64, 32768).num_splits}
     # eagerly (a prefill) the table is max_seqlen_k wide, as upstream with max_seqlen_k
     for k in (2000, 30000):
-        assert fa3.fa3_sglang(d, 600, 4, 593, k, 64, k).num_splits == fa3.fa3(d, 600, 4, 593, k, 64, k).num_splits
+        sglang = fa3.fa3_sglang(d, 600, 4, 593, k, 64, k)
+        assert sglang.num_splits == fa3.fa3(d, 600, 4, 593, k, 64, k).num_splits
     # so the solver sees one value for the graph path's seqlen_k: its split count is the context's
     spec, r = solved("llama-3.1-70b-instruct-tp4-h100-sglang", "attention")
     assert r.program == "fa3_sglang"
@@ -180,7 +181,8 @@ def test_cascade_is_a_pin_legal_only_off_and_absent_when_disabled() -> None:
     assert pin.candidates == (False, True) and pin.legal_values == (False,)
     assert "cascade" in on.batch_dependent_points and on.default["cascade"] is False
     sel = on.selector()
-    assert {sel(64, 64, 1, 5000, 64, 5000, 4096).cascade, sel(600, 8, 100, 1000, 64, 1000, 300).cascade} == {False}
+    assert {sel(64, 64, 1, 5000, 64, 5000, 4096).cascade,
+            sel(600, 8, 100, 1000, 64, 1000, 300).cascade} == {False}
     _, r = solved("llama-3.1-8b-instruct-tp1-h100-vllm", "attention")   # the shipped file: vLLM's default
     assert "cascade" not in r.batch_dependent_points and all(p.name != "cascade" for p in r.pins)
 
@@ -229,7 +231,8 @@ def test_flashinfer_cta_tile_q_from_the_packed_query_length() -> None:
 
     d = flashinfer.facts(dep("llama-3.1-8b-instruct-tp1-b200-vllm"))   # 32 heads / 8 KV heads: packed x 4
     tile = lambda t, s, q: flashinfer.flashinfer_prefill(d, t, s, q, 100, 8, 1600).cta_tile_q  # noqa: E731
-    # eagerly: the batch's average packed length (num_tokens x 4 // num_seqs): > 64 -> 128, > 16 -> 64, else 16
+    # eagerly: the batch's average packed length (num_tokens x 4 // num_seqs): > 64 -> 128, > 16 -> 64, else
+    # 16
     assert [tile(2000, 100, 50), tile(1620, 100, 50), tile(500, 100, 50), tile(400, 100, 50)] == [128, 64,
                                                                                                  64, 16]
     # in a decode graph: (num_tokens - num_seqs + 1) x 4 = 4 -> 16, whatever the batch

@@ -23,7 +23,8 @@ class Node(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def new_node(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Node]:
+def new_node(make_checkpoint: Callable[..., Path],
+             tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Node]:
     """`new_node(name, **node_options)`: a node in a new folder named after `name`."""
     def make(name: str, **node_options: Any) -> Node:
         root = tmp_path_factory.mktemp(name)

@@ -53,9 +53,9 @@ def test_a_copied_folder_with_a_hidden_system_turn_is_another_deployment(make_ch
     # a receipt served from the copy names another deployment, and is not comparable on the honest model
     key = generate_key(tmp_path / "node.key")
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "messages": chat, "max_tokens": 3}) + "\n")
-    res = runner.invoke(app, ["serve", "--model", str(copy), "--signing-key", str(key.private_path), "--manifest-out",
-                              str(tmp_path / "run"), "--input", str(tmp_path / "in.jsonl"), "--output",
-                              str(tmp_path / "out.jsonl")])
+    res = runner.invoke(app, ["serve", "--model", str(copy), "--signing-key", str(key.private_path),
+                              "--manifest-out", str(tmp_path / "run"), "--input", str(tmp_path / "in.jsonl"),
+                              "--output", str(tmp_path / "out.jsonl")])
     assert res.exit_code == 0, res.output
     receipt = verify_envelope((tmp_path / "run" / "receipts" / "a.receipt").read_bytes(),
                               load_trusted_keys(key.public_path)).receipt

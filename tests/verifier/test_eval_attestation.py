@@ -38,7 +38,8 @@ def _parsed(statement: dict) -> test_result_pb2.TestResult:  # type: ignore[name
     pb = json_format.Parse(json.dumps(statement), statement_pb2.Statement())  # type: ignore[attr-defined]
     Statement.copy_from_pb(pb).validate()
     assert pb.predicate_type == TEST_RESULT_PREDICATE_TYPE
-    return json_format.ParseDict(statement["predicate"], test_result_pb2.TestResult(),  # type: ignore[attr-defined]
+    result = test_result_pb2.TestResult()  # type: ignore[attr-defined]
+    return json_format.ParseDict(statement["predicate"], result,
                                  ignore_unknown_fields=True)  # scores, coverage, receipts: our extension
 
 
@@ -76,8 +77,8 @@ def test_a_signed_attestation_verifies_under_the_verifiers_key_only(tmp_path: Pa
         forged.verify({"verifier": key.public_key()})
 
 
-def test_verify_eval_attest_writes_the_signed_statement_of_its_report(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verify_eval_attest_writes_the_signed_statement_of_its_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The command's wiring: the report verify-eval prints is the one attested, signed by --attest-key."""
     from typer.testing import CliRunner
 

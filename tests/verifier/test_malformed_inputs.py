@@ -181,7 +181,8 @@ def test_a_fifo_named_like_an_lm_eval_file_or_a_receipt_is_refused_not_waited_on
 
 
 def test_a_line_separator_inside_a_logged_string_ends_no_line(tmp_path: Path) -> None:
-    """JSON lines end at a newline only: a U+2028 that lm-eval writes unescaped inside a document stays in it."""
+    """JSON lines end at a newline only: a U+2028 that lm-eval writes unescaped inside a document stays in
+    it."""
     from detent_audit.verifier.eval_inputs import read_samples
 
     path = tmp_path / f"samples_task_{STAMP}.jsonl"

@@ -36,8 +36,8 @@ def node_run(new_node) -> dict:
     root, ckpt, key, llm, node = new_node("receipts")
     node.publish(root / "deployment.json")
     lines = [{"id": "long", "prompt_token_ids": list(range(5, 25)), "max_tokens": 64, "ignore_eos": True},
-             {"id": "sampled", "prompt_token_ids": [9, 8, 7, 6, 5], "max_tokens": 6, "temperature": 0.9, "seed": 11,
-              "ignore_eos": True, "logprobs": 3}]
+             {"id": "sampled", "prompt_token_ids": [9, 8, 7, 6, 5], "max_tokens": 6, "temperature": 0.9,
+              "seed": 11, "ignore_eos": True, "logprobs": 3}]
     (root / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     serve_offline(llm, node, root / "in.jsonl", root / "out.jsonl")
     node.close()
@@ -78,11 +78,12 @@ def test_the_honest_receipts_verify_and_say_whose_request_they_are(node_run, tmp
         code, report = _verify(node_run, node_run["out"], extra=("--mode", mode))
         assert code == 0, report
         assert report["facts_self_asserted"] is True and report["coverage"]["uncovered"] == []
-        code, report = _verify(node_run, node_run["out"], extra=("--mode", mode, "--deployment",
-                                                                   str(node_run["root"] / "deployment.json")))
-        assert code == 0 and report["facts_self_asserted"] is False and len(report["published_deployments"]) == 1
-    res = runner.invoke(app, ["verify", str(node_run["out"]), "--key", str(node_run["key"].public_path), "--model",
-                              str(node_run["ckpt"]), "--cache-dir", str(node_run["root"] / "jit")])
+        published = str(node_run["root"] / "deployment.json")
+        code, report = _verify(node_run, node_run["out"], extra=("--mode", mode, "--deployment", published))
+        assert code == 0 and report["facts_self_asserted"] is False
+        assert len(report["published_deployments"]) == 1
+    res = runner.invoke(app, ["verify", str(node_run["out"]), "--key", str(node_run["key"].public_path),
+                              "--model", str(node_run["ckpt"]), "--cache-dir", str(node_run["root"] / "jit")])
     assert res.exit_code == 0 and "request long" in res.stdout and "facts are self-asserted" in res.stdout
     assert "coverage: 2 of 2 receipts in 1 run manifest(s)" in res.stdout
 
@@ -118,14 +119,17 @@ def _forgeries(run: dict) -> dict:
     other = [5, 6, 7, 8]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, seed=long.request.seed)
     (out,) = llm.generate([other], params)
-    other_prompt = dataclasses.replace(long, request=dataclasses.replace(long.request, prompt_token_ids=tuple(other)),
+    other_request = dataclasses.replace(long.request, prompt_token_ids=tuple(other))
+    other_prompt = dataclasses.replace(long, request=other_request,
                                        output=_output(run, out.token_ids, out.logprobs, out.finish_reason))
     # greedy where the client asked temperature 0.9, seed 11 (and the greedy output honestly computed)
     s = sampled.request.sampling
-    greedy_params = SamplingParams(temperature=0.0, max_tokens=s.max_tokens, ignore_eos=True, seed=11, logprobs=3)
+    greedy_params = SamplingParams(temperature=0.0, max_tokens=s.max_tokens, ignore_eos=True, seed=11,
+                                   logprobs=3)
     (g,) = llm.generate([list(sampled.request.prompt_token_ids)], greedy_params)
     greedy = dataclasses.replace(
-        sampled, request=dataclasses.replace(sampled.request, sampling=dataclasses.replace(s, temperature=0.0)),
+        sampled,
+        request=dataclasses.replace(sampled.request, sampling=dataclasses.replace(s, temperature=0.0)),
         output=_output(run, g.token_ids, g.logprobs, g.finish_reason, g.top_logprobs))
     # max_tokens lowered to the truncation point
     lowered = dataclasses.replace(
@@ -140,14 +144,16 @@ def _forgeries(run: dict) -> dict:
             long.request.sampling, stop_token_ids=(t[stop],))),
         output=_output(run, t[:stop + 1], long.output.logprobs[:stop + 1], "stop"))
     # the text returned, and one top alternative's logprob bit
-    other_text = dataclasses.replace(sampled, output=dataclasses.replace(sampled.output, text="another answer"))
+    other_text = dataclasses.replace(sampled,
+                                     output=dataclasses.replace(sampled.output, text="another answer"))
     bits = bytearray(sampled.output.top_logprobs_f32le)
     bits[4] ^= 1
     tops = OutputRecord(sampled.output.token_ids, sampled.output.logprobs_f32le, sampled.output.finish_reason,
                         sampled.output.text, sampled.output.top_token_ids, bytes(bits))
     other_tops = dataclasses.replace(sampled, output=tops)
     return {"other-prompt": (other_prompt, "is not the client's request"),
-            "greedy": (greedy, "temperature"), "lowered-max-tokens": (lowered, "max_tokens 5 where the client asked 64"),
+            "greedy": (greedy, "temperature"),
+            "lowered-max-tokens": (lowered, "max_tokens 5 where the client asked 64"),
             "extra-stop": (extra_stop, "stop_token_ids"), "other-text": (other_text, "text returned"),
             "other-top-logprob": (other_tops, "top-3 alternatives returned differ")}
 
@@ -186,12 +192,14 @@ def test_8_verify_never_builds_a_model_a_receipt_names(node_run, tmp_path, monke
                     cache_dir=str(node_run["root"] / "jit"))
     (o,) = report.outcomes
     assert o.status == "NOT_COMPARABLE" and "checkpoint.generated" in o.fields and built == [], (o, built)
-    report = verify([node_run["out"] / "receipts" / "long.receipt"], load_trusted_keys(node_run["key"].public_path),
-                    model=node_run["ckpt"], cache_dir=str(node_run["root"] / "jit"))
+    report = verify([node_run["out"] / "receipts" / "long.receipt"],
+                    load_trusted_keys(node_run["key"].public_path), model=node_run["ckpt"],
+                    cache_dir=str(node_run["root"] / "jit"))
     assert report.exit_code == 0 and built == [str(node_run["ckpt"])]
 
 
-def test_9_a_receipt_under_another_requests_file_name_fails_and_the_text_names_requests(node_run, tmp_path) -> None:
+def test_9_a_receipt_under_another_requests_file_name_fails_and_the_text_names_requests(
+        node_run, tmp_path) -> None:
     folder = tmp_path / "renamed"
     folder.mkdir()
     (folder / "sampled.receipt").write_bytes((node_run["out"] / "receipts" / "long.receipt").read_bytes())
@@ -199,8 +207,8 @@ def test_9_a_receipt_under_another_requests_file_name_fails_and_the_text_names_r
     o = _receipt_outcome(report)
     assert code == 1 and o["status"] == "FAIL" and "receipt of request 'long'" in o["message"], o
     res = runner.invoke(app, ["verify", str(node_run["out"] / "receipts" / "sampled.receipt"), "--key",
-                              str(node_run["key"].public_path), "--model", str(node_run["ckpt"]), "--cache-dir",
-                              str(node_run["root"] / "jit")])
+                              str(node_run["key"].public_path), "--model", str(node_run["ckpt"]),
+                              "--cache-dir", str(node_run["root"] / "jit")])
     assert res.exit_code == 0 and "request sampled" in res.stdout, res.stdout
 
 
@@ -235,7 +243,8 @@ def _forged_tuple(run: dict, folder: Path, r, change_tuple=None, change_facts=No
         facts["tuple"] = {k: v for k, v in values.items() if k != "mode"}
     if change_facts:
         change_facts(facts)
-    return _save(run, folder, dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts),
+    return _save(run, folder,
+                 dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts),
                                                   tuple_values=values, tuple_hash=tuple_hash(values)))
 
 
@@ -253,7 +262,8 @@ def test_10_a_tuple_axis_no_kernel_reads_is_not_signed_and_a_receipt_naming_one_
     r = _receipt(node_run, "long")
     signed = {k: dict(v) for k, v in r.tuple_values.items() if k != "mode"}
     assert signed == selection.used_tuple
-    assert json.loads(json.dumps(r.deployment_facts["kernel_params"], default=dict)) == selection.kernel_params
+    assert json.loads(json.dumps(r.deployment_facts["kernel_params"],
+                                 default=dict)) == selection.kernel_params
     dead = [(f, a) for f, axes in selection.tuple.items() for a in axes if a not in signed[f]]
     assert dead, "the default assignment has axes a pin overrides (the GEMM chunk knob at least)"
     selectors = {f: res.selector(selection.tuple[f]) for f, res in selection.results.items()}
@@ -265,7 +275,8 @@ def test_10_a_tuple_axis_no_kernel_reads_is_not_signed_and_a_receipt_naming_one_
         assert len(legal) > 1
         for v in legal:  # every legal value: the kernels get the same params
             other = result.selector({**selection.tuple[family], axis: v})
-            assert probe_params(_kernel_set({**selectors, family: other}), probe_inputs(llm.deployment)) == base
+            assert probe_params(_kernel_set({**selectors, family: other}),
+                                probe_inputs(llm.deployment)) == base
         v = next(v for v in legal if v != selection.tuple[family][axis])
         path = _forged_tuple(node_run, tmp_path / f"{family}-{axis}", r,
                              lambda t, f=family, a=axis, v=v: t[f].__setitem__(a, v))
@@ -279,15 +290,16 @@ def test_10_a_tuple_axis_no_kernel_reads_is_not_signed_and_a_receipt_naming_one_
         values = next(x.legal_values for x in (*result.pins, *result.knobs) if x.name == axis)
         changed[family][axis] = next(v for v in values if v != changed[family][axis]
                                      and result.is_legal({**changed[family], axis: v}))
-    other = LLM(EngineConfig(model=str(node_run["ckpt"]), mode="detent", cache_dir=str(node_run["root"] / "jit"),
-                             tuple=changed))
+    other = LLM(EngineConfig(model=str(node_run["ckpt"]), mode="detent",
+                             cache_dir=str(node_run["root"] / "jit"), tuple=changed))
     assert other.selection.used_tuple == selection.used_tuple
     prompt = torch.randint(0, 256, (23,)).tolist()
     output = list(torch.randint(0, 256, (9,)).tolist())
     assert torch.equal(torch.tensor(llm.rescore(prompt, output)), torch.tensor(other.rescore(prompt, output)))
 
 
-def test_10_claims_the_bits_cannot_confirm_are_refused_against_the_published_deployment(node_run, tmp_path) -> None:
+def test_10_claims_the_bits_cannot_confirm_are_refused_against_the_published_deployment(
+        node_run, tmp_path) -> None:
     """A GEMM chunk the node did not use, the params the kernels got, and the scheduler's max_num_seqs, each
     re-signed with the trusted key: where the bits do not refute them (a chunk of 8 or 16 rows gives the same
     bits on some CPUs; max_num_seqs changes none), `verify` says the facts are self-asserted, and against the
@@ -302,7 +314,8 @@ def test_10_claims_the_bits_cannot_confirm_are_refused_against_the_published_dep
 
     forgeries = {
         "chunk": _forged_tuple(node_run, tmp_path / "chunk", r,
-                               lambda t: t["embedded.gemm"].__setitem__("chunk_rows", other), chunk_everywhere),
+                               lambda t: t["embedded.gemm"].__setitem__("chunk_rows", other),
+                               chunk_everywhere),
         "seqs": _forged_tuple(node_run, tmp_path / "seqs", r, change_facts=lambda f: f["deployment"]["engine"]
                               .__setitem__("max_num_seqs", 1)),
     }
@@ -311,14 +324,16 @@ def test_10_claims_the_bits_cannot_confirm_are_refused_against_the_published_dep
         o = _receipt_outcome(report)
         # passes as self-asserted, or the bits refute it, or (the GEMM's pad form) the fact its probe proved
         # for the signed rows differs
-        assert ((code == 0 and report["facts_self_asserted"] is True) or (code == 1 and "bits" in o["message"])
-                or (code == 3 and o["fields"] and all(f.startswith("deployment.engine.gemm_") for f in o["fields"]))), \
+        assert ((code == 0 and report["facts_self_asserted"] is True)
+                or (code == 1 and "bits" in o["message"])
+                or (code == 3 and o["fields"]
+                    and all(f.startswith("deployment.engine.gemm_") for f in o["fields"]))), \
             (name, o)
         code, report = _verify(node_run, path, extra=published)
         o = _receipt_outcome(report)
         assert code == 1 and "not among the 1 published deployment" in o["message"], (name, o)
-    # the params the kernels got, changed alone (the tuple left as signed): the rebuilt engine's kernels get the
-    # tuple's, so the receipt is not comparable
+    # the params the kernels got, changed alone (the tuple left as signed): the rebuilt engine's kernels get
+    # the tuple's, so the receipt is not comparable
     path = _forged_tuple(node_run, tmp_path / "params", r, change_facts=chunk_everywhere)
     code, report = _verify(node_run, path)
     o = _receipt_outcome(report)
@@ -340,7 +355,8 @@ def test_10_the_node_signs_nothing_when_its_kernels_ran_with_params_its_facts_do
     (output,) = llm.generate([[5, 6, 7]], params)
     from detent_audit.manifests.receipt import ClientRequest
 
-    client = ClientRequest.of(API, {"prompt_token_ids": [5, 6, 7], "max_tokens": 2, "seed": 1, "ignore_eos": True})
+    client = ClientRequest.of(API,
+                              {"prompt_token_ids": [5, 6, 7], "max_tokens": 2, "seed": 1, "ignore_eos": True})
     node.sign(output, params, "fine", client)
     stated = {p["chunk_rows"] for p in node.facts["kernel_params"]["gemm"]}
     stray = GemmParams(chunk_rows=next(c for c in (8, 16, 32) if c not in stated))
@@ -354,8 +370,8 @@ def test_10_the_node_signs_nothing_when_its_kernels_ran_with_params_its_facts_do
     node.close()
 
 
-def test_11_a_flipped_weight_byte_changes_the_weights_hash_even_with_its_mtime_restored(make_checkpoint, tmp_path,
-                                                                                        monkeypatch) -> None:
+def test_11_a_flipped_weight_byte_changes_the_weights_hash_even_with_its_mtime_restored(
+        make_checkpoint, tmp_path, monkeypatch) -> None:
     import shutil
 
     from detent_audit.runtime.facts import checkpoint_hashes
@@ -384,11 +400,12 @@ def test_12_trusted_key_folders_skip_and_report_junk_and_a_pub_holds_one_key(nod
     (keys / "junk.pub").write_text("not a key")
     (keys / "dir.pub").mkdir()
     res = runner.invoke(app, ["verify", str(node_run["out"] / "receipts" / "long.receipt"), "--trusted-keys",
-                              str(keys), "--model", str(node_run["ckpt"]), "--cache-dir", str(node_run["root"] / "jit"),
-                              "--json"])
+                              str(keys), "--model", str(node_run["ckpt"]), "--cache-dir",
+                              str(node_run["root"] / "jit"), "--json"])
     assert res.exit_code == 0, res.output
     problems = json.loads(res.stdout)["trusted_key_problems"]
-    assert any("junk.pub" in p for p in problems) and any("dir.pub" in p and "not a regular file" in p for p in problems)
+    assert any("junk.pub" in p for p in problems) and any("dir.pub" in p
+                                                          and "not a regular file" in p for p in problems)
     assert "junk.pub" in res.stderr
     other = generate_key(tmp_path / "other.key")
     (keys / "two.pub").write_bytes(other.public_path.read_bytes() + node_run["key"].public_path.read_bytes())

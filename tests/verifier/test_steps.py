@@ -1,5 +1,6 @@
 """The verification steps are one list: `Step` in verifier/steps.py, numbered and named the same in
-docs/design.md section 7 and in manifests/receipt.py's docstring, with one error class per step under one root."""
+docs/design.md section 7 and in manifests/receipt.py's docstring, with one error class per step under one
+root."""
 
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ def served(new_node) -> dict:
     (root / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     serve_offline(llm, node, root / "in.jsonl", root / "out.jsonl")
     node.close()
-    return {"root": root, "ckpt": ckpt, "key": key, "out": root / "out", "jit": root / "jit", "tokenizer": llm.tokenizer}
+    return {"root": root, "ckpt": ckpt, "key": key, "out": root / "out", "jit": root / "jit",
+            "tokenizer": llm.tokenizer}
 
 
 def _output(served_or_tokenizer, tokens, logprobs, finish, tops=()) -> OutputRecord:
@@ -49,8 +50,8 @@ def _output(served_or_tokenizer, tokens, logprobs, finish, tops=()) -> OutputRec
 def _renamed(r, name: str):
     """`r` as the receipt of request `name` (its bound body's id too), to be saved as `name`.receipt."""
     body = {**r.request.client.body(), "id": name}
-    return dataclasses.replace(r, request=dataclasses.replace(r.request, request_id=name,
-                                                              client=ClientRequest.of(r.request.client.api, body)),
+    client = ClientRequest.of(r.request.client.api, body)
+    return dataclasses.replace(r, request=dataclasses.replace(r.request, request_id=name, client=client),
                                run=RunRecord(f"forged-{name}", 0))
 
 
@@ -77,7 +78,8 @@ def _receipt(served: dict, name: str):
 def _tuple_with_chunk(r, rows: int) -> dict:
     """The receipt's per-family tuple with the GEMM chunk set to `rows`."""
     values = {k: dict(v) for k, v in r.tuple_values.items() if k != "mode"}
-    values["embedded.gemm"] = {**values["embedded.gemm"], "chunk_rows": rows, "embedded.gemm.chunk_rows": rows}
+    values["embedded.gemm"] = {**values["embedded.gemm"], "chunk_rows": rows,
+                               "embedded.gemm.chunk_rows": rows}
     return values
 
 
@@ -85,7 +87,8 @@ def _tuple_with_chunk(r, rows: int) -> dict:
 def test_served_receipts_verify(served, mode: str) -> None:
     code, report = _verify(served, served["out"], extra=("--mode", mode))
     assert code == 0, report
-    assert report["counts"] == {"OK": 13, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}  # 10 receipts, 3 manifests
+    # 10 receipts, 3 manifests
+    assert report["counts"] == {"OK": 13, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}
 
 
 def _tampered(served: dict, tmp_path: Path, change) -> Path:
@@ -155,7 +158,8 @@ def test_other_tuple_is_not_comparable(served, tmp_path) -> None:
     assert code == 3
     # the knob a pinned chunk overrides is not signed; the params the kernels get are
     fields = {"tuple.embedded.gemm.chunk_rows", "kernel_params.gemm"}
-    if r.tuple_values["embedded.gemm"].get("embedded.gemm.form") == "pad":  # what the probe proved differs too
+    # what the probe proved differs too
+    if r.tuple_values["embedded.gemm"].get("embedded.gemm.form") == "pad":
         fields.add("deployment.engine.gemm_pad_rows")
     assert set(report["outcomes"][0]["fields"]) == fields
 
@@ -186,13 +190,16 @@ def test_untrusted_key_and_garbage_are_refused(served, tmp_path) -> None:
     res = runner.invoke(app, ["verify", str(junk)])
     assert res.exit_code == 2 and "exactly one of --key" in res.stderr
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "renamed.msgpack").write_bytes((served["out"] / "receipts" / "r1.receipt").read_bytes())
+    receipt = (served["out"] / "receipts" / "r1.receipt").read_bytes()
+    (tmp_path / "empty" / "renamed.msgpack").write_bytes(receipt)
     res = runner.invoke(app, ["verify", str(tmp_path / "empty"), "--key", str(served["key"].public_path)])
-    assert res.exit_code == 2 and "no *.receipt or *.manifest files" in res.stdout  # nothing checked is no pass
+    # nothing checked is no pass
+    assert res.exit_code == 2 and "no *.receipt or *.manifest files" in res.stdout
     res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path.parent)])
     assert res.exit_code == 2 and "--trusted-keys" in res.stderr
     for extra, says in ((("--threads", "0"), "--threads"), (("--seed", "3"), "--seed")):
-        res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), *extra])
+        key = str(served["key"].public_path)
+        res = runner.invoke(app, ["verify", str(served["out"]), "--key", key, *extra])
         assert res.exit_code == 2 and says in res.stderr, res.output
 
 
@@ -243,14 +250,16 @@ def test_workers_give_the_verdicts_of_one_process(served, tmp_path) -> None:
 def test_workers_report_a_deployment_mismatch_and_refuse_a_bad_count(served) -> None:
     code, report = _verify(served, served["out"], extra=("--threads", "2", "--workers", "2"))
     assert code == 3
-    assert {tuple(o["fields"]) for o in report["outcomes"] if o["kind"] == "receipt"} == {("runtime.num_threads",)}
-    res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers", "0"])
+    fields = {tuple(o["fields"]) for o in report["outcomes"] if o["kind"] == "receipt"}
+    assert fields == {("runtime.num_threads",)}
+    key = str(served["key"].public_path)
+    res = runner.invoke(app, ["verify", str(served["out"]), "--key", key, "--workers", "0"])
     assert res.exit_code == 2 and "workers" in res.stderr
 
 
 def test_auto_workers_follow_cores_receipts_threads_and_memory(served) -> None:
-    """`--workers auto`: one worker per core at the receipts' thread count, no more than full batches of receipts
-    or engines the memory holds, and one for GPU receipts."""
+    """`--workers auto`: one worker per core at the receipts' thread count, no more than full batches of
+    receipts or engines the memory holds, and one for GPU receipts."""
     from detent_audit.verifier.plan import BATCH, auto_workers, engine_bytes
 
     r = _receipt(served, "r0")
@@ -260,7 +269,8 @@ def test_auto_workers_follow_cores_receipts_threads_and_memory(served) -> None:
     assert auto_workers(4 * BATCH, [facts], cores=2, available_memory=lots) == 2
     assert auto_workers(4 * BATCH, [facts], cores=16, available_memory=lots) == 4       # the receipts
     assert auto_workers(BATCH - 1, [facts], cores=16, available_memory=lots) == 1       # under one batch
-    assert auto_workers(64 * BATCH, [facts], threads=4, cores=16, available_memory=lots) == 4   # 4-thread engines
+    # 4-thread engines
+    assert auto_workers(64 * BATCH, [facts], threads=4, cores=16, available_memory=lots) == 4
     engine = engine_bytes(facts)
     assert auto_workers(64 * BATCH, [facts], cores=16, available_memory=3 * engine + 1) == 3  # the memory
     assert auto_workers(64 * BATCH, [facts], cores=16, available_memory=engine // 2) == 1
@@ -268,15 +278,17 @@ def test_auto_workers_follow_cores_receipts_threads_and_memory(served) -> None:
     assert auto_workers(64 * BATCH, [facts, gpu], cores=16, available_memory=lots) == 1
     # the estimate grows with the model: the weights of the receipt's shape in its dtype, plus the overhead
     model = facts["deployment"]["model"]
-    wider = {**facts, "deployment": {**facts["deployment"], "model": {**model, "hidden_size": 2 * model["hidden_size"]}}}
+    wider_model = {**model, "hidden_size": 2 * model["hidden_size"]}
+    wider = {**facts, "deployment": {**facts["deployment"], "model": wider_model}}
     assert engine_bytes(wider) > engine
-    res = runner.invoke(app, ["verify", str(served["out"]), "--key", str(served["key"].public_path), "--workers", "x"])
+    key = str(served["key"].public_path)
+    res = runner.invoke(app, ["verify", str(served["out"]), "--key", key, "--workers", "x"])
     assert res.exit_code == 2 and "workers" in res.stderr
 
 
 @pytest.mark.parametrize("mode", ["rescore", "replay"])
-def test_a_response_that_filled_the_context_verifies_and_an_impossible_one_fails_alone(make_checkpoint, tmp_path,
-                                                                                       mode: str) -> None:
+def test_a_response_that_filled_the_context_verifies_and_an_impossible_one_fails_alone(
+        make_checkpoint, tmp_path, mode: str) -> None:
     """A response whose prompt and output fill max_model_len verifies in both modes; a receipt the deployment
     could not have served (longer than its context, signed by the node) fails on its own, and the receipts
     batched with it are still checked."""
@@ -290,8 +302,8 @@ def test_a_response_that_filled_the_context_verifies_and_an_impossible_one_fails
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     serve_offline(llm, node, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
     node.close()
-    base = ["verify", str(tmp_path / "out"), "--key", str(key.public_path), "--model", str(ckpt), "--cache-dir",
-            str(tmp_path / "jit"), "--json", "--mode", mode]
+    base = ["verify", str(tmp_path / "out"), "--key", str(key.public_path), "--model", str(ckpt),
+            "--cache-dir", str(tmp_path / "jit"), "--json", "--mode", mode]
     res = runner.invoke(app, base)
     assert res.exit_code == 0, res.output
 
@@ -311,7 +323,8 @@ def test_a_response_that_filled_the_context_verifies_and_an_impossible_one_fails
     # (step 8: the context is full at output token 0) or the request binding (step 9) refutes it
     message = outcomes["longer"]["message"]
     assert outcomes["longer"]["status"] == "FAIL", outcomes["longer"]
-    assert "admits the client's request" in message or "finishes generation (max_model_len)" in message, message
+    assert ("admits the client's request" in message
+            or "finishes generation (max_model_len)" in message), message
 
 
 def test_a_tuple_illegal_for_the_solved_pins_is_not_comparable(served, tmp_path) -> None:
@@ -346,7 +359,8 @@ def test_facts_this_machine_cannot_rebuild_are_reported_per_receipt(served, tmp_
 
     folder = tmp_path / "mixed"
     shutil.copytree(served["out"] / "receipts", folder)
-    r = verify_envelope((folder / "r1.receipt").read_bytes(), load_trusted_keys(served["key"].public_path)).receipt
+    r = verify_envelope((folder / "r1.receipt").read_bytes(),
+                        load_trusted_keys(served["key"].public_path)).receipt
     key = load_private_key(served["key"].private_path)
 
     def forge(name: str, **runtime) -> None:
@@ -355,7 +369,8 @@ def test_facts_this_machine_cannot_rebuild_are_reported_per_receipt(served, tmp_
         for k, v in runtime.items():
             if v is None:
                 del facts["runtime"][k]
-        forged = dataclasses.replace(_renamed(r, name), deployment_facts=facts, deployment_hash=facts_hash(facts))
+        forged = dataclasses.replace(_renamed(r, name), deployment_facts=facts,
+                                     deployment_hash=facts_hash(facts))
         (folder / f"{name}.receipt").write_bytes(sign_receipt(forged, key))
 
     forge("gpu", device="NVIDIA H200 sm90 132 SMs cuda 13.0 triton 3.6.0")
@@ -368,7 +383,8 @@ def test_facts_this_machine_cannot_rebuild_are_reported_per_receipt(served, tmp_
     for name in ("text-threads", "many-threads", "no-threads"):
         assert by[name]["status"] == "BAD" and "num_threads" in by[name]["message"], by[name]
     if not torch.cuda.is_available():
-        assert by["gpu"]["status"] == "NOT_COMPARABLE" and by["gpu"]["fields"] == ["runtime.device"], by["gpu"]
+        gpu = by["gpu"]
+        assert gpu["status"] == "NOT_COMPARABLE" and gpu["fields"] == ["runtime.device"], gpu
         assert code == 2  # bad input outranks not comparable
 
 
@@ -409,7 +425,8 @@ def test_fifos_and_unlistable_folders_are_bad_input_never_a_hang_or_a_silent_ski
     code, report = results["folder"]
     by = {o["path"]: o for o in report["outcomes"]}
     assert code == 2
-    assert by[str(folder / "x.receipt")]["status"] == "BAD" and "not a regular file" in by[str(folder / "x.receipt")]["message"]
+    fifo = by[str(folder / "x.receipt")]
+    assert fifo["status"] == "BAD" and "not a regular file" in fifo["message"]
     assert by[str(locked)]["status"] == "BAD" and "cannot list" in by[str(locked)]["message"]
     assert results["key"].exit_code == 2 and "not a regular file" in results["key"].stderr
 
@@ -428,7 +445,8 @@ def _forge_all(served, tmp_path, name: str, change) -> Path:
 def _with(r, tokens, logprobs, finish, tokenizer=None, **sampling):
     request = _bound(r, **sampling) if sampling else r.request
     text = tokenizer.decode(list(tokens)) if tokenizer is not None else ""
-    return dataclasses.replace(r, request=request, output=OutputRecord.from_floats(tokens, logprobs, finish, text))
+    return dataclasses.replace(r, request=request,
+                               output=OutputRecord.from_floats(tokens, logprobs, finish, text))
 
 
 @pytest.mark.parametrize("mode", ["rescore", "replay"])
@@ -484,7 +502,8 @@ def test_stock_receipts_are_not_comparable(served, make_checkpoint, tmp_path) ->
                               str(ckpt), "--json"])
     (o,) = json.loads(res.stdout)["outcomes"]
     assert res.exit_code == 3 and o["fields"] == ["tuple.mode.name"] and "not batch-invariant" in o["message"]
-    save_tuple(LLM(EngineConfig(model=str(ckpt), cache_dir=str(served["jit"]))).selection.tuple, tmp_path / "t")
+    save_tuple(LLM(EngineConfig(model=str(ckpt), cache_dir=str(served["jit"]))).selection.tuple,
+               tmp_path / "t")
     res = runner.invoke(app, ["verify", str(receipt), "--key", str(key.public_path), "--model",
                               str(ckpt), "--tuple", str(tmp_path / "t"), "--json"])
     (o,) = json.loads(res.stdout)["outcomes"]
@@ -514,8 +533,9 @@ def test_a_response_cut_by_the_context_and_a_request_longer_than_the_default_kv_
             "ignore_eos": True}))
         node.close()
         for mode in ("rescore", "replay"):
-            res = runner.invoke(app, ["verify", str(tmp_path / name), "--key", str(key.public_path), "--model",
-                                      str(ckpt), "--cache-dir", str(tmp_path / "jit"), "--mode", mode])
+            res = runner.invoke(app, ["verify", str(tmp_path / name), "--key", str(key.public_path),
+                                      "--model", str(ckpt), "--cache-dir", str(tmp_path / "jit"),
+                                      "--mode", mode])
             assert res.exit_code == 0, (name, mode, res.output)
 
 
@@ -549,26 +569,28 @@ def test_an_empty_output_and_a_tuple_its_facts_do_not_record_fail(served, tmp_pa
 
     def empty(prompt_len):
         def change(r):
-            request = dataclasses.replace(r.request, prompt_token_ids=tuple(3 + i % 300 for i in range(prompt_len)))
+            request = dataclasses.replace(r.request,
+                                          prompt_token_ids=tuple(3 + i % 300 for i in range(prompt_len)))
             return dataclasses.replace(r, request=request, output=OutputRecord.from_floats([], [], "length"))
         return change
 
     _forge_all(served, folder, "empty", empty(5))
     _forge_all(served, folder, "empty-full", empty(2048))
     _forge_all(served, folder, "mode-only", retuple({"mode": {"name": "detent"}}))
-    _forge_all(served, folder, "extra-key", lambda r: retuple({**{k: dict(v) for k, v in r.tuple_values.items()},
+    _forge_all(served, folder, "extra-key",
+               lambda r: retuple({**{k: dict(v) for k, v in r.tuple_values.items()},
                                                                "mode": {"name": "detent", "junk": 7}})(r))
     for mode in ("rescore", "replay"):
         code, report = _verify(served, folder, extra=("--mode", mode))
         by = {Path(o["path"]).parent.name: o for o in report["outcomes"]}
         assert code == 1 and all(o["status"] == "FAIL" for o in by.values()), by
-        assert "an empty output" in by["empty"]["message"] and "an empty output" in by["empty-full"]["message"]
+        assert all("an empty output" in by[name]["message"] for name in ("empty", "empty-full"))
         for name in ("mode-only", "extra-key"):
             assert "not the one its deployment facts record" in by[name]["message"], by[name]
 
 
-def test_a_sample_is_unpredictable_unless_its_seed_is_given_and_a_run_answers_each_request_once(served,
-                                                                                              tmp_path) -> None:
+def test_a_sample_is_unpredictable_unless_its_seed_is_given_and_a_run_answers_each_request_once(
+        served, tmp_path) -> None:
     """--sample draws its seed at random and reports it; --seed repeats that sample. A run manifest whose
     receipts answer one request id twice (a node keeping the draw it liked) FAILs."""
 
@@ -605,7 +627,8 @@ def test_a_sample_is_unpredictable_unless_its_seed_is_given_and_a_run_answers_ea
     assert code == 1 and m["status"] == "FAIL" and "answered more than once" in m["message"], m
 
 
-def test_replay_holds_a_request_whose_max_tokens_exceeds_the_default_kv_pool(make_checkpoint, tmp_path) -> None:
+def test_replay_holds_a_request_whose_max_tokens_exceeds_the_default_kv_pool(
+        make_checkpoint, tmp_path) -> None:
     """Replay reserves prompt + max_tokens blocks (within the context) even when a stop token ends it early:
     the rebuilt pool is sized for that, not for the output's length."""
     ckpt = make_checkpoint("tiny-llama")
@@ -615,7 +638,8 @@ def test_replay_holds_a_request_whose_max_tokens_exceeds_the_default_kv_pool(mak
     from detent_audit.runtime.sampling_params import SamplingParams
 
     (probe,) = llm.generate([[9, 8, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    params = SamplingParams(temperature=0.0, max_tokens=1500, stop_token_ids=(probe.token_ids[1],), ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1500, stop_token_ids=(probe.token_ids[1],),
+                            ignore_eos=True)
     (out,) = llm.generate([[9, 8, 7]], params)
     assert out.finish_reason == "stop" and len(out.token_ids) <= 2
     node = ServingNode(llm, load_private_key(key.private_path), tmp_path / "out")
@@ -645,8 +669,10 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
     facts = json.loads(json.dumps(r.deployment_facts, default=dict))
     facts["deployment"]["engine"]["max_model_len"] = 200_000
     r = _renamed(r, "huge")
-    request = dataclasses.replace(r.request, sampling=dataclasses.replace(r.request.sampling, max_tokens=4_000_000))
-    forged = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts), request=request)
+    request = dataclasses.replace(r.request,
+                                  sampling=dataclasses.replace(r.request.sampling, max_tokens=4_000_000))
+    forged = dataclasses.replace(r, deployment_facts=facts, deployment_hash=facts_hash(facts),
+                                 request=request)
     (folder / "huge.receipt").write_bytes(sign_receipt(forged, load_private_key(served["key"].private_path)))
     seen: dict[str, tuple[int, int]] = {}
     real = reexecute_module.reconstruct
@@ -671,7 +697,8 @@ def test_one_receipt_cannot_size_another_groups_kv_pool(served, tmp_path, monkey
     assert huge_tokens > 4_000_000
     capped = LLM(EngineConfig(model=str(served["ckpt"]), cache_dir=str(served["jit"]), block_size=1,
                               kv_pool_tokens=huge_tokens))
-    assert capped.scheduler.config.num_blocks == capped.scheduler.config.max_model_len + 2  # the context, no more
+    # the context, no more
+    assert capped.scheduler.config.num_blocks == capped.scheduler.config.max_model_len + 2
 
 
 def test_each_refutation_names_the_step_that_made_it(served, tmp_path) -> None:

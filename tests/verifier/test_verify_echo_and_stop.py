@@ -33,8 +33,8 @@ API = "openai/v1/completions"
 
 def _body(prompt: list[int], params: SamplingParams, **extra) -> dict:
     """The /v1/completions body a client sends for this prompt and sampling (what the receipt binds)."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature,
-            "seed": params.seed, "ignore_eos": params.ignore_eos, **extra}
+    body = {"model": "m", "prompt": prompt, "max_tokens": params.max_tokens,
+            "temperature": params.temperature, "seed": params.seed, "ignore_eos": params.ignore_eos, **extra}
     if params.stop:
         body["stop"] = list(params.stop)
     if params.logprobs is not None:
@@ -50,7 +50,8 @@ def setup(new_node) -> dict:
 
 def _verify(s: dict, *paths: Path, mode: str = "rescore") -> tuple[int, dict]:
     res = runner.invoke(app, ["verify", *map(str, paths), "--key", str(s["key"].public_path), "--model",
-                              str(s["ckpt"]), "--cache-dir", str(s["jit"]), "--mode", mode, "--json", "--workers", "1"])
+                              str(s["ckpt"]), "--cache-dir", str(s["jit"]), "--mode", mode, "--json",
+                              "--workers", "1"])
     return res.exit_code, json.loads(res.stdout)
 
 
@@ -80,7 +81,8 @@ def _stopped_runs(s: dict, n: int = 24) -> list[tuple[list[int], SamplingParams,
         stop = text[start:start + rng.randint(1, 3)]
         if "\ufffd" in stop:
             continue
-        params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, stop=("\x00never", stop))
+        params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True,
+                                stop=("\x00never", stop))
         cases.append((prompt, params, out, stop))
     stopped = llm.generate([c[0] for c in cases], [c[1] for c in cases])
     return [(p, params, free_out, got) for (p, params, free_out, _), got in zip(cases, stopped)]
@@ -96,7 +98,8 @@ def test_the_engine_stops_at_the_first_token_whose_text_holds_a_stop_string(setu
         assert got.token_ids == free.token_ids[:first + 1] and got.logprobs == free.logprobs[:first + 1]
         assert got.finish_reason == "stop"
         full = llm.tokenizer.decode(got.token_ids)
-        assert got.text == full[:find_stop(full, params.stop).cut] and not any(x in got.text for x in params.stop)
+        assert got.text == full[:find_stop(full, params.stop).cut]
+        assert not any(x in got.text for x in params.stop)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +119,8 @@ def receipts(setup) -> dict:
         assert len(got.prompt_logprobs) == len(prompt) - 1
         assert all(len(t) == (top_n or 0) for t in got.prompt_top_logprobs)
         if max_tokens == 0:
-            got = dataclasses.replace(got, token_ids=[], logprobs=[], top_logprobs=[], text="", finish_reason="length")
+            got = dataclasses.replace(got, token_ids=[], logprobs=[], top_logprobs=[], text="",
+                                      finish_reason="length")
         client = ClientRequest.of(API, {**_body(prompt, params, echo=True), "max_tokens": max_tokens})
         out[f"echo{i}"] = s["node"].sign(got, params, f"cmpl-echo{i}", client, max_tokens=max_tokens).path
     return out
@@ -136,22 +140,25 @@ def test_echo_prompt_scores_equal_a_teacher_forced_rescore(setup, receipts) -> N
         r = _open(setup, receipts[name])
         prompt = list(r.request.prompt_token_ids)
         again = setup["llm"].rescore_batch([(prompt[:1], prompt[1:])],
-                                           [SamplingParams(temperature=0.0, logprobs=r.scoring.top_n or None)])[0]
+                                           [SamplingParams(temperature=0.0,
+                                                           logprobs=r.scoring.top_n or None)])[0]
         assert struct.pack(f"<{len(again.logprobs)}f", *again.logprobs) == r.scoring.logprobs_f32le
         assert [[(t, struct.pack("<f", v)) for t, v in top] for top in again.tops] == \
             [[(t, struct.pack("<f", v)) for t, v in top] for top in r.scoring.tops]
 
 
 def test_a_node_that_cuts_early_or_goes_past_a_stop_string_fails(setup, receipts, tmp_path: Path) -> None:
-    stops = [p for n, p in receipts.items() if n.startswith("stop") and len(_open(setup, p).output.token_ids) > 1]
+    stops = [p for n, p in receipts.items() if n.startswith("stop")
+             and len(_open(setup, p).output.token_ids) > 1]
     r = _open(setup, stops[0])
-    early = dataclasses.replace(r, output=OutputRecord.from_floats(r.output.token_ids[:-1], r.output.logprobs[:-1],
-                                                                   "stop", r.output.text))
+    cut = OutputRecord.from_floats(r.output.token_ids[:-1], r.output.logprobs[:-1], "stop", r.output.text)
+    early = dataclasses.replace(r, output=cut)
     code, report = _verify(setup, _resign(setup, early, tmp_path / "early.receipt"))
     assert code == 1 and "contains none of the stop strings" in report["outcomes"][0]["message"]
     # the same tokens under a stop string that an earlier token already completed
     text = setup["llm"].tokenizer.decode(r.output.token_ids[:1])
-    if text[:1] and "\ufffd" not in text[:1]:  # a first token with no text of its own completes no stop string
+    # a first token with no text of its own completes no stop string
+    if text[:1] and "\ufffd" not in text[:1]:
         past = dataclasses.replace(r, request=dataclasses.replace(
             r.request, sampling=dataclasses.replace(r.request.sampling, stop=(text[:1],))))
         code, report = _verify(setup, _resign(setup, past, tmp_path / "past.receipt"))
