@@ -1,7 +1,8 @@
 """Receipts served under the portable ISA setting on another class of CPU (tests/fixtures/portable/xeon/: an
 Intel Xeon with AVX-512 and AMX, torch 2.11.0+cu130's CPU kernels, `--isa portable serve --model random-20m
 --input tests/fixtures/portable/requests.jsonl` signed with the compat fixtures' test-only key;
-benchmarks/isa_device.sh) are checked here by the verifier under the same setting, on whatever CPU runs the tests.
+benchmarks/isa_device.sh) are checked here by the verifier under the same setting, on whatever CPU runs the
+tests.
 
 Their ISA fact is the setting's, whatever CPU served them, so it never makes them not comparable: where this
 torch build and kernel sources are theirs they verify bit for bit (they did on an AMD EPYC with AVX2 only:
