@@ -67,7 +67,7 @@ class VllmConfig:
     num_threads: int = 1
     dtype: str = "float32"
     block_size: int = 32               # vLLM's CPU attention takes multiples of 32
-    max_model_len: int = 2048
+    max_model_len: int | None = None   # None: the model's own within the KV pool (`served_context`)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512  # the chunked-prefill budget per step
     prefix_caching: bool = True
@@ -103,7 +103,8 @@ class VllmRequest(HostedRequest):
 
     def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         super().__init__(seq_id, request_id, prompt_ids, params)
-        self.prompt_logprobs: Any = None
+        self.score_prompt = False  # echo: the prompt's logprobs (and top-n) come with the output
+        self.prompt_logprobs: Any = None  # vLLM's prompt logprobs: per position, None or a dict by token
         self.vllm_id = ""
 
 
@@ -146,6 +147,19 @@ def _gathered_entries(token_ids: list[int], logprobs: list[float], rank: int) ->
     return {t: (r, lp) for t, r, lp in zip(token_ids, ranks, logprobs)}
 
 
+def _prompt_scores(seq: VllmRequest) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """An echo request's prompt scores from vLLM's prompt logprobs: the logprob of each prompt token after the
+    first, and (with `logprobs` = n) its top-n by rank."""
+    ids, entries, n = seq.prompt_token_ids, seq.prompt_logprobs, seq.params.logprobs or 0
+    if entries is None or len(entries) != len(ids) or any(e is None for e in entries[1:]):
+        raise RuntimeError(f"vLLM returned no prompt logprobs for all {len(ids)} prompt tokens of "
+                           f"{seq.request_id}")
+    logprobs = [float(entry[token].logprob) for token, entry in zip(ids[1:], entries[1:])]
+    tops = [_top_n(((t, lp.rank, lp.logprob) for t, lp in entry.items()), n) if n else []
+            for entry in entries[1:]]
+    return logprobs, tops
+
+
 class VllmEngine(HostedEngine[VllmRequest]):
     """vLLM behind the engine contract (see `detent_audit.runtime.contract` for the contract)."""
 
@@ -186,6 +200,13 @@ class VllmEngine(HostedEngine[VllmRequest]):
         self._live: dict[str, VllmRequest] = {}
 
     # ---- construction
+    def kv_pool_tokens(self) -> int | None:
+        """vLLM's CPU KV pool (`kv_cache_gib`) in whole pages of fp32 keys and values of every layer."""
+        mc = self.model_config
+        per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 4
+        pages = (self.config.kv_cache_gib << 30) // (per_token * self.config.block_size)
+        return pages * self.config.block_size
+
     def _environment(self) -> None:
         cfg = self.config
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (one step loop)
@@ -255,15 +276,20 @@ class VllmEngine(HostedEngine[VllmRequest]):
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
                     *, prompt_logprobs: int | None = None, score_prompt: bool = False,
                     rescore: dict[str, Any] | None = None) -> VllmRequest:
-        if score_prompt:
-            raise BadInput("echo (the prompt's logprobs with the answer) is not served on the vLLM engine",
-                           remedy="drop echo, or serve with the embedded engine")
+        """Queue one request. `score_prompt` (echo): also the logprob of every prompt token after the first
+        (and `params.logprobs` alternatives), vLLM's prompt logprobs from the prefill that samples the output:
+        the LM head, log-softmax and gather of a rescore's rows (`sampler.score_rescore_rows`), on the same
+        batch-invariant hidden states, so a rescore of the prompt gives their bits. vLLM then reads no cached
+        prefix for the request (its `skip_reading_prefix_cache`)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise BadInput("the prompt is empty", remedy="pass at least one prompt token")
-        if len(ids) + (0 if prompt_logprobs is not None else 1) > self._max_len:
+        if len(ids) + (0 if prompt_logprobs is not None and not score_prompt else 1) > self._max_len:
             raise BadInput(f"the prompt has {len(ids)} tokens, beyond the context of {self._max_len}")
+        if score_prompt:
+            prompt_logprobs = params.logprobs or 0
         seq = VllmRequest(next(self._ids), request_id or "", ids, params)
+        seq.score_prompt = score_prompt
         if not request_id:
             seq.request_id = str(seq.seq_id)
         # vLLM appends a suffix of its own internally; outputs and aborts use this external id
@@ -312,9 +338,12 @@ class VllmEngine(HostedEngine[VllmRequest]):
 
     def output_of(self, seq: RequestHandle) -> RequestOutput:
         seq = self.own(seq)
-        return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids),
-                             self.tokenizer.decode(seq.token_ids), list(seq.output_logprobs), seq.finish_reason,
-                             list(seq.top), seq.num_cached_tokens)
+        out = RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids),
+                            self.tokenizer.decode(seq.token_ids), list(seq.output_logprobs), seq.finish_reason,
+                            list(seq.top), seq.num_cached_tokens)
+        if seq.score_prompt:
+            out.prompt_logprobs, out.prompt_top_logprobs = _prompt_scores(seq)
+        return out
 
     def abort(self, seq: RequestHandle) -> None:
         seq = self.own(seq)
