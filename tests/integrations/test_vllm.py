@@ -385,16 +385,43 @@ def test_the_first_request_of_an_engine_equals_its_hundredth(checkpoint, tmp_pat
 
 
 def test_verify_json_on_vllm_receipts_prints_one_document_on_stdout(served) -> None:
-    """In a process of its own (vLLM's logger writes to stdout): stdout is the one JSON document, vLLM's log
-    lines go to stderr."""
+    """In a process of its own (vLLM's logger writes to stdout), with --verbose (vLLM's log shown): stdout is
+    the one JSON document, vLLM's log lines go to stderr."""
     import subprocess
     import sys
 
     receipt = served["out"] / "receipts" / "r0.receipt"
-    res = subprocess.run([sys.executable, "-m", "detent_audit.cli", "verify", str(receipt), "--key",
+    res = subprocess.run([sys.executable, "-m", "detent_audit.cli", "--verbose", "verify", str(receipt), "--key",
                           str(served["key"].public_path), "--model", str(served["ckpt"]), "--workers", "1",
                           "--json"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["counts"]["OK"] == 1  # the whole of stdout is the one document
     # vLLM's own output (its log lines where its logging is configured, its loader's progress) went to stderr
     assert "INFO" in res.stderr or "checkpoint shards" in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_vllms_log_lines_show_only_with_verbose(checkpoint, tmp_path) -> None:
+    """`serve --engine vllm --input` in a process of its own: without --verbose neither stream holds a line of
+    vLLM's log (its ~20 WARNING lines at start, one per request on raw prompts); with it they are there."""
+    import re
+    import subprocess
+    import sys
+
+    key = generate_key(tmp_path / "node.key")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 2}))
+    vllm_line = re.compile(r"\b(WARNING|INFO) \d\d-\d\d [\d:]+ \[")
+    for verbose in (False, True):
+        res = subprocess.run([sys.executable, "-m", "detent_audit.cli", *(["--verbose"] if verbose else []),
+                              "serve", "--engine", "vllm", "--model", str(checkpoint), "--signing-key",
+                              str(key.private_path), "--manifest-out", str(tmp_path / f"out-{verbose}"),
+                              "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"{verbose}.jsonl"),
+                              "--cache-dir", str(tmp_path / "jit")], capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stderr[-2000:]
+        lines = [line for line in (res.stdout + res.stderr).splitlines() if vllm_line.search(line)]
+        warnings = [line for line in lines if " WARNING " in line]
+        if verbose:
+            assert len(warnings) >= 3, res.stdout[-2000:] + res.stderr[-2000:]
+        else:
+            assert lines == [], lines[:5]
+            assert "OK: 1 requests served" in res.stdout + res.stderr

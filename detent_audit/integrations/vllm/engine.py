@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
@@ -239,7 +240,9 @@ class VllmEngine(HostedEngine[VllmRequest]):
             enable_prefix_caching=cfg.prefix_caching, block_size=cfg.block_size, max_model_len=self._max_len,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_chunked_prefill=True, logprobs_mode="raw_logprobs", max_logprobs=20,
-            skip_tokenizer_init=False)  # cascade attention: removed from vLLM by 0.32 (a fact, off)
+            skip_tokenizer_init=False,  # cascade attention: removed from vLLM by 0.32 (a fact, off)
+            # its loading bars where its log shows INFO (not under the CLI without --verbose)
+            use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO))
         if cfg.mode == Mode.DETENT:
             from detent_audit.integrations.vllm.sampler import DetentSampler
 
