@@ -14,8 +14,8 @@ comparison) go under --out; a summary JSON is printed and written there.
         --threads 2 --concurrency-limit 10 --out benchmarks/results/eval-smollm2-concurrency-2-threads
     python benchmarks/eval_audit.py --model smollm2-135m-instruct --limit 8 --modes "" \
         --out benchmarks/results/eval-smollm2-verify-time     # (1), (2) only: verify-eval over serving time
-    python benchmarks/eval_audit.py --engine vllm --tasks detent_qa_mc --limit 8 --modes "" \
-        --out benchmarks/results/eval-smollm2-vllm-mc         # (1), (2) on `serve --engine vllm`
+    python benchmarks/eval_audit.py --model smollm2-135m-instruct --engine vllm --tasks detent_qa_mc \
+        --limit 8 --modes "" --out benchmarks/results/eval-smollm2-vllm-mc   # (1), (2) on serve --engine vllm
 
 Each concurrency run also records the server's steps by how many sequences shared each (from /health).
 """
