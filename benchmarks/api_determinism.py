@@ -11,6 +11,7 @@ flags) or given with --url.
 
     python benchmarks/api_determinism.py --engine embedded --out benchmarks/results/api-determinism
     python benchmarks/api_determinism.py --engine vllm --out benchmarks/results/api-determinism
+    python benchmarks/api_determinism.py --engine embedded --mode stock --bursts 2 --out ...  # it can fail
     python benchmarks/api_determinism.py --url http://127.0.0.1:8000 --model-name NAME
 """
 
@@ -101,6 +102,7 @@ def check(url: str, model: str, bodies: list[dict[str, Any]], bursts: int, seed:
                             mismatches.append({"burst": b, "request": i, "field": field, "position": at})
     return {"requests": len(bodies), "bursts": bursts, "burst_size": 8,
             "prompt_tokens": [r["prompt_tokens"] for r in reference],
+            "token_logprobs_compared": bursts * 8 * len(reference[0]["logprobs"]),
             "logprobs_compared": compared, "mismatches": mismatches, "equal": not mismatches,
             "alone_s": round(alone_s, 1), "burst_s": [round(s, 1) for s in burst_s]}
 
@@ -111,12 +113,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(engine: str, model: str | None, work: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """`serve --engine ENGINE` with its default flags (a new key, receipts under `work`); waits for /health."""
+def start_server(engine: str, model: str | None, work: Path, log: Path,
+                 mode: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`serve --engine ENGINE` with its default flags (a new key, receipts under `work`; `mode`: its --mode,
+    None: the default); waits for /health."""
     subprocess.run([*CLI, "keygen", "--out", str(work / "node.key")], check=True, capture_output=True)
     port = _free_port()
     cmd = [*CLI, "serve", "--engine", engine, "--signing-key", str(work / "node.key"), "--manifest-out",
-           str(work / "node"), "--port", str(port), *(["--model", model] if model else [])]
+           str(work / "node"), "--port", str(port), *(["--model", model] if model else []),
+           *(["--mode", mode] if mode else [])]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 1200
@@ -137,6 +142,8 @@ def main() -> int:
     ap.add_argument("--engine", choices=("embedded", "vllm", "sglang"), help="start `serve --engine` here")
     ap.add_argument("--url", help="a running server instead (its base URL)")
     ap.add_argument("--model", help="--model of the server started here (default: serve's default)")
+    ap.add_argument("--mode", help="--mode of the server started here (default: serve's, detent); stock "
+                                   "shows what the check finds where the kernels read the batch")
     ap.add_argument("--model-name", help="the model name the requests name (default: the server's first)")
     ap.add_argument("--bursts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=12)
@@ -147,12 +154,12 @@ def main() -> int:
         ap.error("give --engine or --url")
     out = args.out or Path(tempfile.mkdtemp(prefix="api-determinism-"))
     out.mkdir(parents=True, exist_ok=True)
-    name = args.engine or "url"
+    name = (args.engine or "url") + (f"-{args.mode}" if args.mode else "")
     proc = None
     with tempfile.TemporaryDirectory() as work:
         url = args.url
         if url is None:
-            proc, url = start_server(args.engine, args.model, Path(work), out / f"{name}-serve.log")
+            proc, url = start_server(args.engine, args.model, Path(work), out / f"{name}-serve.log", args.mode)
         try:
             model = args.model_name or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             report = {"engine": name, "model": model,
