@@ -14,6 +14,8 @@ comparison) go under --out; a summary JSON is printed and written there.
         --threads 2 --concurrency-limit 10 --out benchmarks/results/eval-smollm2-concurrency-2-threads
     python benchmarks/eval_audit.py --model smollm2-135m-instruct --limit 8 --modes "" \
         --out benchmarks/results/eval-smollm2-verify-time     # (1), (2) only: verify-eval over serving time
+    python benchmarks/eval_audit.py --model smollm2-135m-instruct --engine vllm --tasks detent_qa_mc \
+        --limit 8 --modes "" --out benchmarks/results/eval-smollm2-vllm-mc   # (1), (2) on serve --engine vllm
 
 Each concurrency run also records the server's steps by how many sequences shared each (from /health).
 """
@@ -44,9 +46,9 @@ def free_port() -> int:
 
 
 def serve(model: str, key: Path, out: Path, mode: str, name: str,
-          threads: int) -> tuple[subprocess.Popen, str]:
+          threads: int, engine: str = "embedded") -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([*CLI, "serve", "--model", model,
+    proc = subprocess.Popen([*CLI, "serve", "--engine", engine, "--model", model,
                              "--signing-key", str(key), "--manifest-out", str(out),
                              "--mode", mode, "--port", str(port), "--served-model-name", name,
                              "--threads", str(threads)],
@@ -203,6 +205,9 @@ def main() -> None:
                     help="engine threads of every server (a bit-relevant fact)")
     ap.add_argument("--limit", type=int, default=None,
                     help="documents per task of the full run (1); all if unset")
+    ap.add_argument("--engine", default="embedded", help="the engine of the full run's server (1): embedded, "
+                                                         "vllm or sglang")
+    ap.add_argument("--tasks", default="detent_qa_gen,detent_qa_mc", help="the full run's tasks (1)")
     args = ap.parse_args()
     from detent_audit.runtime.named_models import resolve_model
 
@@ -214,15 +219,15 @@ def main() -> None:
     subprocess.run([*CLI, "keygen", "--out", str(key)], env=ENV, check=True, stdout=subprocess.DEVNULL)
     summary: dict = {"model": args.model, "folder": model, "machine": os.uname().nodename,
                      "cpus": os.cpu_count(), "threads": args.threads, "limit": args.limit,
+                     "engine": args.engine, "tasks": args.tasks,
                      "load_average_at_start": os.getloadavg()}
     modes = [m for m in args.modes.split(",") if m]
 
     if not args.only_concurrency:
         # (1) and (3, detent): one detent server
-        proc, url = serve(args.model, key, out / "detent-node", "detent", args.name, args.threads)
+        proc, url = serve(args.model, key, out / "detent-node", "detent", args.name, args.threads, args.engine)
         try:
-            summary["lm_eval_seconds"] = lm_eval(url, model, args.name, out / "lm-eval",
-                                                 "detent_qa_gen,detent_qa_mc",
+            summary["lm_eval_seconds"] = lm_eval(url, model, args.name, out / "lm-eval", args.tasks,
                                                  limit=args.limit, batch_size=args.batch_size, concurrent=1)
             if "detent" in modes:
                 summary["concurrency_1_vs_8_detent"] = concurrency_runs(

@@ -8,6 +8,9 @@ The commands live in modules by concept; the package's `__init__` registers them
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,12 +26,27 @@ _state = {"verbose": False}
 
 
 @app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks on errors."),
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks on errors, and what the "
+                                       "engines' libraries log (vLLM's INFO and WARNING lines, their warnings)."),
           isa: str = typer.Option("native", "--isa", envvar="DETENT_AUDIT_ISA",
                                   help="portable: torch, MKL and oneDNN capped at AVX2 (x86-64-v3), receipts "
                                        "that verify on any x86-64 CPU with AVX2; native: the CPU's widest "
                                        "(receipts checked on its class only). Set before torch loads.")) -> None:
     _state["verbose"] = verbose
+    if not verbose:
+        quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """What the libraries under the engines say at start and per request kept out of the user's way (errors
+    still show): vLLM's log below ERROR (and its loading bars, `VllmEngine`), torch's C++ warnings, Python
+    warnings raised outside detent_audit. A variable the user set wins; `--verbose` skips this."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM configures its logger
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read when torch loads (later, in the command)
+    # vLLM logs a line or two on import before its logger is configured: Python's last-resort handler
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"detent_audit(\.|$)")
 
 
 def handles_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

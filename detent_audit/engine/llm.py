@@ -50,6 +50,7 @@ from detent_audit.runtime.contract import (
 )
 from detent_audit.runtime.dtypes import DTYPES, RUN_DTYPES
 from detent_audit.runtime.kernel_select import Selection, engine_deployment, select_kernels
+from detent_audit.runtime.model_config import served_context
 from detent_audit.runtime.named_models import ResolvedModel, is_generated, resolve_model
 from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.runtime.stop_strings import output_text
@@ -232,9 +233,7 @@ class LLM(EngineBase[Sequence]):
         """The context: `config.max_model_len` if given, else the model's positions bounded by what the
         configured KV pool holds; never past the model's positions (the facts then record the cap, so a
         receipt that claims more is not comparable, and `serve` refuses such an option before)."""
-        if config.max_model_len is None:
-            return max(2, min(positions, config.num_kv_blocks * config.block_size))
-        return min(config.max_model_len, positions)
+        return served_context(config.max_model_len, positions, config.num_kv_blocks * config.block_size)
 
     def reset(self, *, max_prefill_chunk: int | None = None, drop_unfinished: bool = False) -> None:
         """Forget every request and the prefix cache (the KV memory is kept: stale slots are never read).

@@ -17,7 +17,7 @@ from detent_audit.runtime.base import EngineBase
 from detent_audit.runtime.contract import RequestHandle, TopLogprobs, TupleValues
 from detent_audit.runtime.facts import checkpoint_hashes, format_facts
 from detent_audit.runtime.kernel_select import Selection
-from detent_audit.runtime.model_config import ModelConfig
+from detent_audit.runtime.model_config import ModelConfig, served_context
 from detent_audit.runtime.named_models import ResolvedModel, resolve_model
 from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.runtime.tokenizer import Tokenizer
@@ -64,7 +64,7 @@ class HostedSettings(Protocol):
     def num_threads(self) -> int: ...
 
     @property
-    def max_model_len(self) -> int: ...
+    def max_model_len(self) -> int | None: ...  # None: the model's own (`served_context`)
 
     @property
     def resolved_model(self) -> ResolvedModel: ...
@@ -80,11 +80,17 @@ class HostedEngine(EngineBase[Request]):
     selection: Selection | None
 
     def _load_model(self) -> None:
-        """The checkpoint's folder, config and tokenizer; the context: the config's, within the model's."""
+        """The checkpoint's folder, config and tokenizer; the context: the config's within the model's, or the
+        model's own within the KV pool (`served_context`, the rule of every engine)."""
         self.model_path = str(self.config.resolved_model.path)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
-        self._max_len = min(self.config.max_model_len, self.model_config.max_position_embeddings)
+        self._max_len = served_context(self.config.max_model_len, self.model_config.max_position_embeddings,
+                                       self.kv_pool_tokens())
+
+    def kv_pool_tokens(self) -> int | None:
+        """The tokens the engine's KV pool holds, once `model_config` is read (None: not bounded here)."""
+        return None
 
     @property
     def max_model_len(self) -> int:

@@ -246,6 +246,15 @@ class ModelConfig:
         return d
 
 
+def served_context(asked: int | None, positions: int, pool_tokens: int | None = None) -> int:
+    """The context an engine serves (prompt plus output tokens), one rule for every engine: the one asked
+    (`--max-model-len`) within the model's `positions`; none asked, the model's own, within the tokens the
+    engine's KV pool holds (`pool_tokens`, None: not bounded by the engine)."""
+    if asked is not None:
+        return min(asked, positions)
+    return positions if pool_tokens is None else max(2, min(positions, pool_tokens))
+
+
 def _shape(architecture: str, **kw: Any) -> ModelConfig:
     kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
     return ModelConfig(architecture=architecture, **kw)

@@ -13,9 +13,12 @@ from pathlib import Path
 from threaded_server import threaded_server
 
 from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.enums import Mode
 from detent_audit.manifests.dsse import read_envelope_bytes
 from detent_audit.manifests.keys import GeneratedKey, load_private_key, load_trusted_keys
 from detent_audit.manifests.receipt import verify_envelope
+from detent_audit.runtime import registry
+from detent_audit.runtime.contract import Engine
 from detent_audit.server.app import create_app
 from detent_audit.server.async_engine import AsyncEngine
 from detent_audit.server.node import ServingNode
@@ -35,30 +38,37 @@ class Served:
     checkpoint: Path
     key: GeneratedKey
     node: ServingNode
-    llm: LLM
+    llm: Engine
 
     @property
     def trusted(self) -> dict:
         return load_trusted_keys(self.key.public_path)
 
     def steps(self) -> dict[int, int]:
-        """The engine's steps so far by how many sequences shared each."""
+        """The engine's steps so far by how many sequences shared each (the embedded engine counts them)."""
+        assert isinstance(self.llm, LLM), "the embedded engine counts its steps"
         return dict(self.llm.step_batch_sizes)
 
 
 @contextmanager
 def serving(checkpoint: Path, key: GeneratedKey, out: Path, cache_dir: Path, mode: str = "detent",
-            threads: int = 1) -> Iterator[Served]:
-    """`detent-audit serve`'s app on 127.0.0.1 in a thread; on exit it shuts down and writes its run
-    manifest."""
-    llm = LLM(EngineConfig(model=str(checkpoint), mode=mode, cache_dir=str(cache_dir), num_threads=threads))
+            threads: int = 1, engine: str = "embedded") -> Iterator[Served]:
+    """`detent-audit serve`'s app on 127.0.0.1 in a thread, on `engine` (built as `serve --engine` builds
+    it); on exit it shuts down and writes its run manifest."""
+    if engine == "embedded":
+        llm: Engine = LLM(EngineConfig(model=str(checkpoint), mode=mode, cache_dir=str(cache_dir),
+                                       num_threads=threads))
+    else:
+        llm = registry.build(engine, registry.EngineOptions(model=str(checkpoint), mode=Mode(mode),
+                                                            threads=threads, cache_dir=str(cache_dir)))
     node = ServingNode(llm, load_private_key(key.private_path), out)
-    engine = AsyncEngine(llm)
+    async_engine = AsyncEngine(llm)
     try:
-        with threaded_server(create_app(engine, node, MODEL_NAME), start_timeout=60) as url:
+        with threaded_server(create_app(async_engine, node, MODEL_NAME), start_timeout=60) as url:
             yield Served(url, out, checkpoint, key, node, llm)
     finally:
-        engine.shutdown(drain=False)
+        async_engine.shutdown(drain=False)
+        llm.shutdown()
 
 
 def lm_eval_argv(served: Served, out: Path, tasks: str, *, limit: int, chat: bool, batch_size: int,

@@ -59,3 +59,19 @@ def test_concurrency_1_and_8_at_two_threads(mode: str, eval_checkpoint: Path, no
           *differ, sep="\n  ")
     if mode == "detent":
         assert differ == []
+
+
+def test_the_multiple_choice_task_on_the_vllm_engine_is_recomputed_by_verify_eval(eval_checkpoint: Path, node_key,
+                                                                                   tmp_path: Path) -> None:
+    """lm-eval's loglikelihood requests (echo, prompt logprobs) against the vLLM engine behind the server:
+    each answered with a receipt binding its prompt scores, and verify-eval rebuilds vLLM from the receipts,
+    re-executes them and recomputes the task's score from them."""
+    pytest.importorskip("vllm")
+    with serving(eval_checkpoint, node_key, tmp_path / "node", tmp_path / "jit", engine="vllm") as served:
+        run = run_lm_eval(served, tmp_path / "lm-eval-mc", "detent_qa_mc", limit=4, batch_size=1)
+    report = verify_eval(run, [served.out / "receipts"], served.trusted, model=str(served.checkpoint),
+                         include_path=[str(TASKS)])
+    assert report.exit_code == 0, report.to_json()
+    assert {(s.task, s.covered, s.total) for s in report.scores} == {("detent_qa_mc", 4, 4)}  # acc, acc_norm
+    assert all(json.dumps(s.recomputed) == json.dumps(s.reported) for s in report.scores)
+    assert report.receipt_counts["OK"] == 16 and report.receipts_unmatched == 0

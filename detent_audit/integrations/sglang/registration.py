@@ -56,7 +56,7 @@ def build(options: EngineOptions) -> Engine:
                                      num_threads=options.threads,
                                      tuple=dict(options.tuple) if options.tuple else None,
                                      cache_dir=options.cache_dir,
-                                     max_model_len=options.max_model_len or SglangConfig.max_model_len))
+                                     max_model_len=options.max_model_len))
 
 
 def _plugin_attention(facts: Mapping[str, object]) -> object:

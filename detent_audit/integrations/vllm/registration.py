@@ -50,7 +50,7 @@ def build(options: EngineOptions) -> Engine:
                                  num_threads=options.threads,
                                  tuple=dict(options.tuple) if options.tuple else None,
                                  cache_dir=options.cache_dir,
-                                 max_model_len=options.max_model_len or VllmConfig.max_model_len))
+                                 max_model_len=options.max_model_len))
 
 
 def rebuild(request: RebuildRequest) -> Engine:
@@ -91,7 +91,8 @@ def rebuild(request: RebuildRequest) -> Engine:
                         tuple=request.families() if detent else None,
                         gemm=str(gemm) if detent else "onednn",
                         attention=attention_of_facts(plugin.get("attention")) if detent else "auto")
-    engine = built_or_refused(lambda: VllmEngine(config), request)  # its GEMM form proven before vLLM is built
+    # its GEMM form proven before vLLM is built
+    engine = built_or_refused(lambda: VllmEngine(config), request)
     try:
         check_comparable(dict(facts), engine.facts())
     except NotComparable as exc:
