@@ -93,8 +93,14 @@ def server_launch(model: str, plugin: bool, max_model_len: int) -> tuple[dict[st
 class Server:
     """SGLang's own server in its own process group (stopped with the group)."""
 
-    def __init__(self, model: str, plugin: bool, port: int, log: Path, max_model_len: int = 2048) -> None:
+    def __init__(self, model: str, plugin: bool, port: int, log: Path, max_model_len: int = 2048,
+                 extra: tuple[str, ...] = (), report_dir: Path | None = None) -> None:
+        """`extra`: flags after the printed ones (the last of a flag wins); `report_dir`: where each process
+        of SGLang writes which of the plugin's hooks it applied."""
         env, argv = server_launch(model, plugin, max_model_len)
+        if plugin and report_dir is not None:
+            env["DETENT_SGLANG"] = json.dumps({**json.loads(env["DETENT_SGLANG"]), "report_dir": str(report_dir)})
+        argv = [*argv, *extra]
         self.port, self.log = port, log
         self.command = " ".join(f"{k}=<...>" if k == "DETENT_SGLANG" else f"{k}={v}" for k, v in env.items())
         self.command += " " + " ".join([*argv, "--port", str(port)])
