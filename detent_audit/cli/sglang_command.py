@@ -1,5 +1,5 @@
-"""`detent-audit sglang-config`: SGLang's own server (`python -m sglang.launch_server`) with the detent plugin,
-for a model and a tuple: the environment to export and the command, printed (or as JSON)."""
+"""`detent-audit sglang-config`: SGLang's own server (`python -m sglang.launch_server`) with the detent
+plugin, for a model and a tuple: the environment to export and the command, printed (or as JSON)."""
 
 from __future__ import annotations
 

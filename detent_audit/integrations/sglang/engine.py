@@ -7,9 +7,10 @@ finish, so the step-based protocol holds: requests added between steps join a ru
 publishes the tokens SGLang produced so far (a streamed response gets them as they come). A request SGLang
 refuses after admission (its abort: beyond the context the selection was solved for, `guard.py`) fails alone:
 `output_of` raises `BadInput` for it. SGLang's scheduler stopping (its SIGQUIT to this process, which SGLang's
-own handler answers by killing this process) fails the engine instead: `step()` raises `SglangStopped`. Modes: `detent` (the plugin's
-kernels through its entry point, the committed tuple, counter-hash sampling, fp32 raw logprobs) and `stock`
-(SGLang as shipped). SGLang's own `--enable-deterministic-inference` refuses the CPU backends.
+own handler answers by killing this process) fails the engine instead: `step()` raises `SglangStopped`. Modes:
+`detent` (the plugin's kernels through its entry point, the committed tuple, counter-hash sampling, fp32 raw
+logprobs) and `stock` (SGLang as shipped). SGLang's own `--enable-deterministic-inference` refuses the CPU
+backends.
 
 Settings that change bits are fixed here and named in `facts()`: SGLang's version, the attention and sampling
 backends, dtype, threads, the page size (1), the chunked-prefill size, the radix cache, the input-logprob
@@ -101,14 +102,16 @@ class SglangConfig:
 
     def __post_init__(self) -> None:
         if self.attention not in (*ATTENTIONS, "auto"):
-            raise BadInput(f"attention must be one of {', '.join(ATTENTIONS)} or auto, got {self.attention!r}")
+            raise BadInput(f"attention must be one of {', '.join(ATTENTIONS)} or auto, "
+                           f"got {self.attention!r}")
         if self.mode not in (Mode.DETENT, Mode.STOCK):
             raise BadInput(f"--engine sglang runs mode detent or stock, got {self.mode!r}",
                            remedy="SGLang's deterministic mode refuses its CPU backends; use detent")
         if self.num_threads < 1 or self.chunked_prefill_size < 1:
             raise BadInput("num_threads and chunked_prefill_size must be >= 1")
         if self.tuple is not None and self.mode != Mode.DETENT:
-            raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
+            raise BadInput("a tuple is committed only in detent mode",
+                           remedy="drop --tuple or use --mode detent")
 
     @cached_property
     def resolved_model(self) -> ResolvedModel:
@@ -139,9 +142,10 @@ class SglangRequest(HostedRequest):
 
 def sglang_params(params: SamplingParams, max_tokens: int | None = None) -> dict[str, Any]:
     """Our SamplingParams as SGLang's sampling_params dict (greedy: temperature 0)."""
-    out: dict[str, Any] = {"max_new_tokens": max_tokens or params.max_tokens, "ignore_eos": params.ignore_eos,
-                           "stop_token_ids": list(params.stop_token_ids) or None, "skip_special_tokens": False,
-                           "temperature": float(params.temperature)}
+    out: dict[str, Any] = {"max_new_tokens": max_tokens or params.max_tokens,
+                           "ignore_eos": params.ignore_eos,
+                           "stop_token_ids": list(params.stop_token_ids) or None,
+                           "skip_special_tokens": False, "temperature": float(params.temperature)}
     if params.temperature > 0:
         out.update(top_p=float(params.top_p), top_k=int(params.top_k) if params.top_k else -1,
                    sampling_seed=_signed64(params.seed))
@@ -170,7 +174,8 @@ def _signed64(seed: int | None) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
-def _scored_positions(meta: Mapping[str, Any], top_n: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+def _scored_positions(meta: Mapping[str, Any], top_n: int
+                      ) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """The input positions SGLang scored (the first token of a sequence has no logprob and is left out): each
     position's logprob and its top-`top_n` (token, logprob), best first."""
     entries = meta.get("input_token_logprobs") or []
@@ -244,10 +249,9 @@ class SglangEngine(HostedEngine[SglangRequest]):
 
         self.start_profile["import_sglang_s"] = round(time.perf_counter() - began, 2)
         began = time.perf_counter()
-        engine = sglang.Engine(**server_args(self.model_path, plugin, chunked_prefill_size=cfg.chunked_prefill_size,
-                                             prefix_caching=cfg.prefix_caching,
-                                             max_total_tokens=cfg.max_total_tokens),
-                               skip_tokenizer_init=True, log_level="error")
+        args = server_args(self.model_path, plugin, chunked_prefill_size=cfg.chunked_prefill_size,
+                           prefix_caching=cfg.prefix_caching, max_total_tokens=cfg.max_total_tokens)
+        engine = sglang.Engine(**args, skip_tokenizer_init=True, log_level="error")
         self.start_profile["sglang_engine_s"] = round(time.perf_counter() - began, 2)
         self._check_plugin(engine)
         if threading.current_thread() is threading.main_thread():  # where Python runs signal handlers
@@ -269,7 +273,8 @@ class SglangEngine(HostedEngine[SglangRequest]):
 
         reports = [json.loads(p.read_text()) for p in sorted(self._report_dir.glob("*.json"))]
         children = set(engine.get_all_child_pids())
-        scheduler = [r for r in reports if r.get("pid") in children]  # the launcher's own report does not count
+        # the launcher's own report does not count
+        scheduler = [r for r in reports if r.get("pid") in children]
         wanted = {control.TARGET, *((*TARGETS, guard.TARGET) if self.config.mode == Mode.DETENT else ())}
         problem = None
         if not scheduler:
@@ -289,7 +294,8 @@ class SglangEngine(HostedEngine[SglangRequest]):
     # ---- the engine boundary (its read-only properties: HostedEngine's)
     def facts(self) -> dict[str, Any]:
         cfg = self.config
-        plugin_facts = ({"name": "detent-audit", "version": __version__, "hooks": sorted(self.plugin_report[0]["hooks"]),
+        plugin_facts = ({"name": "detent-audit", "version": __version__,
+                         "hooks": sorted(self.plugin_report[0]["hooks"]),
                          "attention": attention_names()[self.attention or "c"],
                          "sources": {k: source_hash(v) for k, v in sorted(_SOURCES.items())}}
                         if cfg.mode == Mode.DETENT else {})
@@ -301,8 +307,9 @@ class SglangEngine(HostedEngine[SglangRequest]):
             "engine": {"name": NAME, "version": self.version, "mode": cfg.mode, "plugin": plugin_facts,
                        "settings": settings},
             "deployment": (self.selection_deployment() if self.selection else {}),
-            "scheduler": {"block_size": 1, "chunked_prefill_size": self._chunk, "max_num_seqs": cfg.max_num_seqs,
-                          "max_model_len": self._max_len, "prefix_caching": cfg.prefix_caching},
+            "scheduler": {"block_size": 1, "chunked_prefill_size": self._chunk,
+                          "max_num_seqs": cfg.max_num_seqs, "max_model_len": self._max_len,
+                          "prefix_caching": cfg.prefix_caching},
             **self.hosted_facts("float32"),
         }
 
@@ -315,8 +322,8 @@ class SglangEngine(HostedEngine[SglangRequest]):
     def _submit(self, coro: Any) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
-                    *, score_prompt: bool = False) -> SglangRequest:
+    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams,
+                    request_id: str | None = None, *, score_prompt: bool = False) -> SglangRequest:
         """Queue one request in SGLang's scheduler. `score_prompt` (echo): also the logprob of every prompt
         token after the first (and `params.logprobs` alternatives), from the prefill that samples the output
         (SGLang then matches no cached prefix)."""
@@ -428,8 +435,8 @@ class SglangEngine(HostedEngine[SglangRequest]):
             raise seq.error
         text, _ = output_text(self.tokenizer.decode, seq.token_ids, seq.params.stop)
         return RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids), text,
-                             list(seq.output_logprobs), seq.finish_reason, list(seq.top), seq.num_cached_tokens,
-                             seq.prompt_logprobs,
+                             list(seq.output_logprobs), seq.finish_reason, list(seq.top),
+                             seq.num_cached_tokens, seq.prompt_logprobs,
                              seq.prompt_top if seq.prompt_logprobs is not None else None)
 
     def abort(self, seq: RequestHandle) -> None:

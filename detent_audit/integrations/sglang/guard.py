@@ -21,13 +21,14 @@ TARGET = "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens"
 
 def beyond_context(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> str | None:
     """Why a request of `prompt_tokens` and at most `max_new_tokens` output tokens does not fit a selection
-    solved for `max_model_len` (its last step attends to prompt + output - 1 tokens), or None where it fits."""
+    solved for `max_model_len` (its last step attends to prompt + output - 1 tokens); None where it
+    fits."""
     if prompt_tokens + max_new_tokens - 1 <= max_model_len:
         return None
-    return (f"the prompt ({prompt_tokens} tokens) and max_new_tokens ({max_new_tokens}) exceed the context of "
-            f"{max_model_len} tokens detent's selection was solved for; start SGLang with --context-length "
-            f"at most {max_model_len} (detent-audit sglang-config prints the matching flags) or send a shorter "
-            "request")
+    return (f"the prompt ({prompt_tokens} tokens) and max_new_tokens ({max_new_tokens}) exceed the context "
+            f"of {max_model_len} tokens detent's selection was solved for; start SGLang with "
+            f"--context-length at most {max_model_len} (detent-audit sglang-config prints the matching "
+            "flags) or send a shorter request")
 
 
 class ContextGuard:

@@ -1,4 +1,5 @@
-"""The SGLang plugin: entry point `sglang.srt.plugins` -> `register()`, run by SGLang in each of its processes.
+"""The SGLang plugin: entry point `sglang.srt.plugins` -> `register()`, run by SGLang in each of its
+processes.
 
 SGLang's `load_plugins()` (srt/plugins/__init__.py) runs in the launcher and first thing in
 `run_scheduler_process`; it calls `register()`, then `HookRegistry.apply_hooks()`, which imports each target,
@@ -7,11 +8,11 @@ logged), so `register()` applies its own hooks at once, checks each target was r
 did in `REPORT` (and in `report_dir/<pid>.json`): the engine refuses to serve in detent mode unless the
 scheduler's report lists every hook (`detent_audit.integrations.sglang.engine`).
 
-In every mode the plugin installs the stand-in SGLang needs on a CPU (`stand_ins`) and, started by detent-audit,
-the scheduler control (`control`: the chunked-prefill size set without a restart). In detent mode it adds the
-CPU kernels (`cpu_kernels`), the scheduler's refusal of a request beyond their context (`guard`) and, with a
-deployment, the CUDA selection points pinned from the tuple
-(`cuda_selection`). Stock mode changes no kernel.
+In every mode the plugin installs the stand-in SGLang needs on a CPU (`stand_ins`) and, started by
+detent-audit, the scheduler control (`control`: the chunked-prefill size set without a restart). In detent
+mode it adds the CPU kernels (`cpu_kernels`), the scheduler's refusal of a request beyond their context
+(`guard`) and, with a deployment, the CUDA selection points pinned from the tuple (`cuda_selection`). Stock
+mode changes no kernel.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def register() -> None:
 
     began = time.time()
     # how long the process ran before SGLang loaded its plugins (its imports), for the engine's start profile
-    REPORT.update(loaded=True, pid=os.getpid(), began=began, before_plugin_s=round(began - _process_start(), 2))
+    REPORT.update(loaded=True, pid=os.getpid(), began=began,
+                  before_plugin_s=round(began - _process_start(), 2))
     config = None
     try:
         config = PluginConfig.from_env()

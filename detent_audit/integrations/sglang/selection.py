@@ -4,9 +4,9 @@ one step), compiled with the committed tuple (the same selectors the embedded en
 
 The GEMM's form is proven where it runs, as in the embedded engine (`kernels/gemm_probe.py`): on the products
 SGLang's model makes (its fused QKV and gate-up projections, `sglang_gemm_shapes`), at the engine's thread
-count, in the launcher (which commits the tuple: without one, the pad form at the fewest proven rows) and again
-in the scheduler (which requires the committed form on every one of them before it serves); a product of any
-other shape is proven before its first call computes it (`cpu_kernels.CpuHooks`)."""
+count, in the launcher (which commits the tuple: without one, the pad form at the fewest proven rows) and
+again in the scheduler (which requires the committed form on every one of them before it serves); a product of
+any other shape is proven before its first call computes it (`cpu_kernels.CpuHooks`)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ class Limits:
         """The limits of SGLang started with these settings; the step's tokens at least
         `MAX_NUM_BATCHED_TOKENS`, so that a smaller chunked-prefill size (set while SGLang runs, `control.py`)
         keeps the deployment, and so the receipts' facts, unchanged."""
-        return cls(max_model_len, max_num_seqs, max(MAX_NUM_BATCHED_TOKENS, chunked_prefill_size, max_num_seqs))
+        tokens = max(MAX_NUM_BATCHED_TOKENS, chunked_prefill_size, max_num_seqs)
+        return cls(max_model_len, max_num_seqs, tokens)
 
     @classmethod
     def of(cls, config: Any) -> Limits:
@@ -74,7 +75,8 @@ def sglang_gemm_shapes(config: ModelConfig) -> list[tuple[int, int]]:
 
 
 def cpu_selection(model_path: str | Path, num_threads: int,
-                  committed: Mapping[str, Mapping[str, Any]] | None = None, limits: Limits = Limits()) -> Selection:
+                  committed: Mapping[str, Mapping[str, Any]] | None = None,
+                  limits: Limits = Limits()) -> Selection:
     """Solved selectors and the tuple (the committed one, checked legal and its GEMM form proven here, or the
     preferred legal one with the GEMM form the probe proves); its `deployment` carries the probe's facts."""
     from detent_audit.runtime.threads import set_threads
