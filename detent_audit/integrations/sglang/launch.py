@@ -23,6 +23,9 @@ from detent_audit.integrations.sglang.config import DETENT_SGLANG_ENV, ENV, Plug
 from detent_audit.integrations.sglang.selection import PAGE_SIZE
 
 MAX_TOTAL_TOKENS = 32768  # the KV pool's tokens (not a bit-relevant fact)
+# SGLang stops its scheduler when one forward takes longer than its watchdog (300 s by default): on a busy
+# CPU the prefill of a long prompt can (a 3,000-token prompt on a 2-core machine at load 18, measured)
+WATCHDOG_S = 3600
 
 
 def server_args(model_path: str, config: PluginConfig, *, chunked_prefill_size: int,
@@ -33,7 +36,8 @@ def server_args(model_path: str, config: PluginConfig, *, chunked_prefill_size: 
             "attention_backend": "torch_native", "sampling_backend": "pytorch", "grammar_backend": "none",
             "disable_cuda_graph": True, "page_size": PAGE_SIZE, "chunked_prefill_size": chunked_prefill_size,
             "disable_radix_cache": not prefix_caching, "max_running_requests": config.max_num_seqs,
-            "max_total_tokens": max_total_tokens, "context_length": config.max_model_len, "random_seed": 0}
+            "max_total_tokens": max_total_tokens, "context_length": config.max_model_len, "random_seed": 0,
+            "watchdog_timeout": WATCHDOG_S}
 
 
 def plugin_env(config: PluginConfig) -> dict[str, str]:
