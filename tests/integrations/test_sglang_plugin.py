@@ -352,6 +352,7 @@ def test_sglang_config_prints_the_server_and_the_plugin_configuration():
     flags = {flag: (value if not value.startswith("--") else True)
              for flag, value in zip(argv[3:], [*argv[4:], "--"], strict=True) if flag.startswith("--")}
     assert flags["--disable-cuda-graph"] is True and flags["--device"] == "cpu"
+    assert float(flags["--watchdog-timeout"]) >= 3600  # a long prefill on a busy CPU outlasts SGLang's 300 s
     assert flags["--context-length"] == "3000" and flags["--max-running-requests"] == "8"
     assert flags["--model-path"] == config.model_path and flags["--page-size"] == "1"
     text = CliRunner().invoke(app, ["sglang-config", "--model", "smollm2-135m-instruct", "--mode", "stock"])
