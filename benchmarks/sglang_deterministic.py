@@ -156,7 +156,7 @@ def verdict(mode: str, output: str) -> tuple[bool, str]:
         return "TEST PASSED" in output, "cached = uncached prefill" if "TEST PASSED" in output else "differ"
     if mode == "p_vs_d":
         sequences = output.count("Compare sequence")
-        matched = output.count("Logprobs match") - output.count("Logprobs mismatch")
+        matched = output.count("Logprobs match:")  # a mismatch prints "Logprobs mismatch"
         tokens_bad = output.count("Token mismatch")
         return (sequences > 0 and matched == sequences and not tokens_bad,
                 f"{matched}/{sequences} sequences' logprobs equal, {tokens_bad} token mismatches")
