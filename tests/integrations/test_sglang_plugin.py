@@ -269,3 +269,93 @@ def test_the_attention_form_a_receipt_names():
         SglangConfig(model="m", attention="fast")
     with pytest.raises(BadInput, match="attention"):
         PluginConfig(mode="detent", model_path="/m", attention="fast")
+
+
+def test_the_limits_travel_to_the_plugin_and_bad_ones_are_refused():
+    config = PluginConfig(mode="detent", model_path="/m", max_model_len=4096, max_num_seqs=8,
+                          max_num_batched_tokens=9000)
+    assert PluginConfig.from_env({ENV: config.to_env()}) == config
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        with pytest.raises(BadInput, match=f"{name} must be a positive integer"):
+            PluginConfig(mode="detent", model_path="/m", **{name: 0})
+
+
+def test_the_selection_is_solved_for_the_served_context():
+    """The deployment the CPU kernels are solved for has SGLang's context (within the model's own), its running
+    requests, and at least the default tokens of one step (a smaller chunk set while SGLang runs changes no
+    fact)."""
+    from detent_audit.integrations.hosted import checkpoint_folder
+    from detent_audit.integrations.sglang.selection import Limits, cpu_deployment
+
+    path = checkpoint_folder("smollm2-135m-instruct", None, "SGLang").path
+    for asked, solved in ((4096, 4096), (1 << 20, 8192)):  # SmolLM2's own context: 8192
+        engine = cpu_deployment(path, 1, Limits.served(asked, 16, 512)).engine
+        assert (engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens) == (solved, 16, 8192)
+    assert Limits.served(4096, 64, 16384).max_num_batched_tokens == 16384
+    assert cpu_deployment(path, 1).to_canonical() == cpu_deployment(path, 1, Limits.served(2048, 64, 8192)
+                                                                    ).to_canonical()
+
+
+class _Req:
+    """The part of SGLang's `Req` the context guard reads and calls."""
+
+    def __init__(self, prompt: int, max_new: int) -> None:
+        self.origin_input_ids = list(range(prompt))
+        self.sampling_params = type("Params", (), {"max_new_tokens": max_new})()
+        self.to_finish = None
+
+    def set_finish_with_abort(self, error_msg: str) -> None:  # SGLang's: status 400, the prompt cut to a token
+        self.to_finish, self.origin_input_ids = error_msg, [0]
+
+
+def test_the_scheduler_refuses_a_request_beyond_the_solved_context_and_no_other():
+    """The last step of a request attends to prompt + output - 1 tokens: a request is refused exactly when
+    that exceeds the context, through SGLang's abort; one SGLang refused already is left alone."""
+    import random
+
+    from detent_audit.integrations.sglang.guard import TARGET, ContextGuard
+
+    limit = random.randint(64, 4096)
+    guard = ContextGuard(limit)
+    assert guard.hooks() == {TARGET: ("AFTER", guard.after_max_new_tokens)}
+    for prompt, max_new, refused in ((limit - 9, 10, False), (limit - 9, 11, True), (limit + 1, 1, True),
+                                     (1, limit, False), (1, limit + 1, True)):
+        req = _Req(prompt, max_new)
+        assert guard.after_max_new_tokens("kept", None, req) == "kept"
+        assert (req.to_finish is not None) == refused, (prompt, max_new)
+        if refused:
+            assert f"context of {limit} tokens" in req.to_finish and "--context-length" in req.to_finish
+    earlier = _Req(limit * 2, 5)
+    earlier.to_finish = "SGLang's own reason"
+    guard.after_max_new_tokens(None, None, earlier)
+    assert earlier.to_finish == "SGLang's own reason"
+
+
+def test_sglang_config_prints_the_server_and_the_plugin_configuration():
+    """`detent-audit sglang-config`: the environment (the plugin's configuration with the limits, the threads;
+    stock mode leaves SGLang's settings alone) and `sglang.launch_server` with the same limits."""
+    from typer.testing import CliRunner
+
+    from detent_audit.cli import app
+
+    res = CliRunner().invoke(app, ["sglang-config", "--model", "smollm2-135m-instruct", "--mode", "stock",
+                                   "--max-model-len", "3000", "--max-running-requests", "8", "--threads", "2",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    config = PluginConfig.from_env(doc["env"])
+    assert config is not None and config.mode == "stock" and config.launcher_pid is None
+    assert (config.max_model_len, config.max_num_seqs, config.num_threads) == (3000, 8, 2)
+    assert doc["env"]["OMP_NUM_THREADS"] == "2" and "SGLANG_ENABLE_FAST_INPUT_LOGPROBS" not in doc["env"]
+    argv = doc["argv"]
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    flags = {flag: (value if not value.startswith("--") else True)
+             for flag, value in zip(argv[3:], [*argv[4:], "--"], strict=True) if flag.startswith("--")}
+    assert flags["--disable-cuda-graph"] is True and flags["--device"] == "cpu"
+    assert float(flags["--watchdog-timeout"]) >= 3600  # a long prefill on a busy CPU outlasts SGLang's 300 s
+    assert flags["--context-length"] == "3000" and flags["--max-running-requests"] == "8"
+    assert flags["--model-path"] == config.model_path and flags["--page-size"] == "1"
+    text = CliRunner().invoke(app, ["sglang-config", "--model", "smollm2-135m-instruct", "--mode", "stock"])
+    assert text.exit_code == 0 and "export DETENT_SGLANG=" in text.stdout and "no receipts" in text.stdout
+    refused = CliRunner().invoke(app, ["sglang-config", "--mode", "det"])
+    assert refused.exit_code == 2 and "detent or stock" in refused.output

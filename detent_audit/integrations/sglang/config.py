@@ -36,7 +36,11 @@ class PluginConfig:
     pinned (CUDA only; None on a CPU); cuda_tuple: that deployment's committed tuple ({} = its default);
     report_dir: where each process writes which hooks it applied (None: nowhere); launcher_pid: the process
     that starts SGLang (its hooks go only into SGLang's own processes; None: every process); attention: the
-    form of detent's attention (`c`, built on this machine, or `torch`: their bits differ, the facts say which)."""
+    form of detent's attention (`c`, built on this machine, or `torch`: their bits differ, the facts say
+    which);
+    max_model_len, max_num_seqs, max_num_batched_tokens: the limits the CPU selection is solved for, which
+    SGLang's own must fit (its context length, running requests, and tokens of one step: the chunked-prefill
+    size); the scheduler refuses a request beyond `max_model_len` (`guard.py`)."""
 
     mode: str
     model_path: str
@@ -47,6 +51,9 @@ class PluginConfig:
     report_dir: str | None = None
     launcher_pid: int | None = None
     attention: str = "c"
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -54,9 +61,12 @@ class PluginConfig:
                            remedy="serve SGLang in detent or stock mode")
         if self.attention not in ATTENTIONS:
             raise BadInput(f"the plugin's attention {self.attention!r} is not one of {ATTENTIONS}")
-        if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 1:
-            raise BadInput(f"num_threads must be a positive integer, got {self.num_threads!r}")
-        if self.launcher_pid is not None and (isinstance(self.launcher_pid, bool) or not isinstance(self.launcher_pid, int)):
+        for name in ("num_threads", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise BadInput(f"{name} must be a positive integer, got {value!r}")
+        pid = self.launcher_pid
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int)):
             raise BadInput(f"launcher_pid must be a process id, got {self.launcher_pid!r}")
         for name in ("tuple", "cuda_tuple"):
             value = getattr(self, name)
@@ -81,4 +91,5 @@ class PluginConfig:
         try:
             return cls(**data)
         except TypeError as exc:
-            raise BadInput(f"{ENV} has unknown or missing fields ({exc})", remedy="let detent-audit set it") from None
+            raise BadInput(f"{ENV} has unknown or missing fields ({exc})",
+                           remedy="let detent-audit set it") from None

@@ -1,4 +1,5 @@
-"""The SGLang plugin: entry point `sglang.srt.plugins` -> `register()`, run by SGLang in each of its processes.
+"""The SGLang plugin: entry point `sglang.srt.plugins` -> `register()`, run by SGLang in each of its
+processes.
 
 SGLang's `load_plugins()` (srt/plugins/__init__.py) runs in the launcher and first thing in
 `run_scheduler_process`; it calls `register()`, then `HookRegistry.apply_hooks()`, which imports each target,
@@ -7,10 +8,11 @@ logged), so `register()` applies its own hooks at once, checks each target was r
 did in `REPORT` (and in `report_dir/<pid>.json`): the engine refuses to serve in detent mode unless the
 scheduler's report lists every hook (`detent_audit.integrations.sglang.engine`).
 
-In every mode the plugin installs the stand-in SGLang needs on a CPU (`stand_ins`) and, started by detent-audit,
-the scheduler control (`control`: the chunked-prefill size set without a restart). In detent mode it adds the
-CPU kernels (`cpu_kernels`) and, with a deployment, the CUDA selection points pinned from the tuple
-(`cuda_selection`). Stock mode changes no kernel.
+In every mode the plugin installs the stand-in SGLang needs on a CPU (`stand_ins`) and, started by
+detent-audit, the scheduler control (`control`: the chunked-prefill size set without a restart). In detent
+mode it adds the CPU kernels (`cpu_kernels`), the scheduler's refusal of a request beyond their context
+(`guard`) and, with a deployment, the CUDA selection points pinned from the tuple (`cuda_selection`). Stock
+mode changes no kernel.
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ def register() -> None:
 
     began = time.time()
     # how long the process ran before SGLang loaded its plugins (its imports), for the engine's start profile
-    REPORT.update(loaded=True, pid=os.getpid(), began=began, before_plugin_s=round(began - _process_start(), 2))
+    REPORT.update(loaded=True, pid=os.getpid(), began=began,
+                  before_plugin_s=round(began - _process_start(), 2))
     config = None
     try:
         config = PluginConfig.from_env()
         REPORT["mode"] = config.mode if config else Mode.STOCK.value
         launcher = config is not None and config.launcher_pid == os.getpid()
-        install_stand_ins(shadow_real=config is not None and config.launcher_pid is not None and not launcher)
+        # a real vLLM is shadowed in SGLang's own processes: every one but detent-audit's launcher (SGLang's
+        # own server, `launcher_pid` None, runs nothing of the caller's)
+        install_stand_ins(shadow_real=config is not None and not launcher)
         if config is not None and not launcher:
             _apply(config)
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which refuses to serve
@@ -62,20 +67,28 @@ def _process_start() -> float:
 
 
 def hooks_for(config: PluginConfig) -> dict[str, tuple[str, Any]]:
-    """target -> (hook type, hook): the scheduler control in every mode, the kernels in detent mode."""
+    """target -> (hook type, hook): the scheduler control in every mode, the kernels and the context guard in
+    detent mode."""
     from detent_audit.integrations.sglang import control
 
     out = control.hooks()
     if config.mode != Mode.DETENT:
         return out
     from detent_audit.integrations.sglang.cpu_kernels import CpuHooks
-    from detent_audit.integrations.sglang.selection import cpu_kernel_set, model_gemm_shapes
+    from detent_audit.integrations.sglang.guard import ContextGuard
+    from detent_audit.integrations.sglang.selection import (
+        Limits,
+        cpu_kernel_set,
+        model_gemm_shapes,
+        solved_context,
+    )
     from detent_audit.runtime.threads import set_threads
 
     set_threads(config.num_threads)
     # the GEMM form proven on every shape of the model here, before the scheduler serves its first request
     kernels = cpu_kernel_set(config)
     out.update(CpuHooks(kernels, config.attention, model_gemm_shapes(config.model_path)).hooks())
+    out.update(ContextGuard(solved_context(config.model_path, Limits.of(config))).hooks())
     if config.deployment:
         from detent_audit.integrations.sglang.cuda_selection import CudaHooks
 
