@@ -47,14 +47,14 @@ def plugin_server(model, tmp_path_factory):
 
 
 def test_sglangs_own_server_starts_with_every_hook_of_the_plugin_in_its_scheduler(plugin_server) -> None:
-    from detent_audit.integrations.sglang import control, guard
+    from detent_audit.integrations.sglang import control, guard, rescore
     from detent_audit.integrations.sglang.cpu_kernels import TARGETS
 
     server, reports = plugin_server
     found = [json.loads(p.read_text()) for p in sorted(reports.glob("*.json"))]
     assert found, "no process of SGLang's server reported the plugin"
     assert all(r["mode"] == "detent" and r["error"] is None and not r["failed"] for r in found), found
-    wanted = {*TARGETS, guard.TARGET, control.TARGET}
+    wanted = {*TARGETS, guard.TARGET, control.TARGET, rescore.TARGET}  # rescore's: with a report folder
     assert any(set(r["hooks"]) == wanted for r in found), found  # the scheduler's
     assert httpx.get(server.url("/health"), timeout=30).status_code == 200
 

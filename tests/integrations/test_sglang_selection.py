@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from detent_audit.integrations.sglang import control, cpu_kernels, cuda_selection  # noqa: E402
+from detent_audit.integrations.sglang import control, cpu_kernels, cuda_selection, rescore  # noqa: E402
 from detent_audit.integrations.sglang.cuda_selection import CudaHooks  # noqa: E402
 from detent_audit.manifests.deployment import load_deployment  # noqa: E402
 from detent_audit.selection.compiler import solve  # noqa: E402
@@ -116,7 +116,7 @@ def _resolve(target: str):
 
 
 def test_every_hook_target_exists_in_the_installed_sglang(sglang_modules):
-    for target in (*cpu_kernels.TARGETS, *cuda_selection.TARGETS.values(), control.TARGET):
+    for target in (*cpu_kernels.TARGETS, *cuda_selection.TARGETS.values(), control.TARGET, rescore.TARGET):
         assert callable(_resolve(target)), target
 
 

@@ -77,10 +77,10 @@ def test_the_engine_implements_the_boundary_with_the_plugin_in_the_scheduler(det
     assert isinstance(detent, Engine)
     facts = detent.facts()
     assert facts["engine"]["name"] == "sglang" and facts["engine"]["mode"] == "detent"
-    from detent_audit.integrations.sglang import control, guard
+    from detent_audit.integrations.sglang import control, guard, rescore
     from detent_audit.integrations.sglang.cpu_kernels import TARGETS
 
-    assert set(facts["engine"]["plugin"]["hooks"]) == {*TARGETS, guard.TARGET, control.TARGET}
+    assert set(facts["engine"]["plugin"]["hooks"]) == {*TARGETS, guard.TARGET, control.TARGET, rescore.TARGET}
     from detent_audit.integrations.sglang.engine import attention_names
 
     assert facts["engine"]["plugin"]["attention"] == attention_names()[detent.attention]

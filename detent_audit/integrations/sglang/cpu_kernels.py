@@ -146,23 +146,33 @@ class CpuHooks:
     def sampler_forward(self, sampler: Any, logits_output: Any, sampling_info: Any, return_logprob: bool,
                         top_logprobs_nums: list[int], token_ids_logprobs: list, positions: torch.Tensor):
         logits = sampler._preprocess_logits(logits_output.next_token_logits, sampling_info).float()
-        batch = logits.shape[0]
-        temperature = sampling_info.temperatures.view(-1).float()
-        greedy = bool(sampling_info.is_all_greedy)
-        seeds = sampling_info.sampling_seed
-        if seeds is None or seeds.shape[0] != batch:
-            seeds = torch.zeros(batch, dtype=torch.int64)
-        if greedy:
-            temperature = torch.zeros(batch)
-        top_k = sampling_info.top_ks.to(torch.int64)
-        top_k = torch.where(top_k >= logits.shape[-1], 0, top_k).clamp(min=0)  # SGLang's "off" is a huge k
-        ids = sample(logits, temperature, top_k, sampling_info.top_ps.float(), seeds,
-                     positions.to(torch.int64).view(-1))
+        rows = list(range(logits.shape[0]))
+        ids = sampling_rows(logits, sampling_info, rows, positions.to(torch.int64).view(-1))
         if return_logprob:
             result = sampler.output_logprob_processor.compute_logprobs(
                 log_softmax(logits), top_logprobs_nums, token_ids_logprobs, ids)
             result.write_output_to(logits_output)
         return ids
+
+
+def sampling_rows(logits: torch.Tensor, sampling_info: Any, requests: list[int],
+                  positions: torch.Tensor) -> torch.Tensor:
+    """The counter-hash draw of each row of `logits` ([rows, vocab] fp32) with the sampling of batch request
+    `requests[row]` (SGLang's `SamplingBatchInfo`: temperature, top-k, top-p, the seed `with_seeds` set) at
+    absolute `positions[row]`: the sampler's draw, and a rescore's at each position it scores
+    (`rescore.py`). A batch SGLang marks all greedy draws the argmax."""
+    batch = sampling_info.temperatures.shape[0]
+    index = torch.tensor(requests, dtype=torch.int64)
+    temperature = sampling_info.temperatures.view(-1).float()
+    seeds = sampling_info.sampling_seed
+    if seeds is None or seeds.shape[0] != batch:
+        seeds = torch.zeros(batch, dtype=torch.int64)
+    if bool(sampling_info.is_all_greedy):
+        temperature = torch.zeros(batch)
+    top_k = sampling_info.top_ks.to(torch.int64)
+    top_k = torch.where(top_k >= logits.shape[-1], 0, top_k).clamp(min=0)  # SGLang's "off" is a huge k
+    return sample(logits, temperature[index], top_k[index], sampling_info.top_ps.float()[index], seeds[index],
+                  positions)
 
 
 def _metadata(backend: Any, forward_batch: Any) -> AttentionMetadata:

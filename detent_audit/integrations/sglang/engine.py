@@ -268,14 +268,15 @@ class SglangEngine(HostedEngine[SglangRequest]):
 
     def _check_plugin(self, engine: Any) -> None:
         """Refuse to run unless the plugin loaded in the scheduler and applied every hook (detent mode)."""
-        from detent_audit.integrations.sglang import control, guard
+        from detent_audit.integrations.sglang import control, guard, rescore
         from detent_audit.integrations.sglang.cpu_kernels import TARGETS
 
         reports = [json.loads(p.read_text()) for p in sorted(self._report_dir.glob("*.json"))]
         children = set(engine.get_all_child_pids())
         # the launcher's own report does not count
         scheduler = [r for r in reports if r.get("pid") in children]
-        wanted = {control.TARGET, *((*TARGETS, guard.TARGET) if self.config.mode == Mode.DETENT else ())}
+        detent_hooks = (*TARGETS, guard.TARGET, rescore.TARGET) if self.config.mode == Mode.DETENT else ()
+        wanted = {control.TARGET, *detent_hooks}
         problem = None
         if not scheduler:
             problem = "the plugin did not report from SGLang's scheduler (is the entry point installed?)"
@@ -489,29 +490,37 @@ class SglangEngine(HostedEngine[SglangRequest]):
 
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
                       params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
-        """Teacher-forced logprobs through SGLang's input logprobs (one prefill of prompt + output per pair, all
-        submitted at once). The token drawn at each position: the argmax for greedy requests (rank 1 of the
-        input top logprobs); for sampled ones the tokens of a seeded replay (batch invariance makes it
-        generation's)."""
+        """Teacher-forced logprobs through SGLang's input logprobs: one prefill of prompt + output per pair,
+        all submitted at once, so SGLang's scheduler batches them; nothing is generated again. The token drawn
+        at each position: the argmax for greedy requests (rank 1 of the input top logprobs); for sampled ones
+        the counter-hash draw of the request's own sampling over that position's logits, which the plugin
+        computes in the same prefill (`rescore.py`)."""
+        from detent_audit.integrations.sglang.rescore import RID_PREFIX, take_draws
+
         params = list(params) if params is not None else [SamplingParams(temperature=0.0)] * len(pairs)
         if len(params) != len(pairs):
             raise BadInput(f"{len(pairs)} pairs but {len(params)} sampling parameters")
-        scored = []
+        scored, rids = [], []
         for (prompt, output), p in zip(pairs, params, strict=True):
             if not output:
                 raise BadInput("rescore needs at least one output token")
             ids = [int(t) for t in prompt] + [int(t) for t in output]
             if len(ids) > self._max_len:
                 raise BadInput(f"prompt and output have {len(ids)} tokens, beyond the context of {self._max_len}")
+            greedy = p.temperature == 0
+            # a sampled request is scored with its own sampling (one new token, never compared), so the plugin
+            # draws at each position what generation drew there
+            sampling = ({"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True} if greedy
+                        else {**sglang_params(p, max_tokens=1), "ignore_eos": True})
+            rid = None if greedy else f"{RID_PREFIX}{next(self._ids)}"
+            rids.append(rid)
             scored.append(self._submit(self.engine.async_generate(
-                input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True},
+                input_ids=ids, sampling_params=sampling, rid=rid,
                 # from the last prompt token: SGLang then matches at most that much cached prefix, so the
                 # logits before the first output token are computed, not served from the radix cache
                 return_logprob=True, logprob_start_len=len(prompt) - 1, top_logprobs_num=max(1, p.logprobs or 0))))
-        replays = {i: self.add_request(list(pairs[i][0]), p) for i, p in enumerate(params) if p.temperature > 0}
-        self.run(list(replays.values()))
         out = []
-        for i, (future, (_, output)) in enumerate(zip(scored, pairs, strict=True)):
+        for i, (future, (prompt, output)) in enumerate(zip(scored, pairs, strict=True)):
             n = params[i].logprobs or 0
             logprobs, tops = _scored_positions(future.result()["meta_info"], max(1, n))
             # SGLang leaves the first position of the range unscored (its logprob is None: here the last prompt
@@ -519,7 +528,16 @@ class SglangEngine(HostedEngine[SglangRequest]):
             expected = len(output)
             if len(logprobs) != expected:
                 raise RuntimeError(f"SGLang scored {len(logprobs)} positions, expected {expected}")
-            tokens = replays[i].output_token_ids if i in replays else [row[0][0] if row else -1 for row in tops]
+            tokens = [row[0][0] if row else -1 for row in tops]
+            rid = rids[i]
+            if rid is not None:  # the token at absolute position q + 1 was drawn at position q
+                draws = take_draws(self._report_dir, rid)
+                first = len(prompt) - 1
+                missing = [q for q in range(first, first + expected) if q not in draws]
+                if missing:
+                    raise RuntimeError(f"SGLang's scheduler drew no token at position(s) {missing[:8]} "
+                                       "of a rescore")
+                tokens = [draws[q] for q in range(first, first + expected)]
             out.append(Rescored(logprobs, tokens, [row[:n] for row in tops] if n else []))
         return out
 

@@ -13,6 +13,10 @@ detent-audit, the scheduler control (`control`: the chunked-prefill size set wit
 mode it adds the CPU kernels (`cpu_kernels`), the scheduler's refusal of a request beyond their context
 (`guard`) and, with a deployment, the CUDA selection points pinned from the tuple (`cuda_selection`). Stock
 mode changes no kernel.
+In every mode the plugin installs the stand-in SGLang needs on a CPU (`stand_ins`) and, started by detent-audit,
+the scheduler control (`control`: the chunked-prefill size set without a restart). In detent mode it adds the
+CPU kernels (`cpu_kernels`), a rescore's draws (`rescore`) and, with a deployment, the CUDA selection points
+pinned from the tuple (`cuda_selection`). Stock mode changes no kernel.
 """
 
 from __future__ import annotations
@@ -89,6 +93,10 @@ def hooks_for(config: PluginConfig) -> dict[str, tuple[str, Any]]:
     kernels = cpu_kernel_set(config)
     out.update(CpuHooks(kernels, config.attention, model_gemm_shapes(config.model_path)).hooks())
     out.update(ContextGuard(solved_context(config.model_path, Limits.of(config))).hooks())
+    if config.report_dir:  # a rescore's draws go back to the engine there (`rescore.py`)
+        from detent_audit.integrations.sglang.rescore import RescoreDraws
+
+        out.update(RescoreDraws(config.report_dir).hooks())
     if config.deployment:
         from detent_audit.integrations.sglang.cuda_selection import CudaHooks
 
