@@ -295,8 +295,8 @@ class BlockManager:
             chain = self._chains[seq_id]
             if len(chain) > seq.num_computed_tokens // size:
                 raise IntegrityError(
-                    f"seq {seq_id}: {len(chain)} hashed blocks but only {seq.num_computed_tokens} computed "
-                    "tokens"
+                    f"seq {seq_id}: {len(chain)} hashed blocks but only "
+                    f"{seq.num_computed_tokens} computed tokens"
                 )
             parent = ROOT_HASH
             for i, h in enumerate(chain):
