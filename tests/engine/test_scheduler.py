@@ -204,8 +204,8 @@ def random_requests(rng: random.Random, num: int, block_size: int,
         if kind < 0.15 and prompts:
             prompt = list(rng.choice(prompts))
         elif kind < 0.75:
-            prompt = rng.choice(prefixes) + [rng.randrange(VOCAB)
-                                             for _ in range(rng.randint(0, 2 * block_size))]
+            prefix = rng.choice(prefixes)
+            prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 2 * block_size))]
         else:
             prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8 * block_size))]
         prompts.append(prompt)
