@@ -1,5 +1,5 @@
-"""Rank emulation on one GPU: a TP=N forward of the Llama-3.1-8B shape (random weights, bf16) with every rank's
-shard computed in this process and the partials added in rank order, emulated twice (two engines built
+"""Rank emulation on one GPU: a TP=N forward of the Llama-3.1-8B shape (random weights, bf16) with every
+rank's shard computed in this process and the partials added in rank order, emulated twice (two engines built
 apart): bits equal; against a plain TP=1 forward: bits differ; time per emulated step over a TP=1 step.
 
     python benchmarks/gpu_tp_emulation.py --json OUT.json [--shape llama-3.1-8b] [--tp 2,4] [--batch 1,32]
@@ -28,12 +28,14 @@ def _engine(shape: str, tp: int) -> Any:
 
 
 def _run(llm: Any, batch: int, tokens: int) -> tuple[list[list[float]], float]:
-    """`batch` seeded requests of a 128-token prompt decoding `tokens` tokens: logprobs, ms per decode step."""
+    """`batch` seeded requests of a 128-token prompt, each decoding `tokens` tokens -> logprobs and ms
+    per decode step."""
     from detent_audit.runtime.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 32000, (128,), generator=gen).tolist() for _ in range(batch)]
-    params = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=tokens, ignore_eos=True) for i in range(batch)]
+    params = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=tokens, ignore_eos=True)
+              for i in range(batch)]
     llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)] * batch)  # warm-up
     llm.reset()
     torch.cuda.synchronize()
@@ -49,7 +51,8 @@ def _bits(rows: list[list[float]]) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--tp", default="2,4")
     parser.add_argument("--batch", default="1,32")
@@ -57,8 +60,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     sizes, batches = [int(x) for x in args.tp.split(",")], [int(x) for x in args.batch.split(",")]
-    doc: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "tokens": args.tokens,
-                           "runs": []}
+    doc: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "shape": args.shape,
+                           "tokens": args.tokens, "runs": []}
     results: dict[tuple[int, int, int], tuple[list[list[float]], float]] = {}
     for tp in [1, *sizes]:
         for build in (0, 1) if tp > 1 else (0,):  # each TP emulated twice, by engines built apart

@@ -59,7 +59,8 @@ def probe() -> dict[str, object]:
     k_cache, v_cache = torch.randn(20, 16, 4, 64, generator=g), torch.randn(20, 16, 4, 64, generator=g)
     meta = AttentionMetadata.from_lengths([0], [300], torch.arange(20, dtype=torch.int32)[None, :], 16)
     params = AttentionParams(kv_tile=64, split_stride=0)
-    out["attention_c"] = _digest(attention_c.paged_attention(q, k_cache, v_cache, meta, scale=0.125, params=params))
+    out["attention_c"] = _digest(attention_c.paged_attention(q, k_cache, v_cache, meta, scale=0.125,
+                                                             params=params))
     cc = subprocess.run([os.environ.get("DETENT_CC", "cc"), "--version"], capture_output=True,
                         text=True).stdout
     return {"machine": platform.processor() or platform.machine(), "libc": platform.libc_ver(),

@@ -1,8 +1,9 @@
 """Output tokens per second of the embedded engine in detent mode under the portable ISA cap and natively.
 
-Each setting runs in its own process (the caps are read when torch's libraries initialise: `detent_audit.isa`),
-the random-20m model, fp32, a closed batch of requests (mixed prompt lengths, greedy, fixed output length) run to
-completion; the first round warms up and is dropped, the median of the others is reported.
+Each setting runs in its own process (the caps are read when torch's libraries initialise:
+`detent_audit.isa`), the random-20m model, fp32, a closed batch of requests (mixed prompt lengths, greedy,
+fixed output length) run to completion; the first round warms up and is dropped, the median of the others is
+reported.
 Usage: python benchmarks/isa_speed.py [--runs 3] [--requests 8] [--threads 1]
 """
 

@@ -38,9 +38,9 @@ def _free_port() -> int:
 def _start(model: Path, key: Path, out: Path, cache: Path, log: Path,
            rotate: int) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "detent_audit.cli", "serve", "--model", str(model), "--signing-key", str(key),
-           "--manifest-out", str(out), "--port", str(port), "--cache-dir", str(cache), "--rotate",
-           str(rotate), "--served-model-name", MODEL_NAME]
+    cmd = [sys.executable, "-m", "detent_audit.cli", "serve", "--model", str(model),
+           "--signing-key", str(key), "--manifest-out", str(out), "--port", str(port),
+           "--cache-dir", str(cache), "--rotate", str(rotate), "--served-model-name", MODEL_NAME]
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

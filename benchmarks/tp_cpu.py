@@ -30,7 +30,8 @@ from typing import Any
 def _requests(n: int, max_tokens: int) -> list[dict[str, Any]]:
     lines = []
     for i in range(n):
-        prompt = ("You are a careful assistant. Answer briefly. " if i % 2 == 0 else "") + f"Item {i}: describe it."
+        prompt = (("You are a careful assistant. Answer briefly. " if i % 2 == 0 else "")
+                  + f"Item {i}: describe it.")
         line: dict[str, Any] = {"id": f"r{i}", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
         if i % 3:
             line.update(temperature=0.8, top_p=0.95, seed=100 + i)
@@ -72,7 +73,8 @@ def _naive_mismatches(model: str, receipts: list[Any]) -> tuple[int, int, int]:
     differ = total = receipts_differing = 0
     for r, res in zip(receipts, got, strict=True):
         flags = [_bits(a) != _bits(b) for a, b in zip(r.output.logprobs, res.logprobs, strict=True)]
-        differ, total, receipts_differing = differ + sum(flags), total + len(flags), receipts_differing + any(flags)
+        differ, total = differ + sum(flags), total + len(flags)
+        receipts_differing += any(flags)
     return differ, total, receipts_differing
 
 
@@ -101,7 +103,8 @@ def run(model: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
             native = verify([root / "tp" / "run"], trusted, model=model, tensor_parallel=tp)
             row["verify_native_s"] = round(time.perf_counter() - start, 2)
             row["native"] = native.counts()
-            row["emulated_over_native_per_token"] = round(row["verify_emulated_s"] / row["verify_native_s"], 3)
+            row["emulated_over_native_per_token"] = round(
+                row["verify_emulated_s"] / row["verify_native_s"], 3)
         receipts = [verify_envelope(p.read_bytes(), trusted).receipt
                     for p in sorted((root / "tp" / "run" / "receipts").glob("*.receipt"))]
         differ, total, differing = _naive_mismatches(model, receipts)
@@ -118,7 +121,8 @@ def run(model: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", required=True, help="MODEL:TP, repeatable")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)

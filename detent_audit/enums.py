@@ -1,8 +1,8 @@
 """The closed sets of values the project names: engine modes, verdicts and exit codes.
 
 Each is an enum whose values are the strings (or integers) of the wire formats and command lines that carry
-them (receipts' facts, `--mode`, verify's JSON report, the process's exit status), so a member compares equal to
-its value and serializes as it.
+them (receipts' facts, `--mode`, verify's JSON report, the process's exit status), so a member compares equal
+to its value and serializes as it.
 """
 
 from __future__ import annotations

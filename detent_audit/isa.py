@@ -14,8 +14,8 @@ every process the engine starts (vLLM's and SGLang's workers, tensor-parallel ra
   still proven at start (kernels/gemm_probe.py), and under the cap the default tuple keeps the chunk form
   (invariant by construction) rather than the pad form a probe of this CPU would allow, so that the tuple
   does not depend on the CPU either.
-- `native` (the default): nothing capped; the facts then name the CPU's capability, and a receipt served on another class
-  of CPU is not comparable.
+- `native` (the default): nothing capped; the facts then name the CPU's capability, and a receipt served on
+  another class of CPU is not comparable.
 
 The facts name the cap (`runtime.isa: "x86-64-v3"`) only where it took effect: the variables set as `pin`
 sets them and torch reporting AVX2. Otherwise they name torch's `cpu_capability`.
@@ -35,7 +35,8 @@ CHOICES = ("portable", "native")
 DEFAULT = "native"             # the cap cost 23% of detent's tok/s on an AVX-512 Xeon (docs/isa.md)
 PORTABLE_ISA = "x86-64-v3"     # the psABI level of AVX2 + FMA: what the portable cap lets every library use
 # the variable of each library and its AVX2 value (read at the library's initialisation)
-PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                "ONEDNN_MAX_CPU_ISA": "AVX2"}
 _REEXEC = "DETENT_AUDIT_ISA_REEXEC"  # set in a re-executed process: never re-execute twice
 
 
@@ -103,8 +104,8 @@ def runtime_facts() -> dict[str, Any]:
 
 def blas_cpu() -> dict[str, str]:
     """Under the cap, the CPU model (`{"cpu_model": ...}`) for an engine whose products are oneDNN's or MKL's
-    (vLLM, SGLang): those libraries choose code by the CPU whatever the cap (docs/isa.md), so such a receipt is
-    checked on the same model; natively, and for the embedded engine's fixed-order kernels, nothing."""
+    (vLLM, SGLang): those libraries choose code by the CPU whatever the cap (docs/isa.md), so such a receipt
+    is checked on the same model; natively, and for the embedded engine's fixed-order kernels, nothing."""
     if not capped():
         return {}
     try:
@@ -126,9 +127,10 @@ def hint(served: Any, here: Any) -> str | None:
     here_isa = here.get("isa") or here.get("cpu_capability")
     if served_isa == here_isa:
         if served.get("cpu_model") != here.get("cpu_model") and served.get("cpu_model"):
-            return (f"the receipt was served by an engine whose products are the BLAS's, on a "
-                    f"{served.get('cpu_model')}: the BLAS chooses code by the CPU whatever the ISA cap, so it "
-                    "is checked on that CPU model; the embedded engine's --isa portable receipts verify on any")
+            return ("the receipt was served by an engine whose products are the BLAS's, on a "
+                    f"{served.get('cpu_model')}: the BLAS chooses code by the CPU whatever the ISA cap, so "
+                    "it is checked on that CPU model; the embedded engine's --isa portable receipts verify "
+                    "on any")
         return None
     if served.get("isa") == PORTABLE_ISA:
         return (f"the receipt was served under the portable ISA cap ({PORTABLE_ISA}); this verifier runs "

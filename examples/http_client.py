@@ -1,7 +1,7 @@
 """Send every request of a prompts file to a running `detent-audit serve` over HTTP; write one line per answer
-(id, receipt id, text), the format `show_answers.py` reads. Requests with `messages` go to /v1/chat/completions,
-the others to /v1/completions; all are sent at once (the server batches them). With $DETENT_API_KEY set (a
-server started with `serve --api-key`), each request carries it as its Bearer token.
+(id, receipt id, text), the format `show_answers.py` reads. Requests with `messages` go to
+/v1/chat/completions, the others to /v1/completions; all are sent at once (the server batches them). With
+$DETENT_API_KEY set (a server started with `serve --api-key`), each request carries it as its Bearer token.
 
 Usage: python examples/http_client.py URL PROMPTS.jsonl OUTPUTS.jsonl [--wait SECONDS]
 """

@@ -31,13 +31,14 @@ def main() -> None:
     mismatched = 0
     for start in range(0, 32, 5):  # another batching than the rollouts had
         group = rollouts[start:start + 5]
-        scores = trainer.rescore_batch([(r.prompt_token_ids, r.token_ids) for r in group], params[start:start + 5])
+        scores = trainer.rescore_batch([(r.prompt_token_ids, r.token_ids) for r in group],
+                                       params[start:start + 5])
         for r, s in zip(group, scores):
             same = [bits(a) for a in r.logprobs] == [bits(b) for b in s.logprobs] and s.tokens == r.token_ids
             mismatched += not same
     tokens = sum(len(r.token_ids) for r in rollouts)
-    print(f"{len(rollouts)} rollouts, {tokens} sampled tokens: {len(rollouts) - mismatched} rescored bit-identical "
-          f"(logprobs and the seeded draw at every position), {mismatched} differ")
+    print(f"{len(rollouts)} rollouts, {tokens} sampled tokens: {len(rollouts) - mismatched} rescored "
+          f"bit-identical (logprobs and the seeded draw at every position), {mismatched} differ")
     raise SystemExit(1 if mismatched else 0)
 
 

@@ -1,6 +1,6 @@
-"""Steps (7)-(10) of verification for one batch of receipts of one deployment and tuple: (7) the engine rebuilt
-from their facts (`reconstruct.py`), (8)-(9) what their content refutes on it (`checks.py`), then (10) the
-batch re-executed together and each receipt's bits compared (`compare.py`).
+"""Steps (7)-(10) of verification for one batch of receipts of one deployment and tuple: (7) the engine
+rebuilt from their facts (`reconstruct.py`), (8)-(9) what their content refutes on it (`checks.py`), then (10)
+the batch re-executed together and each receipt's bits compared (`compare.py`).
 
 `rescore` is one teacher-forced prefill per request, many requests batched (batch invariance makes batching
 legal; the seeded draw at every position is recomputed from the logits); `replay` generates again,
@@ -15,17 +15,21 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from detent_audit.errors import DetentError
 from detent_audit.manifests.receipt import Receipt
-from detent_audit.runtime.contract import Engine
+from detent_audit.runtime.contract import Engine, TopLogprobs
 from detent_audit.runtime.sampling_params import SamplingParams
 from detent_audit.verifier.checks import refutation
 from detent_audit.verifier.compare import first_divergence, prompt_divergence
 from detent_audit.verifier.reconstruct import reconstruct
 from detent_audit.verifier.report import Outcome
 from detent_audit.verifier.steps import BitsError, DeploymentError, VerificationError
+
+# a re-executed prompt's logprobs and top-n; a re-executed output's tokens, logprobs, finish reason (replay
+# only) and top-n
+PromptScores = tuple[list[float], TopLogprobs]
+Result = tuple[list[int], list[float], str | None, TopLogprobs]
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,8 @@ def _rebuild(first: Receipt, options: Options, key: tuple[str, str]) -> Engine |
     except DetentError as exc:  # facts that cannot be rebuilt: the group's receipts are bad input
         return DeploymentError(exc.message, exit_code=2)
     except Exception as exc:  # noqa: BLE001 (signed facts the engine chokes on must not end the run)
-        return DeploymentError(f"the receipt's deployment could not be rebuilt here: {type(exc).__name__}: {exc}",
-                               exit_code=2)
+        return DeploymentError("the receipt's deployment could not be rebuilt here: "
+                               f"{type(exc).__name__}: {exc}", exit_code=2)
 
 
 def _reexecute_isolating(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int],
@@ -102,7 +106,8 @@ def _reexecute_isolating(llm: Engine, batch: list[tuple[Path, Receipt]], mode: s
         if len(batch) == 1:
             p, r = batch[0]
             return [Outcome.refuted(str(p), "receipt", BitsError(
-                f"re-execution raised {type(exc).__name__}: {exc}", exit_code=2, request_id=r.request.request_id))]
+                f"re-execution raised {type(exc).__name__}: {exc}", exit_code=2,
+                request_id=r.request.request_id))]
     return [o for item in batch for o in _reexecute_isolating(llm, [item], mode, eos, published)]
 
 
@@ -115,24 +120,25 @@ def worker_batch(batch: list[tuple[str, bytes]], options: Options) -> list[Outco
 
 
 def _max_prompt_chars(llm: Engine) -> int:
-    """The longest prompt text the deployment's context can hold (its longest token, `max_model_len` times)."""
+    """The longest prompt text the deployment's context can hold: its longest token, `max_model_len`
+    times."""
     return int(llm.max_model_len * llm.tokenizer.max_token_chars())
 
 
-def _reexecute(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int], published: bool = False
-               ) -> list[Outcome]:
+def _reexecute(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str, eos: set[int],
+               published: bool = False) -> list[Outcome]:
     # (7)-(9): what the receipt's content already refutes is not re-executed: a tuple that is not its facts',
     # out-of-vocabulary ids, a wrong finish, a request that is not the client's
     max_chars = _max_prompt_chars(llm)
     parallel = getattr(llm, "parallel_note", "")  # how a tensor-parallel receipt was re-executed
     refuted = {p: refutation(r, llm, eos, max_chars) for p, r in batch}
     usable = [(p, r) for p, r in batch if refuted[p] is None]
-    # (10): re-execute, all of the batch together. An echo receipt's prompt is scored by the same teacher-forced
-    # prefill (from its second token on, with its top-n), its output with it (rescore) or after it (replay)
+    # (10): re-execute, all of the batch together. An echo receipt's prompt is scored by the same
+    # teacher-forced prefill (from its second token on, with its top-n), its output with it (rescore) or
+    # after it (replay)
     scored = {p: _score_prompt(r) for p, r in usable}
-    prompt_scores: dict[Path, Any] = {}
-    # path -> the re-execution's tokens, logprobs, finish reason (replay only) and top-n
-    results: dict[Path, tuple[list[int], list[float], str | None, list[list[tuple[int, float]]]]]
+    prompt_scores: dict[Path, PromptScores] = {}
+    results: dict[Path, Result]
     if mode == "rescore":
         jobs = [(p, r) for p, r in usable if scored[p] or r.output.token_ids]
         got = llm.rescore_batch([_rescore_pair(r, scored[p]) for p, r in jobs], [_params(r) for _, r in jobs])
@@ -144,7 +150,8 @@ def _reexecute(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str, eos: s
                 prompt_scores[p] = (res.logprobs[:skip], res.tops[:skip])
     else:
         drawn = [(p, r) for p, r in usable if r.output.token_ids]
-        outs = llm.generate([list(r.request.prompt_token_ids) for _, r in drawn], [_params(r) for _, r in drawn])
+        outs = llm.generate([list(r.request.prompt_token_ids) for _, r in drawn],
+                            [_params(r) for _, r in drawn])
         results = {p: ([], [], None, []) for p, _ in usable}
         results.update({p: (o.token_ids, o.logprobs, o.finish_reason, o.top_logprobs)
                         for (p, _), o in zip(drawn, outs)})
@@ -161,9 +168,9 @@ def _reexecute(llm: Engine, batch: list[tuple[Path, Receipt]], mode: str, eos: s
         rid = r.request.request_id
         scored_note = f", {r.scoring.num_positions} prompt positions" if r.scoring is not None else ""
         how = ", ".join([mode, *([parallel] if parallel else [])])
-        out.append(Outcome(str(p), "receipt", "OK", f"request {rid}: the client's request, {len(results[p][0])} "
-                                                   f"tokens, text and bits equal{scored_note} ({how})"
-                                                   + stated_claims(r, llm.max_model_len, published), rid))
+        verdict = (f"request {rid}: the client's request, {len(results[p][0])} tokens, text and bits "
+                   f"equal{scored_note} ({how})" + stated_claims(r, llm.max_model_len, published))
+        out.append(Outcome(str(p), "receipt", "OK", verdict, rid))
     return out
 
 
@@ -184,7 +191,7 @@ def stated_claims(r: Receipt, max_model_len: int, published: bool) -> str:
     return "".join(f"; {n}" for n in notes)
 
 
-def _bits_error(r: Receipt, result: tuple, prompt_scores: tuple | None) -> BitsError | None:
+def _bits_error(r: Receipt, result: Result, prompt_scores: PromptScores | None) -> BitsError | None:
     """(10): an echo's prompt scores, then token ids and logprob bits, the alternatives returned (and,
     replayed, the finish reason), against the re-execution's."""
     rid = r.request.request_id
@@ -203,7 +210,8 @@ def _bits_error(r: Receipt, result: tuple, prompt_scores: tuple | None) -> BitsE
     if problem is not None:
         return BitsError(problem, request_id=rid)
     if finish is not None and finish != r.output.finish_reason:
-        return BitsError(f"finish reason {r.output.finish_reason!r}, replay finished with {finish!r}", request_id=rid)
+        return BitsError(f"finish reason {r.output.finish_reason!r}, replay finished with {finish!r}",
+                         request_id=rid)
     return None
 
 
@@ -242,6 +250,7 @@ def _rescore_pair(r: Receipt, score_prompt: bool, with_output: bool = True) -> t
 def _params(r: Receipt) -> SamplingParams:
     s = r.request.sampling
     # max_tokens 0 (an echo receipt that drew nothing): the engine's request draws one token, never compared
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=max(1, s.max_tokens),
-                          seed=r.request.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                          max_tokens=max(1, s.max_tokens), seed=r.request.seed,
+                          stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                           logprobs=s.logprobs, stop=tuple(s.stop))

@@ -286,7 +286,8 @@ class BlockManager:
                 holders.setdefault(block_id, []).append(seq_id)
             if len(set(table)) != len(table):
                 raise IntegrityError(f"seq {seq_id}: block table {table} holds a block twice")
-            if not (0 <= seq.num_cached_tokens <= seq.num_computed_tokens <= min(seq.num_tokens, len(table) * size)):
+            capacity = min(seq.num_tokens, len(table) * size)
+            if not (0 <= seq.num_cached_tokens <= seq.num_computed_tokens <= capacity):
                 raise IntegrityError(
                     f"seq {seq_id}: need 0 <= cached {seq.num_cached_tokens} <= computed "
                     f"{seq.num_computed_tokens} <= min(tokens {seq.num_tokens}, {len(table)} blocks * {size})"
@@ -294,7 +295,8 @@ class BlockManager:
             chain = self._chains[seq_id]
             if len(chain) > seq.num_computed_tokens // size:
                 raise IntegrityError(
-                    f"seq {seq_id}: {len(chain)} hashed blocks but only {seq.num_computed_tokens} computed tokens"
+                    f"seq {seq_id}: {len(chain)} hashed blocks but only "
+                    f"{seq.num_computed_tokens} computed tokens"
                 )
             parent = ROOT_HASH
             for i, h in enumerate(chain):
@@ -316,10 +318,13 @@ class BlockManager:
                 raise IntegrityError(f"free list or LRU: block id {block_id!r} out of range [0, {n})")
         for block_id, block in enumerate(self._blocks):
             states = [name for name, inside in (
-                ("free", block_id in free_set), ("cached-idle", block_id in lru_set), ("in use", block.ref_count > 0),
+                ("free", block_id in free_set), ("cached-idle", block_id in lru_set),
+                ("in use", block.ref_count > 0),
             ) if inside]
             if len(states) != 1:
-                raise IntegrityError(f"block {block_id}: in states {states or 'none'} (ref_count {block.ref_count})")
+                raise IntegrityError(
+                    f"block {block_id}: in states {states or 'none'} (ref_count {block.ref_count})"
+                )
             held_by = holders.get(block_id, [])
             if block.ref_count != len(held_by):
                 raise IntegrityError(
@@ -332,10 +337,13 @@ class BlockManager:
                 raise IntegrityError(f"block {block_id}: in the LRU without a hash")
             if block.hash is not None and block_id in free_set:
                 raise IntegrityError(f"block {block_id}: in the free list with a hash")
-            if block.hash is not None and self._hash_to_block.get(block.hash) != block_id:
-                raise IntegrityError(f"block {block_id}: its hash maps to block {self._hash_to_block.get(block.hash)}")
+            mapped = self._hash_to_block.get(block.hash) if block.hash is not None else None
+            if block.hash is not None and mapped != block_id:
+                raise IntegrityError(f"block {block_id}: its hash maps to block {mapped}")
             if block.token_ids is not None and len(block.token_ids) != size:
-                raise IntegrityError(f"block {block_id}: cached with {len(block.token_ids)} tokens, not {size}")
+                raise IntegrityError(
+                    f"block {block_id}: cached with {len(block.token_ids)} tokens, not {size}"
+                )
         for h, block_id in self._hash_to_block.items():
             if not (0 <= block_id < n) or self._blocks[block_id].hash != h:
                 raise IntegrityError(f"hash {h.hex()[:16]} maps to block {block_id}, which does not carry it")

@@ -77,7 +77,8 @@ def _write_json(file: Path, data: Any) -> None:
 
 
 def write_random_checkpoint(path: str | Path, shape_or_config: str | ModelConfig, seed: int,
-                            dtype: str | torch.dtype = "float32", shards: int = 1, weights: bool = True) -> Path:
+                            dtype: str | torch.dtype = "float32", shards: int = 1,
+                            weights: bool = True) -> Path:
     """Write a seeded random HF checkpoint of a named shape (`NAMED_SHAPES`) or config into `path`
     (`weights=False`: config and tokenizer only, for weights generated on the device).
 
@@ -91,7 +92,9 @@ def write_random_checkpoint(path: str | Path, shape_or_config: str | ModelConfig
     fmt = chat_format_for(config)
     ids = {t: 256 + i for i, t in enumerate(fmt.special_tokens)}
     if config.vocab_size < 256 + len(ids):
-        raise BadInput(f"vocab_size {config.vocab_size} is smaller than the tokenizer's {256 + len(ids)} tokens")
+        raise BadInput(
+            f"vocab_size {config.vocab_size} is smaller than the tokenizer's {256 + len(ids)} tokens"
+        )
     config = dataclasses.replace(config, torch_dtype=dtype_str, bos_token_id=ids.get(fmt.bos_token or ""),
                                  eos_token_ids=tuple(sorted(ids[t] for t in fmt.eos_tokens)))
     model = CausalLM(config, device="meta")
@@ -106,7 +109,8 @@ def write_random_checkpoint(path: str | Path, shape_or_config: str | ModelConfig
                 {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)})
     build_tokenizer(fmt).save(str(path / "tokenizer.json"), pretty=True)
     _write_json(path / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": fmt.bos_token, "eos_token": fmt.eos_tokens[0],
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": fmt.bos_token,
+        "eos_token": fmt.eos_tokens[0],
         "chat_template": fmt.template, "clean_up_tokenization_spaces": False,
         "model_max_length": config.max_position_embeddings})
 
@@ -128,7 +132,8 @@ def write_random_checkpoint(path: str | Path, shape_or_config: str | ModelConfig
         save_file({n: tensors[n] for n in part}, str(path / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(path / "model.safetensors.index.json",
+                {"metadata": {"total_size": total}, "weight_map": weight_map})
     return path
 
 

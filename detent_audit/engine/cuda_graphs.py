@@ -208,8 +208,8 @@ class DecodeGraphs:
         step = self._step_at(b)
         step()  # compile and warm up outside the graph
         torch.cuda.synchronize()
-        # each size's graph its own memory pool: sizes are captured as batches first reach them and replayed in
-        # any order (with one pool shared, the first replay at 8 rows after a capture at 1 failed with an
+        # each size's graph its own memory pool: sizes are captured as batches first reach them and replayed
+        # in any order (with one pool shared, the first replay at 8 rows after a capture at 1 failed with an
         # illegal address on an H200; with a pool each, the GPU tests pass)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

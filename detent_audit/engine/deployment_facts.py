@@ -52,7 +52,8 @@ def static_facts(cfg: EngineConfig) -> dict[str, dict[str, object]]:
 
         facts["runtime"]["fixed_order"] = [attention_c.IMPLEMENTATION, gemm_c.IMPLEMENTATION,
                                            rowlocal_c.IMPLEMENTATION]
-    if cfg.tensor_parallel_size > 1:  # how the ranks' partial sums meet (tensor_parallel.py); threads are per rank
+    # how the ranks' partial sums meet (tensor_parallel.py); threads are per rank
+    if cfg.tensor_parallel_size > 1:
         facts["parallel"] = {"tensor_parallel_size": cfg.tensor_parallel_size,
                              "all_reduce": BACKEND if cfg.mode == Mode.STOCK else ORDERED,
                              "accumulate": ACCUMULATE}

@@ -62,17 +62,21 @@ from detent_audit.runtime.tokenizer import Tokenizer
 class EngineConfig:
     """Everything that shapes the engine; the bit-relevant parts go into the deployment facts."""
 
-    model: str | None = None            # a name (named_models), a checkpoint folder or "random:<shape>"; None: the default
+    # a name (named_models), a checkpoint folder or "random:<shape>"; None: the default
+    model: str | None = None
     device: str = "cpu"                 # cpu | cuda
     cuda_graphs: bool = True            # GPU: replay captured decode steps (False: always eager)
-    graph_max_batch: int | None = None  # GPU: decode batches up to this many rows replay graphs (None: max_num_seqs)
+    # GPU: decode batches up to this many rows replay graphs (None: max_num_seqs)
+    graph_max_batch: int | None = None
     mode: str = Mode.DETENT.value                # detent | stock | det
     dtype: str = "float32"
     num_threads: int = 1                # CPU threads, fixed at start (a bit-relevant fact)
     block_size: int = 16
     num_kv_blocks: int = DEFAULT_KV_BLOCKS
-    kv_pool_tokens: int = 0             # more blocks if needed to hold one request this long (capped at the context)
-    max_model_len: int | None = None    # prompt + output tokens; None: the model's positions, within the KV pool
+    # more blocks if needed to hold one request this long (capped at the context)
+    kv_pool_tokens: int = 0
+    # prompt + output tokens; None: the model's positions, within the KV pool
+    max_model_len: int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int | None = None
@@ -81,9 +85,11 @@ class EngineConfig:
     attention_streaming: bool = False   # GPU det/detent: the Triton attention's streaming fold (a fact)
     cache_dir: str | None = None        # JIT cache directory
     tensor_parallel_size: int = 1       # ranks the model is split over (a fact; tensor_parallel.py)
-    tensor_parallel_ranks: str = "processes"  # processes: one per rank (rank 0 here); emulated: all here
+    # processes: one per rank (rank 0 here); emulated: all here
+    tensor_parallel_ranks: str = "processes"
     tensor_parallel_rank: int = 0       # a follower process's rank (set by the engine that starts it)
-    tensor_parallel_init: str = ""      # a follower's process-group address (set by the engine that starts it)
+    # a follower's process-group address (set by the engine that starts it)
+    tensor_parallel_init: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in {m.value for m in Mode}:
@@ -95,9 +101,11 @@ class EngineConfig:
         if self.num_threads < 1:
             raise BadInput(f"num_threads must be >= 1, got {self.num_threads}")
         if self.attention_streaming and self.device != "cuda":
-            raise BadInput("attention_streaming is a mode of the GPU attention kernel", remedy="use device cuda")
+            raise BadInput("attention_streaming is a mode of the GPU attention kernel",
+                           remedy="use device cuda")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise BadInput(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
+            raise BadInput("max_model_len must be >= 2 (one prompt and one output token), got "
+                           f"{self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise BadInput(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_ranks not in ("processes", "emulated"):
@@ -106,9 +114,11 @@ class EngineConfig:
         if self.graph_max_batch is not None and self.graph_max_batch < 1:
             raise BadInput(f"graph_max_batch must be None or >= 1, got {self.graph_max_batch}")
         if self.tensor_parallel_size > 1 and self.device == "cuda" and self.cuda_graphs:
-            raise BadInput("CUDA graphs are not captured for tensor-parallel models yet", remedy="pass --eager")
+            raise BadInput("CUDA graphs are not captured for tensor-parallel models yet",
+                           remedy="pass --eager")
         if self.tuple is not None and self.mode != Mode.DETENT:
-            raise BadInput("a tuple is committed only in detent mode", remedy="drop --tuple or use --mode detent")
+            raise BadInput("a tuple is committed only in detent mode",
+                           remedy="drop --tuple or use --mode detent")
 
     @cached_property
     def resolved_model(self) -> ResolvedModel:
@@ -155,9 +165,11 @@ class LLM(EngineBase[Sequence]):
         self.deployment = self.selection.deployment or self.deployment  # with the GEMM probe's facts
         reduce = self.selection.tuple.get("embedded.all_reduce", {}).get("embedded.all_reduce.algorithm")
         if reduce is not None and reduce != ORDERED:  # the solver pins it: only the ordered sum is legal
-            raise BadInput(f"the tuple's all-reduce {reduce!r} is not batch-invariant", remedy=f"use {ORDERED}")
+            raise BadInput(f"the tuple's all-reduce {reduce!r} is not batch-invariant",
+                           remedy=f"use {ORDERED}")
         # a verifier sizes the pool for its longest receipt: never past what this model's own context holds
-        num_kv_blocks = max(config.num_kv_blocks, -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2)
+        pool_blocks = -(-min(config.kv_pool_tokens, max_len) // config.block_size) + 2
+        num_kv_blocks = max(config.num_kv_blocks, pool_blocks)
         usable_blocks = num_kv_blocks - (1 if config.device == "cuda" and config.cuda_graphs else 0)
         self._scheduler_config = SchedulerConfig(
             num_blocks=usable_blocks, block_size=config.block_size, max_model_len=max_len,
@@ -177,7 +189,7 @@ class LLM(EngineBase[Sequence]):
         self._ids = itertools.count()
         # steps run, by how many sequences shared them (how much co-batching a workload really got)
         self.step_batch_sizes: Counter[int] = Counter()
-        # the in-memory weights' digest once they changed after loading (`load_weights`); None: the checkpoint's
+        # the in-memory weights' digest once changed after loading (`load_weights`); None: the checkpoint's
         self.weights_digest: str | None = None
 
     def _split(self, full: CausalLM) -> CausalLM | TensorParallelLM | DrivenModel:
@@ -192,7 +204,9 @@ class LLM(EngineBase[Sequence]):
         rank, init_method = config.tensor_parallel_rank, config.tensor_parallel_init
         if not init_method:  # rank 0 starts the others (else a launcher started every rank at this address)
             if rank != 0:
-                raise BadInput(f"tensor-parallel rank {rank} needs its group's address (tensor_parallel_init)")
+                raise BadInput(
+                    f"tensor-parallel rank {rank} needs its group's address (tensor_parallel_init)"
+                )
             self.ranks = RankProcesses(size, functools.partial(_follow_as_rank, config))
             init_method = self.ranks.init_method
         if config.device == "cuda":
@@ -208,7 +222,8 @@ class LLM(EngineBase[Sequence]):
                                       device=f"cuda:{rank}" if config.device == "cuda" else None)
         if rank != 0:
             return model
-        return DrivenModel(model, self.rank_group, self.ranks.alive if self.ranks is not None else lambda: None)
+        alive = self.ranks.alive if self.ranks is not None else lambda: None
+        return DrivenModel(model, self.rank_group, alive)
 
     @property
     def parallel_note(self) -> str:
@@ -216,7 +231,9 @@ class LLM(EngineBase[Sequence]):
         size = self.config.tensor_parallel_size
         if size == 1:
             return ""
-        return f"TP={size} by rank emulation" if self.config.tensor_parallel_ranks == "emulated" else f"TP={size}"
+        if self.config.tensor_parallel_ranks == "emulated":
+            return f"TP={size} by rank emulation"
+        return f"TP={size}"
 
     def shutdown(self) -> None:
         """Rank 0: tell the other tensor-parallel ranks to stop, and stop the processes this engine started
@@ -287,8 +304,8 @@ class LLM(EngineBase[Sequence]):
         return collect_facts(self)
 
     def tuple_values(self) -> TupleValues:
-        """What a receipt commits to as the tuple: the mode (`mode.name`) and the per-family pins and knobs the
-        kernels read (`Selection.used_tuple`: an axis that changes no kernel's params is not signed)."""
+        """What a receipt commits to as the tuple: the mode (`mode.name`) and the per-family pins and knobs
+        the kernels read (`Selection.used_tuple`: an axis that changes no kernel's params is not signed)."""
         return {"mode": {"name": self.config.mode}, **self.selection.used_tuple}
 
     def kernel_params_called(self) -> dict[str, list[dict]] | None:
@@ -298,8 +315,9 @@ class LLM(EngineBase[Sequence]):
         return report() if report is not None else None
 
     # ---- requests
-    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams, request_id: str | None = None,
-                    *, score_from: int | None = None, score_params: SamplingParams | None = None,
+    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams,
+                    request_id: str | None = None, *, score_from: int | None = None,
+                    score_params: SamplingParams | None = None,
                     score_targets: SequenceOf[int] = (), score_prompt: bool = False) -> Sequence:
         """Queue one request. `score_prompt` (echo): also the logprob of every prompt token after the first
         (and `params.logprobs` alternatives), from the same prefill that samples the output; they reach
@@ -308,8 +326,8 @@ class LLM(EngineBase[Sequence]):
         if score_prompt:
             score_from, score_targets = 1, ids[1:]
         elif score_from is not None and len(score_targets) != len(ids) - score_from + 1:
-            raise ValueError(f"{len(score_targets)} score targets for a sequence of {len(ids)} tokens scored from "
-                             f"{score_from}: the sequence must hold every target but the last")
+            raise ValueError(f"{len(score_targets)} score targets for a sequence of {len(ids)} tokens scored "
+                             f"from {score_from}: the sequence must hold every target but the last")
         score = (None if score_from is None
                  else ScoreSpec(score_from, score_params or params, tuple(score_targets)))
         seq = Sequence(next(self._ids), ids, params, request_id=request_id, score=score)
@@ -353,9 +371,9 @@ class LLM(EngineBase[Sequence]):
 
     def rescore_batch(self, pairs: SequenceOf[tuple[SequenceOf[int], SequenceOf[int]]],
                       params: SequenceOf[SamplingParams] | None = None) -> list[Rescored]:
-        """Rescore many (prompt, output) pairs together (batch invariance makes batching legal): each output
-        token's logprob, the token the request's sampling (`params`, default greedy) draws there, and (with its
-        `logprobs` = n) the top-n alternatives there."""
+        """Rescore many (prompt, output) pairs together (batch invariance makes batching legal): each
+        output token's logprob, the token the request's sampling (`params`, default greedy) draws there, and
+        (with its `logprobs` = n) the top-n alternatives there."""
         seqs = []
         for i, (prompt, output) in enumerate(pairs):
             if not output:
@@ -386,7 +404,9 @@ class LLM(EngineBase[Sequence]):
         scores = seq.scored
         if scores is not None:  # echo: the prompt's scores
             if len(scores.logprobs) != seq.num_prompt_tokens - 1:
-                raise RuntimeError(f"{len(scores.logprobs)} prompt logprobs for a prompt of {seq.num_prompt_tokens}")
+                raise RuntimeError(
+                    f"{len(scores.logprobs)} prompt logprobs for a prompt of {seq.num_prompt_tokens}"
+                )
             out.prompt_logprobs, out.prompt_top_logprobs = scores.logprobs, scores.tops
         return out
 

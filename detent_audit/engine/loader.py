@@ -44,7 +44,8 @@ WEIGHT_MAP: dict[str, tuple[str, str | None]] = {
     "model.layers.{L}.mlp.experts.{E}.up_proj.weight": ("layers.{L}.mlp.experts.w13", "{E}.up"),
     "model.layers.{L}.mlp.experts.{E}.down_proj.weight": ("layers.{L}.mlp.experts.w2", "{E}"),
 }
-# Tensors some exports carry that hold no weight of ours: old RoPE tables, a tied head's copy of the embedding.
+# Tensors some exports carry that hold no weight of ours: old RoPE tables, a tied head's copy of the
+# embedding.
 IGNORED = ("model.layers.{L}.self_attn.rotary_emb.inv_freq",)
 IGNORED_WHEN_TIED = ("lm_head.weight",)
 _MAX_NAMES = 10  # names listed in an error before "and N more"
@@ -118,7 +119,8 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_weights(model: CausalLM, files: list[Path]) -> None:
-    """Stream every tensor of `files` into `model` through its modules' `weight_loader`, then check both ways."""
+    """Stream every tensor of `files` into `model` through its modules' `weight_loader`, then check both
+    ways."""
     c = model.config
     expected = checkpoint_names(model)
     ignored = [_regex(t) for t in IGNORED + (IGNORED_WHEN_TIED if c.tie_word_embeddings else ())]

@@ -108,7 +108,8 @@ class Embedding(Weights):
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = c.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = Linear(c.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
@@ -125,8 +126,8 @@ class Attention(nn.Module):
         k_norm = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         # q: [T, Hq, D]; k and v (normed and rotated as the model says) are written into the paged cache
-        q = ks.qkv_prologue(qkv, positions, rope, (self.num_heads, self.num_kv_heads, self.head_dim), kv_cache,
-                            meta.slot_mapping, q_norm, k_norm, eps)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        q = ks.qkv_prologue(qkv, positions, rope, heads, kv_cache, meta.slot_mapping, q_norm, k_norm, eps)
         k_cache, v_cache = kv_cache
         o = ks.attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size), ks)  # [T, H]
@@ -140,7 +141,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, {None: hidden}, False, dtype, device)
 
     def forward(self, x: torch.Tensor, ks: Kernels) -> torch.Tensor:
-        return self.down_proj(ks.silu_and_mul(self.gate_up_proj(x, ks)), ks)  # [T,H] -> [T,2I] -> [T,I] -> [T,H]
+        # [T,H] -> [T,2I] -> [T,I] -> [T,H]
+        return self.down_proj(ks.silu_and_mul(self.gate_up_proj(x, ks)), ks)
 
 
 class Experts(Weights):
@@ -183,7 +185,8 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
+    def __init__(self, c: ModelConfig, layer: int, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.self_attn = Attention(c, dtype, device)
@@ -194,12 +197,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache, rope: RopeCache, ks: Kernels
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (this layer's MLP output, the residual stream before it is added). The hidden state
-        is residual + x, added by the next norm (one launch on a GPU); the first layer gets residual None."""
+        """(x, residual) -> (this layer's MLP output, the residual stream before it is added). The hidden
+        state is residual + x, added by the next norm (one launch on a GPU); the first layer gets
+        residual None."""
         if residual is None:
             residual, normed = x, self.input_layernorm(x, ks)
         else:
-            normed, residual = ks.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+            norm = self.input_layernorm
+            normed, residual = ks.add_rms_norm(x, residual, norm.weight, norm.eps)
         attn = self.self_attn(normed, positions, meta, kv_cache, rope, ks)
         norm = self.post_attention_layernorm
         normed, residual = ks.add_rms_norm(attn, residual, norm.weight, norm.eps)  # h + attn, and its norm
@@ -214,7 +219,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, {None: config.vocab_size}, False, dtype, device))
@@ -245,7 +251,8 @@ class CausalLM(nn.Module):
         """Zeroed paged KV caches, one (k, v) per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
         c, dtype = self.config, self.embed_tokens.weight.dtype
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return [(torch.zeros(shape, dtype=dtype, device=device),
+                 torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(c.num_hidden_layers)]
 
     def gemm_shapes(self) -> list[tuple[int, int]]:

@@ -73,7 +73,8 @@ def engine_config(request: RebuildRequest) -> EngineConfig:
         num_kv_blocks=max(2, -(-POOL_TOKENS // block_size)),  # type: ignore[operator]
         # the verifier's --model, else the named model or random:<shape> the receipt names (its size bounded
         # by the facts' limits, checked above), else the default model
-        model=request.model if request.model is not None else named_model(facts), mode=mode.value, dtype=runtime["dtype"],  # type: ignore[arg-type]
+        model=request.model if request.model is not None else named_model(facts),
+        mode=mode.value, dtype=runtime["dtype"],  # type: ignore[arg-type]
         device="cpu" if fact(facts, "runtime", "device") == "cpu" else "cuda",
         num_threads=request.threads or served_threads,
         block_size=sched["block_size"], max_model_len=dep["max_model_len"],  # type: ignore[arg-type]

@@ -61,16 +61,19 @@ class SchedulerConfig:
             if not is_int(value) or value < 1:
                 raise BadInput(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_model_len < 2:
-            raise BadInput(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
-        if self.max_prefill_chunk is not None and (not is_int(self.max_prefill_chunk) or self.max_prefill_chunk < 1):
-            raise BadInput(f"max_prefill_chunk must be None or an integer >= 1, got {self.max_prefill_chunk!r}")
+            raise BadInput("max_model_len must be >= 2 (one prompt and one output token), got "
+                           f"{self.max_model_len}")
+        chunk = self.max_prefill_chunk
+        if chunk is not None and (not is_int(chunk) or chunk < 1):
+            raise BadInput(f"max_prefill_chunk must be None or an integer >= 1, got {chunk!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise BadInput(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}), or running decodes could not all be scheduled in one step",
                 remedy="raise max_num_batched_tokens or lower max_num_seqs",
             )
-        if not isinstance(self.eos_token_ids, tuple) or not all(is_int(t) and t >= 0 for t in self.eos_token_ids):
+        eos = self.eos_token_ids
+        if not isinstance(eos, tuple) or not all(is_int(t) and t >= 0 for t in eos):
             raise BadInput(f"eos_token_ids must be a tuple of token ids, got {self.eos_token_ids!r}")
 
     @cached_property
@@ -111,7 +114,8 @@ class Scheduler:
     """Owns the waiting queue, the running set and the block manager. Call `schedule()`, run the model on its
     output, then `update()` with the sampled tokens, strictly alternating; `add()` may come at any time."""
 
-    def __init__(self, config: SchedulerConfig, decode: Callable[[SequenceOf[int]], str] | None = None) -> None:
+    def __init__(self, config: SchedulerConfig,
+                 decode: Callable[[SequenceOf[int]], str] | None = None) -> None:
         self.config = config
         self.decode = decode  # output ids -> text, for stop strings (a request with stop strings needs it)
         self.block_manager = BlockManager(config.num_blocks, config.block_size,
@@ -135,8 +139,8 @@ class Scheduler:
             raise ValueError(f"seq {seq.seq_id}: a live sequence already has this id")
         if seq.num_prompt_tokens >= cfg.max_model_len:
             raise BadInput(
-                f"request {seq.request_id}: prompt of {seq.num_prompt_tokens} tokens leaves no room for output "
-                f"within max_model_len {cfg.max_model_len}",
+                f"request {seq.request_id}: prompt of {seq.num_prompt_tokens} tokens leaves no room for "
+                f"output within max_model_len {cfg.max_model_len}",
                 remedy=f"shorten the prompt to at most {cfg.max_model_len - 1} tokens",
             )
         # The KV of every token but the last sampled one is needed at most.
@@ -238,8 +242,8 @@ class Scheduler:
             if entry.samples_token != (token is not None):
                 raise ValueError(
                     f"seq {entry.seq.seq_id}: chunk [{entry.start_pos}, {entry.end_pos}) of "
-                    f"{entry.seq.num_tokens} tokens {'samples a' if entry.samples_token else 'samples no'} token, "
-                    f"got {token!r}"
+                    f"{entry.seq.num_tokens} tokens "
+                    f"{'samples a' if entry.samples_token else 'samples no'} token, got {token!r}"
                 )
             if token is not None:
                 check_token_id(token, "sampled tokens")

@@ -75,8 +75,8 @@ class TPLayout:
         for name, value, ok in checks:
             if not ok:
                 raise BadInput(f"tensor_parallel_size {n} does not divide the model's {name} ({value})",
-                               remedy="choose a tensor-parallel size that divides the model's heads, KV heads "
-                                      "(or is a multiple of them), MLP size and vocabulary")
+                               remedy="choose a tensor-parallel size that divides the model's heads, KV "
+                                      "heads (or is a multiple of them), MLP size and vocabulary")
 
     @property
     def heads(self) -> int:
@@ -104,11 +104,12 @@ class TPLayout:
         c, n = self.config, self.size
         return dataclasses.replace(
             c, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=c.head_dim,
-            intermediate_size=c.intermediate_size // n if c.intermediate_size % n == 0 else c.intermediate_size,
+            intermediate_size=(c.intermediate_size // n if c.intermediate_size % n == 0
+                               else c.intermediate_size),
             moe_intermediate_size=c.moe_intermediate_size // n, vocab_size=c.vocab_size // n)
 
 
-# ---- cutting a rank's parameters from the full model's -------------------------------------------------------
+# ---- cutting a rank's parameters from the full model's -----------------------------------------------
 
 Cut = Callable[[torch.Tensor, TPLayout, int], torch.Tensor]
 
@@ -197,7 +198,7 @@ def shard_from_full(full: CausalLM, layout: TPLayout, rank: int, device: torch.d
     return shard.eval()
 
 
-# ---- the ranks a process holds and how their partials meet ---------------------------------------------------
+# ---- the ranks a process holds and how their partials meet -------------------------------------------
 
 class RankGroup(Protocol):
     """The ranks of one TP group held by this process and the collectives between all the group's ranks.

@@ -86,7 +86,8 @@ class ProcessRanks:
 
 
 class DrivenModel(torch.nn.Module):
-    """Rank 0's model: `TensorParallelLM`'s interface, with every step's inputs sent to the followers first."""
+    """Rank 0's model: `TensorParallelLM`'s interface, with every step's inputs sent to the followers
+    first."""
 
     def __init__(self, model: TensorParallelLM, group: ProcessRanks, alive: Callable[[], None]) -> None:
         super().__init__()

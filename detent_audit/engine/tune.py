@@ -77,7 +77,8 @@ def tune_engine(llm: LLM, requests: list, *, mode: SearchMode = "budgeted", budg
     oracle = Oracle(seed, device, getattr(llm.selection.kernels, "streaming", False), shape, cold_kv)
     committed = dict(llm.selection.tuple)
     results = dict(llm.selection.results)
-    if device == "cpu" and "embedded.gemm" in calls:  # the forms this CPU proves, whatever the engine runs now
+    # the forms this CPU proves, whatever the engine runs now
+    if device == "cpu" and "embedded.gemm" in calls:
         results["embedded.gemm"] = _gemm_with_every_proven_form(llm)
     reports = []
     for family, counter in sorted(calls.items()):

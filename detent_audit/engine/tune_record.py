@@ -25,7 +25,8 @@ class RecordingKernels:
         return getattr(self.inner, name)
 
     def linear(self, x, weight, bias=None):
-        self.calls["embedded.gemm"][(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1], str(x.dtype))] += 1
+        call = (x.numel() // x.shape[-1], weight.shape[0], weight.shape[1], str(x.dtype))
+        self.calls["embedded.gemm"][call] += 1
         return self.inner.linear(x, weight, bias)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
@@ -51,7 +52,8 @@ def record_calls(llm: LLM, requests: Iterable[tuple[str, list[int], Any]],
     queue = list(requests)
     limit = max_in_flight or max(1, len(queue))
     recorder = RecordingKernels(llm.runner.kernels)
-    llm.runner.kernels, graphs, llm.runner.graphs = recorder, llm.runner.graphs, None  # eager: every call seen
+    # eager: every call seen
+    llm.runner.kernels, graphs, llm.runner.graphs = recorder, llm.runner.graphs, None
     try:
         live: set[int] = set()  # this profile's sequences in flight
         while queue or live:
@@ -65,7 +67,8 @@ def record_calls(llm: LLM, requests: Iterable[tuple[str, list[int], Any]],
     return {f: c for f, c in recorder.calls.items() if c}
 
 
-def record_profile(llm: LLM, requests: list, concurrency: Sequence[int | None] = (None,)) -> dict[str, Counter]:
+def record_profile(llm: LLM, requests: list,
+                   concurrency: Sequence[int | None] = (None,)) -> dict[str, Counter]:
     """`record_calls` once per entry of `concurrency` (None: all submitted together; n: n kept in flight),
     passes after the first from an empty prefix cache, the calls added up: a profile with the batch sizes the
     workload is served at."""

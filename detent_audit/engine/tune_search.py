@@ -33,7 +33,8 @@ REPEATS = 3
 # Replayed on both recorded H200 landscapes, the noise of one median of 5 repeats leaves 92-98 of 100 seeds
 # within 2% of the optimum, that of a median of 3 such medians 100 of 100: so 15 repeats (RESULTS.md, "Tuner")
 GPU_WARMUP, GPU_REPEATS, GPU_LAUNCHES = 3, 15, 10
-MAX_CALLS = 48  # distinct calls timed per family: the heaviest (count x work); the rest rarely change the order
+# distinct calls timed per family: the heaviest (count x work); the rest rarely change the order
+MAX_CALLS = 48
 
 
 # On a GPU the GEMM and MoE kernels take their tile from the shape (no tile changes a row's bits, measured:
@@ -42,7 +43,8 @@ MAX_CALLS = 48  # distinct calls timed per family: the heaviest (count x work); 
 # compiles well at BLOCK_M 64 (larger tiles spill registers); its split stride is any legal multiple of the
 # step up to the maximum (the CPU kernel's grid is coarser).
 GPU_KV_TILES = (16, 32, 64, 128)
-GPU_STRIDE_STEP, GPU_STRIDE_MAX = 256, 16384  # split strides on the GPU grid: legal multiples of 256 up to 16k
+# split strides on the GPU grid: legal multiples of 256 up to 16k
+GPU_STRIDE_STEP, GPU_STRIDE_MAX = 256, 16384
 GPU_SAME_KERNEL = "the tile follows the shape"
 # the kernel parameters an assignment launches with (GPU_SAME_KERNEL: a grid of one)
 Effective = GemmParams | AttentionParams | str
@@ -104,7 +106,8 @@ def heaviest(family: str, counter: Counter) -> Workload:
 
 def family_grid(result: SolveResult, current: dict, device: str = "cpu"
                 ) -> tuple[FamilyGrid, dict[Assignment, dict]]:
-    """The grid over distinct kernel parameters (on `device`), and for each a representative legal assignment."""
+    """The grid over distinct kernel parameters (on `device`), and for each a representative legal
+    assignment."""
     reps: dict[Effective, dict] = {}
     for a in result.legal_assignments():
         eff = _effective(result.family, a, device)
@@ -115,11 +118,13 @@ def family_grid(result: SolveResult, current: dict, device: str = "cpu"
             reps[eff] = a
     cur = _effective(result.family, current, device)
     if cur is None or cur not in reps:
-        raise BadInput(f"{result.family}: the current tuple's kernel parameters {cur} are not on the tuning grid",
+        raise BadInput(f"{result.family}: the current tuple's kernel parameters {cur} "
+                       "are not on the tuning grid",
                        remedy="start from a tuple whose parameters are on the kernel's grid")
     reps[cur] = dict(current)
     axes, rows = _axes(result.family, list(reps))
-    grid = FamilyGrid(result.family, axes, tuple(Assignment(r) for r in rows), Assignment(_row(result.family, cur)))
+    grid = FamilyGrid(result.family, axes, tuple(Assignment(r) for r in rows),
+                      Assignment(_row(result.family, cur)))
     by_row = {Assignment(_row(result.family, e)): reps[e] for e in reps}
     return grid, by_row
 
@@ -258,7 +263,8 @@ class Oracle:
             self._inputs[call] = (
                 torch.randn(sum(q for _, q in seqs), hq, d, generator=g, device=self.device).to(dt),
                 k_cache, torch.randn_like(k_cache), tables,
-                torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], dtype=torch.int32, device=self.device),
+                torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], dtype=torch.int32,
+                             device=self.device),
                 torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=self.device))
         q, k_cache, v_cache, tables, cu, ctx = self._inputs[call]
         cfg = selected_attention_config(

@@ -1,4 +1,4 @@
-"""Fixtures for the engine's model tests: tiny checkpoints in temporary directories and a hand-built paged KV."""
+"""Fixtures for the engine's model tests: tiny checkpoints in temporary folders and a hand-built paged KV."""
 
 from __future__ import annotations
 
@@ -28,14 +28,16 @@ class PagedKV:
         self.block_size = block_size
         self.block_tables = order.view(num_seqs, blocks_per_seq).to(torch.int32)
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+        self.kv_caches = [(torch.randn(shape, generator=g).to(dtype),
+                           torch.randn(shape, generator=g).to(dtype))
                           for _ in range(config.num_hidden_layers)]
         self.lens = [0] * num_seqs
 
     def step(self, chunks: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Append chunks[i] to sequence i (every sequence is scheduled); returns input_ids, positions, meta."""
+        """Append chunks[i] to sequence i (every sequence is scheduled) -> input_ids, positions, meta."""
         context_lens, query_lens = list(self.lens), [len(c) for c in chunks]
-        positions = [p for start, n in zip(context_lens, query_lens, strict=True) for p in range(start, start + n)]
+        positions = [p for start, n in zip(context_lens, query_lens, strict=True)
+                     for p in range(start, start + n)]
         self.lens = [start + n for start, n in zip(context_lens, query_lens, strict=True)]
         meta = AttentionMetadata.from_lengths(context_lens, query_lens, self.block_tables, self.block_size)
         ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.int64)

@@ -16,8 +16,8 @@ from detent_audit.runtime.rebuild import RebuildRequest
 
 def _deployment(backend: str):
     return engine_deployment(NAMED_SHAPES["llama-3.1-8b"], dtype="bfloat16", num_threads=1, block_size=16,
-                             max_model_len=4096, max_num_seqs=32, max_num_batched_tokens=2048, prefix_caching=True,
-                             attention_backend=backend)
+                             max_model_len=4096, max_num_seqs=32, max_num_batched_tokens=2048,
+                             prefix_caching=True, attention_backend=backend)
 
 
 def test_streaming_is_refused_on_the_cpu() -> None:

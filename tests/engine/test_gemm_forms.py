@@ -63,7 +63,8 @@ def test_a_tuple_from_before_the_forms_is_the_chunk_form(tmp_path):
     assert llm.selection.tuple["embedded.gemm"]["embedded.gemm.form"] == "chunk"
     assert llm.selection.kernels.select_gemm(num_tokens=3) == GemmParams(16)
     engine = collect_facts(llm)["deployment"]["engine"]
-    assert engine["gemm_pad_rows"] == 0 and engine["gemm_row_form"] is False  # nothing probed, nothing claimed
+    # nothing probed, nothing claimed
+    assert engine["gemm_pad_rows"] == 0 and engine["gemm_row_form"] is False
 
 
 def test_an_unknown_form_is_bad_input(tmp_path):
@@ -90,7 +91,8 @@ def test_each_form_serves_a_row_alone_as_in_a_batch(tmp_path, assignment):
     alone = llm.generate([prompts[3]], sp)[0]
     assert alone.token_ids == batched[3].token_ids
     assert torch.equal(torch.tensor(alone.logprobs), torch.tensor(batched[3].logprobs))
-    # signed: the committed form and rows as the kernels read them (the chunk knob a pinned chunk overrides is not)
+    # signed: the committed form and rows as the kernels read them (the chunk knob a pinned chunk overrides
+    # is not)
     signed = collect_facts(llm)["tuple"]["embedded.gemm"]
     assert signed == llm.selection.used_tuple["embedded.gemm"]
     assert signed.items() <= assignment.items() and {"chunk_rows", "embedded.gemm.form"} <= set(signed), \

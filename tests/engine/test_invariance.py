@@ -35,7 +35,8 @@ def test_detent_passes_every_battery_cell(make_checkpoint, shape: str, dtype: st
 
 def test_stock_fails_co_batched_cells_in_fp32(make_checkpoint, tmp_path) -> None:
     """The battery can fail: stock kernels read the batch (whole-batch GEMMs, padded SDPA)."""
-    results = run_battery(_engine(make_checkpoint("tiny-llama"), mode="stock", cache_dir=str(tmp_path)), seed=1)
+    llm = _engine(make_checkpoint("tiny-llama"), mode="stock", cache_dir=str(tmp_path))
+    results = run_battery(llm, seed=1)
     failed = {r.name for r in results if not r.passed}
     assert "co-long-7" in failed and "rerun-alone" not in failed, failed
 

@@ -1,5 +1,5 @@
-"""The ISA a deployment runs on: pinned before torch loads (`detent_audit.isa`), recorded in the facts, and the
-first request of an engine served on the form every later one is.
+"""The ISA a deployment runs on: pinned before torch loads (`detent_audit.isa`), recorded in the facts, and
+the first request of an engine served on the form every later one is.
 
 Each ISA setting runs in its own process (torch's libraries read their caps once, when they initialise). No
 test assumes the CPU's class: the cap is AVX2, which every x86-64 CPU the project serves on has (AVX2 and
@@ -94,8 +94,9 @@ def test_the_cap_from_the_option_equals_the_cap_from_the_environment(checkpoint)
 
 @pytest.mark.skipif(not X86, reason="the cap is x86's AVX2")
 def test_a_lower_cap_than_the_portable_one_is_another_fact(checkpoint) -> None:
-    """ATen's `default` kernels (no AVX2) under a native setting: the facts name that capability, so no receipt
-    of it is compared with a capped one (none of the libraries promises the bits of another capability)."""
+    """ATen's `default` kernels (no AVX2) under a native setting: the facts name that capability, so no
+    receipt of it is compared with a capped one (none of the libraries promises the bits of another
+    capability)."""
     lower = _child(checkpoint, "--isa", "native", ATEN_CPU_CAPABILITY="default")
     assert lower["runtime"]["cpu_capability"] == "DEFAULT" and "isa" not in lower["runtime"]
     assert isa.hint(lower["runtime"], {"isa": isa.PORTABLE_ISA}) is not None
@@ -103,8 +104,8 @@ def test_a_lower_cap_than_the_portable_one_is_another_fact(checkpoint) -> None:
 
 @pytest.mark.skipif(not X86, reason="the cap is x86's AVX2")
 def test_the_entry_point_re_executes_when_torch_loaded_before_the_cap(checkpoint) -> None:
-    code = ("import sys, torch; sys.argv = ['detent-audit', '--isa', 'portable', 'info', '--model', sys.argv[1], "
-            "'--json']; from detent_audit.cli import main; main()")
+    code = ("import sys, torch; sys.argv = ['detent-audit', '--isa', 'portable', 'info', '--model', "
+            "sys.argv[1], '--json']; from detent_audit.cli import main; main()")
     clean = {k: v for k, v in os.environ.items() if k not in isa.PORTABLE_ENV and k != isa.ENV}
     done = subprocess.run([sys.executable, "-c", code, str(checkpoint)], env=clean, capture_output=True,
                           text=True, timeout=300)

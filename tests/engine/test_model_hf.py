@@ -134,7 +134,7 @@ def test_tied_model_has_no_head_of_its_own(make_checkpoint):
                                              / "model.safetensors")
 
 
-# ---- loader errors -------------------------------------------------------------------------------------------
+# ---- loader errors ----------------------------------------------------------------------------------
 
 def _copy_checkpoint(src: Path, dst: Path) -> Path:
     dst.mkdir()
@@ -195,7 +195,7 @@ def test_no_weights_file(make_checkpoint, tmp_path):
         load_model(path)
 
 
-# ---- configs and the checkpoint writer -----------------------------------------------------------------------
+# ---- configs and the checkpoint writer --------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(NAMED_SHAPES))
 def test_named_shapes_round_trip_and_map_every_weight(name):
@@ -266,7 +266,7 @@ def test_default_model_is_written_once_atomically(tmp_path, monkeypatch):
     assert Tokenizer.from_pretrained(path).eos_token_ids == model.config.eos_token_ids
 
 
-# ---- tokenizer ------------------------------------------------------------------------------------------------
+# ---- tokenizer --------------------------------------------------------------------------------------
 
 MESSAGES = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Grüß dich, 世界!\n"}]
 

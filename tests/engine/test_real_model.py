@@ -73,7 +73,8 @@ def engine(real_model: Path) -> LLM:
 
 def test_import_equals_transformers_gguf_loader_tensor_by_tensor(real_model: Path, hf_model) -> None:
     ours = load_file(str(real_model / "model.safetensors"))
-    theirs = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}  # tied to the embedding
+    # lm_head is tied to the embedding
+    theirs = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     assert sorted(ours) == sorted(theirs)
     unequal = [k for k in sorted(ours) if not torch.equal(ours[k], theirs[k])]
     assert unequal == []
@@ -83,18 +84,22 @@ def test_import_equals_transformers_gguf_loader_tensor_by_tensor(real_model: Pat
             config["num_key_value_heads"], config["vocab_size"], config["rms_norm_eps"], config["rope_theta"],
             config["tie_word_embeddings"], config["max_position_embeddings"]) == (
         hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.vocab_size,
-        hf.rms_norm_eps, hf.rope_parameters["rope_theta"] if hasattr(hf, "rope_parameters") else hf.rope_theta,
+        hf.rms_norm_eps,
+        hf.rope_parameters["rope_theta"] if hasattr(hf, "rope_parameters") else hf.rope_theta,
         hf.tie_word_embeddings, hf.max_position_embeddings)
 
 
-def test_import_is_deterministic_and_bfloat16_is_the_cast(gguf_file: Path, real_model: Path, tmp_path: Path) -> None:
+def test_import_is_deterministic_and_bfloat16_is_the_cast(gguf_file: Path, real_model: Path,
+                                                          tmp_path: Path) -> None:
     out = import_gguf(gguf_file, tmp_path / "bf16", "bfloat16")
-    bf16, fp32 = load_file(str(out.path / "model.safetensors")), load_file(str(real_model / "model.safetensors"))
+    bf16 = load_file(str(out.path / "model.safetensors"))
+    fp32 = load_file(str(real_model / "model.safetensors"))
     assert all(torch.equal(bf16[k], fp32[k].to(torch.bfloat16)) for k in fp32)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert (out.path / name).read_bytes() == (real_model / name).read_bytes()
     assert out.sha256 == hashlib.sha256(gguf_file.read_bytes()).hexdigest()
-    assert real_model.name.startswith(f"{REAL_MODEL}-{out.sha256[:16]}-")  # the cache is keyed by the file's hash
+    # the cache is keyed by the file's hash
+    assert real_model.name.startswith(f"{REAL_MODEL}-{out.sha256[:16]}-")
     assert "Q4_1" in out.quantizations and out.num_tensors == 272
 
 
@@ -116,8 +121,8 @@ def test_chat_template_renders_as_transformers(engine: LLM, hf_tokenizer) -> Non
         for gen in (True, False):
             expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
             assert engine.tokenizer.apply_chat_template(messages, add_generation_prompt=gen) == expected
-            assert engine.tokenizer.encode_chat(messages, gen) == hf_tokenizer(expected, add_special_tokens=False)[
-                "input_ids"]
+            theirs = hf_tokenizer(expected, add_special_tokens=False)["input_ids"]
+            assert engine.tokenizer.encode_chat(messages, gen) == theirs
 
 
 def test_greedy_continuations_and_logprobs_equal_transformers(engine: LLM, hf_model) -> None:

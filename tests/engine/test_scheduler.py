@@ -58,7 +58,8 @@ class FakeModel:
         return tokens, logprobs
 
 
-def finish_reason(tokens: list[int], params: SamplingParams, num_prompt: int, max_model_len: int) -> str | None:
+def finish_reason(tokens: list[int], params: SamplingParams, num_prompt: int,
+                  max_model_len: int) -> str | None:
     if tokens[-1] in params.stop_token_ids or (not params.ignore_eos and tokens[-1] == EOS):
         return "stop"
     if len(tokens) - num_prompt >= params.max_tokens or len(tokens) >= max_model_len:
@@ -66,7 +67,8 @@ def finish_reason(tokens: list[int], params: SamplingParams, num_prompt: int, ma
     return None
 
 
-def generate_alone(prompt: list[int], params: SamplingParams, max_model_len: int) -> tuple[list[int], str, list[float]]:
+def generate_alone(prompt: list[int], params: SamplingParams,
+                   max_model_len: int) -> tuple[list[int], str, list[float]]:
     """The request served on its own, without a cache: output tokens, finish reason, logprobs."""
     tokens, values, logprobs = list(prompt), [], []
     value = ROOT
@@ -129,7 +131,8 @@ def check_step(
         assert min(s.arrival for s in out.preempted) > max((s.arrival for s in sched.running), default=-1)
         assert list(sched.waiting)[: len(out.preempted)] == sorted(out.preempted, key=lambda s: s.arrival)
     for seq in out.preempted:
-        assert seq.status is SequenceStatus.PREEMPTED and seq.num_computed_tokens == 0 and seq.block_table == []
+        assert seq.status is SequenceStatus.PREEMPTED
+        assert seq.num_computed_tokens == 0 and seq.block_table == []
 
 
 def run(cfg: SchedulerConfig, requests: list[tuple[int, Sequence]], stats: RunStats,
@@ -151,7 +154,8 @@ def run(cfg: SchedulerConfig, requests: list[tuple[int, Sequence]], stats: RunSt
         while pending and pending[0][0] <= stats.steps:
             seq = pending.pop(0)[1]
             longest = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, cfg.max_model_len)
-            if seq.num_prompt_tokens >= cfg.max_model_len or -(-(longest - 1) // cfg.block_size) > cfg.num_blocks:
+            blocks_needed = -(-(longest - 1) // cfg.block_size)
+            if seq.num_prompt_tokens >= cfg.max_model_len or blocks_needed > cfg.num_blocks:
                 with pytest.raises(BadInput, match=f"request {seq.request_id}: "):
                     sched.add(seq)
                 stats.rejected += 1
@@ -178,7 +182,8 @@ def run(cfg: SchedulerConfig, requests: list[tuple[int, Sequence]], stats: RunSt
         if seq.seq_id in aborted:
             assert seq.finish_reason is None and seq.block_table == []
             continue
-        outputs, reason, logprobs = generate_alone(list(seq.prompt_token_ids), seq.sampling_params, cfg.max_model_len)
+        outputs, reason, logprobs = generate_alone(list(seq.prompt_token_ids), seq.sampling_params,
+                                                   cfg.max_model_len)
         assert (seq.output_token_ids, seq.finish_reason) == (outputs, reason), f"seq {seq.seq_id}"
         assert seq.output_logprobs == logprobs
         stats.preemptions += seq.num_preemptions
@@ -188,16 +193,19 @@ def run(cfg: SchedulerConfig, requests: list[tuple[int, Sequence]], stats: RunSt
     stats.evictions += block_stats.num_evictions
 
 
-def random_requests(rng: random.Random, num: int, block_size: int, max_arrival: int) -> list[tuple[int, Sequence]]:
+def random_requests(rng: random.Random, num: int, block_size: int,
+                    max_arrival: int) -> list[tuple[int, Sequence]]:
     """Prompts built from a few shared prefixes (some repeated whole), random sampling params and stops."""
-    prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(block_size, 3 * block_size))] for _ in range(3)]
+    prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(block_size, 3 * block_size))]
+                for _ in range(3)]
     requests, prompts = [], []
     for seq_id in range(num):
         kind = rng.random()
         if kind < 0.15 and prompts:
             prompt = list(rng.choice(prompts))
         elif kind < 0.75:
-            prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 2 * block_size))]
+            prefix = rng.choice(prefixes)
+            prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 2 * block_size))]
         else:
             prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8 * block_size))]
         prompts.append(prompt)
@@ -219,9 +227,12 @@ SCENARIOS = {
     "tight": dict(num_blocks=14, block_size=4, max_model_len=96, max_num_seqs=6, max_num_batched_tokens=24),
     # small budget and chunks: long prompts prefill over many steps; short max_model_len rejects some prompts
     "chunky": dict(
-        num_blocks=40, block_size=2, max_model_len=12, max_num_seqs=4, max_num_batched_tokens=6, max_prefill_chunk=3
+        num_blocks=40, block_size=2, max_model_len=12, max_num_seqs=4, max_num_batched_tokens=6,
+        max_prefill_chunk=3,
     ),
-    "block_size_1": dict(num_blocks=30, block_size=1, max_model_len=64, max_num_seqs=3, max_num_batched_tokens=8),
+    "block_size_1": dict(
+        num_blocks=30, block_size=1, max_model_len=64, max_num_seqs=3, max_num_batched_tokens=8
+    ),
 }
 
 
@@ -255,7 +266,8 @@ def test_random_runs_with_aborts_match_solo_runs(name: str) -> None:
 def scripted_step(sched: Scheduler, tokens: dict[int, int]) -> SchedulerOutput:
     """Schedule, then sample `tokens[seq_id]` for every sequence whose chunk samples."""
     out = sched.schedule()
-    sched.update(out, {e.seq.seq_id: tokens[e.seq.seq_id] if e.samples_token else None for e in out.scheduled})
+    sched.update(out, {e.seq.seq_id: tokens[e.seq.seq_id] if e.samples_token else None
+                       for e in out.scheduled})
     sched.block_manager.check_integrity()
     return out
 
@@ -266,11 +278,13 @@ def layout(out: SchedulerOutput) -> list[tuple[int, int, int]]:
 
 def test_chunked_prefill_then_decodes_first() -> None:
     rng = random.Random(10)
-    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8)
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4,
+                          max_num_batched_tokens=8)
     sched = Scheduler(cfg)
     a = Sequence(0, [rng.randrange(1, VOCAB) for _ in range(20)], SamplingParams(max_tokens=4))
     sched.add(a)
-    assert [layout(scripted_step(sched, {0: 5})) for _ in range(3)] == [[(0, 0, 8)], [(0, 8, 8)], [(0, 16, 4)]]
+    steps = [layout(scripted_step(sched, {0: 5})) for _ in range(3)]
+    assert steps == [[(0, 0, 8)], [(0, 8, 8)], [(0, 16, 4)]]
     b = Sequence(1, [rng.randrange(1, VOCAB) for _ in range(11)], SamplingParams(max_tokens=4))
     sched.add(b)  # joins while a decodes: a's decode comes first, b gets the rest of the budget
     assert layout(scripted_step(sched, {0: 5, 1: 6})) == [(0, 20, 1), (1, 0, 7)]
@@ -281,7 +295,8 @@ def test_chunked_prefill_then_decodes_first() -> None:
 
 def test_prefix_hit_skips_cached_blocks_but_not_the_last_token() -> None:
     rng = random.Random(11)
-    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4,
+                          max_num_batched_tokens=64)
     sched = Scheduler(cfg)
     prompt = [rng.randrange(1, VOCAB) for _ in range(12)]
     sched.add(Sequence(0, prompt + [1, 2], SamplingParams(max_tokens=1)))
@@ -297,7 +312,8 @@ def test_prefix_hit_skips_cached_blocks_but_not_the_last_token() -> None:
 
 def test_preemption_recomputes_prompt_and_outputs() -> None:
     rng = random.Random(12)
-    cfg = SchedulerConfig(num_blocks=4, block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+    cfg = SchedulerConfig(num_blocks=4, block_size=4, max_model_len=64, max_num_seqs=4,
+                          max_num_batched_tokens=16)
     sched = Scheduler(cfg)
     old = Sequence(0, [rng.randrange(1, VOCAB) for _ in range(7)], SamplingParams(max_tokens=5))  # 3 blocks
     new = Sequence(1, [rng.randrange(1, VOCAB) for _ in range(7)], SamplingParams(max_tokens=8))
@@ -312,8 +328,8 @@ def test_preemption_recomputes_prompt_and_outputs() -> None:
     assert new.num_computed_tokens == 0 and list(sched.waiting) == [new]
     while not old.is_finished:
         scripted_step(sched, {0: 3})
-    # old took 1 of new's 2 cached blocks (the tail); readmitted, new hits the head, prefills the rest of prompt + outputs
-    # and samples its third token
+    # old took 1 of new's 2 cached blocks (the tail); readmitted, new hits the head, prefills the rest of
+    # prompt + outputs and samples its third token
     out = scripted_step(sched, {1: 9})
     assert layout(out) == [(1, 4, 5)] and new.num_cached_tokens == 4
     assert new.output_token_ids == [4, 4, 9] and new.num_preemptions == 1
@@ -340,10 +356,12 @@ def test_finish_reasons() -> None:
 def test_add_rejects_requests_that_can_never_run() -> None:
     cfg = SchedulerConfig(num_blocks=4, block_size=4, max_model_len=32, max_num_seqs=4)
     sched = Scheduler(cfg)
-    with pytest.raises(BadInput, match="request 0: prompt of 32 tokens leaves no room for output within max_model_len 32"):
+    with pytest.raises(BadInput, match="request 0: prompt of 32 tokens leaves no room for output within "
+                                       "max_model_len 32"):
         sched.add(Sequence(0, [1] * 32, SamplingParams()))
     with pytest.raises(
-        BadInput, match="request r9: 10 prompt tokens \\+ max_tokens 10 need up to 5 KV blocks of 4 tokens, but the cache has 4"
+        BadInput, match="request r9: 10 prompt tokens \\+ max_tokens 10 need up to 5 KV blocks of 4 tokens, "
+                        "but the cache has 4"
     ):
         sched.add(Sequence(9, [1] * 10, SamplingParams(max_tokens=10), request_id="r9"))
     seq = Sequence(1, [1] * 10, SamplingParams(max_tokens=7))  # 16 tokens at most: its KV needs 15 slots
@@ -355,7 +373,8 @@ def test_add_rejects_requests_that_can_never_run() -> None:
 
 
 def test_update_rejects_outputs_that_do_not_match_the_schedule() -> None:
-    cfg = SchedulerConfig(num_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=4, max_num_seqs=4)
+    cfg = SchedulerConfig(num_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=4,
+                          max_num_seqs=4)
     sched = Scheduler(cfg)
     sched.add(Sequence(0, [1] * 6, SamplingParams()))
     out = sched.schedule()
@@ -416,7 +435,8 @@ def test_sampling_params_defaults_and_normalisation() -> None:
         (lambda: Sequence(0, [], SamplingParams(), request_id="r0"), "request r0: the prompt is empty"),
         (lambda: Sequence(0, [1, -1], SamplingParams()), "prompt_token_ids must be token ids .*got -1"),
         (lambda: Sequence(-1, [1], SamplingParams()), "seq_id must be an integer >= 0, got -1"),
-        (lambda: SchedulerConfig(num_blocks=0, block_size=4, max_model_len=8), "num_blocks must be an integer >= 1"),
+        (lambda: SchedulerConfig(num_blocks=0, block_size=4, max_model_len=8),
+         "num_blocks must be an integer >= 1"),
         (
             lambda: SchedulerConfig(num_blocks=4, block_size=4, max_model_len=8, max_num_batched_tokens=4),
             "max_num_batched_tokens \\(4\\) must be >= max_num_seqs \\(256\\)",
@@ -437,7 +457,8 @@ def test_abort_frees_a_running_and_drops_a_waiting_sequence() -> None:
     """abort() between steps: a running sequence's blocks are freed (a full block stays cached), a waiting one
     leaves the queue, neither is ever returned as finished, the others go on; abort mid-step is refused."""
     rng = random.Random(13)
-    cfg = SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
+    cfg = SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=2,
+                          max_num_batched_tokens=64)
     sched = Scheduler(cfg)
     a, b, c = (Sequence(i, [rng.randrange(1, VOCAB) for _ in range(9)], SamplingParams(max_tokens=5))
                for i in range(3))

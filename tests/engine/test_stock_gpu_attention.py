@@ -9,8 +9,8 @@ from detent_audit.runtime.model_config import NAMED_SHAPES
 
 def selector(shape: str = "llama-3.1-8b", sms: int = 132):
     dep = engine_deployment(NAMED_SHAPES[shape], dtype="bfloat16", num_threads=1, block_size=16,
-                            max_model_len=32768, max_num_seqs=256, max_num_batched_tokens=8192, prefix_caching=True,
-                            batch_invariant=False)
+                            max_model_len=32768, max_num_seqs=256, max_num_batched_tokens=8192,
+                            prefix_caching=True, batch_invariant=False)
     return stock_attention_selector(dep, sms)
 
 

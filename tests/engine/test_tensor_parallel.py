@@ -1,5 +1,5 @@
-"""Tensor parallelism: a TP=N forward over gloo processes equals its rank emulation in one process, bit for bit
-(each rank's partial, each ordered sum, the logprobs), and differs from a plain TP=1 forward."""
+"""Tensor parallelism: a TP=N forward over gloo processes equals its rank emulation in one process, bit for
+bit (each rank's partial, each ordered sum, the logprobs), and differs from a plain TP=1 forward."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def _run_ranks(model: str, size: int, out: Path, seed: int) -> list[dict]:
 @pytest.mark.parametrize(("model", "size"), [("random:tiny-qwen3-moe", 2), ("random:tiny-llama", 4)])
 def test_each_ranks_partial_and_every_ordered_sum_equal_the_rank_emulation(model: str, size: int,
                                                                            tmp_path: Path) -> None:
-    """tiny-qwen3-moe splits experts and replicates nothing; tiny-llama at 4 ranks replicates its 2 KV heads."""
+    """tiny-qwen3-moe splits experts and replicates nothing; tiny-llama at 4 ranks replicates its 2
+    KV heads."""
     seed = int.from_bytes(os.urandom(4), "little")  # fresh sampling seeds each run
     ranks = _run_ranks(model, size, tmp_path, seed)
     emulated_calls: list = []
@@ -111,13 +112,15 @@ def test_a_plain_tp1_forward_differs_from_the_tp2_bits() -> None:
     for size in (1, 2):
         kw = {"tensor_parallel_ranks": "emulated"} if size > 1 else {}
         llm = LLM(_config("random:default-20m", size, **kw))
-        outs[size] = [o.logprobs for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))]
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
+        outs[size] = [o.logprobs for o in outputs]
     assert any(not torch.equal(_bits(a), _bits(b)) for a, b in zip(outs[1], outs[2], strict=True))
 
 
 def test_a_split_that_does_not_divide_is_refused_naming_both_numbers() -> None:
     smol_shape = ModelConfig.from_name("default-20m")  # 8 heads, 4 KV heads, MLP 1536, vocab 512
-    with pytest.raises(BadInput, match=r"tensor_parallel_size 3 does not divide the model's num_attention_heads \(8\)"):
+    with pytest.raises(BadInput,
+                       match=r"tensor_parallel_size 3 does not divide the model's num_attention_heads \(8\)"):
         TPLayout(smol_shape, 3)
     with pytest.raises(BadInput, match=r"tensor_parallel_size 3 does not divide"):
         LLM(_config("random:default-20m", 3, tensor_parallel_ranks="emulated"))
@@ -143,7 +146,8 @@ def test_the_all_reduce_is_a_selection_family_whose_only_legal_choice_is_the_ord
     result = llm.selection.results["embedded.all_reduce"]
     legal = {k.name: k.legal_values for k in result.knobs} | {p.name: p.legal_values for p in result.pins}
     assert legal["embedded.all_reduce.algorithm"] == ("ordered-gather-sum",)
-    assert llm.tuple_values()["embedded.all_reduce"] == {"embedded.all_reduce.algorithm": "ordered-gather-sum"}
+    assert llm.tuple_values()["embedded.all_reduce"] == {
+        "embedded.all_reduce.algorithm": "ordered-gather-sum"}
     assert llm.facts()["parallel"] == {"tensor_parallel_size": 2, "all_reduce": "ordered-gather-sum",
                                        "accumulate": "float32"}
     assert "embedded.all_reduce" not in LLM(_config("random:tiny-llama", 1)).tuple_values()

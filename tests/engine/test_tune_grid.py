@@ -20,7 +20,8 @@ from detent_audit.selection.tuner import Workload
 
 def _selection():
     d = engine_deployment(NAMED_SHAPES["llama-3.1-8b"], dtype="bfloat16", num_threads=1, block_size=16,
-                          max_model_len=8320, max_num_seqs=32, max_num_batched_tokens=2048, prefix_caching=True)
+                          max_model_len=8320, max_num_seqs=32, max_num_batched_tokens=2048,
+                          prefix_caching=True)
     return select_kernels("detent", d)
 
 
@@ -43,7 +44,8 @@ def test_launch_classes_merge_exactly_the_identical_launches() -> None:
     for _ in range(5):
         calls = []
         for _call in range(rng.randint(1, 6)):
-            seqs = tuple((rng.randint(0, 6000), rng.choice((1, 1, 64, 2048))) for _ in range(rng.randint(1, 8)))
+            seqs = tuple((rng.randint(0, 6000), rng.choice((1, 1, 64, 2048)))
+                         for _ in range(rng.randint(1, 8)))
             calls.append(((seqs, 32, 8, 128, "torch.bfloat16"), rng.randint(1, 50)))
         workload = Workload(tuple(calls))
         longest = max(c + q for call, _ in calls for c, q in call[0])
@@ -87,7 +89,8 @@ def test_gpu_tuning_searches_launch_classes_within_the_budget(monkeypatch) -> No
 
     monkeypatch.setattr(tune.Oracle, "_gpu_time", cost)
     llm = LLM(EngineConfig(model="random:tiny-llama", max_model_len=1024, num_kv_blocks=512))
-    llm.config = dataclasses.replace(llm.config, device="cuda")  # the tuner's GPU path; the engine stays on the CPU
+    # the tuner's GPU path; the engine stays on the CPU
+    llm.config = dataclasses.replace(llm.config, device="cuda")
     rng = random.Random(0)
     requests = [(f"r{i}", [rng.randrange(5, 200) for _ in range(rng.randint(10, 600))],
                  SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(12)]

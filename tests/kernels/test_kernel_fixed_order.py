@@ -1,8 +1,8 @@
 """The portable setting's C kernels (kernels/gemm_c.py, kernels/rowlocal_c.py): their bits are the C source's.
 
-The fixed-order GEMM equals its torch oracle (the same lanes and tree in correctly rounded elementwise ops) bit
-for bit; no row's bits depend on M, the other rows, the thread count or the compiler's `-mavx2`; the SiLU and
-the float64 log are close to torch's and their bits do not depend on the build flags or the batch."""
+The fixed-order GEMM equals its torch oracle (the same lanes and tree in correctly rounded elementwise ops)
+bit for bit; no row's bits depend on M, the other rows, the thread count or the compiler's `-mavx2`; the SiLU
+and the float64 log are close to torch's and their bits do not depend on the build flags or the batch."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_a_rows_gemm_bits_depend_on_nothing_but_the_row(gen: torch.Generator) ->
 
 
 def test_the_fixed_form_runs_through_linear_with_its_bias(gen: torch.Generator) -> None:
-    x, w, b = torch.randn(3, 7, 64, generator=gen), torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    x, w = torch.randn(3, 7, 64, generator=gen), torch.randn(48, 64, generator=gen)
+    b = torch.randn(48, generator=gen)
     out = gemm.linear(x, w, b, params=GemmParams(1, "fixed"))
     assert torch.equal(out, (gemm_c.linear(x.reshape(-1, 64), w) + b).reshape(3, 7, 48))
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
