@@ -179,11 +179,12 @@ def test_tp2_receipts_verify_in_vllm_at_tp2_and_a_flipped_bit_fails_at_its_posit
     forged = _flipped(served, tmp_path / "flip", position=2)
     code, report = _verify(served, served["out"], forged)  # one vLLM rebuild at TP=2 for both
     assert code == 1
-    assert report["counts"] == {"OK": 9, "FAIL": 1, "BAD": 0, "NOT_COMPARABLE": 0}  # 8 receipts, 1 manifest
-    (failed,) = [o for o in report["outcomes"] if o["status"] == "FAIL"]
-    assert failed["divergence"]["position"] == 2, failed
-    assert all("TP=2" in o["message"] for o in report["outcomes"] if o["status"] == "OK"
-               and o["path"].endswith(".receipt")), report["outcomes"][:2]
+    receipts = [o for o in report["outcomes"] if o["kind"] == "receipt"]
+    (failed,) = [o for o in receipts if o["status"] != "OK"]
+    assert failed["path"] == str(forged) and failed["divergence"]["position"] == 2, failed
+    assert len(receipts) == 9 and all("TP=2" in o["message"] for o in receipts if o["status"] == "OK"), receipts
+    # the run's coverage names the second r4 (the forged one's folder); the bits of the others all held
+    assert {o["status"] for o in report["outcomes"] if o["kind"] != "receipt"} <= {"OK", "FAIL"}
 
 
 def test_another_split_is_not_comparable_before_vllm_is_built(served: dict[str, Any]) -> None:
