@@ -55,7 +55,7 @@ def run(rank: int, size: int, init: str, out: str) -> None:
 
 if __name__ == "__main__":
     ranks, target = int(sys.argv[1]), sys.argv[2]
-    init_file = f"{target}.init"
+    init_file = os.path.abspath(f"{target}.init")
     if os.path.exists(init_file):
         os.remove(init_file)
     mp.spawn(run, args=(ranks, init_file, target), nprocs=ranks)
