@@ -1,9 +1,9 @@
 """How gloo's all_reduce adds N ranks' partials on this CPU, against the ordered sum (rank order, float32).
 
-Each rank's partial is a [T, 512] float32 tensor whose row 0 is the same at every T (ranks of odd index scaled
-by 1000, so the order of the adds shows in the bits). Written: for each T, whether gloo's row 0 equals its row 0
-at T=1 (a row's bits independent of the message's size, i.e. of the batch), whether the ordered sum's does, and
-whether gloo's row 0 equals the ordered sum's.
+Each rank's partial is a [T, 512] float32 tensor whose row 0 is the same at every T (ranks of odd index
+scaled by 1000, so the order of the adds shows in the bits). Written: for each T, whether gloo's row 0 equals
+its row 0 at T=1 (a row's bits independent of the message's size, i.e. of the batch), whether the ordered
+sum's does, and whether gloo's row 0 equals the ordered sum's.
 
     python benchmarks/gloo_order.py 3 benchmarks/results/tp-cpu/gloo-order-3-ranks.txt
 """

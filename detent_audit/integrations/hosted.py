@@ -163,17 +163,17 @@ def attention_form(asked: str) -> str:
 
 
 def check_split(config: ModelConfig, tensor_parallel_size: int) -> None:
-    """`BadInput` naming both numbers where `tensor_parallel_size` ranks do not split the model's heads, KV heads
-    (or replicate them) and MLP (before a hosted engine starts its ranks)."""
-    n = tensor_parallel_size
-    for name, value, ok in (("num_attention_heads", config.num_attention_heads, config.num_attention_heads % n == 0),
-                            ("num_key_value_heads", config.num_key_value_heads,
-                             config.num_key_value_heads % n == 0 or n % config.num_key_value_heads == 0),
-                            ("intermediate_size", config.intermediate_size, config.intermediate_size % n == 0)):
+    """`BadInput` naming both numbers where `tensor_parallel_size` ranks do not split the model's heads, KV
+    heads (or replicate them) and MLP (before a hosted engine starts its ranks)."""
+    n, c = tensor_parallel_size, config
+    for name, value, ok in (("num_attention_heads", c.num_attention_heads, c.num_attention_heads % n == 0),
+                            ("num_key_value_heads", c.num_key_value_heads,
+                             c.num_key_value_heads % n == 0 or n % c.num_key_value_heads == 0),
+                            ("intermediate_size", c.intermediate_size, c.intermediate_size % n == 0)):
         if not ok:
             raise BadInput(f"tensor_parallel_size {n} does not divide the model's {name} ({value})",
-                           remedy="choose a tensor-parallel size that divides the model's heads, KV heads (or is "
-                                  "a multiple of them) and MLP size")
+                           remedy="choose a tensor-parallel size that divides the model's heads, KV heads "
+                                  "(or is a multiple of them) and MLP size")
 
 
 def fused_gemm_shapes(config: ModelConfig, tensor_parallel_size: int = 1) -> list[tuple[int, int]]:

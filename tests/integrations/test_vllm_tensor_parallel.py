@@ -3,7 +3,8 @@ plugin: the all-reduce is the ordered gather-and-sum, the facts say so, served r
 vLLM, a flipped bit fails at its position, and a verifier asked for another split is refused before it builds.
 
 The checkpoint is a seeded random llama with 4 query heads and 2 KV heads (head size 32, vLLM CPU's least), so
-each rank holds 2 query heads and 1 KV head. `battery --engine vllm --tensor-parallel-size 2` is the slow tier.
+each rank holds 2 query heads and 1 KV head. `battery --engine vllm --tensor-parallel-size 2` is the slow
+tier.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from detent_audit.runtime.model_config import ModelConfig
 SHAPE = dict(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
-# ---- no vLLM process: the wrapped all-reduce's arithmetic, the split ----------------------------------------
+# ---- no vLLM process: the wrapped all-reduce's arithmetic, the split -------------------------------------
 
 class _Transport:
-    """vLLM's `dist_module` as the wrapper calls it: an all-gather that lays the N ranks' partials in rank order."""
+    """vLLM's `dist_module` as the wrapper calls it: an all-gather of the N ranks' partials in rank order."""
 
     def __init__(self, partials: list[torch.Tensor]) -> None:
         self.partials = partials
@@ -46,8 +47,8 @@ class _Communicator:
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_the_plugins_all_reduce_is_the_ordered_sum_of_the_gathered_partials(size: int,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_plugins_all_reduce_is_the_ordered_sum_of_the_gathered_partials(
+        size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
     from detent_audit.integrations.vllm import plugin
 
@@ -70,9 +71,10 @@ def test_the_plugins_all_reduce_is_the_ordered_sum_of_the_gathered_partials(size
 
 
 def test_a_split_that_does_not_divide_is_refused_naming_both_numbers() -> None:
-    smol = dataclasses.replace(ModelConfig.from_name("tiny-llama"), num_attention_heads=9, num_key_value_heads=3,
-                               intermediate_size=1536)  # SmolLM2-135M's
-    with pytest.raises(BadInput, match=r"tensor_parallel_size 2 does not divide the model's num_attention_heads \(9\)"):
+    smol = dataclasses.replace(ModelConfig.from_name("tiny-llama"), num_attention_heads=9,
+                               num_key_value_heads=3, intermediate_size=1536)  # SmolLM2-135M's
+    with pytest.raises(BadInput, match=r"tensor_parallel_size 2 does not divide the model's "
+                                         r"num_attention_heads \(9\)"):
         check_split(smol, 2)
     check_split(smol, 3)
 
@@ -88,7 +90,7 @@ def test_the_gemm_probe_sees_one_ranks_shapes() -> None:
                                                 (hidden, inter), (config.vocab_size, hidden)})
 
 
-# ---- vLLM at TP=2: one engine serves, one verifier re-executes ----------------------------------------------
+# ---- vLLM at TP=2: one engine serves, one verifier re-executes -------------------------------------------
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(0, 256) for _ in range(n)]
@@ -109,13 +111,14 @@ def served(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     from detent_audit.server.offline import serve_offline
 
     root = tmp_path_factory.mktemp("served-vllm-tp2")
-    engine = VllmEngine(VllmConfig(model=str(checkpoint), mode="detent", max_model_len=512, tensor_parallel_size=2,
-                                   cache_dir=str(root / "jit")))
+    engine = VllmEngine(VllmConfig(model=str(checkpoint), mode="detent", max_model_len=512,
+                                   tensor_parallel_size=2, cache_dir=str(root / "jit")))
     try:
         facts = engine.facts()
         rng = random.Random(27)
         shared = _prompt(rng, 40)  # a whole 32-token page shared: prefix-cache hits
-        lines = [{"id": f"r{i}", "prompt_token_ids": (shared if i % 2 else []) + _prompt(rng, rng.choice((5, 50))),
+        lines = [{"id": f"r{i}",
+                  "prompt_token_ids": (shared if i % 2 else []) + _prompt(rng, rng.choice((5, 50))),
                   "max_tokens": 6, "temperature": [0.0, 0.9, 0.6][i % 3], "seed": 500 + i, "ignore_eos": True}
                  for i in range(8)]
         (root / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
@@ -182,13 +185,15 @@ def test_tp2_receipts_verify_in_vllm_at_tp2_and_a_flipped_bit_fails_at_its_posit
     receipts = [o for o in report["outcomes"] if o["kind"] == "receipt"]
     (failed,) = [o for o in receipts if o["status"] != "OK"]
     assert failed["path"] == str(forged) and failed["divergence"]["position"] == 2, failed
-    assert len(receipts) == 9 and all("TP=2" in o["message"] for o in receipts if o["status"] == "OK"), receipts
+    assert len(receipts) == 9, receipts
+    assert all("TP=2" in o["message"] for o in receipts if o["status"] == "OK"), receipts
     # the run's coverage names the second r4 (the forged one's folder); the bits of the others all held
     assert {o["status"] for o in report["outcomes"] if o["kind"] != "receipt"} <= {"OK", "FAIL"}
 
 
 def test_another_split_is_not_comparable_before_vllm_is_built(served: dict[str, Any]) -> None:
-    code, report = _verify(served, served["out"] / "receipts" / "r0.receipt", extra=("--tensor-parallel-size", "1"))
+    code, report = _verify(served, served["out"] / "receipts" / "r0.receipt",
+                           extra=("--tensor-parallel-size", "1"))
     assert code == 3, report
     assert report["outcomes"][0]["status"] == "NOT_COMPARABLE"
     assert "TP=2" in report["outcomes"][0]["message"]
@@ -209,6 +214,7 @@ def test_the_battery_at_tp2_in_vllm(mode: str) -> None:
     report = json.loads(res.stdout)
     assert report["tensor_parallel_size"] == 2 and report["total"] == 35
     if mode == "detent":
-        assert res.exit_code == 0 and report["passed"] == 35, [c["name"] for c in report["cells"] if not c["passed"]]
+        failing = [c["name"] for c in report["cells"] if not c["passed"]]
+        assert res.exit_code == 0 and report["passed"] == 35, failing
     else:
         assert report["passed"] < 35  # vLLM's own attention and GEMM read the batch

@@ -171,8 +171,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
         # the tuple's GEMM form proven before vLLM is built, on the products vLLM's decoder runs (fused QKV
         # and gate-up) at the engine's thread count: a form that fails is refused, naming the shape
         set_threads(config.num_threads)
-        shapes = (fused_gemm_shapes(self.model_config, config.tensor_parallel_size) if config.gemm == "chunked"
-                  else None)
+        shapes = (fused_gemm_shapes(self.model_config, config.tensor_parallel_size)
+                  if config.gemm == "chunked" else None)
         self.selection = (select_kernels(Mode.DETENT, self.deployment, config.tuple, config.cache_dir,
                                          gemm_shapes=shapes)
                           if config.mode == Mode.DETENT else None)
@@ -181,7 +181,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
         if self.selection is not None:
             reduce = self.selection.tuple.get("embedded.all_reduce", {}).get("embedded.all_reduce.algorithm")
             if reduce is not None and reduce != ORDERED:  # the solver pins it: only the ordered sum is legal
-                raise BadInput(f"the tuple's all-reduce {reduce!r} is not batch-invariant", remedy=f"use {ORDERED}")
+                raise BadInput(f"the tuple's all-reduce {reduce!r} is not batch-invariant",
+                               remedy=f"use {ORDERED}")
         self.attention = _attention_form(config.attention) if config.mode == Mode.DETENT else None
         self._environment()
         # before the build too: vLLM's oneDNN GEMM primitives are made at load time for the thread count then
@@ -411,7 +412,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
             self.run(seqs)
         finally:  # taken (and forgotten) even when the run failed
             # rank 0's: every rank scores alike from the all-gathered logits
-            taken = self.llm.collective_rpc(sampler.take_worker_scores, args=([seq.vllm_id for seq in seqs],))[0]
+            tags = [seq.vllm_id for seq in seqs]
+            taken = self.llm.collective_rpc(sampler.take_worker_scores, args=(tags,))[0]
         scores = [taken[seq.vllm_id] for seq in seqs]
         out = []
         for (prompt, output), p, got in zip(pairs, params, scores):

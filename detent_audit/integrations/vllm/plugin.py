@@ -17,9 +17,9 @@ the model is built. It installs, without a monkeypatch of any kernel:
   the ordered form: the ranks' partials all-gathered through vLLM's own transport (copies only), then added in
   rank order 0..N-1 in float32 (`kernels.all_reduce.ordered_sum`), so every rank holds the same bits and one
   process holding the N partials adds them alike. vLLM's own all-reduce is gloo's `all_reduce` where its C
-  extension has no shared-memory ops (its AVX2 build, this project's CI CPU), else `torch.ops._C.shm_allreduce`
-  (csrc/cpu/shm.cpp), in which rank r adds its own partial first, then ranks r+1, r+2, ... (mod N) in float32:
-  at N >= 3 the ranks add in different orders, so their "replicated" hidden states may differ in their last
+  extension has no shared-memory ops (its AVX2 build, this project's CI CPU), else
+  `torch.ops._C.shm_allreduce` (csrc/cpu/shm.cpp), in which rank r adds its own partial first, then ranks
+  r+1, r+2, ... (mod N) in float32: at N >= 3 the ranks add in different orders, so their "replicated" hidden states may differ in their last
   bits; gloo's ring sums each chunk of the message from another rank, chunks sized by the step's tokens.
 Seeded sampling is the `sampler.DetentSampler` logits processor, which `VllmEngine` passes to vLLM; a
 teacher-forced rescore's output positions (logprob, top-n and the draw) are scored by

@@ -2,7 +2,8 @@
 so no `--device`/`--attention-streaming`), and rebuilt from a receipt's facts (settings from the facts, the
 checkpoint local), compared field by field. A different vLLM version or thread count is refused before an
 engine is built (a build takes most of a minute); stock receipts are not comparable (vLLM's kernels read the
-batch). A receipt served at tensor-parallel size N is re-executed by vLLM at N (its worker processes). Importing this module imports nothing of vLLM.
+batch). A receipt served at tensor-parallel size N is re-executed by vLLM at N (its worker processes).
+Importing this module imports nothing of vLLM.
 """
 
 from __future__ import annotations
