@@ -24,9 +24,9 @@ def open_engine(model: str | None, mode: str, dtype: str, threads: int, tuple_fi
         from detent_audit.runtime.tuples import load_tuple
 
         committed = load_tuple(tuple_file)
-    if engine != "embedded" and tensor_parallel_size > 1:
-        raise BadInput(f"--tensor-parallel-size runs on the embedded engine here, not {engine}",
-                       remedy="drop --engine, or --tensor-parallel-size")
+    if engine not in ("embedded", "vllm") and tensor_parallel_size > 1:
+        raise BadInput(f"--tensor-parallel-size runs on the embedded engine and vLLM here, not {engine}",
+                       remedy="drop --tensor-parallel-size, or use --engine embedded|vllm")
     options = registry.EngineOptions(model=str(model) if model else None, mode=Mode(mode), dtype=dtype,
                                      threads=threads, tuple=committed,
                                      cache_dir=str(cache_dir) if cache_dir else None, device=device,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -33,23 +33,13 @@ from torch import nn
 
 from detent_audit.engine.model import CausalLM, KVCache
 from detent_audit.errors import BadInput
+from detent_audit.kernels.all_reduce import ACCUMULATE, BACKEND, ORDERED, ordered_sum  # noqa: F401
 from detent_audit.runtime.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from detent_audit.kernels import Kernels
     from detent_audit.kernels.attention import AttentionMetadata
 
-ORDERED = "ordered-gather-sum"   # the detent all-reduce: all-gather, then a sum in rank order
-BACKEND = "backend"              # the stock all-reduce: the process group's own (gloo's or NCCL's) sum
-ACCUMULATE = "float32"           # the ordered sum's precision (a fact)
-
-
-def ordered_sum(partials: Sequence[torch.Tensor]) -> torch.Tensor:
-    """partials[0] + partials[1] + ... in this order, in float32, cast back to the partials' dtype."""
-    acc = partials[0].to(torch.float32)
-    for p in partials[1:]:
-        acc = acc + p.to(torch.float32)
-    return acc.to(partials[0].dtype)
 
 
 @dataclass(frozen=True)

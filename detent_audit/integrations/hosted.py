@@ -168,10 +168,28 @@ def attention_form(asked: str) -> str:
     return "c"
 
 
-def fused_gemm_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """(N, K) of every unquantized product vLLM's and SGLang's decoders run: the fused QKV projection, the
-    output projection, the fused gate-up projection, the down projection and the LM head."""
-    hidden, head = config.hidden_size, config.head_dim
-    q, kv, inter = config.num_attention_heads * head, config.num_key_value_heads * head, config.intermediate_size
-    return sorted({(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter),
-                   (config.vocab_size, hidden)})
+def check_split(config: ModelConfig, tensor_parallel_size: int) -> None:
+    """`BadInput` naming both numbers where `tensor_parallel_size` ranks do not split the model's heads, KV
+    heads (or replicate them) and MLP (before a hosted engine starts its ranks)."""
+    n, c = tensor_parallel_size, config
+    for name, value, ok in (("num_attention_heads", c.num_attention_heads, c.num_attention_heads % n == 0),
+                            ("num_key_value_heads", c.num_key_value_heads,
+                             c.num_key_value_heads % n == 0 or n % c.num_key_value_heads == 0),
+                            ("intermediate_size", c.intermediate_size, c.intermediate_size % n == 0)):
+        if not ok:
+            raise BadInput(f"tensor_parallel_size {n} does not divide the model's {name} ({value})",
+                           remedy="choose a tensor-parallel size that divides the model's heads, KV heads "
+                                  "(or is a multiple of them) and MLP size")
+
+
+def fused_gemm_shapes(config: ModelConfig, tensor_parallel_size: int = 1) -> list[tuple[int, int]]:
+    """(N, K) of every unquantized product vLLM's and SGLang's decoders run on one rank: the fused QKV
+    projection, the output projection, the fused gate-up projection, the down projection and the LM head (at
+    TP = n: heads, MLP and the vocabulary padded to 64 split n ways, KV heads replicated below n, as vLLM's
+    linear.py and vocab_parallel_embedding.py split them; `check_split` first)."""
+    n, hidden, head = tensor_parallel_size, config.hidden_size, config.head_dim
+    q = config.num_attention_heads // n * head
+    kv = max(1, config.num_key_value_heads // n) * head
+    inter = config.intermediate_size // n
+    vocab = config.vocab_size if n == 1 else -(-config.vocab_size // 64) * 64 // n
+    return sorted({(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter), (vocab, hidden)})

@@ -33,11 +33,13 @@ from detent_audit.integrations.hosted import (  # noqa: F401  (re-exported)
     HostedRequest,
     attention_names,
     attention_of_facts,
+    check_split,
     checkpoint_folder,
     fused_gemm_shapes,
 )
 from detent_audit.integrations.hosted import attention_form as _attention_form
 from detent_audit.integrations.vllm import plugin
+from detent_audit.kernels.all_reduce import ACCUMULATE, ORDERED
 from detent_audit.runtime.contract import RequestHandle, RequestOutput, Rescored
 from detent_audit.runtime.facts import source_hash
 from detent_audit.runtime.kernel_select import engine_deployment, select_kernels
@@ -77,6 +79,7 @@ class VllmConfig:
     cache_dir: str | None = None
     gemm: str = "chunked"              # detent: chunked (the tuple's GEMM, proven at start) | onednn (vLLM's)
     attention: str = "auto"            # detent: c (kernels/attention_c.py) | torch | auto (c where it builds)
+    tensor_parallel_size: int = 1      # ranks: vLLM's worker processes over gloo, num_threads each
 
     def __post_init__(self) -> None:
         if self.gemm not in plugin.GEMMS:
@@ -90,6 +93,8 @@ class VllmConfig:
             raise BadInput(f"the vLLM engine runs float32 only here, got {self.dtype!r}")
         if self.num_threads < 1:
             raise BadInput(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise BadInput(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.block_size % 32:
             raise BadInput(f"block_size must be a multiple of 32 on vLLM CPU, got {self.block_size}")
         if self.tuple is not None and self.mode != Mode.DETENT:
@@ -174,21 +179,28 @@ class VllmEngine(HostedEngine[VllmRequest]):
     def __init__(self, config: VllmConfig) -> None:
         self.config = config
         self._load_model()
+        check_split(self.model_config, config.tensor_parallel_size)  # before any rank starts
         self.deployment = engine_deployment(
             self.model_config, dtype=config.dtype, num_threads=config.num_threads,
             block_size=config.block_size, max_model_len=self._max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, prefix_caching=config.prefix_caching,
             name="vllm",
-            batch_invariant=config.mode == Mode.DETENT)
+            batch_invariant=config.mode == Mode.DETENT, tensor_parallel_size=config.tensor_parallel_size)
         # the tuple's GEMM form proven before vLLM is built, on the products vLLM's decoder runs (fused QKV
         # and gate-up) at the engine's thread count: a form that fails is refused, naming the shape
         set_threads(config.num_threads)
-        shapes = fused_gemm_shapes(self.model_config) if config.gemm == "chunked" else None
+        shapes = (fused_gemm_shapes(self.model_config, config.tensor_parallel_size)
+                  if config.gemm == "chunked" else None)
         self.selection = (select_kernels(Mode.DETENT, self.deployment, config.tuple, config.cache_dir,
                                          gemm_shapes=shapes)
                           if config.mode == Mode.DETENT else None)
         if self.selection is not None and self.selection.deployment is not None:
             self.deployment = self.selection.deployment  # with what the probe proved (the selectors read it)
+        if self.selection is not None:
+            reduce = self.selection.tuple.get("embedded.all_reduce", {}).get("embedded.all_reduce.algorithm")
+            if reduce is not None and reduce != ORDERED:  # the solver pins it: only the ordered sum is legal
+                raise BadInput(f"the tuple's all-reduce {reduce!r} is not batch-invariant",
+                               remedy=f"use {ORDERED}")
         self.attention = _attention_form(config.attention) if config.mode == Mode.DETENT else None
         self._environment()
         # before the build too: vLLM's oneDNN GEMM primitives are made at load time for the thread count then
@@ -202,6 +214,9 @@ class VllmEngine(HostedEngine[VllmRequest]):
         set_threads(config.num_threads)
         self._ids = itertools.count()
         self._live: dict[str, VllmRequest] = {}
+        # what adds the ranks' partials, as each worker reports it (the plugin's ordered form, or vLLM's own)
+        self.all_reduce = (self.llm.collective_rpc(plugin.all_reduce_in_use)[0]
+                           if config.tensor_parallel_size > 1 else None)
 
     # ---- construction
     def kv_pool_tokens(self) -> int | None:
@@ -243,6 +258,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
             skip_tokenizer_init=False,  # cascade attention: removed from vLLM by 0.32 (a fact, off)
             # its loading bars where its log shows INFO (not under the CLI without --verbose)
             use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO))
+        if cfg.tensor_parallel_size > 1:  # one worker process per rank (the engine core stays in this one)
+            kwargs.update(tensor_parallel_size=cfg.tensor_parallel_size, distributed_executor_backend="mp")
         if cfg.mode == Mode.DETENT:
             from detent_audit.integrations.vllm.sampler import DetentSampler
 
@@ -279,6 +296,9 @@ class VllmEngine(HostedEngine[VllmRequest]):
                           "max_num_seqs": cfg.max_num_seqs, "chunked_prefill": True, "max_prefill_chunk": 0,
                           "prefix_caching": cfg.prefix_caching, "cascade_attention": False},
             **self.hosted_facts(cfg.dtype),
+            **({"parallel": {"tensor_parallel_size": cfg.tensor_parallel_size, "all_reduce": self.all_reduce,
+                             **({"accumulate": ACCUMULATE} if self.all_reduce == ORDERED else {})}}
+               if cfg.tensor_parallel_size > 1 else {}),
         }
 
     def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams,
@@ -344,6 +364,17 @@ class VllmEngine(HostedEngine[VllmRequest]):
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
+
+    @property
+    def parallel_note(self) -> str:
+        """How this engine runs a tensor-parallel model ("" at TP=1): what a verifier's OK line says."""
+        size = self.config.tensor_parallel_size
+        return f"TP={size}" if size > 1 else ""
+
+    def shutdown(self) -> None:
+        """At TP > 1: vLLM's worker processes stopped (they also stop when this process exits)."""
+        if self.config.tensor_parallel_size > 1:
+            self.engine.engine_core.shutdown()
 
     def output_of(self, seq: RequestHandle) -> RequestOutput:
         seq = self.own(seq)
@@ -418,10 +449,11 @@ class VllmEngine(HostedEngine[VllmRequest]):
                 for (prompt, output), p in zip(pairs, params)]
         try:
             self.run(seqs)
-            scores = [sampler.take_scores(seq.vllm_id) for seq in seqs]
-        finally:
-            for seq in seqs:
-                sampler.take_scores(seq.vllm_id)
+        finally:  # taken (and forgotten) even when the run failed
+            # rank 0's: every rank scores alike from the all-gathered logits
+            tags = [seq.vllm_id for seq in seqs]
+            taken = self.llm.collective_rpc(sampler.take_worker_scores, args=(tags,))[0]
+        scores = [taken[seq.vllm_id] for seq in seqs]
         out = []
         for (prompt, output), p, got in zip(pairs, params, scores):
             positions = range(len(prompt), len(prompt) + len(output))

@@ -13,11 +13,20 @@ the model is built. It installs, without a monkeypatch of any kernel:
   proved on vLLM's fused shapes, this CPU and thread count before it built vLLM); `onednn` keeps vLLM's fp32
   oneDNN GEMM (`torch.ops._C.onednn_mm`), measured row-invariant on an AVX2 CPU only and proven nowhere (on
   an AVX-512 CPU a lone row of the down projection differs from the same row in a batch).
+- at tensor-parallel size N > 1, vLLM's CPU all-reduce (`CpuCommunicator.all_reduce`, wrapped) replaced by
+  the ordered form: the ranks' partials all-gathered through vLLM's own transport (copies only), then added in
+  rank order 0..N-1 in float32 (`kernels.all_reduce.ordered_sum`), so every rank holds the same bits and one
+  process holding the N partials adds them alike. vLLM's own all-reduce is gloo's `all_reduce` where its C
+  extension has no shared-memory ops (its AVX2 build, this project's CI CPU), else
+  `torch.ops._C.shm_allreduce` (csrc/cpu/shm.cpp), in which rank r adds its own partial first, then ranks
+  r+1, r+2, ... (mod N) in float32: at N >= 3 the ranks add in different orders, so their "replicated" hidden states may differ in their last
+  bits; gloo's ring sums each chunk of the message from another rank, chunks sized by the step's tokens.
 Seeded sampling is the `sampler.DetentSampler` logits processor, which `VllmEngine` passes to vLLM; a
 teacher-forced rescore's output positions (logprob, top-n and the draw) are scored by
 `sampler.score_rescore_rows`, which the plugin runs at every step just before vLLM's prompt-logprobs point (a
-wrapper of the model runner's `_get_prompt_logprobs_dict`, the one method of vLLM the plugin wraps; it adds a
-computation beside vLLM's, on rows of the step's hidden states, and changes nothing of vLLM's).
+wrapper of the model runner's `_get_prompt_logprobs_dict`; it adds a computation beside vLLM's, on rows of
+the step's hidden states, and changes nothing of vLLM's). At TP > 1 the scores are made in every rank's
+worker process and `VllmEngine` takes rank 0's through vLLM's `collective_rpc`.
 
 What the kernels are is decided per engine, not per process: the engine that vLLM builds reads `ENV_MODE`,
 `ENV_DEPLOYMENT` and `ENV_TUPLE` (set by `VllmEngine` before it builds vLLM) when its layers are made. With
@@ -38,6 +47,7 @@ from typing import Any
 import torch
 
 from detent_audit.enums import Mode
+from detent_audit.kernels.all_reduce import ORDERED, ordered_sum
 
 ENV_MODE = "DETENT_VLLM_MODE"              # detent | stock (unset: stock)
 ENV_DEPLOYMENT = "DETENT_VLLM_DEPLOYMENT"  # the canonical deployment the selectors are solved for (JSON)
@@ -126,6 +136,34 @@ def _with_rescore_scores(original: Any) -> Any:
     return prompt_logprobs
 
 
+def _ordered_all_reduce(original: Any) -> Any:
+    @functools.wraps(original)
+    def all_reduce(communicator: Any, input_: torch.Tensor) -> torch.Tensor:
+        if not active():
+            return original(communicator, input_)
+        # every rank's partial, in rank order, through vLLM's transport (gloo or shm: copies, no arithmetic)
+        mine = input_.contiguous().view(-1)
+        gathered = torch.empty((communicator.world_size * mine.numel(),), dtype=mine.dtype)
+        communicator.dist_module.all_gather_into_tensor(gathered, mine, group=communicator.device_group)
+        summed = ordered_sum(gathered.view(communicator.world_size, -1).unbind(0))
+        input_.copy_(summed.view(input_.shape))  # in place, as vLLM's own all-reduce leaves it
+        return input_
+    all_reduce.detent_original = original  # type: ignore[attr-defined]
+    return all_reduce
+
+
+def all_reduce_in_use(worker: Any = None) -> str:
+    """What adds this process's tensor-parallel partials: the ordered form (detent), else vLLM's own, named by
+    its transport (`gloo` or `vllm-shm`). Callable through vLLM's `collective_rpc` (`worker` unused)."""
+    if active():
+        return ORDERED
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    from vllm.distributed.parallel_state import get_tp_group
+
+    shm = isinstance(getattr(get_tp_group().device_communicator, "dist_module", None), _CPUSHMDistributed)
+    return "vllm-shm" if shm else "gloo"
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point; re-entrant (vLLM may call it more than once per process)."""
     global _installed
@@ -142,6 +180,10 @@ def register() -> None:
 
     if not hasattr(GPUModelRunner._get_prompt_logprobs_dict, "detent_original"):
         GPUModelRunner._get_prompt_logprobs_dict = _with_rescore_scores(GPUModelRunner._get_prompt_logprobs_dict)
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    if not hasattr(CpuCommunicator.all_reduce, "detent_original"):
+        CpuCommunicator.all_reduce = _ordered_all_reduce(CpuCommunicator.all_reduce)
     from vllm.platforms import current_platform
 
     if active() and current_platform.is_cuda():  # written for vLLM 0.33 on CUDA; not run here (cuda.py)

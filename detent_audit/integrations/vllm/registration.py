@@ -2,7 +2,8 @@
 so no `--device`/`--attention-streaming`), and rebuilt from a receipt's facts (settings from the facts, the
 checkpoint local), compared field by field. A different vLLM version or thread count is refused before an
 engine is built (a build takes most of a minute); stock receipts are not comparable (vLLM's kernels read the
-batch). Importing this module imports nothing of vLLM.
+batch). A receipt served at tensor-parallel size N is re-executed by vLLM at N (its worker processes).
+Importing this module imports nothing of vLLM.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from detent_audit.runtime.rebuild import (
     fact,
     local_model,
     section,
+    served_tensor_parallel,
     served_thread_count,
 )
 from detent_audit.runtime.registry import EngineEntry, EngineOptions, register
@@ -50,7 +52,8 @@ def build(options: EngineOptions) -> Engine:
                                  num_threads=options.threads,
                                  tuple=dict(options.tuple) if options.tuple else None,
                                  cache_dir=options.cache_dir,
-                                 max_model_len=options.max_model_len))
+                                 max_model_len=options.max_model_len,
+                                 tensor_parallel_size=options.tensor_parallel_size))
 
 
 def rebuild(request: RebuildRequest) -> Engine:
@@ -69,6 +72,8 @@ def rebuild(request: RebuildRequest) -> Engine:
         raise NotComparable(["engine.version"], f"the receipt was served by vLLM {served}; this verifier has "
                                                 f"vLLM {vllm.__version__}")
     served_threads = served_thread_count(facts, request.threads)
+    # a TP=N receipt is re-executed by vLLM at TP=N (N worker processes here): vLLM has no rank emulation
+    tensor_parallel, _ = served_tensor_parallel(facts, request.tensor_parallel)
     from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine, attention_of_facts
     from detent_audit.runtime.facts import checkpoint_hashes
 
@@ -90,7 +95,8 @@ def rebuild(request: RebuildRequest) -> Engine:
                         prefix_caching=bool(prefix_caching),
                         tuple=request.families() if detent else None,
                         gemm=str(gemm) if detent else "onednn",
-                        attention=attention_of_facts(plugin.get("attention")) if detent else "auto")
+                        attention=attention_of_facts(plugin.get("attention")) if detent else "auto",
+                        tensor_parallel_size=tensor_parallel)
     # its GEMM form proven before vLLM is built
     engine = built_or_refused(lambda: VllmEngine(config), request)
     try:

@@ -20,9 +20,10 @@ the served token's logprob and the top-n (`sampler.gather_logprobs`), and the to
 of the logits, as vLLM's greedy sampler; sampled: the counter-hash draw of `DetentSampler`), so the draw is
 checked at every output position. Only those rows go through the LM head: vLLM's prompt logprobs would run
 it, a log-softmax and a top-k over every prompt position, and return no logits row to draw from. The scores
-come back to `VllmEngine` through this module (`take_scores`), which needs vLLM's engine core in the
-engine's process (`VllmEngine` sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`); a rescore whose scores did not come
-back is an error, never a pass.
+come back to `VllmEngine` through this module (`take_worker_scores`, called in every worker by vLLM's
+`collective_rpc`: in the engine's own process at TP=1, in each rank's worker process at TP > 1, where every
+rank scores alike from the gathered logits and rank 0's are taken); a rescore whose scores did not come back
+is an error, never a pass.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def score_rescore_rows(runner: Any, hidden_states: torch.Tensor, num_scheduled_t
         if first >= stop:
             continue
         offset = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]]) - start
+        # at TP > 1 a collective (the vocab shards all-gathered): every rank runs it for the same requests
         logits = runner.model.compute_logits(hidden_states[offset + first: offset + stop])
         positions = torch.arange(first + 1, stop + 1, dtype=torch.int64)
         drawn = _draw(logits, spec, positions).tolist()
@@ -117,6 +119,12 @@ def score_rescore_rows(runner: Any, hidden_states: torch.Tensor, num_scheduled_t
 def take_scores(tag: str) -> dict[int, Scored]:
     """The scores `score_rescore_rows` made for a rescore request (absolute position -> score), forgotten."""
     return _scores.pop(tag, {})
+
+
+def take_worker_scores(worker: Any, tags: list[str]) -> dict[str, dict[int, Scored]]:
+    """`take_scores` for each tag, run in a worker through vLLM's `collective_rpc` (`worker` unused): the
+    scores live in the process whose model runner made them (one per rank at tensor-parallel size > 1)."""
+    return {tag: take_scores(tag) for tag in tags}
 
 
 class DetentSampler(LogitsProcessor):
