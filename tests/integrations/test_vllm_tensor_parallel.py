@@ -136,6 +136,7 @@ def served(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
             "generated": generated, "rescored": rescored}
 
 
+@pytest.mark.slow  # vLLM's TP=2 processes: minutes on a 2-core machine
 def test_the_facts_name_the_split_and_the_ordered_all_reduce(served: dict[str, Any]) -> None:
     facts = served["facts"]
     assert facts["parallel"] == {"tensor_parallel_size": 2, "all_reduce": ORDERED, "accumulate": "float32"}
@@ -143,6 +144,7 @@ def test_the_facts_name_the_split_and_the_ordered_all_reduce(served: dict[str, A
     assert facts["tuple"]["embedded.all_reduce"]["embedded.all_reduce.algorithm"] == ORDERED  # signed, pinned
 
 
+@pytest.mark.slow  # vLLM's TP=2 processes: minutes on a 2-core machine
 def test_rescore_at_tp2_equals_generation(served: dict[str, Any]) -> None:
     generated, rescored = served["generated"], served["rescored"]
     assert rescored.tokens == list(generated.token_ids)
@@ -177,6 +179,7 @@ def _verify(served: dict[str, Any], *paths: Path, extra: tuple[str, ...] = ()) -
     return res.exit_code, json.loads(res.stdout)
 
 
+@pytest.mark.slow  # vLLM's TP=2 processes: minutes on a 2-core machine
 def test_tp2_receipts_verify_in_vllm_at_tp2_and_a_flipped_bit_fails_at_its_position(served: dict[str, Any],
                                                                                    tmp_path: Path) -> None:
     forged = _flipped(served, tmp_path / "flip", position=2)
@@ -191,6 +194,7 @@ def test_tp2_receipts_verify_in_vllm_at_tp2_and_a_flipped_bit_fails_at_its_posit
     assert {o["status"] for o in report["outcomes"] if o["kind"] != "receipt"} <= {"OK", "FAIL"}
 
 
+@pytest.mark.slow  # vLLM's TP=2 processes: minutes on a 2-core machine
 def test_another_split_is_not_comparable_before_vllm_is_built(served: dict[str, Any]) -> None:
     code, report = _verify(served, served["out"] / "receipts" / "r0.receipt",
                            extra=("--tensor-parallel-size", "1"))
