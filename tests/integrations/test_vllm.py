@@ -179,6 +179,32 @@ def test_an_output_up_to_the_context_limit_rescores(engine) -> None:
     assert score.tokens == out.token_ids and torch.equal(_fp32(score.logprobs), _fp32(out.logprobs))
 
 
+def test_a_stop_string_ends_the_output_at_its_token_and_vllm_stops(engine) -> None:
+    """The output ends at the first token whose text completes a stop string, the text cut before it (the rule
+    of every engine, `runtime/stop_strings.py`, which the verifier checks): vLLM runs without detokenizing, so
+    the engine applies it, and the kept tokens are the unstopped request's (batch invariance)."""
+    from detent_audit.runtime.stop_strings import find_stop, output_text
+
+    decode = engine.tokenizer.decode
+    rng = random.Random(int(torch.randint(0, 1 << 30, ())))
+    for _ in range(20):  # a prompt whose greedy output has a clean token text mid-way to stop at
+        prompt = _prompt(rng, rng.randint(5, 40))
+        engine.reset()
+        free = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+        adds = [decode(free.token_ids[:k + 1])[len(decode(free.token_ids[:k])):] for k in range(3, 12)]
+        stop = next((a for a in adds if a.strip() and "\ufffd" not in a), None)
+        if stop is not None:
+            break
+    assert stop is not None, "no output token with a clean text in 20 prompts"
+    kept = next(n for n in range(1, 17) if find_stop(decode(free.token_ids[:n]), [stop]) is not None)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop])
+    out = engine.generate([prompt], params)[0]
+    engine.reset()
+    assert out.token_ids == free.token_ids[:kept] and out.finish_reason == "stop"
+    assert torch.equal(_fp32(out.logprobs), _fp32(free.logprobs[:kept]))
+    assert out.text == output_text(decode, free.token_ids[:kept], [stop])[0] and stop not in out.text
+
+
 def test_a_long_prompt_is_the_same_after_a_prefix_hit_and_in_chunks(engine) -> None:
     """600 tokens: several KV tiles, a prefill split over steps of 512 tokens; then 384 of them cached first,
     and a prefill capped at 100 tokens a step."""

@@ -45,6 +45,7 @@ from detent_audit.runtime.facts import source_hash
 from detent_audit.runtime.kernel_select import engine_deployment, select_kernels
 from detent_audit.runtime.named_models import ResolvedModel
 from detent_audit.runtime.sampling_params import SamplingParams
+from detent_audit.runtime.stop_strings import find_stop, output_text
 from detent_audit.runtime.threads import set_threads
 
 NAME = "vllm"
@@ -114,6 +115,7 @@ class VllmRequest(HostedRequest):
         self.score_prompt = False  # echo: the prompt's logprobs (and top-n) come with the output
         self.prompt_logprobs: Any = None  # vLLM's prompt logprobs: per position, None or a dict by token
         self.vllm_id = ""
+        self.stop_checked = 0  # output tokens whose text holds no stop string
 
 
 def _sampling_extra(params: SamplingParams) -> dict[str, Any]:
@@ -356,11 +358,32 @@ class VllmEngine(HostedEngine[VllmRequest]):
             seq.num_cached_tokens = out.num_cached_tokens or 0
             if out.prompt_logprobs is not None:
                 seq.prompt_logprobs = out.prompt_logprobs
-            if out.finished:
+            kept = self._stop_string_cut(seq)
+            if kept is not None:  # a stop string ended the output at its token: vLLM stops computing it
+                del seq.token_ids[kept:], seq.output_logprobs[kept:], seq.top[kept:]
+                seq.finish_reason = "stop"
+                if not out.finished:
+                    self.engine.abort_request([out.request_id])
+                del self._live[out.request_id]
+                finished.append(seq)
+            elif out.finished:
                 seq.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
                 del self._live[out.request_id]
                 finished.append(seq)
         return finished
+
+    def _stop_string_cut(self, seq: VllmRequest) -> int | None:
+        """How many output tokens a request with stop strings keeps: up to the first whose text contains one
+        (the tokens before `seq.stop_checked` hold none), the rule every engine follows (`stop_strings.py`).
+        vLLM runs here without detokenizing, so it cannot check stop strings itself; batch invariance makes
+        the kept tokens what stopping there gives."""
+        if not seq.params.stop:
+            return None
+        for n in range(seq.stop_checked + 1, len(seq.token_ids) + 1):
+            if find_stop(self.tokenizer.decode(seq.token_ids[:n]), seq.params.stop) is not None:
+                return n
+        seq.stop_checked = len(seq.token_ids)
+        return None
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -378,8 +401,9 @@ class VllmEngine(HostedEngine[VllmRequest]):
 
     def output_of(self, seq: RequestHandle) -> RequestOutput:
         seq = self.own(seq)
+        text, _ = output_text(self.tokenizer.decode, seq.token_ids, seq.params.stop)  # cut before a stop string
         out = RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids),
-                            self.tokenizer.decode(seq.token_ids), list(seq.output_logprobs),
+                            text, list(seq.output_logprobs),
                             seq.finish_reason, list(seq.top), seq.num_cached_tokens)
         if seq.score_prompt:
             out.prompt_logprobs, out.prompt_top_logprobs = _prompt_scores(seq)
