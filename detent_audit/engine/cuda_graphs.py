@@ -165,9 +165,16 @@ class DecodeGraphs:
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.max_blocks = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
+        self.max_size = max_size
         self.sizes = capture_sizes(max_size)
         self.rows = DecodeRows(self.sizes[-1], self.max_blocks, scratch_block, device)
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+
+    def fresh(self) -> DecodeGraphs:
+        """A new set over the same model and caches, nothing captured, every row padding: what an engine
+        that forgot its requests replays with (as a newly built engine does)."""
+        return DecodeGraphs(self.model, self.kernels, self.kv_caches, self.block_size, self.max_model_len,
+                            self.scratch_block, self.device, self.max_size)
 
     def _step_at(self, b: int) -> Callable[[], torch.Tensor]:
         """The decode step of rows [0, b): the function a graph captures."""
