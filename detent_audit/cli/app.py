@@ -21,17 +21,20 @@ from detent_audit.cli.output import json_command
 from detent_audit.errors import DetentError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Batch-invariant LLM serving at near-stock speed, with signed receipts anyone can verify.")
+                  help="Batch-invariant LLM serving at near-stock speed, "
+                       "with signed receipts anyone can verify.")
 _state = {"verbose": False}
 
 
 @app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks on errors, and what the "
-                                       "engines' libraries log (vLLM's INFO and WARNING lines, their warnings)."),
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v",
+                                       help="Show tracebacks on errors, and what the engines' libraries log "
+                                            "(vLLM's INFO and WARNING lines, their warnings)."),
           isa: str = typer.Option("native", "--isa", envvar="DETENT_AUDIT_ISA",
                                   help="portable: torch, MKL and oneDNN capped at AVX2 (x86-64-v3), receipts "
                                        "that verify on any x86-64 CPU with AVX2; native: the CPU's widest "
-                                       "(receipts checked on its class only). Set before torch loads.")) -> None:
+                                       "(receipts checked on its class only). "
+                                       "Set before torch loads.")) -> None:
     _state["verbose"] = verbose
     if not verbose:
         quiet_libraries()

@@ -26,7 +26,8 @@ from detent_audit.cli.output import Progress, emit_json
 
 
 def keygen(
-    out: Path = typer.Option(..., "--out", help="Private key file to create (the public key goes to OUT.pub)."),
+    out: Path = typer.Option(..., "--out",
+                             help="Private key file to create (the public key goes to OUT.pub)."),
     passphrase_env: str = PASSPHRASE_ENV,
 ) -> None:
     """Create an Ed25519 signing key (PKCS#8, mode 0600, never overwriting) and its public key."""
@@ -53,7 +54,8 @@ def inspect(
     except RecursionError:  # (the bounded decoder nests 32 levels at most; kept as a last guard)
         raise InvalidReceipt(f"{path}: nested too deeply to show") from None
     doc = json.loads(body.to_json())
-    doc = {"unverified": True, "payload_type": env.payload_type, "signer_keyid_hint": env.keyid, "payload": doc}
+    doc = {"unverified": True, "payload_type": env.payload_type, "signer_keyid_hint": env.keyid,
+           "payload": doc}
     if as_json:
         emit_json(json.dumps(doc, indent=2, sort_keys=True))
     else:
@@ -74,9 +76,9 @@ def verify(
     tuple_file: Path = typer.Option(None, "--tuple", help="Verify as this tuple (default: the receipt's)."),
     workers: str = WORKERS, deployment: list[str] = DEPLOYMENTS,
     tensor_parallel: int = typer.Option(None, "--tensor-parallel-size", "-tp", min=1, show_default=False,
-                                        help="Re-execute tensor-parallel receipts natively, one process per rank "
-                                             "(must be the receipt's size) [default: every rank emulated in "
-                                             "one process, the same bits on fewer devices]."),
+                                        help="Re-execute tensor-parallel receipts natively, one process per "
+                                             "rank (must be the receipt's size) [default: every rank "
+                                             "emulated in one process, the same bits on fewer devices]."),
     as_json: bool = JSON,
 ) -> None:
     """Verify receipts: signature, the client's request, deployment, tuple, re-execution, bits; folders: that
@@ -155,10 +157,12 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
 
             report = run_verify_response(response[0], response[1], paths, trusted, endpoint=response[2],
                                          progress=show, **options)
-    facts_note = ((f"facts checked against {len(report.published)} published deployment(s)" if report.published
-                   else "facts are self-asserted by the node (no --deployment given): its limits and the tuple's "
-                        "values where the bits do not refute them")
-                  + f"; signing times are the node's clock, bounded to [2020-01-01, now + {CLOCK_SKEW_NS // 10**9} s]")
+    skew_s = CLOCK_SKEW_NS // 10**9
+    facts_note = ((f"facts checked against {len(report.published)} published deployment(s)"
+                   if report.published
+                   else "facts are self-asserted by the node (no --deployment given): its limits and the "
+                        "tuple's values where the bits do not refute them")
+                  + f"; signing times are the node's clock, bounded to [2020-01-01, now + {skew_s} s]")
     cov = report.coverage
     if as_json:
         emit_json(json.dumps({"mode": mode, "exit_code": report.exit_code, "counts": report.counts(),
@@ -176,8 +180,9 @@ def _verify(paths: list[Path], key: Path | None, trusted_keys: Path | None, mode
             typer.echo(f"{tag}: {o.path}{extra}{rid}: {o.message}")
         c = report.counts()
         sampled = f"; a sample drawn with --seed {report.sample_seed}" if sample is not None else ""
-        typer.echo(f"{c['OK']} ok, {c['FAIL']} failed, {c['BAD']} bad input, {c['NOT_COMPARABLE']} not comparable "
-                   f"({mode}){sampled}" + "".join(f"; coverage not shown: {gap}" for gap in cov.gaps))
+        typer.echo(f"{c['OK']} ok, {c['FAIL']} failed, {c['BAD']} bad input, "
+                   f"{c['NOT_COMPARABLE']} not comparable ({mode}){sampled}"
+                   + "".join(f"; coverage not shown: {gap}" for gap in cov.gaps))
         typer.echo(f"{facts_note}; coverage: {cov.covered} of {cov.receipts} receipts in {cov.manifests} run "
                    f"manifest(s)" + (f", {len(cov.uncovered)} in none" if cov.uncovered else ""))
     raise typer.Exit(report.exit_code)
@@ -224,7 +229,8 @@ def verify_eval(
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise BadInput("verify-eval recomputes scores with lm-eval's own task code, and lm-eval is not installed",
+        raise BadInput("verify-eval recomputes scores with lm-eval's own task code, "
+                       "and lm-eval is not installed",
                        remedy="pip install 'lm-eval[api]'") from None
     trusted = load_trusted_keys(key_source)
     deployments = load_deployments(deployment) if deployment else None

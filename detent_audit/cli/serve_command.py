@@ -46,14 +46,18 @@ def serve(
     device: str = DEVICE, attention_streaming: bool = ATTENTION_STREAMING, cache_dir: Path = CACHE_DIR,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
-    served_model_name: str = typer.Option(None, "--served-model-name", help="Model name clients ask for "
-                                                                            "(default: the model folder's name)."),
-    max_queued: int = typer.Option(256, "--max-queued", help="Requests queued or running at most (then 503)."),
+    served_model_name: str = typer.Option(None, "--served-model-name",
+                                          help="Model name clients ask for "
+                                               "(default: the model folder's name)."),
+    max_queued: int = typer.Option(256, "--max-queued",
+                                   help="Requests queued or running at most (then 503)."),
     engine: str = ENGINE, tensor_parallel_size: int = TENSOR_PARALLEL,
-    input_path: Path = typer.Option(None, "--input", help="Serve this JSONL file of requests offline, then exit."),
+    input_path: Path = typer.Option(None, "--input",
+                                    help="Serve this JSONL file of requests offline, then exit."),
     output_path: Path = typer.Option(None, "--output", help="Where --input writes its results (JSONL)."),
-    publish_deployment: Path = typer.Option(None, "--publish-deployment", help="Write the deployment (facts and "
-                                            "hash) to this file, for verifiers' --deployment."),
+    publish_deployment: Path = typer.Option(None, "--publish-deployment",
+                                            help="Write the deployment (facts and hash) to this file, for "
+                                                 "verifiers' --deployment."),
 ) -> None:
     """Serve with a signed receipt for every response: an OpenAI-compatible HTTP server (default) or a file of
     requests (--input). On SIGTERM/SIGINT the server stops accepting, finishes the responses under way (for up
@@ -86,7 +90,8 @@ def serve(
     if output_path is not None and output_path.is_dir():
         raise BadInput(f"--output {output_path} is a folder", remedy="name the JSONL file to write")
     if manifest_out.exists() and not manifest_out.is_dir():
-        raise BadInput(f"--manifest-out {manifest_out} is a file", remedy="name a folder (it is created if new)")
+        raise BadInput(f"--manifest-out {manifest_out} is a file",
+                       remedy="name a folder (it is created if new)")
     private_key = load_private_key(signing_key, passphrase(passphrase_env))
     llm = open_engine(model, mode, dtype, threads, tuple_file, cache_dir, device=device,
                       attention_streaming=attention_streaming, max_model_len=max_model_len, engine=engine,
@@ -111,7 +116,8 @@ def _serve_with(llm: Engine, private_key: Any, manifest_out: Path, rotate: int |
                        remedy=f"pass --max-model-len {positions} or less")
     node = ServingNode(llm, private_key, manifest_out, rotate)
     if publish_deployment is not None:
-        typer.echo(f"published deployment {node.publish(publish_deployment)} to {publish_deployment}", err=True)
+        digest = node.publish(publish_deployment)
+        typer.echo(f"published deployment {digest} to {publish_deployment}", err=True)
     if input_path is not None and output_path is not None:
         _serve_file(llm, node, input_path, output_path, manifest_out)
         return
@@ -130,7 +136,8 @@ def _serve_file(llm: Engine, node: ServingNode, input_path: Path, output_path: P
         with Progress(console=Console(stderr=True), transient=True) as progress:
             task = progress.add_task("serving", total=None)
             count = serve_offline(llm, node, input_path, output_path,
-                                  progress=lambda done, total: progress.update(task, completed=done, total=total))
+                                  progress=lambda done, total: progress.update(task, completed=done,
+                                                                               total=total))
     finally:
         manifest = node.close()
     typer.echo(f"OK: {count} requests served, receipts in {manifest_out / 'receipts'}"
@@ -149,7 +156,8 @@ def _serve_http(llm: Engine, node: ServingNode, model_name: str, host: str, port
     config = uvicorn.Config(create_app(engine, node, model_name, api_key=api_key), host=host, port=port,
                             log_level="warning",
                             timeout_graceful_shutdown=60, lifespan="on")
-    typer.echo(f"serving {model_name} on http://{host}:{port}/v1 (receipts in {node.out / 'receipts'})", err=True)
+    typer.echo(f"serving {model_name} on http://{host}:{port}/v1 (receipts in {node.out / 'receipts'})",
+               err=True)
     try:
         uvicorn.Server(config).run()  # re-raises a captured SIGINT/SIGTERM after a graceful shutdown
     finally:

@@ -41,8 +41,9 @@ def _print_table(deployment: Path, results: list[SolveResult]) -> None:
 
     console = Console(file=sys.stdout, width=160)
     table = Table(title=f"detent-audit solve: {deployment.name}", show_lines=True)
-    for col in ("family", "program", "values", "sel. points", "batch-dep. points", "pins (name@line: candidates)",
-                "legal values per pin", "constants (one candidate)", "candidates", "legal", "solve", "cache"):
+    for col in ("family", "program", "values", "sel. points", "batch-dep. points",
+                "pins (name@line: candidates)", "legal values per pin", "constants (one candidate)",
+                "candidates", "legal", "solve", "cache"):
         table.add_column(col, overflow="fold")
     for r in results:
         pins = "\n".join(f"{p.name}@{p.line}: {len(p.candidates)}" for p in r.pins) or "-"

@@ -178,8 +178,9 @@ class AsyncEngine:
         them, its steps by how many sequences shared each (`{"3": 12}`: 12 steps ran 3 sequences together)."""
         sizes = getattr(self.llm, "step_batch_sizes", None)
         with self._cv:
-            stats: dict[str, Any] = {"outstanding": self._outstanding, "max_queued": self.max_queued, "closed": self._closed,
-                     "error": None if self.error is None else repr(self.error)}
+            stats: dict[str, Any] = {"outstanding": self._outstanding, "max_queued": self.max_queued,
+                                     "closed": self._closed,
+                                     "error": None if self.error is None else repr(self.error)}
         if sizes is not None:  # written by the engine thread only; a copy of a dict of ints is safe to take
             stats["step_batch_sizes"] = {str(n): c for n, c in sorted(dict(sizes).items())}
         return stats
@@ -199,7 +200,8 @@ class AsyncEngine:
                 raise EngineClosed("the engine is shutting down" if self.error is None else
                                    f"the engine stopped after an error: {self.error!r}")
             if self._outstanding >= self.max_queued:
-                raise QueueFull(f"{self._outstanding} requests are queued or running (at most {self.max_queued})")
+                raise QueueFull(f"{self._outstanding} requests are queued or running "
+                                f"(at most {self.max_queued})")
             self._outstanding += 1
             self._inbox.append(handle)
             self._cv.notify()
@@ -287,7 +289,8 @@ class AsyncEngine:
                 continue
             self._end(handle, None, output)
 
-    def _end(self, handle: RequestHandle, error: BaseException | None, output: RequestOutput | None = None) -> None:
+    def _end(self, handle: RequestHandle, error: BaseException | None,
+             output: RequestOutput | None = None) -> None:
         if handle.future.done():  # ended already (a handle can be both admitting and live when a step fails)
             return
         with self._cv:

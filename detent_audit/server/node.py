@@ -58,7 +58,8 @@ RECEIPT_SUFFIX = ".receipt"
 MANIFEST_SUFFIX = ".manifest"
 LOCK_NAME = ".lock"
 PROBE_NAME = ".storage-probe"  # written and removed to see whether a full disk has space again
-RECEIPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a plain file name in receipts/: no separator, no dot first
+# a plain file name in receipts/: no separator, no dot first
+RECEIPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class StorageFailed(DetentError):
@@ -69,7 +70,8 @@ class StorageFailed(DetentError):
 
 
 def tuple_values(llm: Engine) -> TupleValues:
-    """What a receipt commits to as the tuple: the per-family pins and knobs, and the mode (as `mode.name`)."""
+    """What a receipt commits to as the tuple: the per-family pins and knobs, and the mode (as
+    `mode.name`)."""
     return llm.tuple_values()
 
 
@@ -78,7 +80,8 @@ def scoring_record(output: RequestOutput, params: SamplingParams) -> ScoringReco
     if output.prompt_logprobs is None:
         return None
     top_n = params.logprobs or 0
-    return ScoringRecord.from_floats(output.prompt_logprobs, (output.prompt_top_logprobs or []) if top_n else [], top_n)
+    top = (output.prompt_top_logprobs or []) if top_n else []
+    return ScoringRecord.from_floats(output.prompt_logprobs, top, top_n)
 def published_deployment(facts: dict[str, Any]) -> bytes:
     """The file `serve --publish-deployment` writes: the facts and their hash, as canonical JSON."""
     doc = {"format": "detent-audit published deployment v1", "facts": facts, "hash": facts_hash(facts)}
@@ -106,7 +109,8 @@ class SignedReceipt:
 class ServingNode:
     """Owns the signing key and the output folder. Thread-safe: the HTTP server signs from its threads."""
 
-    def __init__(self, llm: Engine, private_key: Any, manifest_out: str | Path, rotate: int | None = None) -> None:
+    def __init__(self, llm: Engine, private_key: Any, manifest_out: str | Path,
+                 rotate: int | None = None) -> None:
         self.llm, self.key, self.rotate = llm, private_key, rotate
         self.out = Path(manifest_out)
         try:
@@ -162,7 +166,8 @@ class ServingNode:
         receipt_id = request_id or uuid.uuid4().hex
         if not RECEIPT_ID.fullmatch(receipt_id):
             raise BadInput(f"request id {receipt_id!r} cannot name a receipt file",
-                           remedy="use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
+                           remedy="use 1-128 letters, digits, '.', '_' or '-', "
+                                  "starting with a letter or digit")
         if client is None:
             raise BadInput("a receipt binds the client's request: pass client=ClientRequest.of(api, body)")
         request = RequestRecord(receipt_id, client, tuple(output.prompt_token_ids),
@@ -182,8 +187,8 @@ class ServingNode:
             if path.exists():
                 raise FileExistsError(f"a receipt named {path.name} exists already")
             receipt = Receipt(deployment_facts=self.facts, deployment_hash=self.facts_hash,
-                              tuple_values=self.tuple, tuple_hash=self.tuple_hash, request=request, output=out,
-                              run=RunRecord(self.run_id, self._seq), node_keyid=self.keyid,
+                              tuple_values=self.tuple, tuple_hash=self.tuple_hash, request=request,
+                              output=out, run=RunRecord(self.run_id, self._seq), node_keyid=self.keyid,
                               time_unix_ns=time.time_ns(), scoring=scoring)
             envelope = sign_receipt(receipt, self.key)
             self._write(path, envelope, "receipt")
@@ -207,8 +212,8 @@ class ServingNode:
         extra = {family: params for family, params in extra.items() if params}
         if extra:
             raise DetentError(f"the kernels were called with params the signed facts do not state: {extra}",
-                              remedy="a selector gave params outside the probe of kernel_select.probe_inputs; "
-                                     "report this as a bug")
+                              remedy="a selector gave params outside the probe of "
+                                     "kernel_select.probe_inputs; report this as a bug")
 
     def receipt_path(self, receipt_id: str) -> Path:
         return self.out / "receipts" / f"{receipt_id}{RECEIPT_SUFFIX}"
@@ -231,8 +236,9 @@ class ServingNode:
                     return None
                 return self._write_manifest("final")
             except StorageFailed as exc:
-                print(f"detent-audit: the final run manifest was not written: {exc.message} ({len(self._pending)} "
-                      f"receipts are sealed into a recovery manifest on the next start)", file=sys.stderr)
+                print(f"detent-audit: the final run manifest was not written: {exc.message} "
+                      f"({len(self._pending)} receipts are sealed into a recovery manifest on the next "
+                      "start)", file=sys.stderr)
                 return None
             finally:
                 if self._lock_fd is not None:
@@ -261,8 +267,8 @@ class ServingNode:
             write_atomically(path, data)
         except OSError as exc:
             full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            self.storage_error = f"{'no space left' if full else 'cannot write'} for a {what} in {path.parent} " \
-                                 f"({exc.strerror or exc})"
+            self.storage_error = (f"{'no space left' if full else 'cannot write'} for a {what} in "
+                                  f"{path.parent} ({exc.strerror or exc})")
             raise StorageFailed(self.storage_error) from None
         self.storage_error = None
 
@@ -273,8 +279,9 @@ class ServingNode:
         receipts = self._pending if receipts is None else receipts
         first = receipts[0]
         manifest = RunManifest.for_receipts(receipts, run_id=run_id or self.run_id, node_keyid=self.keyid,
-                                            deployment_hash=first.deployment_hash, tuple_hash=first.tuple_hash,
-                                            time_unix_ns=time.time_ns(), kind=kind)
+                                            deployment_hash=first.deployment_hash,
+                                            tuple_hash=first.tuple_hash, time_unix_ns=time.time_ns(),
+                                            kind=kind)
         name = f"{manifest.run_id}-{manifest.seq_first:08d}" + ("-recovery" if kind == "recovery" else "")
         path = self.out / "manifests" / f"{name}{MANIFEST_SUFFIX}"
         if path.exists():  # never overwrite a manifest
@@ -294,7 +301,8 @@ class ServingNode:
         problems: list[str] = []
         for path in sorted((self.out / "manifests").glob(f"*{MANIFEST_SUFFIX}")):
             try:
-                covered |= set(verify_run_manifest(read_envelope_bytes(path), trusted).manifest.receipt_digests)
+                manifest = verify_run_manifest(read_envelope_bytes(path), trusted).manifest
+                covered |= set(manifest.receipt_digests)
             except DetentError as exc:
                 problems.append(f"{path.name}: {exc.message}")
         uncovered: dict[tuple[str, str, str], list[Receipt]] = {}
@@ -308,8 +316,8 @@ class ServingNode:
                 key = (receipt.run.run_id, receipt.deployment_hash, receipt.tuple_hash)
                 uncovered.setdefault(key, []).append(receipt)
         if problems:
-            print(f"detent-audit: {len(problems)} file(s) in {self.out} are not this node's and are left as they "
-                  f"are: {'; '.join(problems[:3])}", file=sys.stderr)
+            print(f"detent-audit: {len(problems)} file(s) in {self.out} are not this node's and are left as "
+                  f"they are: {'; '.join(problems[:3])}", file=sys.stderr)
         written = []
         for (run_id, _, _), receipts in sorted(uncovered.items()):
             receipts.sort(key=lambda r: r.run.seq)

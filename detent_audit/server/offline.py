@@ -1,8 +1,8 @@
 """`detent-audit serve --input prompts.jsonl`: serve a file of requests, sign a receipt for each.
 
-Input lines: `{"id"?, "prompt": str | "prompt_token_ids": [int] | "messages": [{role, content}], "max_tokens"?,
-"temperature"?, "top_p"?, "top_k"?, "seed"?, "logprobs"?, "stop_token_ids"?, "stop"? (strings, as the HTTP
-server takes them), "ignore_eos"?}`. Output lines (one
+Input lines: `{"id"?, "prompt": str | "prompt_token_ids": [int] | "messages": [{role, content}],
+"max_tokens"?, "temperature"?, "top_p"?, "top_k"?, "seed"?, "logprobs"?, "stop_token_ids"?, "stop"? (strings,
+as the HTTP server takes them), "ignore_eos"?}`. Output lines (one
 per request, in input order, written after its receipt is on disk): `{"id", "text", "token_ids", "logprobs",
 "top_logprobs" (with "logprobs": n), "finish_reason", "seed", "receipt_id", "receipt"}` (a sampled line
 without a seed gets one derived from the run and the line, manifests/seeds.py, recorded in its receipt). A
@@ -28,7 +28,8 @@ from detent_audit.runtime.sampling_params import SamplingParams, seed_for
 from detent_audit.server.node import RECEIPT_ID, ServingNode
 from detent_audit.server.protocol import Limits, check_text, check_token_ids, parse_messages, unique_keys
 
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids", "ignore_eos", "stop")
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids",
+             "ignore_eos", "stop")
 _PROMPT = ("prompt", "prompt_token_ids", "messages")
 
 
@@ -114,7 +115,8 @@ def parse_line(obj: Any, default_id: str, tokenizer: Any, max_len: int, vocab_si
 
 
 def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output_path: str | Path,
-                  progress: Callable[[int, int], None] | None = None, max_in_flight: int | None = None) -> int:
+                  progress: Callable[[int, int], None] | None = None,
+                  max_in_flight: int | None = None) -> int:
     """Serve every request of `input_path`, sign each, append results in input order.
 
     All requests are submitted at once, or, with `max_in_flight`, as a closed loop of that many clients (a new
@@ -149,8 +151,9 @@ def serve_offline(llm: Engine, node: ServingNode, input_path: str | Path, output
                                            "logprobs": output.logprobs}
                 if params.logprobs:  # the top-n alternatives at each position, as [token id, logprob] pairs
                     line["top_logprobs"] = [[list(pair) for pair in top] for top in output.top_logprobs]
-                line.update(finish_reason=output.finish_reason, seed=params.seed, receipt_id=signed.receipt_id,
-                            receipt=str(signed.path), receipt_digest=signed.receipt.digest)
+                line.update(finish_reason=output.finish_reason, seed=params.seed,
+                            receipt_id=signed.receipt_id, receipt=str(signed.path),
+                            receipt_digest=signed.receipt.digest)
                 out.write(json.dumps(line) + "\n")
                 out.flush()
                 os.fsync(out.fileno())

@@ -34,8 +34,8 @@ from detent_audit.runtime.stop_strings import check_stop_strings
 from detent_audit.runtime.tokenizer import RESERVED_TEMPLATE_NAMES
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-           "stream", "stream_options", "user", "return_tokens_as_token_ids", "n", "best_of"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+           "ignore_eos", "stream", "stream_options", "user", "return_tokens_as_token_ids", "n", "best_of"}
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo"}
 MAX_BATCH = 256  # prompts in one /v1/completions request, and choices (prompts times n) in one response
 _CHAT = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
@@ -78,13 +78,14 @@ class Limits:
     @classmethod
     def of(cls, model_name: str, max_model_len: int, vocab_size: int, tokenizer: Any) -> Limits:
         """With `max_prompt_chars` = max_model_len times the longest vocabulary entry (no token covers more
-        characters), so an overlong text is refused before it is tokenized (which would take seconds and GBs)."""
+        characters), so an overlong text is refused before it is tokenized (which would take seconds and
+        GBs)."""
         return cls(model_name, max_model_len, vocab_size, max_model_len * tokenizer.max_token_chars())
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """`json.loads`'s object hook: an object whose key repeats is refused (as not valid JSON), since which value
-    counts would be a guess."""
+    """`json.loads`'s object hook: an object whose key repeats is refused (as not valid JSON), since which
+    value counts would be a guess."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
@@ -108,9 +109,9 @@ def check_text(text: str, param: str) -> str:
 def _fits(texts: list[str], param: str, limits: Limits) -> None:
     chars = sum(map(len, texts))
     if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
-        raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
-                             f"has {chars} characters, more than that many tokens can hold", param=param,
-                             code="context_length_exceeded")
+        raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the "
+                             f"prompt has {chars} characters, more than that many tokens can hold",
+                             param=param, code="context_length_exceeded")
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ def _get(body: dict, name: str, kind: type, default: Any, lo: Any = None, hi: An
         return default
     kinds = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
     if not _is(value, kind) or (kind is float and not math.isfinite(value)):
-        raise InvalidRequest(f"'{name}' must be {kinds[kind]}, got {value!r}", param=name, code="invalid_type")
+        raise InvalidRequest(f"'{name}' must be {kinds[kind]}, got {value!r}", param=name,
+                             code="invalid_type")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f"[{lo}, {'inf' if hi is None else hi}]"
         raise InvalidRequest(f"'{name}' must be in {bounds}, got {value!r}", param=name)
@@ -211,7 +213,8 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise InvalidRequest(f"{where}.content: only text parts are supported", param=f"{where}.content")
+                raise InvalidRequest(f"{where}.content: only text parts are supported",
+                                     param=f"{where}.content")
             content = "\n".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise InvalidRequest(f"{where}.content must be a string", param=f"{where}.content",
@@ -278,13 +281,14 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
     if chat:
         alias = _get(body, "max_completion_tokens", int, None, 1)
         if None not in (alias, max_tokens) and alias != max_tokens:
-            raise InvalidRequest("'max_tokens' and 'max_completion_tokens' differ", param="max_completion_tokens")
+            raise InvalidRequest("'max_tokens' and 'max_completion_tokens' differ",
+                                 param="max_completion_tokens")
         max_tokens = max_tokens or alias or room  # chat: up to the context left, as OpenAI's API does
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
     if max_tokens > room:
-        raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
-                             f"has {longest} tokens and max_tokens is {max_tokens}", param="max_tokens",
-                             code="context_length_exceeded")
+        raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the "
+                             f"prompt has {longest} tokens and max_tokens is {max_tokens}",
+                             param="max_tokens", code="context_length_exceeded")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
     try:
@@ -303,10 +307,11 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
                              "response may hold", param="n")
     stream = _get(body, "stream", bool, False)
     if stream and (batched or echo):
-        raise InvalidRequest("a batch of prompts or 'echo' is answered whole, not streamed: send 'stream': false",
-                             param="stream", code="unsupported")
+        raise InvalidRequest("a batch of prompts or 'echo' is answered whole, not streamed: "
+                             "send 'stream': false", param="stream", code="unsupported")
     options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
+    if options is not None and (not stream or not isinstance(options, dict)
+                                or set(options) - {"include_usage"}):
         raise InvalidRequest("'stream_options' must be {'include_usage': bool}, with 'stream': true",
                              param="stream_options")
     _get(body, "user", str, None)
@@ -324,11 +329,12 @@ def parse_request(body: Any, chat: bool, limits: Limits, tokenizer: Any) -> Pars
         stop=stop)
     return ParsedRequest(chat, [list(p) for p in prompts], params, stream,
                          _get(options or {}, "include_usage", bool, False), want_logprobs,
-                         _get(body, "return_tokens_as_token_ids", bool, False), echo, max_tokens, tuple(texts),
-                         batched, n)
+                         _get(body, "return_tokens_as_token_ids", bool, False), echo, max_tokens,
+                         tuple(texts), batched, n)
 
 
-def _prompts(prompt: Any, limits: Limits, tokenizer: Any) -> tuple[list[list[int]], tuple[str | None, ...], bool]:
+def _prompts(prompt: Any, limits: Limits,
+             tokenizer: Any) -> tuple[list[list[int]], tuple[str | None, ...], bool]:
     """A completion's prompts as token ids, the texts given (None for ids), and whether it was a batch: one
     string, one list of token ids, or a non-empty list of either."""
     def one(value: Any, where: str) -> tuple[list[int], str | None] | None:
@@ -349,5 +355,6 @@ def _prompts(prompt: Any, limits: Limits, tokenizer: Any) -> tuple[list[list[int
         present = [item for item in items if item is not None]
         if len(present) == len(items):
             return [ids for ids, _ in present], tuple(text for _, text in present), True
-    raise InvalidRequest(f"'prompt' must be a string, a non-empty list of token ids, or a list of 1-{MAX_BATCH} "
-                         "of those (a batch: one choice and one receipt each)", param="prompt", code="invalid_type")
+    raise InvalidRequest(f"'prompt' must be a string, a non-empty list of token ids, or a list of "
+                         f"1-{MAX_BATCH} of those (a batch: one choice and one receipt each)", param="prompt",
+                         code="invalid_type")

@@ -44,7 +44,8 @@ class TokenFormatter:
 class TextStream:
     """The output text of one request, token by token: `push` returns the new text (held back while it ends
     in an incomplete UTF-8 character, or, with stop strings, in what could begin one) and `flush` the rest;
-    their concatenation is the response's text (decode(all tokens), cut before a stop string: stop_strings.py)."""
+    their concatenation is the response's text (decode(all tokens), cut before a stop string:
+    stop_strings.py)."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
@@ -92,7 +93,8 @@ def completion_logprobs(fmt: TokenFormatter, ids: Sequence[int], logprobs: Seque
         entry = {fmt.text(a, as_ids): json_logprob(v) for a, v in alternatives}
         entry.setdefault(fmt.text(token_id, as_ids), json_logprob(value))
         top_dicts.append(entry)
-    return {"tokens": [fmt.text(t, as_ids) for t in ids], "token_logprobs": [json_logprob(v) for v in logprobs],
+    return {"tokens": [fmt.text(t, as_ids) for t in ids],
+            "token_logprobs": [json_logprob(v) for v in logprobs],
             "top_logprobs": top_dicts, "text_offset": list(offsets)}
 
 
@@ -113,8 +115,8 @@ def echo_logprobs(fmt: TokenFormatter, prompt_ids: Sequence[int], ids: Sequence[
             "top_logprobs": [None, *block["top_logprobs"]], "text_offset": offsets}
 
 
-def stop_reason(ids: Sequence[int], finish_reason: str | None, stop_token_ids: Sequence[int], stop: Sequence[str],
-                decode: Any) -> str | int | None:
+def stop_reason(ids: Sequence[int], finish_reason: str | None, stop_token_ids: Sequence[int],
+                stop: Sequence[str], decode: Any) -> str | int | None:
     """What stopped the output, as vLLM reports it: the stop string its text contained, a stop token id, or
     None (EOS or length)."""
     if finish_reason != "stop" or not ids:
@@ -129,7 +131,8 @@ def chat_logprobs(fmt: TokenFormatter, ids: Sequence[int], logprobs: Sequence[fl
                   tops: Sequence[Sequence[tuple[int, float]]], as_ids: bool) -> dict[str, Any]:
     """The chat block: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
     def entry(token_id: int, value: float) -> dict[str, Any]:
-        return {"token": fmt.text(token_id, as_ids), "logprob": json_logprob(value), "bytes": fmt.bytes(token_id)}
+        return {"token": fmt.text(token_id, as_ids), "logprob": json_logprob(value),
+                "bytes": fmt.bytes(token_id)}
 
     return {"content": [{**entry(t, v), "top_logprobs": [entry(a, av) for a, av in alts]}
                         for t, v, alts in zip(ids, logprobs, tops)]}

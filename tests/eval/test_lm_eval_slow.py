@@ -61,7 +61,8 @@ def test_concurrency_1_and_8_at_two_threads(mode: str, eval_checkpoint: Path, no
         assert differ == []
 
 
-def test_the_multiple_choice_task_on_the_vllm_engine_is_recomputed_by_verify_eval(eval_checkpoint: Path, node_key,
+def test_the_multiple_choice_task_on_the_vllm_engine_is_recomputed_by_verify_eval(eval_checkpoint: Path,
+                                                                                   node_key,
                                                                                    tmp_path: Path) -> None:
     """lm-eval's loglikelihood requests (echo, prompt logprobs) against the vLLM engine behind the server:
     each answered with a receipt binding its prompt scores, and verify-eval rebuilds vLLM from the receipts,

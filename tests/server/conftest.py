@@ -56,7 +56,8 @@ def env(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathF
     root = tmp_path_factory.mktemp("server-env")
     checkpoint = make_checkpoint("tiny-llama")
     cache_dir = root / "jit"
-    llm = LLM(EngineConfig(model=str(checkpoint), mode="detent", cache_dir=str(cache_dir), max_model_len=2048))
+    llm = LLM(EngineConfig(model=str(checkpoint), mode="detent", cache_dir=str(cache_dir),
+                           max_model_len=2048))
     tuple_file = root / "tuple.msgpack"
     save_tuple(llm.selection.tuple, tuple_file)
     return Env(checkpoint, generate_key(root / "node.key"), cache_dir, tuple_file)
@@ -64,7 +65,8 @@ def env(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathF
 
 @contextmanager
 def live_server(env: Env, out: Path, *, max_queued: int = 256, **engine_overrides: Any) -> Iterator[Live]:
-    """uvicorn in a thread on a free port; on exit the server shuts down (the node writes its run manifest)."""
+    """uvicorn in a thread on a free port; on exit the server shuts down (the node writes its run
+    manifest)."""
     llm = LLM(env.engine_config(**engine_overrides))
     node = ServingNode(llm, load_private_key(env.key.private_path), out)
     engine = AsyncEngine(llm, max_queued=max_queued)
@@ -94,5 +96,6 @@ def live(env: Env, tmp_path: Path) -> Iterator[Live]:
 
 @pytest.fixture
 def start_server(env: Env) -> Callable[..., Any]:
-    """`with start_server(out, **engine_overrides) as live:` a live server of its own (e.g. another context)."""
+    """`with start_server(out, **engine_overrides) as live:` a live server of its own (e.g. another
+    context)."""
     return lambda out, **overrides: live_server(env, out, **overrides)

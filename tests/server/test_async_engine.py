@@ -84,7 +84,8 @@ def test_a_full_queue_raises_at_once(env: Env) -> None:
 
 def test_shutdown_drains_or_cancels(env: Env) -> None:
     engine = AsyncEngine(LLM(env.engine_config()))
-    drained = [engine.submit([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), f"d{i}") for i in range(3)]
+    drained = [engine.submit([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), f"d{i}")
+               for i in range(3)]
     engine.shutdown(drain=True)
     assert [len(h.future.result(0).token_ids) for h in drained] == [20, 20, 20]
     with pytest.raises(EngineClosed):
@@ -217,7 +218,8 @@ def test_stats_count_the_steps_by_the_sequences_that_shared_them(env: Env) -> No
         assert engine.stats()["step_batch_sizes"] == {}
         first = engine.submit([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), "s0")
         first.admitted_future.result(30)  # the engine thread now waits at the gate, before its first step
-        rest = [engine.submit([4, 5, 6, 7][: i + 2], SamplingParams(max_tokens=2, ignore_eos=True), f"s{i + 1}")
+        rest = [engine.submit([4, 5, 6, 7][: i + 2], SamplingParams(max_tokens=2, ignore_eos=True),
+                              f"s{i + 1}")
                 for i in range(2)]
         gate.set()
         for h in [first, *rest]:

@@ -32,7 +32,8 @@ runner = CliRunner()
 
 
 def _serve_lines(llm: Any, node: ServingNode, tmp: Path, ids: list[str], name: str = "in") -> None:
-    lines = [{"id": i, "prompt_token_ids": [3 + n, 4, 5], "max_tokens": 2, "ignore_eos": True} for n, i in enumerate(ids)]
+    lines = [{"id": i, "prompt_token_ids": [3 + n, 4, 5], "max_tokens": 2, "ignore_eos": True}
+             for n, i in enumerate(ids)]
     (tmp / f"{name}.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     serve_offline(llm, node, tmp / f"{name}.jsonl", tmp / f"{name}.out.jsonl")
 
@@ -53,8 +54,8 @@ def llm(env: Env) -> Any:
 def test_5_a_killed_runs_receipts_are_sealed_on_restart_and_coverage_is_checked(env: Env, llm: Any,
                                                                                tmp_path: Path) -> None:
     """A run killed before its manifest (close never ran) leaves receipts in no manifest: verify of the folder
-    FAILs each of them; the next node on the folder seals them into a recovery manifest, and verify passes with
-    every receipt covered."""
+    FAILs each of them; the next node on the folder seals them into a recovery manifest, and verify passes
+    with every receipt covered."""
     key = load_private_key(env.key.private_path)
     out = tmp_path / "out"
     killed = ServingNode(llm, key, out, rotate=2)
@@ -79,18 +80,21 @@ def test_5_a_manifest_that_omits_a_receipt_of_its_range_fails(env: Env, llm: Any
     node = ServingNode(llm, key, out)
     _serve_lines(llm, node, tmp_path, ["a", "b", "c", "d", "e"])
     node.close()
-    receipts = [verify_envelope(p.read_bytes(), env.trusted).receipt for p in sorted((out / "receipts").glob("*"))]
+    receipts = [verify_envelope(p.read_bytes(), env.trusted).receipt
+                for p in sorted((out / "receipts").glob("*"))]
     (manifest_file,) = (out / "manifests").glob("*.manifest")
     manifest = verify_run_manifest(manifest_file.read_bytes(), env.trusted).manifest
     # a signed manifest of four of the five: a recovery manifest may skip a number, but not a receipt present
-    four = RunManifest.for_receipts([r for r in receipts if r.request.request_id != "c"], run_id=manifest.run_id,
+    four = RunManifest.for_receipts([r for r in receipts if r.request.request_id != "c"],
+                                    run_id=manifest.run_id,
                                     node_keyid=manifest.node_keyid, deployment_hash=manifest.deployment_hash,
                                     tuple_hash=manifest.tuple_hash, time_unix_ns=manifest.time_unix_ns,
                                     kind="recovery")
     manifest_file.write_bytes(sign_run_manifest(four, key))
     code, report = _verify(env, out)
     (m,) = [o for o in report["outcomes"] if o["kind"] == "manifest"]
-    assert code == 1 and m["status"] == "FAIL" and "omits 1 receipt(s) present in its range" in m["message"], m
+    assert code == 1 and m["status"] == "FAIL", m
+    assert "omits 1 receipt(s) present in its range" in m["message"], m
 
 
 def test_5_one_server_per_folder_and_manifest_names_never_collide(env: Env, llm: Any, tmp_path: Path) -> None:
@@ -114,7 +118,8 @@ def test_5_one_server_per_folder_and_manifest_names_never_collide(env: Env, llm:
 
 
 def test_5_one_request_id_in_two_manifests_of_a_run_fails(env: Env, llm: Any, tmp_path: Path) -> None:
-    """Two receipts of one run answering one request id, each in a manifest of its own: FAIL across manifests."""
+    """Two receipts of one run answering one request id, each in a manifest of its own: FAIL across
+    manifests."""
     import dataclasses
 
     from detent_audit.manifests.receipt import RunRecord, sign_receipt
@@ -124,7 +129,8 @@ def test_5_one_request_id_in_two_manifests_of_a_run_fails(env: Env, llm: Any, tm
     node = ServingNode(llm, key, out)
     _serve_lines(llm, node, tmp_path, ["a", "b"])
     node.close()
-    a, b = (verify_envelope((out / "receipts" / f"{i}.receipt").read_bytes(), env.trusted).receipt for i in "ab")
+    a, b = (verify_envelope((out / "receipts" / f"{i}.receipt").read_bytes(), env.trusted).receipt
+            for i in "ab")
     again = dataclasses.replace(b, request=dataclasses.replace(b.request, request_id="a"),
                                 run=RunRecord(a.run.run_id, 7))
     (out / "again").mkdir()
@@ -157,7 +163,8 @@ def test_6_a_full_disk_is_a_507_an_error_event_and_unhealthy_and_shutdown_surviv
     body = {"model": MODEL_NAME, "prompt": [3, 1, 4], "max_tokens": 3, "ignore_eos": True}
     with serve_live(tmp_path / "out") as live:
         ok = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30)
-        assert ok.status_code == 200 and ok.json()["receipt"]["digest"] and ok.headers["x-detent-receipt-digest"]
+        assert ok.status_code == 200 and ok.json()["receipt"]["digest"]
+        assert ok.headers["x-detent-receipt-digest"]
         full = _full_disk(monkeypatch)
         r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30)
         assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage", r.text
@@ -168,7 +175,8 @@ def test_6_a_full_disk_is_a_507_an_error_event_and_unhealthy_and_shutdown_surviv
         assert r.status_code == 507
         full[0] = False  # space again: the next write succeeds and health recovers
         live.node.storage_error = None
-        with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+        with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True},
+                          timeout=30) as s:
             full[0] = True
             events = [line for line in s.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and "insufficient_storage" in events[-2], events
@@ -243,8 +251,8 @@ def test_a_freed_disk_is_written_again_without_a_restart_and_health_follows(
 def test_stalled_uploads_time_out_and_never_starve_other_requests(
         env: Env, serve_live: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two clients that send all but the last byte of a 64 MiB body and stall held the whole body budget:
-    every other request got a 503 for as long as they stayed connected, while /health said ok. Small requests are
-    read from a reserve the large ones cannot take, and a stalled body is cut off (408) after the read
+    every other request got a 503 for as long as they stayed connected, while /health said ok. Small requests
+    are read from a reserve the large ones cannot take, and a stalled body is cut off (408) after the read
     timeout, its budget given back."""
     import socket
     import urllib.parse
@@ -295,7 +303,8 @@ def test_stalled_uploads_time_out_and_never_starve_other_requests(
         assert health["status"] == "ok" and health["request_body_bytes"] == 0, health
 
 @pytest.mark.slow
-def test_5_sigkill_under_load_every_answer_has_a_receipt_and_every_receipt_a_manifest(env: Env, tmp_path: Path) -> None:
+def test_5_sigkill_under_load_every_answer_has_a_receipt_and_every_receipt_a_manifest(env: Env,
+                                                                                     tmp_path: Path) -> None:
     """The benchmark's loop (benchmarks/sigkill_serving.py), two kills."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from sigkill_serving import run

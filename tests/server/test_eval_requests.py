@@ -34,17 +34,21 @@ def test_a_batch_of_echo_prompts_gets_one_receipt_each_and_the_bits_of_each_alon
         body = {"prompt": prompts, "echo": True, "max_tokens": max_tokens, "logprobs": 1, "temperature": 0}
         batch = _post(live, body)
         assert [c["index"] for c in batch["choices"]] == list(range(5))
-        assert len(batch["receipt_ids"]) == 5 and batch["receipt_ids"] == [c["receipt_id"] for c in batch["choices"]]
+        assert len(batch["receipt_ids"]) == 5
+        assert batch["receipt_ids"] == [c["receipt_id"] for c in batch["choices"]]
         for prompt, choice in zip(prompts, batch["choices"]):
             alone = _post(live, {**body, "prompt": prompt})["choices"][0]
-            assert alone["logprobs"] == choice["logprobs"]  # fp32 values written exactly: equal JSON, equal bits
+            # fp32 values written exactly: equal JSON, equal bits
+            assert alone["logprobs"] == choice["logprobs"]
             lp = choice["logprobs"]
             assert len(lp["token_logprobs"]) == len(prompt) + max_tokens and lp["token_logprobs"][0] is None
-            assert all(max(top.values()) >= v for v, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]))
+            assert all(max(top.values()) >= v
+                       for v, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]))
             r = _receipt(live, env, choice["receipt_id"])
             assert list(r.request.prompt_token_ids) == prompt and r.request.sampling.max_tokens == max_tokens
             assert list(r.scoring.logprobs) == lp["token_logprobs"][1:len(prompt)]
-            assert [t[0][1] for t in r.scoring.tops] == [max(x.values()) for x in lp["top_logprobs"][1:len(prompt)]]
+            best = [max(x.values()) for x in lp["top_logprobs"][1:len(prompt)]]
+            assert [t[0][1] for t in r.scoring.tops] == best
             assert len(r.output.token_ids) == max_tokens
 
 

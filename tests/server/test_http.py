@@ -34,7 +34,8 @@ def _has_command(name: str) -> bool:
     return any((c.name or c.callback.__name__.replace("_", "-")) == name for c in cli_app.registered_commands)
 
 
-needs_verify = pytest.mark.skipif(not _has_command("verify"), reason="`detent-audit verify` is not registered yet")
+needs_verify = pytest.mark.skipif(not _has_command("verify"),
+                                  reason="`detent-audit verify` is not registered yet")
 
 
 def _receipt(env: Env, out: Path, receipt_id: str) -> Receipt:
@@ -69,7 +70,8 @@ def test_completions_round_trip_through_the_openai_client(env: Env, live: Live) 
     prompt = [rng.randrange(256) for _ in range(12)]
     kwargs: dict[str, Any] = dict(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0.9, top_p=0.95,
                                   seed=1234, logprobs=3,
-                                  extra_body={"top_k": 40, "ignore_eos": True, "return_tokens_as_token_ids": True})
+                                  extra_body={"top_k": 40, "ignore_eos": True,
+                                              "return_tokens_as_token_ids": True})
     raw = client.completions.with_raw_response.create(**kwargs)
     resp = raw.parse()
     assert raw.headers["x-detent-receipt"] == resp.receipt_id == resp.id
@@ -77,14 +79,17 @@ def test_completions_round_trip_through_the_openai_client(env: Env, live: Live) 
     receipt = _receipt(env, live.out, resp.receipt_id)
     ids = _ids(lp.tokens)
     assert receipt.output.token_ids == ids and len(ids) == 8
-    assert receipt.output.logprobs_f32le == _f32le(lp.token_logprobs)  # the response's floats are the fp32 bits
+    # the response's floats are the fp32 bits
+    assert receipt.output.logprobs_f32le == _f32le(lp.token_logprobs)
     assert receipt.request.prompt_token_ids == tuple(prompt) and receipt.request.seed == 1234
     s = receipt.request.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.ignore_eos, s.logprobs) == (0.9, 0.95, 40, 8, True, 3)
+    assert ((s.temperature, s.top_p, s.top_k, s.max_tokens, s.ignore_eos, s.logprobs)
+            == (0.9, 0.95, 40, 8, True, 3))
     assert resp.choices[0].text == live.llm.tokenizer.decode(list(ids))
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert top[token] == value and 3 <= len(top) <= 4  # the top 3, plus the sampled token if not among them
+        # the top 3, plus the sampled token if not among them
+        assert top[token] == value and 3 <= len(top) <= 4
     assert resp.usage.prompt_tokens == 12 and resp.usage.completion_tokens == 8
 
     # the same request streamed: the same bits, chunk by chunk, and a receipt of its own in the last chunk
@@ -119,20 +124,24 @@ def test_chat_round_trip_through_the_openai_client(env: Env, live: Live) -> None
         assert len(values) == 2 and values == sorted(values, reverse=True)
     assert resp.choices[0].message.content == live.llm.tokenizer.decode(list(receipt.output.token_ids))
 
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                 **kwargs))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     finish = chunks[-2]
     assert finish.choices[0].finish_reason == "length" and finish.receipt_id == chunks[-1].receipt_id
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
     again = _receipt(env, live.out, finish.receipt_id)
     assert again.output == receipt.output
     assert again.output.logprobs_f32le == _f32le([e.logprob for e in streamed])
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == resp.choices[0].message.content
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == resp.choices[0].message.content
 
 
 def test_stream_wire_format_and_receipt_before_the_final_chunk(env: Env, live: Live) -> None:
-    body = {"model": MODEL_NAME, "prompt": "The receipt", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL_NAME, "prompt": "The receipt", "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True}
     with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         header = r.headers["x-detent-receipt"]
@@ -163,7 +172,8 @@ BAD = [  # (endpoint, body, param, fragment of the message)
     ("completions", b"{not json", None, "not valid JSON"),
     ("completions", b"[1, 2]", None, "must be a JSON object"),
     ("completions", b"[" * 100_000, None, "not valid JSON"),
-    ("completions", b'{"prompt": "x", "max_tokens": 2, "max_tokens": 900}', None, "'max_tokens' appears more than once"),
+    ("completions", b'{"prompt": "x", "max_tokens": 2, "max_tokens": 900}', None,
+     "'max_tokens' appears more than once"),
     ("completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens", "must be an integer"),
     ("completions", {"prompt": "x", "max_tokens": True}, "max_tokens", "must be an integer"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "must be in [1, inf]"),
@@ -190,7 +200,8 @@ BAD = [  # (endpoint, body, param, fragment of the message)
     ("completions", {"prompt": [1, 99999]}, "prompt", "token ids in [0, 319]"),
     ("completions", {"prompt": [5] * 3000}, "prompt", "maximum context length is 2048 tokens"),
     ("completions", {"prompt": [5] * 2040, "max_tokens": 16}, "max_tokens", "the prompt has 2040 tokens"),
-    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "'stream': true"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "'stream': true"),
     ("completions", {"prompt": "x" * 10**6}, "prompt", "more than that many tokens can hold"),
     ("completions", b'{"prompt": "a\\ud800b"}', "prompt", "lone surrogate"),
     ("chat/completions", {"messages": [{"role": "user", "content": "y" * 10**6}]}, "messages",
@@ -198,7 +209,8 @@ BAD = [  # (endpoint, body, param, fragment of the message)
     ("chat/completions", b'{"messages": [{"role": "user", "content": "\\udfffz"}]}', "messages[0].content",
      "lone surrogate"),
     ("chat/completions", {"messages": []}, "messages", "non-empty list"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, "messages", "leaves no room"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, "messages",
+     "leaves no room"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0]", "'role'"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "a string"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
@@ -216,7 +228,8 @@ def test_bad_requests_get_400_with_a_message(live: Live, endpoint: str, body: An
     r = httpx.post(url, content=body) if isinstance(body, bytes) else httpx.post(url, json=body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert fragment in error["message"] and error["param"] == param and error["type"] == "invalid_request_error"
+    assert fragment in error["message"] and error["param"] == param
+    assert error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
     assert "x-detent-receipt" not in r.headers and not list((live.out / "receipts").iterdir())
 
@@ -238,7 +251,8 @@ def test_an_oversized_body_is_413_while_it_is_read(live: Live, monkeypatch: pyte
     for content in (body, chunked()):
         r = httpx.post(f"{live.url}/v1/completions", content=content, timeout=30)
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
-    small = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "ok", "max_tokens": 2})
+    small = httpx.post(f"{live.url}/v1/completions",
+                       json={"model": MODEL_NAME, "prompt": "ok", "max_tokens": 2})
     assert small.status_code == 200 and len(list(live.out.rglob("*.receipt"))) == 1
 
 
@@ -255,7 +269,8 @@ def test_a_client_that_leaves_frees_its_slot_and_gets_no_receipt(serve_live: Any
 
         live.llm.step = counted
         long = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}
-        with httpx.stream("POST", f"{live.url}/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+        with httpx.stream("POST", f"{live.url}/v1/completions", json={**long, "stream": True},
+                          timeout=30) as r:
             next(r.iter_lines())  # the first chunk, then the client hangs up
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{live.url}/v1/completions", json=long, timeout=1.0)
@@ -299,7 +314,8 @@ def test_a_full_queue_answers_503_at_once(serve_live: Any, tmp_path: Path) -> No
                 assert full.status_code == 503 and full.headers["retry-after"] == "1"
                 assert full.json()["error"]["code"] == "queue_full"
             with pytest.raises(openai.InternalServerError):
-                _client(live).chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}])
+                _client(live).chat.completions.create(model=MODEL_NAME,
+                                                      messages=[{"role": "user", "content": "x"}])
             gate.set()
             answered = first.result()
         assert answered.status_code == 200
@@ -333,8 +349,10 @@ def _mixed_specs() -> list[dict[str, Any]]:
     rng = random.Random(64)
     specs = []
     for i in range(64):
-        spec: dict[str, Any] = {"model": MODEL_NAME, "seed": rng.randrange(2**32), "max_tokens": rng.randint(1, 16),
-                                "temperature": rng.choice([0.0, 0.0, 0.8, 1.0]), "top_p": rng.choice([1.0, 0.9]),
+        spec: dict[str, Any] = {"model": MODEL_NAME, "seed": rng.randrange(2**32),
+                                "max_tokens": rng.randint(1, 16),
+                                "temperature": rng.choice([0.0, 0.0, 0.8, 1.0]),
+                                "top_p": rng.choice([1.0, 0.9]),
                                 "stream": i % 3 == 0}
         extra = {"top_k": rng.choice([0, 20]), "ignore_eos": rng.random() < 0.5}
         if i % 4 == 2:
@@ -371,7 +389,8 @@ async def _serve_mixed(live: Live, specs: list[dict[str, Any]]) -> list[str]:
 
 
 @needs_verify
-def test_64_mixed_concurrent_requests_verify_by_rescore_and_replay(env: Env, serve_live: Any, tmp_path: Path) -> None:
+def test_64_mixed_concurrent_requests_verify_by_rescore_and_replay(env: Env, serve_live: Any,
+                                                                   tmp_path: Path) -> None:
     out = tmp_path / "out"
     with serve_live(out, max_num_seqs=16, max_num_batched_tokens=128) as live:
         receipt_ids = asyncio.run(_serve_mixed(live, _mixed_specs()))
@@ -397,12 +416,14 @@ def test_a_tampered_receipt_fails_at_the_changed_position(env: Env, serve_live: 
     bits[4 * pos] ^= 1  # the lowest mantissa bit of logprob `pos`
     tokens = list(out.token_ids)
     tokens[pos] = (tokens[pos] + 1) % 256
-    cases = {"intact": out, "logprob-bit": OutputRecord(out.token_ids, bytes(bits), out.finish_reason, out.text),
+    cases = {"intact": out,
+             "logprob-bit": OutputRecord(out.token_ids, bytes(bits), out.finish_reason, out.text),
              "token": OutputRecord(tuple(tokens), out.logprobs_f32le, out.finish_reason, decode(tokens))}
     for name, output in cases.items():
         folder = tmp_path / name
         folder.mkdir()
-        (folder / f"{rid}.receipt").write_bytes(sign_receipt(dataclasses.replace(receipt, output=output), key))
+        tampered = dataclasses.replace(receipt, output=output)
+        (folder / f"{rid}.receipt").write_bytes(sign_receipt(tampered, key))
         code, report = _verify(env, str(folder / f"{rid}.receipt"))
         (outcome,) = report["outcomes"]
         if name == "intact":

@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 runner = CliRunner()
 
 
-def test_max_model_len_is_settable_reported_and_defaults_to_the_models_own(env: Env, start_server, tmp_path: Path
-                                                                          ) -> None:
-    assert LLM(EngineConfig(model=str(env.checkpoint))).scheduler.config.max_model_len == 4096  # its positions
+def test_max_model_len_is_settable_reported_and_defaults_to_the_models_own(env: Env, start_server,
+                                                                          tmp_path: Path) -> None:
+    # its positions
+    assert LLM(EngineConfig(model=str(env.checkpoint))).scheduler.config.max_model_len == 4096
     with start_server(tmp_path / "out", max_model_len=1000) as live:
         models = httpx.get(f"{live.url}/v1/models").json()
         assert models["data"][0]["max_model_len"] == 1000
@@ -56,7 +57,8 @@ def test_unseeded_sampled_requests_get_derived_seeds_returned_and_signed(env: En
         greedy = httpx.post(f"{live.url}/v1/completions",
                             json={"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0}).json()
         seeded = httpx.post(f"{live.url}/v1/completions",
-                            json={"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 1.0, "seed": 77}).json()
+                            json={"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 1.0,
+                                  "seed": 77}).json()
         run_id = live.node.run_id
     # the run's and the body's: the same body in one run draws the same seed, another body another
     api = "openai/v1/completions"
@@ -92,7 +94,8 @@ def test_receipt_names_its_model_and_the_verdict_says_which_to_pass(env: Env, ma
     copy.mkdir()
     for f in env.checkpoint.iterdir():
         (copy / f.name).write_bytes(f.read_bytes())
-    res = runner.invoke(app, ["verify", str(tmp_path / "run"), "--key", str(env.key.public_path), "--model", str(copy)])
+    res = runner.invoke(app, ["verify", str(tmp_path / "run"), "--key", str(env.key.public_path),
+                              "--model", str(copy)])
     assert res.exit_code == 0 and "2 ok" in res.stdout, res.output
 
 
@@ -109,11 +112,13 @@ def test_chat_template_from_chat_template_jinja_or_a_named_list(make_checkpoint,
         Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "user", "content": "hi"}])
     (folder / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]"
                                                 "{% endfor %}")
-    assert Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "user", "content": "hi"}]) == "[user:hi]"
+    hi = [{"role": "user", "content": "hi"}]
+    assert Tokenizer.from_pretrained(folder).apply_chat_template(hi) == "[user:hi]"
     (folder / "chat_template.jinja").unlink()
-    config["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "<{{ messages[0]['content'] }}>"}]
+    config["chat_template"] = [{"name": "tool_use", "template": "T"},
+                               {"name": "default", "template": "<{{ messages[0]['content'] }}>"}]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    assert Tokenizer.from_pretrained(folder).apply_chat_template([{"role": "user", "content": "hi"}]) == "<hi>"
+    assert Tokenizer.from_pretrained(folder).apply_chat_template(hi) == "<hi>"
 
 
 def test_gguf_import_refuses_what_it_cannot_read(tmp_path: Path) -> None:

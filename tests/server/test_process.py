@@ -107,7 +107,8 @@ def test_sigterm_finishes_responses_then_writes_the_run_manifest(env: Env, tmp_p
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     (manifest_file,) = (out / "manifests").glob("*.manifest")
     manifest = verify_run_manifest(manifest_file.read_bytes(), env.trusted).manifest
-    receipts = [verify_envelope(p.read_bytes(), env.trusted).receipt for p in (out / "receipts").glob("*.receipt")]
+    receipts = [verify_envelope(p.read_bytes(), env.trusted).receipt
+                for p in (out / "receipts").glob("*.receipt")]
     assert sorted(r.request.request_id for r in receipts) == sorted(b["receipt_id"] for b in answered)
     check_run(manifest, receipts)
     assert not [p for p in os.listdir(out / "receipts") if not p.endswith(".receipt")]
@@ -124,12 +125,14 @@ def test_serve_input_file_offline_and_argument_errors(env: Env, tmp_path: Path) 
     base = ["serve", "--model", str(env.checkpoint),
             "--signing-key", str(env.key.private_path), "--cache-dir",
             str(env.cache_dir), "--manifest-out", str(tmp_path / "out")]
-    result = CliRunner().invoke(app, [*base, "--input", str(requests), "--output", str(tmp_path / "out.jsonl")])
+    result = CliRunner().invoke(app, [*base, "--input", str(requests),
+                                      "--output", str(tmp_path / "out.jsonl")])
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [line["id"] for line in lines] == ["a", "b"]
     for line in lines:
-        verify_envelope((tmp_path / "out" / "receipts" / f"{line['receipt_id']}.receipt").read_bytes(), env.trusted)
+        receipt_file = tmp_path / "out" / "receipts" / f"{line['receipt_id']}.receipt"
+        verify_envelope(receipt_file.read_bytes(), env.trusted)
     assert len(list((tmp_path / "out" / "manifests").glob("*.manifest"))) == 1
 
     result = CliRunner().invoke(app, [*base, "--input", str(requests)])
@@ -158,7 +161,8 @@ def test_serve_input_file_offline_and_argument_errors(env: Env, tmp_path: Path) 
     ('{"prompt": "a\\ud800b"}', "lone surrogate"),
     ('{"prompt": "a", "prompt": "b"}', "appears more than once"),
 ])
-def test_serve_input_refuses_a_bad_line_before_serving(env: Env, tmp_path: Path, line: str, says: str) -> None:
+def test_serve_input_refuses_a_bad_line_before_serving(env: Env, tmp_path: Path, line: str,
+                                                       says: str) -> None:
     """Each bad line is exit 2 with its file:line and the reason, before any request is served or signed (the
     HTTP server's checks, and ids that must name a file inside receipts/)."""
     from typer.testing import CliRunner
@@ -169,7 +173,8 @@ def test_serve_input_refuses_a_bad_line_before_serving(env: Env, tmp_path: Path,
     requests.write_text('{"id": "fine", "prompt": "hello", "max_tokens": 2}\n' + line + "\n")
     result = CliRunner().invoke(app, ["serve", "--model", str(env.checkpoint),
                                       "--signing-key", str(env.key.private_path),
-                                      "--cache-dir", str(env.cache_dir), "--manifest-out", str(tmp_path / "out"),
+                                      "--cache-dir", str(env.cache_dir),
+                                      "--manifest-out", str(tmp_path / "out"),
                                       "--input", str(requests), "--output", str(tmp_path / "out.jsonl")])
     assert result.exit_code == 2, result.output
     assert "prompts.jsonl:2" in result.output and says in result.output, result.output
@@ -179,9 +184,9 @@ def test_serve_input_refuses_a_bad_line_before_serving(env: Env, tmp_path: Path,
 
 
 def test_serve_input_reruns_outputs_and_top_logprobs(env: Env, tmp_path: Path) -> None:
-    """A second run into the same folder is refused up front (its ids have receipts); an output file in a missing
-    folder, an output that is a folder and a manifest folder that is a file are exit 2; `logprobs: n` brings the
-    top-n alternatives into the output line."""
+    """A second run into the same folder is refused up front (its ids have receipts); an output file in a
+    missing folder, an output that is a folder and a manifest folder that is a file are exit 2; `logprobs: n`
+    brings the top-n alternatives into the output line."""
     from typer.testing import CliRunner
 
     from detent_audit.cli import app
@@ -218,10 +223,12 @@ def test_serve_offline_reports_progress_per_answered_request(env: Env, tmp_path:
     from detent_audit.server.offline import serve_offline
 
     requests = tmp_path / "prompts.jsonl"
-    requests.write_text("\n".join(json.dumps({"id": f"q{i}", "prompt_token_ids": [3 + i, 4], "max_tokens": 1 + i})
+    requests.write_text("\n".join(json.dumps({"id": f"q{i}", "prompt_token_ids": [3 + i, 4],
+                                              "max_tokens": 1 + i})
                                   for i in range(5)))
     llm = LLM(env.engine_config())
     node = ServingNode(llm, load_private_key(env.key.private_path), tmp_path / "out")
     calls: list[tuple[int, int]] = []
-    assert serve_offline(llm, node, requests, tmp_path / "out.jsonl", progress=lambda d, t: calls.append((d, t))) == 5
+    assert serve_offline(llm, node, requests, tmp_path / "out.jsonl",
+                         progress=lambda d, t: calls.append((d, t))) == 5
     assert calls == [(i, 5) for i in range(1, 6)]  # one call per answered request, in order, out of the five
