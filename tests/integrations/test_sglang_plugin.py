@@ -52,7 +52,8 @@ def test_stand_in_where_vllm_is_missing_or_shadowed_and_raises_if_called(shadow_
             f"expect_stand_in = {shadow_real} or not real\n"
             "assert (installed != []) == expect_stand_in, installed\n"
             "from vllm._custom_ops import rotary_embedding\n"
-            "assert install_stand_ins(shadow_real=True) == []  # idempotent, and never over an imported vLLM\n"
+            "assert install_stand_ins(shadow_real=True) == []"
+            "  # idempotent, and never over an imported vLLM\n"
             "if expect_stand_in:\n"
             "    try:\n"
             "        rotary_embedding()\n"
@@ -153,7 +154,8 @@ from sglang.srt.managers.scheduler import Scheduler
 
 sched = types.SimpleNamespace(chunked_prefill_size=8192, chunked_req=None)
 def ask(value):
-    return Scheduler.set_internal_state(sched, SetInternalStateReq(server_args={{control.CHUNK_KEY: value}})).updated
+    req = SetInternalStateReq(server_args={{control.CHUNK_KEY: value}})
+    return Scheduler.set_internal_state(sched, req).updated
 assert ask(7) and sched.chunked_prefill_size == 7
 assert not ask(0) and not ask(True) and sched.chunked_prefill_size == 7
 sched.chunked_req = object()
@@ -194,8 +196,9 @@ def test_the_gemm_shapes_are_the_products_sglang_fuses(tmp_path):
 
 
 def test_the_hook_proves_a_gemm_shape_on_first_use_and_anew_at_another_thread_count(monkeypatch):
-    """A pad-form product of a shape the start did not prove is proven on its first call: it then has the pad
-    form's bits; a BLAS whose rows change bits at some M is refused; at two threads the pad form is refused."""
+    """A pad-form product of a shape the start did not prove is proven on its first call: it then has the
+    pad form's bits; a BLAS whose rows change bits at some M is refused; at two threads the pad form is
+    refused."""
     from detent_audit.integrations.sglang.cpu_kernels import CpuHooks
     from detent_audit.kernels import gemm, gemm_probe
     from detent_audit.kernels.params import GemmParams
@@ -246,7 +249,8 @@ def test_the_hook_proves_nothing_during_a_request_on_the_shapes_proven_at_start(
             return pad
 
     proofs: list[tuple] = []
-    monkeypatch.setattr(gemm_probe, "require", lambda params, shapes, dtype, what="": proofs.append(shapes[0]))
+    monkeypatch.setattr(gemm_probe, "require",
+                        lambda params, shapes, dtype, what="": proofs.append(shapes[0]))
     hooks = CpuHooks(Kernels(), attention="torch", proven_shapes=[(40, 24), (24, 40)])
     x, w = torch.randn(3, 24), torch.randn(40, 24)
     assert torch.equal(hooks._linear(x, w, None), gemm.linear(x, w, params=pad))
@@ -260,7 +264,8 @@ def test_the_attention_form_a_receipt_names():
     from detent_audit.integrations.sglang.engine import SglangConfig, attention_names, attention_of_facts
     from detent_audit.kernels import attention_c
 
-    assert attention_of_facts(attention_c.IMPLEMENTATION) == "c" and attention_of_facts("torch-tiled") == "torch"
+    assert attention_of_facts(attention_c.IMPLEMENTATION) == "c"
+    assert attention_of_facts("torch-tiled") == "torch"
     assert attention_of_facts(None) == "torch"  # receipts from before the C form ran the torch one
     assert set(attention_names()) == {"c", "torch"}
     with pytest.raises(BadInput, match="is not one this detent-audit runs"):
@@ -281,16 +286,17 @@ def test_the_limits_travel_to_the_plugin_and_bad_ones_are_refused():
 
 
 def test_the_selection_is_solved_for_the_served_context():
-    """The deployment the CPU kernels are solved for has SGLang's context (within the model's own), its running
-    requests, and at least the default tokens of one step (a smaller chunk set while SGLang runs changes no
-    fact)."""
+    """The deployment the CPU kernels are solved for has SGLang's context (within the model's own), its
+    running requests, and at least the default tokens of one step (a smaller chunk set while SGLang runs
+    changes no fact)."""
     from detent_audit.integrations.hosted import checkpoint_folder
     from detent_audit.integrations.sglang.selection import Limits, cpu_deployment
 
     path = checkpoint_folder("smollm2-135m-instruct", None, "SGLang").path
     for asked, solved in ((4096, 4096), (1 << 20, 8192)):  # SmolLM2's own context: 8192
         engine = cpu_deployment(path, 1, Limits.served(asked, 16, 512)).engine
-        assert (engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens) == (solved, 16, 8192)
+        limits = (engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens)
+        assert limits == (solved, 16, 8192)
     assert Limits.served(4096, 64, 16384).max_num_batched_tokens == 16384
     assert cpu_deployment(path, 1).to_canonical() == cpu_deployment(path, 1, Limits.served(2048, 64, 8192)
                                                                     ).to_canonical()
@@ -304,7 +310,8 @@ class _Req:
         self.sampling_params = type("Params", (), {"max_new_tokens": max_new})()
         self.to_finish = None
 
-    def set_finish_with_abort(self, error_msg: str) -> None:  # SGLang's: status 400, the prompt cut to a token
+    # SGLang's: status 400, the prompt cut to a token
+    def set_finish_with_abort(self, error_msg: str) -> None:
         self.to_finish, self.origin_input_ids = error_msg, [0]
 
 

@@ -208,7 +208,8 @@ def test_resolve_all_reduce_method_stock_varies_plugin_pins(sglang_modules, qwen
     rng = random.Random(3)
     tensors = [torch.empty(rng.randint(1, 8192), 2048, dtype=torch.bfloat16) for _ in range(48)]
     tensors.append(torch.empty(8192, 2048, dtype=torch.bfloat16))
-    stock = [sglang_modules.ps.GroupCoordinator._resolve_outplace_all_reduce_method(group, t) for t in tensors]
+    method = sglang_modules.ps.GroupCoordinator._resolve_outplace_all_reduce_method
+    stock = [method(group, t) for t in tensors]
     assert set(stock) == {"ca", None}  # custom all-reduce for small steps, NCCL above its workspace
     kind, resolve = qwen_hooks.hooks()[cuda_selection.TARGETS["resolve"]]
     pinned = {resolve(group, t) for t in tensors}
@@ -260,7 +261,8 @@ def test_fa3_num_splits_pinned_in_init_and_scheduler_metadata(sglang_modules, qw
     backend.num_attention_heads, backend.num_kv_heads, backend.head_dim = 8, 1, 128
     backend.kv_cache_dtype, backend.page_size, backend.has_softcap = None, 1, False
     for p in points[:50]:
-        fa.FlashAttentionBackend._compute_scheduler_metadata(backend, p["num_seqs"], p["max_seqlen_k"], None, None)
+        fa.FlashAttentionBackend._compute_scheduler_metadata(backend, p["num_seqs"], p["max_seqlen_k"], None,
+                                                             None)
     assert seen == [splits] * 50
     # the compiled selector itself gives the pinned value at every sampled batch
     assert {qwen_hooks.selectors["attention"](**p).num_splits for p in points} == {splits}

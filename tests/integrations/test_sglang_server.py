@@ -1,12 +1,13 @@
-"""Slow tier: the real SGLang CPU server (sglang.Engine, its scheduler in its own process) on SmolLM2-135M-Instruct,
-the plugin loaded through its `sglang.srt.plugins` entry point in the launcher and the scheduler.
+"""Slow tier: the real SGLang CPU server (sglang.Engine, its scheduler in its own process) on
+SmolLM2-135M-Instruct, the plugin loaded through its `sglang.srt.plugins` entry point in the launcher and the
+scheduler.
 
-The battery: detent passes all 35 cells, stock fails some (listed in the test's output). Served -> verified: 16
-mixed requests (greedy, seeded sampling, chat, stop strings, top-n logprobs) through `serve --input` on the
-detent engine, then `verify` rebuilds SGLang from each receipt and re-executes: every receipt OK in rescore and
-in replay mode; a receipt with one flipped logprob bit, or one changed token, fails at that position. Then the
-stock battery. One SGLang runs at a time (about 4.5 GB: launcher, scheduler, detokenizer): the serving engine
-stops before verify starts its own, and verify stops each of its own when it is done.
+The battery: detent passes all 35 cells, stock fails some (listed in the test's output). Served -> verified:
+16 mixed requests (greedy, seeded sampling, chat, stop strings, top-n logprobs) through `serve --input` on the
+detent engine, then `verify` rebuilds SGLang from each receipt and re-executes: every receipt OK in rescore
+and in replay mode; a receipt with one flipped logprob bit, or one changed token, fails at that position. Then
+the stock battery. One SGLang runs at a time (about 4.5 GB: launcher, scheduler, detokenizer): the serving
+engine stops before verify starts its own, and verify stops each of its own when it is done.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def test_the_first_request_of_an_engine_equals_its_hundredth(request) -> None:
         first = fresh.generate([target], params)[0]
     finally:
         fresh.shutdown()
-    detent = request.getfixturevalue("detent")  # one SGLang at a time: the module's starts after this one stops
+    # one SGLang at a time: the module's starts after this one stops
+    detent = request.getfixturevalue("detent")
     detent.generate(others, SamplingParams(temperature=0.0, max_tokens=2))
     later = detent.generate([target], params)[0]
     assert first.token_ids == later.token_ids
@@ -100,10 +102,11 @@ def _requests() -> list[dict]:
     for i in range(16):
         line: dict = {"id": f"r{i}", "max_tokens": 12 + (i % 3) * 6}
         if i % 4 == 0:
-            line["messages"] = [{"role": "user", "content": ["What is 2 + 2?", "Name a color.",
-                                                             "Say hello in French.", "Count to five."][i // 4]}]
+            question = ["What is 2 + 2?", "Name a color.", "Say hello in French.", "Count to five."][i // 4]
+            line["messages"] = [{"role": "user", "content": question}]
         else:
-            line["prompt"] = f"{story} {['rowed', 'sang', 'dreamed', 'walked'][i % 4]} every day. " * (1 + i % 2)
+            verb = ["rowed", "sang", "dreamed", "walked"][i % 4]
+            line["prompt"] = f"{story} {verb} every day. " * (1 + i % 2)
         if i % 2 == 1:
             line.update(temperature=[0.7, 1.0, 0.9][i % 3], top_p=[1.0, 0.9, 0.95][i % 3], seed=100 + i)
         else:
@@ -154,7 +157,8 @@ def _forged(served: dict, folder: Path, what: str) -> Path:
     from detent_audit.runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(SglangConfig(model=MODEL).resolved_model.path)
-    r = dataclasses.replace(r, output=OutputRecord.from_floats(  # the text and the alternatives kept consistent
+    # the text and the alternatives kept consistent
+    r = dataclasses.replace(r, output=OutputRecord.from_floats(
         tokens, lps, r.output.finish_reason, tokenizer.decode(tokens), top_logprobs=r.output.top_logprobs))
     (folder / what).mkdir(parents=True)
     path = folder / what / "r6.receipt"
@@ -163,14 +167,15 @@ def _forged(served: dict, folder: Path, what: str) -> Path:
 
 
 def _verify(served: dict, *paths: Path, mode: str) -> tuple[int, dict]:
-    res = runner.invoke(app, ["verify", *map(str, paths), "--key", str(served["key"].public_path), "--model", MODEL,
-                              "--mode", mode, "--workers", "1", "--json"])
+    res = runner.invoke(app, ["verify", *map(str, paths), "--key", str(served["key"].public_path),
+                              "--model", MODEL, "--mode", mode, "--workers", "1", "--json"])
     return res.exit_code, json.loads(res.stdout)
 
 
 def test_served_receipts_verify_by_rescore_and_forgeries_fail_at_their_position(served, tmp_path) -> None:
     forged = [_forged(served, tmp_path, what) for what in ("logprob", "token")]
-    # the receipts without their run's manifests (a forged receipt is not in them: replay checks the run whole)
+    # the receipts without their run's manifests (a forged receipt is not in them: replay checks the run
+    # whole)
     receipts = sorted((served["out"] / "receipts").glob("*.receipt"))
     code, report = _verify(served, *receipts, *forged, mode="rescore")
     assert code == 1, report
@@ -181,7 +186,8 @@ def test_served_receipts_verify_by_rescore_and_forgeries_fail_at_their_position(
     for o in bits:  # at position 3: where the bits diverge, or the step before re-execution that names it
         assert (o["divergence"] or {}).get("position") == 3 or "output token 3 " in o["message"], o
     # a forgery keeps its run's sequence number and request id: the run then holds each twice, refused too
-    twice = sorted(o["message"].split(" appear")[0].split(" ", 1)[1] for o in failed if o["kind"] == "coverage")
+    twice = sorted(o["message"].split(" appear")[0].split(" ", 1)[1]
+                   for o in failed if o["kind"] == "coverage")
     assert twice == ["request id(s)", "sequence number(s)"], failed
 
 

@@ -2,8 +2,9 @@
 
 Bits are compared with torch.equal on fp32 tensors: a seeded request alone and in a mixed batch of 16; rescore
 against generation; echo's prompt logprobs against a rescore of the prompt; a long prompt across KV tiles,
-alone and after a prefix-cache hit; receipts served by `serve --input --engine vllm` verify in both modes, a flipped logprob bit or token
-fails at its position, a receipt claiming another vLLM version or thread count is not comparable.
+alone and after a prefix-cache hit; receipts served by `serve --input --engine vllm` verify in both modes, a
+flipped logprob bit or token fails at its position, a receipt claiming another vLLM version or thread count
+is not comparable.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def test_the_plugin_is_what_runs(engine) -> None:
 def test_seeded_request_alone_equals_in_a_mixed_batch_of_16(engine) -> None:
     rng = random.Random(5)
     target = _prompt(rng, 37)
-    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=2**64 - 5, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=2**64 - 5, max_tokens=10,
+                            ignore_eos=True)
     engine.reset()
     alone = engine.generate([target], params)[0]
     others = [_prompt(rng, rng.choice((5, 19, 120, 260))) for _ in range(15)]
@@ -109,7 +111,8 @@ def test_rescore_equals_generation(engine) -> None:
     for out, score in zip(outs, scored):
         assert score.tokens == out.token_ids
         assert torch.equal(_fp32(score.logprobs), _fp32(out.logprobs))
-        assert [[t for t, _ in top] for top in score.tops] == [[t for t, _ in top] for top in out.top_logprobs]
+        assert ([[t for t, _ in top] for top in score.tops]
+                == [[t for t, _ in top] for top in out.top_logprobs])
         assert all(torch.equal(_fp32([v for _, v in a]), _fp32([v for _, v in b]))
                    for a, b in zip(score.tops, out.top_logprobs))
     assert len(scored[1].tops) == 9 and all(len(top) == 3 for top in scored[1].tops)
@@ -144,10 +147,10 @@ def test_echo_prompt_logprobs_equal_a_rescore_of_the_prompt(engine) -> None:
 
 
 def test_sampled_rescore_draws_every_position_from_the_one_prefill(engine) -> None:
-    """A sampled request's tokens in rescore are the counter-hash draws from the teacher-forced prefill's logits
-    at each position (not a replay): the output rescored with its prefill cut into 50-token steps draws the
-    same; a token forged at position 3 is refuted there (the draw gives the served token), and the draws after
-    it follow the forged history, which a replay from the prompt could not."""
+    """A sampled request's tokens in rescore are the counter-hash draws from the teacher-forced prefill's
+    logits at each position (not a replay): the output rescored with its prefill cut into 50-token steps draws
+    the same; a token forged at position 3 is refuted there (the draw gives the served token), and the draws
+    after it follow the forged history, which a replay from the prompt could not."""
     rng = random.Random(13)
     prompts = [_prompt(rng, n) for n in (7, 90, 330)]
     params = [SamplingParams(temperature=t, top_p=tp, top_k=tk, seed=s, max_tokens=10, ignore_eos=True)
@@ -260,7 +263,8 @@ def test_http_serve_then_verify_in_vllm(engine, checkpoint, tmp_path, served) ->
         common = {"model": "tiny", "max_tokens": 5, "temperature": [0.0, 0.8][i % 2], "seed": 40 + i,
                   "ignore_eos": True}
         if i % 3 == 2:
-            return "/v1/chat/completions", common | {"messages": [{"role": "user", "content": f"question {i}?"}]}
+            messages = [{"role": "user", "content": f"question {i}?"}]
+            return "/v1/chat/completions", common | {"messages": messages}
         return "/v1/completions", common | {"prompt": _prompt(rng, rng.choice((3, 40, 300)))}
 
     try:
@@ -271,10 +275,13 @@ def test_http_serve_then_verify_in_vllm(engine, checkpoint, tmp_path, served) ->
         bodies = [body(i) for i in range(12)]
         with ThreadPoolExecutor(12) as pool:
             answers = list(pool.map(lambda rb: httpx.post(url + rb[0], json=rb[1], timeout=300), bodies))
-        assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers if a.status_code != 200]
-        # echo (lm-eval's loglikelihood requests): the prompt's logprobs with the answer, and a receipt for them
+        refused = [a.text for a in answers if a.status_code != 200]
+        assert [a.status_code for a in answers] == [200] * 12, refused
+        # echo (lm-eval's loglikelihood requests): the prompt's logprobs with the answer, and a receipt for
+        # them
         echoes = [httpx.post(url + "/v1/completions", json=b, timeout=300) for b in (
-            {"model": "tiny", "prompt": "x y z", "echo": True, "max_tokens": 0, "logprobs": 2, "temperature": 0},
+            {"model": "tiny", "prompt": "x y z", "echo": True, "max_tokens": 0, "logprobs": 2,
+             "temperature": 0},
             {"model": "tiny", "prompt": _prompt(rng, 40), "echo": True, "max_tokens": 2, "logprobs": 1,
              "temperature": 0.0, "ignore_eos": True})]
         assert [e.status_code for e in echoes] == [200, 200], [e.text for e in echoes]
@@ -294,7 +301,8 @@ def test_http_serve_then_verify_in_vllm(engine, checkpoint, tmp_path, served) ->
                            .read_bytes(), load_trusted_keys(key.public_path)).receipt
     flipped = bytearray(echo.scoring.logprobs_f32le)
     flipped[4 * random.Random().randrange(echo.scoring.num_positions)] ^= 1
-    forged = dataclasses.replace(echo, scoring=dataclasses.replace(echo.scoring, logprobs_f32le=bytes(flipped)))
+    scoring = dataclasses.replace(echo.scoring, logprobs_f32le=bytes(flipped))
+    forged = dataclasses.replace(echo, scoring=scoring)
     (tmp_path / "forged").mkdir()
     forged_path = tmp_path / "forged" / f"{echo.request.request_id}.receipt"
     forged_path.write_bytes(sign_receipt(forged, load_private_key(key.private_path)))
@@ -335,7 +343,8 @@ def test_served_receipts_verify_in_vllm(served) -> None:
     for mode in ("rescore", "replay"):
         code, report = _verify(served, served["out"], extra=("--mode", mode))
         assert code == 0, report["outcomes"][:2]
-        assert report["counts"] == {"OK": 34, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}  # 32 receipts, 2 manifests
+        # 32 receipts, 2 manifests
+        assert report["counts"] == {"OK": 34, "FAIL": 0, "BAD": 0, "NOT_COMPARABLE": 0}
 
 
 def _forged(served: dict, tmp_path: Path, name: str, *, change_output=None, change_facts=None) -> Path:
@@ -386,8 +395,8 @@ def test_another_vllm_version_or_thread_count_is_not_comparable(served, tmp_path
     code, report = _verify(served, _forged(served, tmp_path, field.replace(".", "-"), change_facts=change))
     assert code == 3
     outcome = report["outcomes"][0]
-    # a receipt claiming 2 threads is rebuilt at 2: the deployment solved for them differs from what it signed,
-    # or its tuple's GEMM form (the pad form, proven at 1 thread) is refused at 2
+    # a receipt claiming 2 threads is rebuilt at 2: the deployment solved for them differs from what it
+    # signed, or its tuple's GEMM form (the pad form, proven at 1 thread) is refused at 2
     expected = ({"engine.version"} if field == "engine.version"
                 else {"runtime.num_threads", "deployment.cpu.num_threads", "tuple"})
     assert outcome["status"] == "NOT_COMPARABLE" and expected & set(outcome["fields"]), outcome
@@ -417,9 +426,9 @@ def test_verify_json_on_vllm_receipts_prints_one_document_on_stdout(served) -> N
     import sys
 
     receipt = served["out"] / "receipts" / "r0.receipt"
-    res = subprocess.run([sys.executable, "-m", "detent_audit.cli", "--verbose", "verify", str(receipt), "--key",
-                          str(served["key"].public_path), "--model", str(served["ckpt"]), "--workers", "1",
-                          "--json"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-m", "detent_audit.cli", "--verbose", "verify", str(receipt),
+                          "--key", str(served["key"].public_path), "--model", str(served["ckpt"]),
+                          "--workers", "1", "--json"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["counts"]["OK"] == 1  # the whole of stdout is the one document
     # vLLM's own output (its log lines where its logging is configured, its loader's progress) went to stderr
@@ -435,14 +444,17 @@ def test_vllms_log_lines_show_only_with_verbose(checkpoint, tmp_path) -> None:
     import sys
 
     key = generate_key(tmp_path / "node.key")
-    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 2}))
+    request = {"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 2}
+    (tmp_path / "in.jsonl").write_text(json.dumps(request))
     vllm_line = re.compile(r"\b(WARNING|INFO) \d\d-\d\d [\d:]+ \[")
     for verbose in (False, True):
         res = subprocess.run([sys.executable, "-m", "detent_audit.cli", *(["--verbose"] if verbose else []),
                               "serve", "--engine", "vllm", "--model", str(checkpoint), "--signing-key",
                               str(key.private_path), "--manifest-out", str(tmp_path / f"out-{verbose}"),
-                              "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"{verbose}.jsonl"),
-                              "--cache-dir", str(tmp_path / "jit")], capture_output=True, text=True, timeout=900)
+                              "--input", str(tmp_path / "in.jsonl"),
+                              "--output", str(tmp_path / f"{verbose}.jsonl"),
+                              "--cache-dir", str(tmp_path / "jit")],
+                             capture_output=True, text=True, timeout=900)
         assert res.returncode == 0, res.stderr[-2000:]
         lines = [line for line in (res.stdout + res.stderr).splitlines() if vllm_line.search(line)]
         warnings = [line for line in lines if " WARNING " in line]

@@ -43,8 +43,9 @@ def test_flash_attention_schedules_the_pinned_split_count_for_every_batch(monkey
     from vllm.v1.attention.backends import flash_attn
 
     seen: list[int] = []
+    # CUDA-only import
     monkeypatch.setattr(flash_attn, "get_scheduler_metadata",
-                        lambda **kw: seen.append(kw["num_splits"]) or torch.zeros(1), raising=False)  # CUDA-only import
+                        lambda **kw: seen.append(kw["num_splits"]) or torch.zeros(1), raising=False)
     builder = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"), kv_cache_dtype=torch.bfloat16,
                               num_heads_q=32, dcp_world_size=1, num_heads_kv=8, headdim=128, block_size=16,
                               aot_sliding_window=None)

@@ -36,12 +36,14 @@ def _cases() -> tuple[list[int], list[tuple[str, list[list[int]], int]]]:
     rng = random.Random(1)
     target = _prompt(rng, 100)
     long_one, three = [_prompt(rng, 200)], [_prompt(rng, 50) for _ in range(3)]
-    return target, [("a 200-token neighbour before it", long_one, 1), ("a 200-token neighbour after it", long_one, 0),
+    return target, [("a 200-token neighbour before it", long_one, 1),
+                    ("a 200-token neighbour after it", long_one, 0),
                     ("three 50-token neighbours before it", three, 3)]
 
 
 def _differing_here(mode: str, checkpoint: str, cache_dir: str) -> list[str]:
-    """The cases whose target bits differ from the target alone, on a fresh engine of `mode` at two threads."""
+    """The cases whose target bits differ from the target alone, on a fresh engine of `mode` at two
+    threads."""
     from detent_audit.integrations.vllm.engine import VllmConfig, VllmEngine
 
     engine = VllmEngine(VllmConfig(model=checkpoint, mode=mode, num_threads=2, max_model_len=1024,
@@ -54,8 +56,9 @@ def _differing_here(mode: str, checkpoint: str, cache_dir: str) -> list[str]:
     for name, others, row in cases:
         engine.reset()
         out = engine.generate(others[:row] + [target] + others[row:], [GREEDY] * (len(others) + 1))[row]
-        if out.token_ids != alone.token_ids or not torch.equal(torch.tensor(out.logprobs, dtype=torch.float32),
-                                                                torch.tensor(alone.logprobs, dtype=torch.float32)):
+        f32 = torch.float32
+        if out.token_ids != alone.token_ids or not torch.equal(torch.tensor(out.logprobs, dtype=f32),
+                                                                torch.tensor(alone.logprobs, dtype=f32)):
             differing.append(name)
     engine.reset()
     return differing
@@ -76,12 +79,14 @@ def checkpoint(make_checkpoint):
 
 
 def test_stock_vllm_at_two_threads_changes_bits_with_the_batch(checkpoint, tmp_path_factory) -> None:
-    assert _differing("stock", checkpoint, tmp_path_factory), "stock vLLM kept every bit: the detent test is vacuous"
+    differing = _differing("stock", checkpoint, tmp_path_factory)
+    assert differing, "stock vLLM kept every bit: the detent test is vacuous"
 
 
 def test_detent_at_two_threads_keeps_the_bits_of_the_same_requests(checkpoint, tmp_path_factory) -> None:
     assert _differing("detent", checkpoint, tmp_path_factory) == []
 
 
-if __name__ == "__main__":  # one engine in this process: python test_vllm_threads.py MODE CHECKPOINT CACHE_DIR
+# one engine in this process: python test_vllm_threads.py MODE CHECKPOINT CACHE_DIR
+if __name__ == "__main__":
     print(json.dumps(_differing_here(*sys.argv[1:4])), flush=True)

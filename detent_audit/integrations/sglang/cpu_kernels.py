@@ -82,12 +82,14 @@ class CpuHooks:
         return linear(x, weight, bias, params=params)
 
     def _prove(self, params: GemmParams, weight: torch.Tensor) -> None:
-        """The pad and row forms rest on the BLAS: a weight shape they were not proven on at start (none of the
-        model's) is proven now, before its first product, once (`GemmFormNotInvariant` where it fails:
+        """The pad and row forms rest on the BLAS: a weight shape they were not proven on at start (none of
+        the model's) is proven now, before its first product, once (`GemmFormNotInvariant` where it fails:
         SGLang's scheduler then stops, serving nothing)."""
-        key = (params, *weight.shape, weight.dtype, torch.get_num_threads())  # a new thread count is proven anew
+        # a new thread count is proven anew
+        key = (params, *weight.shape, weight.dtype, torch.get_num_threads())
         if key not in self._proven:
-            gemm_probe.require(params, [tuple(weight.shape)], weight.dtype, what=f"the tuple's ({params.label})")
+            gemm_probe.require(params, [tuple(weight.shape)], weight.dtype,
+                               what=f"the tuple's ({params.label})")
             self._proven.add(key)
 
     def linear_apply(self, method: Any, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None):
@@ -107,10 +109,12 @@ class CpuHooks:
         backend.swa_out_cache_loc = None
         backend.forward_metadata = _metadata(backend, forward_batch)
 
-    def forward_extend(self, backend: Any, q, k, v, layer: Any, forward_batch: Any, save_kv_cache: bool = True):
+    def forward_extend(self, backend: Any, q, k, v, layer: Any, forward_batch: Any,
+                       save_kv_cache: bool = True):
         return self._attend(backend, q, k, v, layer, forward_batch, save_kv_cache)
 
-    def forward_decode(self, backend: Any, q, k, v, layer: Any, forward_batch: Any, save_kv_cache: bool = True):
+    def forward_decode(self, backend: Any, q, k, v, layer: Any, forward_batch: Any,
+                       save_kv_cache: bool = True):
         return self._attend(backend, q, k, v, layer, forward_batch, save_kv_cache)
 
     def _attend(self, backend: Any, q, k, v, layer: Any, forward_batch: Any, save_kv_cache: bool):
@@ -118,8 +122,8 @@ class CpuHooks:
 
         if layer.is_cross_attention or layer.qk_head_dim != layer.v_head_dim or (
                 layer.sliding_window_size is not None and layer.sliding_window_size > -1):
-            raise NotImplementedError("detent's SGLang attention covers causal decoder self-attention without "
-                                      "a sliding window")
+            raise NotImplementedError("detent's SGLang attention covers causal decoder self-attention "
+                                      "without a sliding window")
         pool = backend.token_to_kv_pool
         if save_kv_cache and k is not None and v is not None:
             pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
@@ -131,8 +135,8 @@ class CpuHooks:
         v_cache = pool.get_value_buffer(layer.layer_id)
         params = self.kernels.select_attention(num_seqs=meta.num_seqs, max_seqlen_q=meta.max_seqlen_q,
                                                max_seqlen_k=meta.max_seqlen_k)
-        out = self.attention(q.reshape(-1, heads, dim).float(), k_cache.unsqueeze(1), v_cache.unsqueeze(1), meta,
-                             scale=layer.scaling, params=params)
+        out = self.attention(q.reshape(-1, heads, dim).float(), k_cache.unsqueeze(1), v_cache.unsqueeze(1),
+                             meta, scale=layer.scaling, params=params)
         return out.reshape(-1, heads * dim).to(q.dtype)
 
     # ---- sampling
@@ -185,9 +189,11 @@ def _metadata(backend: Any, forward_batch: Any) -> AttentionMetadata:
         query_lens = forward_batch.extend_seq_lens.to(torch.int64).cpu()
     context = seq_lens - query_lens
     max_k = int(seq_lens.max()) if num_seqs else 0
-    tables = backend.req_to_token_pool.req_to_token[forward_batch.req_pool_indices.to(torch.int64), :max(max_k, 1)]
+    rows = forward_batch.req_pool_indices.to(torch.int64)
+    tables = backend.req_to_token_pool.req_to_token[rows, :max(max_k, 1)]
     cu = torch.zeros(num_seqs + 1, dtype=torch.int64)
     cu[1:] = query_lens.cumsum(0)
     return AttentionMetadata(cu_seqlens_q=cu, context_lens=context, seq_lens=seq_lens,
-                             block_tables=tables.to(torch.int64), slot_mapping=forward_batch.out_cache_loc.to(torch.int64),
+                             block_tables=tables.to(torch.int64),
+                             slot_mapping=forward_batch.out_cache_loc.to(torch.int64),
                              max_seqlen_q=int(query_lens.max()) if num_seqs else 0, max_seqlen_k=max_k)

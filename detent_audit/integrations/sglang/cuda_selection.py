@@ -8,8 +8,9 @@ Written against sglang 0.5.21's source and checked on a CPU by calling SGLang's 
   call and to `get_scheduler_metadata`. The hook sets both to the selector's `num_splits`, which the pinned
   tuple makes one constant over the deployment's runtime domain (checked on a seeded sample of it; a tuple
   whose split count still follows the batch is refused: SGLang passes one value to every call).
-- fused MoE (`srt/layers/moe/moe_runner/triton_utils/fused_moe_triton_config.py`): `try_get_optimal_moe_config`
-  returns the selector's config for M (the pinned row), and the down projection's config with it.
+- fused MoE (`srt/layers/moe/moe_runner/triton_utils/fused_moe_triton_config.py`):
+  `try_get_optimal_moe_config` returns the selector's config for M (the pinned row), and the down
+  projection's config with it.
 - all-reduce (`srt/distributed/parallel_state.py`, `custom_all_reduce_v2.py`):
   `GroupCoordinator._resolve_outplace_all_reduce_method` returns "ca" when the pinned path is custom
   all-reduce and None (NCCL, in place) otherwise; `CustomAllReduceV2._pick_config` returns the pinned
@@ -90,8 +91,9 @@ class CudaHooks:
         rng = random.Random(0)
         values = {sel(**_sample_inputs(self.deployment, rng)).num_splits for _ in range(SAMPLE)}
         if len(values) != 1:
-            raise BadInput(f"the tuple's attention assignment {self.tuple['attention']} leaves FA3's num_splits "
-                           f"following the batch ({sorted(values)[:8]}...): SGLang passes one value to every call",
+            raise BadInput(f"the tuple's attention assignment {self.tuple['attention']} leaves FA3's "
+                           f"num_splits following the batch ({sorted(values)[:8]}...): SGLang passes one "
+                           "value to every call",
                            remedy="commit a tuple with split_stride 0 and a pinned num_splits")
         return int(values.pop())
 
@@ -171,8 +173,8 @@ class CudaHooks:
                 if path not in _V2_ALGOS:
                     return None
                 algo, multicast = _V2_ALGOS[path]
-                return AllReduceConfig(AllReduceAlgo[algo], use_graph=can_use_graph and algo != "ONE_SHOT_PUSH",
-                                       use_multicast=multicast)
+                graph = can_use_graph and algo != "ONE_SHOT_PUSH"
+                return AllReduceConfig(AllReduceAlgo[algo], use_graph=graph, use_multicast=multicast)
 
             out[TARGETS["resolve"]] = ("REPLACE", resolve)
             out[TARGETS["pick"]] = ("REPLACE", pick)

@@ -506,7 +506,8 @@ class SglangEngine(HostedEngine[SglangRequest]):
                 raise BadInput("rescore needs at least one output token")
             ids = [int(t) for t in prompt] + [int(t) for t in output]
             if len(ids) > self._max_len:
-                raise BadInput(f"prompt and output have {len(ids)} tokens, beyond the context of {self._max_len}")
+                raise BadInput(f"prompt and output have {len(ids)} tokens, beyond the context of "
+                               f"{self._max_len}")
             greedy = p.temperature == 0
             # a sampled request is scored with its own sampling (one new token, never compared), so the plugin
             # draws at each position what generation drew there
@@ -518,13 +519,14 @@ class SglangEngine(HostedEngine[SglangRequest]):
                 input_ids=ids, sampling_params=sampling, rid=rid,
                 # from the last prompt token: SGLang then matches at most that much cached prefix, so the
                 # logits before the first output token are computed, not served from the radix cache
-                return_logprob=True, logprob_start_len=len(prompt) - 1, top_logprobs_num=max(1, p.logprobs or 0))))
+                return_logprob=True, logprob_start_len=len(prompt) - 1,
+                top_logprobs_num=max(1, p.logprobs or 0))))
         out = []
         for i, (future, (prompt, output)) in enumerate(zip(scored, pairs, strict=True)):
             n = params[i].logprobs or 0
             logprobs, tops = _scored_positions(future.result()["meta_info"], max(1, n))
-            # SGLang leaves the first position of the range unscored (its logprob is None: here the last prompt
-            # token's), so the positions scored are the output's
+            # SGLang leaves the first position of the range unscored (its logprob is None: here the last
+            # prompt token's), so the positions scored are the output's
             expected = len(output)
             if len(logprobs) != expected:
                 raise RuntimeError(f"SGLang scored {len(logprobs)} positions, expected {expected}")

@@ -11,12 +11,8 @@ scheduler's report lists every hook (`detent_audit.integrations.sglang.engine`).
 In every mode the plugin installs the stand-in SGLang needs on a CPU (`stand_ins`) and, started by
 detent-audit, the scheduler control (`control`: the chunked-prefill size set without a restart). In detent
 mode it adds the CPU kernels (`cpu_kernels`), the scheduler's refusal of a request beyond their context
-(`guard`) and, with a deployment, the CUDA selection points pinned from the tuple (`cuda_selection`). Stock
-mode changes no kernel.
-In every mode the plugin installs the stand-in SGLang needs on a CPU (`stand_ins`) and, started by detent-audit,
-the scheduler control (`control`: the chunked-prefill size set without a restart). In detent mode it adds the
-CPU kernels (`cpu_kernels`), a rescore's draws (`rescore`) and, with a deployment, the CUDA selection points
-pinned from the tuple (`cuda_selection`). Stock mode changes no kernel.
+(`guard`), a rescore's draws (`rescore`) and, with a deployment, the CUDA selection points pinned from the
+tuple (`cuda_selection`). Stock mode changes no kernel.
 """
 
 from __future__ import annotations

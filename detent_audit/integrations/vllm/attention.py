@@ -26,7 +26,8 @@ from detent_audit.kernels.attention_metadata import AttentionMetadata
 
 
 def kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's cache tensor as (k_cache, v_cache), each [num_blocks, block_size, Hkv, D] (views, no copy)."""
+    """A layer's cache tensor as (k_cache, v_cache), each [num_blocks, block_size, Hkv, D] (views, no
+    copy)."""
     num_blocks, kv_heads, block_size, two_d = kv_cache.shape
     if not kv_cache.is_contiguous():
         raise RuntimeError("the detent CPU attention needs a contiguous KV cache tensor per layer")
@@ -72,7 +73,8 @@ class DetentCPUAttentionImpl(CPUAttentionBackendImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization is not supported by the detent CPU attention")
+            raise NotImplementedError("fused output quantization is not supported by the detent CPU "
+                                      "attention")
         if attn_metadata is None:  # warm-up
             return output
         n = attn_metadata.num_actual_tokens
@@ -82,7 +84,8 @@ class DetentCPUAttentionImpl(CPUAttentionBackendImpl):
         if self.c_attention is None:
             out = self.kernels.attention(q, k_cache, v_cache, meta, scale=self.scale)
         else:
-            out = self.c_attention(q, k_cache, v_cache, meta, scale=self.scale, params=params, positions=positions)
+            out = self.c_attention(q, k_cache, v_cache, meta, scale=self.scale, params=params,
+                                   positions=positions)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
 

@@ -21,7 +21,8 @@ import functools
 from typing import Any
 
 ENGINE_ARGS = {"disable_custom_all_reduce": True}
-ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_USE_NCCL_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0"}
+ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_USE_NCCL_SYMM_MEM": "0",
+       "VLLM_ALLREDUCE_USE_FLASHINFER": "0"}
 
 _restore: list[tuple[Any, str, Any]] = []
 
@@ -67,6 +68,7 @@ def pin_fused_moe(w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], top_k: i
     import vllm.model_executor.layers.fused_moe as fused_moe_pkg
     from vllm.model_executor.layers.fused_moe import fused_moe
 
-    config = dict(fused_moe.try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, pinned_m, block_shape))
+    config = dict(fused_moe.try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, pinned_m,
+                                                       block_shape))
     _replace(fused_moe_pkg, "_config", config)
     return config

@@ -401,7 +401,8 @@ class VllmEngine(HostedEngine[VllmRequest]):
 
     def output_of(self, seq: RequestHandle) -> RequestOutput:
         seq = self.own(seq)
-        text, _ = output_text(self.tokenizer.decode, seq.token_ids, seq.params.stop)  # cut before a stop string
+        # cut before a stop string
+        text, _ = output_text(self.tokenizer.decode, seq.token_ids, seq.params.stop)
         out = RequestOutput(seq.request_id, list(seq.prompt_token_ids), list(seq.token_ids),
                             text, list(seq.output_logprobs),
                             seq.finish_reason, list(seq.top), seq.num_cached_tokens)

@@ -1,10 +1,11 @@
-"""The vLLM plugin (entry point `vllm.general_plugins: detent`): batch-invariant kernels inside vLLM's CPU build.
+"""The vLLM plugin (entry point `vllm.general_plugins: detent`): batch-invariant kernels inside vLLM's CPU
+build.
 
 vLLM calls `register()` once in every process it starts (the front end, the engine core, each worker) before
 the model is built. It installs, without a monkeypatch of any kernel:
-- the CPU attention backend (`AttentionBackendEnum.CPU_ATTN`, through vLLM's own `register_backend`) replaced by
-  `attention.DetentCPUAttentionBackend`, whose impl runs the project's paged attention (KV tiles and splits on
-  absolute positions: prefill, chunked prefill, decode and prefix hits reduce in the same order);
+- the CPU attention backend (`AttentionBackendEnum.CPU_ATTN`, through vLLM's own `register_backend`) replaced
+  by `attention.DetentCPUAttentionBackend`, whose impl runs the project's paged attention (KV tiles and splits
+  on absolute positions: prefill, chunked prefill, decode and prefix hits reduce in the same order);
   that attention is the C form (`kernels/attention_c.py`, `ENV_ATTENTION=c`, the default) or the torch form;
 - the unquantized CPU GEMM dispatch (`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`, which
   sets `layer.cpu_linear` at load time) wrapped, per `ENV_GEMM`: `chunked` (the default) runs every linear
@@ -19,8 +20,9 @@ the model is built. It installs, without a monkeypatch of any kernel:
   process holding the N partials adds them alike. vLLM's own all-reduce is gloo's `all_reduce` where its C
   extension has no shared-memory ops (its AVX2 build, this project's CI CPU), else
   `torch.ops._C.shm_allreduce` (csrc/cpu/shm.cpp), in which rank r adds its own partial first, then ranks
-  r+1, r+2, ... (mod N) in float32: at N >= 3 the ranks add in different orders, so their "replicated" hidden states may differ in their last
-  bits; gloo's ring sums each chunk of the message from another rank, chunks sized by the step's tokens.
+  r+1, r+2, ... (mod N) in float32: at N >= 3 the ranks add in different orders, so their "replicated"
+  hidden states may differ in their last bits; gloo's ring sums each chunk of the message from another rank,
+  chunks sized by the step's tokens.
 Seeded sampling is the `sampler.DetentSampler` logits processor, which `VllmEngine` passes to vLLM; a
 teacher-forced rescore's output positions (logprob, top-n and the draw) are scored by
 `sampler.score_rescore_rows`, which the plugin runs at every step just before vLLM's prompt-logprobs point (a
@@ -92,9 +94,9 @@ def gemm_choice() -> str:
 
 
 def attention_choice() -> str:
-    """Which form of the batch-invariant attention the engine runs: `c` (kernels/attention_c.py, compiled here,
-    fixed order by construction) or `torch` (kernels/attention.py). VllmEngine resolves it and the facts record
-    it: the two forms reduce in different orders, so their bits differ."""
+    """Which form of the batch-invariant attention the engine runs: `c` (kernels/attention_c.py, compiled
+    here, fixed order by construction) or `torch` (kernels/attention.py). VllmEngine resolves it and the facts
+    record it: the two forms reduce in different orders, so their bits differ."""
     choice = os.environ.get(ENV_ATTENTION) or "c"
     if choice not in ATTENTIONS:
         raise RuntimeError(f"{ENV_ATTENTION}={choice!r}: use one of {', '.join(ATTENTIONS)}")
@@ -128,7 +130,8 @@ def _with_rescore_scores(original: Any) -> Any:
     from detent_audit.integrations.vllm import sampler
 
     @functools.wraps(original)
-    def prompt_logprobs(runner: Any, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]) -> Any:
+    def prompt_logprobs(runner: Any, hidden_states: torch.Tensor,
+                        num_scheduled_tokens: dict[str, int]) -> Any:
         # per request, not per process: only a request that VllmEngine's detent rescore marked is scored
         sampler.score_rescore_rows(runner, hidden_states, num_scheduled_tokens)
         return original(runner, hidden_states, num_scheduled_tokens)
@@ -175,11 +178,13 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN,
                      "detent_audit.integrations.vllm.attention.DetentCPUAttentionBackend")
     if not hasattr(layer_utils.dispatch_cpu_unquantized_gemm, "detent_original"):
-        layer_utils.dispatch_cpu_unquantized_gemm = _detent_gemm_dispatch(layer_utils.dispatch_cpu_unquantized_gemm)
+        dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+        layer_utils.dispatch_cpu_unquantized_gemm = _detent_gemm_dispatch(dispatch)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if not hasattr(GPUModelRunner._get_prompt_logprobs_dict, "detent_original"):
-        GPUModelRunner._get_prompt_logprobs_dict = _with_rescore_scores(GPUModelRunner._get_prompt_logprobs_dict)
+        original = GPUModelRunner._get_prompt_logprobs_dict
+        GPUModelRunner._get_prompt_logprobs_dict = _with_rescore_scores(original)
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
     if not hasattr(CpuCommunicator.all_reduce, "detent_original"):

@@ -86,7 +86,8 @@ class Scored(NamedTuple):
 _scores: dict[str, dict[int, Scored]] = {}  # tag -> absolute position -> its score (this process)
 
 
-def score_rescore_rows(runner: Any, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]) -> None:
+def score_rescore_rows(runner: Any, hidden_states: torch.Tensor,
+                       num_scheduled_tokens: dict[str, int]) -> None:
     """In vLLM's model runner, for this step's requests that carry `RESCORE_KEY`: each output position (from
     `prompt_len` on) that this step's rows predict, scored. Row j of a request is its token at absolute
     position `num_computed_tokens + j`, whose hidden state predicts position + 1 (vLLM's own prompt-logprobs
@@ -97,7 +98,8 @@ def score_rescore_rows(runner: Any, hidden_states: torch.Tensor, num_scheduled_t
         spec = (params.extra_args or {}).get(RESCORE_KEY) if params is not None and scheduled else None
         if not spec or state.prompt_token_ids is None:
             continue
-        # the request is prompt + output but its last token: its rows from prompt_len - 1 on predict the output
+        # the request is prompt + output but its last token: its rows from prompt_len - 1 on predict the
+        # output
         start, ids = state.num_computed_tokens, list(state.prompt_token_ids) + [int(spec["last"])]
         first = max(start, int(spec["prompt_len"]) - 1)
         stop = min(start + scheduled, len(ids) - 1)
