@@ -1,5 +1,5 @@
-"""Determinism over the OpenAI API: every logprob a server returns for a request is the same float, bit for bit,
-whether the request runs alone or in a burst of 8 beside others.
+"""Determinism over the OpenAI API: every logprob a server returns for a request is the same float, bit for
+bit, whether the request runs alone or in a burst of 8 beside others.
 
 The requests (the model's own tokenizer counts them): short prompts, four prompts sharing a ~300-token prefix
 (so a burst has prefix-cache hits next to misses) and one ~2,600-token document; greedy and seeded sampling,
@@ -159,7 +159,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         url = args.url
         if url is None:
-            proc, url = start_server(args.engine, args.model, Path(work), out / f"{name}-serve.log", args.mode)
+            log = out / f"{name}-serve.log"
+            proc, url = start_server(args.engine, args.model, Path(work), log, args.mode)
         try:
             model = args.model_name or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             report = {"engine": name, "model": model,

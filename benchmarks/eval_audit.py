@@ -225,7 +225,8 @@ def main() -> None:
 
     if not args.only_concurrency:
         # (1) and (3, detent): one detent server
-        proc, url = serve(args.model, key, out / "detent-node", "detent", args.name, args.threads, args.engine)
+        node = out / "detent-node"
+        proc, url = serve(args.model, key, node, "detent", args.name, args.threads, args.engine)
         try:
             summary["lm_eval_seconds"] = lm_eval(url, model, args.name, out / "lm-eval", args.tasks,
                                                  limit=args.limit, batch_size=args.batch_size, concurrent=1)

@@ -8,10 +8,11 @@ from what the test prints (it exits 0 either way): `single` passes with one uniq
 `radix_cache` with "TEST PASSED", `p_vs_d` with every sequence's tokens and logprobs matching between
 prefill and decode. Prints one JSON document.
 
-The model: `radix_cache` sends 100 token ids drawn from 100..50000 (seed 42), beyond SmolLM2's 49,152: SGLang's
-scheduler (stock too) then fails with an IndexError in the embedding and its server stops. So the model is
-SmolLM2-135M-Instruct with its (tied) embedding padded by zero rows to `PADDED_VOCAB` (`padded_checkpoint`):
-every real token's embedding and weights as they were, the padded ids' logits 0 (never the greedy token).
+The model: `radix_cache` sends 100 token ids drawn from 100..50000 (seed 42), beyond SmolLM2's 49,152:
+SGLang's scheduler (stock too) then fails with an IndexError in the embedding and its server stops. So the
+model is SmolLM2-135M-Instruct with its (tied) embedding padded by zero rows to `PADDED_VOCAB`
+(`padded_checkpoint`): every real token's embedding and weights as they were, the padded ids' logits 0 (never
+the greedy token).
 
     python benchmarks/sglang_deterministic.py --out benchmarks/results/sglang-deterministic/run.json
 """
@@ -99,7 +100,8 @@ class Server:
         of SGLang writes which of the plugin's hooks it applied."""
         env, argv = server_launch(model, plugin, max_model_len)
         if plugin and report_dir is not None:
-            env["DETENT_SGLANG"] = json.dumps({**json.loads(env["DETENT_SGLANG"]), "report_dir": str(report_dir)})
+            plugin = {**json.loads(env["DETENT_SGLANG"]), "report_dir": str(report_dir)}
+            env["DETENT_SGLANG"] = json.dumps(plugin)
         argv = [*argv, *extra]
         self.port, self.log = port, log
         self.command = " ".join(f"{k}=<...>" if k == "DETENT_SGLANG" else f"{k}={v}" for k, v in env.items())
@@ -145,7 +147,8 @@ def verdict(mode: str, output: str) -> tuple[bool, str]:
     """Whether the mode passed, and the figures it printed (see the module docstring)."""
     if mode == "single":
         found = re.findall(r"Total samples: (\d+), Unique samples: (\d+)", output)
-        return bool(found) and found[-1][1] == "1", f"unique texts {found[-1][1]} of {found[-1][0]}" if found else ""
+        detail = f"unique texts {found[-1][1]} of {found[-1][0]}" if found else ""
+        return bool(found) and found[-1][1] == "1", detail
     if mode == "prefix":
         found = re.findall(r"prefix length (\d+): total samples: (\d+), Unique samples: (\d+)", output)
         texts = bool(found) and all(int(u) <= 1 for _, _, u in found)
@@ -209,7 +212,8 @@ def main() -> None:
     model = str(padded_checkpoint(args.model, args.checkpoints / f"{args.model}-vocab{PADDED_VOCAB}"))
     runs = [run_server(model, name == "detent", args.port, args.logs / f"sglang-server-{name}.log",
                        args.n_trials, args.max_new_tokens) for name in args.servers.split(",")]
-    doc = {"model": f"{args.model}, embedding padded to {PADDED_VOCAB}", "n_trials": args.n_trials, "max_new_tokens": args.max_new_tokens,
+    doc = {"model": f"{args.model}, embedding padded to {PADDED_VOCAB}", "n_trials": args.n_trials,
+           "max_new_tokens": args.max_new_tokens,
            "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(), "servers": runs,
            "total_s": round(time.time() - began, 1)}
     text = json.dumps(doc, indent=1)

@@ -71,7 +71,8 @@ def streamed(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
 
 
 def long_prompt(url: str, length: int, seed: int) -> dict[str, Any]:
-    """A prompt of `length` random token ids, 4 tokens out: the status, the prompt tokens counted, the time."""
+    """A prompt of `length` random token ids, 4 tokens out: the status, the prompt tokens counted, the
+    time."""
     rng = random.Random(seed)
     ids = [rng.randrange(100, 40000) for _ in range(length)]
     began = time.monotonic()
