@@ -109,8 +109,11 @@ class Progress:
         if self._bar is not None:
             self._bar.update(self._task, completed=done, total=self.total)
             return
-        every = max(1, -(-self.total // PIPED_LINES)) if self.total else PIPED_EVERY
-        if done - self._printed >= every or (self.total is not None and done >= self.total > self._printed):
+        if self.total:  # a line as each tenth of the run is crossed (the last at its end)
+            tenth = done * PIPED_LINES // self.total > self._printed * PIPED_LINES // self.total
+            if tenth or done >= self.total > self._printed:
+                self._line()
+        elif done - self._printed >= PIPED_EVERY:
             self._line()
 
     def advance(self, _: object = None) -> None:
