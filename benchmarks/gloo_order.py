@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from detent_audit.runtime.threads import set_threads
+
 HIDDEN = 512
 ROWS = (1, 2, 3, 5, 8, 16, 64)
 
@@ -30,7 +32,7 @@ def _partial(rank: int, rows: int) -> torch.Tensor:
 
 def run(rank: int, size: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=size)
-    torch.set_num_threads(1)
+    set_threads(1)
     rows0: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for t in ROWS:
         p = _partial(rank, t)
@@ -59,4 +61,5 @@ if __name__ == "__main__":
     if os.path.exists(init_file):
         os.remove(init_file)
     mp.spawn(run, args=(ranks, init_file, target), nprocs=ranks)
-    os.remove(init_file)
+    if os.path.exists(init_file):  # gloo's file store may have removed it
+        os.remove(init_file)

@@ -431,8 +431,10 @@ def test_verify_json_on_vllm_receipts_prints_one_document_on_stdout(served) -> N
                           "--workers", "1", "--json"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["counts"]["OK"] == 1  # the whole of stdout is the one document
-    # vLLM's own output (its log lines where its logging is configured, its loader's progress) went to stderr
-    assert "INFO" in res.stderr or "checkpoint shards" in res.stderr, res.stderr[-2000:]
+    # vLLM's own output went to stderr: its log lines where its logging is configured, its loader's progress,
+    # or (a fresh install) its line about Triton on a CPU
+    vllm_lines = ("INFO", "checkpoint shards", "Disabling Triton")
+    assert any(line in res.stderr for line in vllm_lines), res.stderr[-2000:]
 
 
 @pytest.mark.slow
