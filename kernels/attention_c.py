@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,14 +41,8 @@ IMPLEMENTATION = "c-fixed-order-v1"  # what facts record; changes whenever the a
 ENV_CC = "DETENT_CC"  # the C compiler (default: cc)
 ENV_CACHE = "DETENT_KERNEL_CACHE"  # where the built library is kept (default: ~/.cache/detent-audit/kernels)
 
-SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-#include <pthread.h>
-
-#define LANES 8
-
+# exp(x) for x <= 0 in IEEE add, mul and ldexp only (the SiLU of `rowlocal_c` takes it too)
+EXP_SOURCE = r"""
 /* exp(x) for x <= 0 (every argument here is a score minus a running max, or -inf): Cody-Waite reduction
    x = n*ln2 + r, |r| <= ln2/2, a degree-7 Taylor polynomial in Horner form, times 2^n built from its bits.
    Branch-free so that a loop of it vectorizes (the same operations per lane). */
@@ -72,7 +67,17 @@ static inline float dexp(float x) {
     const float y = p * scale.f;
     return keep ? y : 0.0f;
 }
+"""
 
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <pthread.h>
+
+#define LANES 8
+
+""" + EXP_SOURCE + r"""
 /* a [D] dot product: lane l sums d = l, l+8, l+16, ... in order, then the lanes in a fixed tree
    (D % 8 == 0) */
 static inline float dot(const float *a, const float *b, int64_t d) {
@@ -230,18 +235,27 @@ def build(arch_flags: tuple[str, ...] | None = None, *, source: str = SOURCE,
 
 
 _lock = threading.Lock()
-_loaded: dict[tuple[str, ...] | None, ctypes.CDLL] = {}
+_loaded: dict[tuple[str, tuple[str, ...] | None], ctypes.CDLL] = {}
+# a C function's (return type, argument types) for ctypes
+Signature = tuple[type | None, Sequence[type]]
+
+
+def load(source: str, name: str, signatures: dict[str, Signature],
+         arch_flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """The library `build` makes of `source`, loaded once per name and flags, its functions typed."""
+    with _lock:
+        if (name, arch_flags) not in _loaded:
+            lib = ctypes.CDLL(str(build(arch_flags, source=source, name=name)))
+            for function, (restype, argtypes) in signatures.items():
+                getattr(lib, function).restype = restype
+                getattr(lib, function).argtypes = list(argtypes)
+            _loaded[name, arch_flags] = lib
+        return _loaded[name, arch_flags]
 
 
 def library(arch_flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
-    with _lock:
-        if arch_flags not in _loaded:
-            lib = ctypes.CDLL(str(build(arch_flags)))
-            fn = lib.detent_paged_attention
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64]
-            _loaded[arch_flags] = lib
-        return _loaded[arch_flags]
+    args = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64]
+    return load(SOURCE, "attention", {"detent_paged_attention": (ctypes.c_int, args)}, arch_flags)
 
 
 def available() -> bool:

@@ -19,12 +19,11 @@ is slower than MKL (benchmarks/RESULTS.md, "ISA"). The build machinery is the C 
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
 from detent_audit.errors import BadInput
-from detent_audit.kernels.attention_c import Unavailable, build
+from detent_audit.kernels.attention_c import load
 
 IMPLEMENTATION = "c-fixed-order-gemm-v1"  # what facts record; changes whenever the arithmetic below changes
 LANES = 8
@@ -111,29 +110,11 @@ int detent_gemm(const float *x, const float *w, float *out, int64_t M, int64_t K
 }
 """
 
-_lock = threading.Lock()
-_loaded: dict[tuple[str, ...] | None, ctypes.CDLL] = {}
-
-
 def library(arch_flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """The compiled GEMM for these flags (default: `-mavx2` where the CPU has it); `attention_c.Unavailable`
     where no C compiler builds it."""
-    with _lock:
-        if arch_flags not in _loaded:
-            lib = ctypes.CDLL(str(build(arch_flags, source=SOURCE, name="gemm")))
-            fn = lib.detent_gemm
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-            _loaded[arch_flags] = lib
-        return _loaded[arch_flags]
-
-
-def available() -> bool:
-    try:
-        library()
-    except Unavailable:
-        return False
-    return True
+    args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+    return load(SOURCE, "gemm", {"detent_gemm": (ctypes.c_int, args)}, arch_flags)
 
 
 @torch.no_grad()

@@ -17,12 +17,11 @@ those of the C source on any x86-64 CPU.
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
 from detent_audit.errors import BadInput
-from detent_audit.kernels.attention_c import build
+from detent_audit.kernels.attention_c import EXP_SOURCE, Signature, load
 
 IMPLEMENTATION = "c-fixed-order-rowlocal-v1"  # what facts record; changes whenever the arithmetic changes
 
@@ -30,29 +29,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* exp(x) for x <= 0: the C attention's (Cody-Waite reduction, degree-7 Taylor polynomial, 2^n from bits) */
-static inline float dexp(float x) {
-    const float log2e = 1.44269504088896341f, ln2_hi = 0.693145751953125f, ln2_lo = 1.42860682030941723e-6f;
-    const int keep = x > -87.0f;
-    const float xc = keep ? x : -87.0f;
-    const float t = xc * log2e;
-    const int32_t n = (int32_t)(t < 0.0f ? t - 0.5f : t + 0.5f);
-    const float nf = (float)n;
-    const float r = (xc - nf * ln2_hi) - nf * ln2_lo;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { int32_t i; float f; } scale;
-    scale.i = (n + 127) << 23;
-    const float y = p * scale.f;
-    return keep ? y : 0.0f;
-}
-
+""" + EXP_SOURCE + r"""
 void detent_silu_and_mul(const float *x, float *out, int64_t rows, int64_t inter) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * 2 * inter, *up = gate + inter;
@@ -104,21 +81,12 @@ void detent_log64(const double *x, double *out, int64_t n) {
 }
 """
 
-_lock = threading.Lock()
-_loaded: dict[tuple[str, ...] | None, ctypes.CDLL] = {}
-
-
 def library(arch_flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """The compiled kernels for these flags; `attention_c.Unavailable` where no C compiler builds them."""
-    with _lock:
-        if arch_flags not in _loaded:
-            lib = ctypes.CDLL(str(build(arch_flags, source=SOURCE, name="rowlocal")))
-            lib.detent_silu_and_mul.restype = None
-            lib.detent_silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-            lib.detent_log64.restype = None
-            lib.detent_log64.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64]
-            _loaded[arch_flags] = lib
-        return _loaded[arch_flags]
+    signatures: dict[str, Signature] = {
+        "detent_silu_and_mul": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2),
+        "detent_log64": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64])}
+    return load(SOURCE, "rowlocal", signatures, arch_flags)
 
 
 @torch.no_grad()
