@@ -69,6 +69,20 @@ static inline float dexp(float x) {
 }
 """
 
+# n jobs (n <= 16) of `size` bytes each: job 0 on the calling thread, the others on threads of their own (a
+# job whose thread cannot start runs on the calling thread after the others); the fixed-order GEMM uses it too
+JOBS_SOURCE = r"""
+static void run_jobs(void *(*run)(void *), void *jobs, size_t size, int64_t n) {
+    pthread_t ids[16];
+    int64_t started = 0;
+    for (int64_t i = 1; i < n; i++, started++)
+        if (pthread_create(&ids[i], 0, run, (char *)jobs + i * size)) break;
+    run(jobs);
+    for (int64_t i = 1; i <= started; i++) pthread_join(ids[i], 0);
+    for (int64_t i = started + 1; i < n; i++) run((char *)jobs + i * size);
+}
+"""
+
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -77,7 +91,7 @@ SOURCE = r"""
 
 #define LANES 8
 
-""" + EXP_SOURCE + r"""
+""" + EXP_SOURCE + JOBS_SOURCE + r"""
 /* a [D] dot product: lane l sums d = l, l+8, l+16, ... in order, then the lanes in a fixed tree
    (D % 8 == 0) */
 static inline float dot(const float *a, const float *b, int64_t d) {
@@ -175,16 +189,11 @@ int detent_paged_attention(const float *q, const float *k, const float *v, const
     int64_t work = tokens * kv_heads;
     if (threads > 16) threads = 16;
     if (threads <= 1 || work < 2 * threads) { run(&base); return 0; }
-    job_t jobs[16]; pthread_t ids[16];
+    job_t jobs[16];
     for (int64_t i = 0; i < threads; i++) {
         jobs[i] = base; jobs[i].begin = work * i / threads; jobs[i].end = work * (i + 1) / threads;
     }
-    int64_t started = 0;
-    for (int64_t i = 1; i < threads; i++, started++)
-        if (pthread_create(&ids[i], 0, run, &jobs[i])) break;
-    run(&jobs[0]);
-    for (int64_t i = 1; i <= started; i++) pthread_join(ids[i], 0);
-    for (int64_t i = started + 1; i < threads; i++) run(&jobs[i]);  /* threads that could not start */
+    run_jobs(run, jobs, sizeof jobs[0], threads);
     return 0;
 }
 """

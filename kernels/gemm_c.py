@@ -23,7 +23,7 @@ import ctypes
 import torch
 
 from detent_audit.errors import BadInput
-from detent_audit.kernels.attention_c import load
+from detent_audit.kernels.attention_c import JOBS_SOURCE, load
 
 IMPLEMENTATION = "c-fixed-order-gemm-v1"  # what facts record; changes whenever the arithmetic below changes
 LANES = 8
@@ -68,6 +68,7 @@ BLOCK(4, 2)
 BLOCK(1, 4)
 BLOCK(1, 1)
 
+""" + JOBS_SOURCE + r"""
 typedef struct { const float *x; const float *w; float *out; int64_t M, K, N, n_begin, n_end; } job_t;
 
 static void *run(void *arg) {
@@ -94,18 +95,13 @@ int detent_gemm(const float *x, const float *w, float *out, int64_t M, int64_t K
     job_t base = {x, w, out, M, K, N, 0, N};
     if (threads > 16) threads = 16;
     if (threads <= 1 || N < 64 * threads) { run(&base); return 0; }
-    job_t jobs[16]; pthread_t ids[16];
+    job_t jobs[16];
     for (int64_t i = 0; i < threads; i++) {  /* column ranges, multiples of 4 apart */
         jobs[i] = base;
         jobs[i].n_begin = (N / 4 * i / threads) * 4;
         jobs[i].n_end = i + 1 == threads ? N : (N / 4 * (i + 1) / threads) * 4;
     }
-    int64_t started = 0;
-    for (int64_t i = 1; i < threads; i++, started++)
-        if (pthread_create(&ids[i], 0, run, &jobs[i])) break;
-    run(&jobs[0]);
-    for (int64_t i = 1; i <= started; i++) pthread_join(ids[i], 0);
-    for (int64_t i = started + 1; i < threads; i++) run(&jobs[i]);  /* threads that could not start */
+    run_jobs(run, jobs, sizeof jobs[0], threads);
     return 0;
 }
 """
