@@ -73,6 +73,16 @@ class DecodeRows:
         self._blocks = [0] * num_rows
         self.num_rows_used = 0  # rows [0, num_rows_used) may hold a sequence; past it every row is padding
 
+    def clear(self) -> None:
+        """Every row padding and no sequence held, in the same buffers (the graphs read them)."""
+        self.ids.zero_()
+        self.positions.zero_()
+        self.tables.fill_(self.scratch_block)
+        n = len(self.seq_at)
+        self.seq_at, self._row_of = [None] * n, {}
+        self._pos, self._epoch, self._table, self._blocks = [0] * n, 0, [None] * n, [0] * n
+        self.num_rows_used = 0
+
     def place(self, seqs: SequenceOf[Sequence], positions: SequenceOf[int]) -> list[Sequence]:
         """Rows for a decode step of `seqs` (each feeding its token at `positions[i]`): returns the sequences
         in row order, rows [0, len(seqs)). Sequences no longer decoding give their rows up; the last rows
@@ -148,6 +158,17 @@ class DecodeRows:
         self._epoch += 1
 
 
+class Captured(NamedTuple):
+    """One size's graph: `replay` runs it, `logits` [size, V] is where it writes, and `step` is the captured
+    function, kept alive with the graph: its closure holds the tensors the graph reads that were allocated
+    outside the capture (the slots, the step plan). The allocator would hand their memory out again once the
+    kernels' current plan moved on, and the replay would read what was written there since."""
+
+    replay: Callable[[], None]
+    logits: torch.Tensor
+    step: Callable[[], torch.Tensor]
+
+
 class Replay(NamedTuple):
     """A decode step replayed: the logits [B, V] of the rows in use, and their sequences in row order."""
 
@@ -168,13 +189,12 @@ class DecodeGraphs:
         self.max_size = max_size
         self.sizes = capture_sizes(max_size)
         self.rows = DecodeRows(self.sizes[-1], self.max_blocks, scratch_block, device)
-        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.graphs: dict[int, Captured] = {}
 
-    def fresh(self) -> DecodeGraphs:
-        """A new set over the same model and caches, nothing captured, every row padding: what an engine
-        that forgot its requests replays with (as a newly built engine does)."""
-        return DecodeGraphs(self.model, self.kernels, self.kv_caches, self.block_size, self.max_model_len,
-                            self.scratch_block, self.device, self.max_size)
+    def forget(self) -> None:
+        """Every row back to padding and no sequence held (an engine that forgot its requests); the graphs
+        are kept, since they read the rows' buffers, which stay."""
+        self.rows.clear()
 
     def _step_at(self, b: int) -> Callable[[], torch.Tensor]:
         """The decode step of rows [0, b): the function a graph captures."""
@@ -207,7 +227,7 @@ class DecodeGraphs:
 
         return step
 
-    def _capture(self, b: int) -> tuple[Callable[[], None], torch.Tensor]:
+    def _capture(self, b: int) -> Captured:
         rows = self.rows
         # the warm-up runs for real: on padding rows only (they write the scratch block), then the rows back
         saved = [buf[:b].clone() for buf in (rows.ids, rows.positions, rows.tables)]
@@ -216,14 +236,13 @@ class DecodeGraphs:
         step()  # compile and warm up outside the graph
         torch.cuda.synchronize()
         # each size's graph its own memory pool: sizes are captured as batches first reach them and replayed
-        # in any order (with one pool shared, the first replay at 8 rows after a capture at 1 failed with an
-        # illegal address on an H200; with a pool each, the GPU tests pass)
+        # in any order
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = step()
         for buf, old in zip((rows.ids, rows.positions, rows.tables), saved):
             buf[:b] = old
-        return graph.replay, logits
+        return Captured(graph.replay, logits, step)
 
     def size_for(self, b: int) -> int | None:
         """The capture size a step of `b` rows replays (None: larger than every size)."""
@@ -238,6 +257,6 @@ class DecodeGraphs:
         order = self.rows.place(seqs, positions)
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
-        replay, logits = self.graphs[size]
-        replay()
-        return Replay(logits[:len(seqs)], order)
+        captured = self.graphs[size]
+        captured.replay()
+        return Replay(captured.logits[:len(seqs)], order)

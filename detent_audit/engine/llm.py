@@ -261,10 +261,8 @@ class LLM(EngineBase[Sequence]):
         chunk = self.config.max_prefill_chunk if max_prefill_chunk is None else max_prefill_chunk
         self.scheduler = Scheduler(dataclasses.replace(self._scheduler_config, max_prefill_chunk=chunk),
                                    decode=self.tokenizer.decode)
-        if self.runner.graphs is not None:
-            # replays start over as in a new engine: on the H200, the first replay after a reset with the rows
-            # and graphs of before failed now and then with an illegal address
-            self.runner.graphs = self.runner.graphs.fresh()
+        if self.runner.graphs is not None:  # the captured graphs stay; their rows hold no request
+            self.runner.graphs.forget()
 
     def load_weights(self, weights: NamedTensors) -> str:
         """Take new weights in place between steps (an RL policy update): (name, tensor) pairs or a state

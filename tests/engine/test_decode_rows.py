@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from detent_audit.engine.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes, slots_of
+from detent_audit.engine.cuda_graphs import Captured, DecodeGraphs, DecodeRows, capture_sizes, slots_of
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
 from detent_audit.engine.sequence import Sequence
@@ -112,7 +112,7 @@ class RowsReplayedEagerly(DecodeGraphs):
             hidden = self.model(ids, pos, meta, self.kv_caches, self.kernels)
             logits.copy_(self.model.compute_logits(hidden, self.kernels))
 
-        return replay, logits
+        return Captured(replay, logits, lambda: logits)
 
 
 def test_the_replay_path_gives_the_eager_bits() -> None:
@@ -131,7 +131,27 @@ def test_the_replay_path_gives_the_eager_bits() -> None:
     llm.reset()
     llm.runner.graphs = RowsReplayedEagerly(llm.model, llm.selection.kernels, llm.runner.kv_caches, 4,
                                             llm.max_model_len, blocks - 1, "cpu", max_size=8)
-    replayed = llm.generate(prompts, params)
-    for a, b in zip(replayed, eager):
-        assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs), seed
-    assert len(llm.runner.graphs.graphs) >= 3  # decode batches of several sizes replayed
+    graphs = llm.runner.graphs
+    for n in (12, 5, 12):  # a reset between runs: the rows forget every request, the graphs stay
+        replayed = llm.generate(prompts[:n], params[:n])
+        for a, b in zip(replayed, eager):
+            assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs), seed
+        llm.reset()
+        assert graphs.rows.num_rows_used == 0 and llm.runner.graphs is graphs
+    assert len(graphs.graphs) >= 3  # decode batches of several sizes replayed
+
+
+def test_clear_leaves_every_row_padding_in_the_same_buffers() -> None:
+    rows = DecodeRows(4, 3, SCRATCH, "cpu")
+    buffers = (rows.ids, rows.positions, rows.tables)
+    seqs = [Sequence(i, [5, 6, 7], SamplingParams()) for i in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [i, 10 + i]
+    rows.place(seqs, [2, 2, 2])
+    rows.clear()
+    assert all(a is b for a, b in zip(buffers, (rows.ids, rows.positions, rows.tables)))
+    assert not rows.ids.any() and not rows.positions.any() and bool((rows.tables == SCRATCH).all())
+    # the same sequence placed again after clear() is written whole, as a new one
+    order = rows.place(seqs[2:], [1])
+    ids, pos, tables = expected_rows(order, {2: 1}, 4, 3)
+    assert torch.equal(rows.ids, ids) and torch.equal(rows.positions, pos) and torch.equal(rows.tables, tables)

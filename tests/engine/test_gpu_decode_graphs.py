@@ -3,6 +3,7 @@ step's bits, and a request's bits do not depend on the size its batch replayed a
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -69,3 +70,24 @@ def test_graph_max_batch_bounds_the_captured_sizes() -> None:
     assert llm.runner.graphs.sizes == (1, 2, 4)
     eager = engine(False).generate(prompts, params)
     assert all(same(a, b) for a, b in zip(llm.generate(prompts, params), eager))
+
+
+def test_a_graph_keeps_the_inputs_it_was_captured_with() -> None:
+    """A graph reads tensors allocated outside its capture (the slots, the step plan). Once the kernels'
+    current plan has moved on, only the graph holds them: memory handed out again since (here: junk of
+    every small size) must neither reach a replay nor be written by one."""
+    seed = int(torch.randint(0, 1 << 20, ()))
+    prompts, params = requests(SEATS, seed)
+    eager = engine(False).generate(prompts, params)
+    llm = engine(True)
+    assert all(same(a, b) for a, b in zip(llm.generate(prompts, params), eager)), f"seed {seed}"
+    llm.reset()
+    llm.selection.kernels._plan = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    junk = [torch.full((n,), (1 << 40) + n, dtype=torch.int64, device="cuda") for n in range(1, 1024)
+            for _ in range(4)]
+    again = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    assert all(same(a, b) for a, b in zip(again, eager)), f"seed {seed}"
+    assert all(bool((t == (1 << 40) + t.numel()).all()) for t in junk)
