@@ -135,7 +135,8 @@ def test_the_replay_path_gives_the_eager_bits() -> None:
     for n in (12, 5, 12):  # a reset between runs: the rows forget every request, the graphs stay
         replayed = llm.generate(prompts[:n], params[:n])
         for a, b in zip(replayed, eager):
-            assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs), seed
+            assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs), \
+                seed
         llm.reset()
         assert graphs.rows.num_rows_used == 0 and llm.runner.graphs is graphs
     assert len(graphs.graphs) >= 3  # decode batches of several sizes replayed
@@ -154,4 +155,5 @@ def test_clear_leaves_every_row_padding_in_the_same_buffers() -> None:
     # the same sequence placed again after clear() is written whole, as a new one
     order = rows.place(seqs[2:], [1])
     ids, pos, tables = expected_rows(order, {2: 1}, 4, 3)
-    assert torch.equal(rows.ids, ids) and torch.equal(rows.positions, pos) and torch.equal(rows.tables, tables)
+    assert torch.equal(rows.ids, ids) and torch.equal(rows.positions, pos)
+    assert torch.equal(rows.tables, tables)
