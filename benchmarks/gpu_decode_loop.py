@@ -93,8 +93,7 @@ def engine_rows(llm: LLM, prompts: list[list[int]], b: int, args: argparse.Names
     replay_ms = None
     if graphs is not None:
         size = graphs.size_for(b)
-        replay, _ = graphs.graphs[size]
-        replay_ms = event_ms(replay, args.steps)
+        replay_ms = event_ms(graphs.graphs[size].replay, args.steps)
     outputs = [(list(s.output_token_ids), list(s.output_logprobs)) for s in seqs]
     profile = None
     if args.profile and b == max(args.batch_list):
@@ -137,7 +136,8 @@ def compare(outputs: dict[int, list[tuple[list[int], list[float]]]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3.1-8b")
-    ap.add_argument("--modes", default="detent,stock")
+    ap.add_argument("--modes", default="detent,detent-sync,stock",
+                    help="variants: a mode, or detent-sync (detent, no step queued ahead of the last)")
     ap.add_argument("--batches", default="1,32,64,128,256")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=4)
@@ -163,12 +163,16 @@ def main() -> None:
     prompts = [[rng.randrange(1, 32000) for _ in range(args.prompt)] for _ in range(biggest)]
     blocks = biggest * (-(-(args.prompt + args.warmup + 2 * args.steps + 40) // 16)) + 64
     shape = None
+    every: dict[str, dict[int, list]] = {}
     for mode in args.modes.split(","):
         t0 = time.perf_counter()
-        llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode=mode,
-                               max_num_seqs=biggest, max_num_batched_tokens=max(8192, biggest),
+        engine_mode = mode.removesuffix("-sync")
+        llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16",
+                               mode=engine_mode, max_num_seqs=biggest,
+                               max_num_batched_tokens=max(8192, biggest),
                                num_kv_blocks=blocks, max_model_len=args.max_model_len,
-                               attention_streaming=mode != "stock"))
+                               attention_streaming=engine_mode != "stock",
+                               overlap=not mode.endswith("-sync")))
         c = llm.model.config
         shape = Shape.of(c)
         weight_bytes = sum(p.numel() * p.element_size() for n, p in llm.model.named_parameters()
@@ -193,6 +197,7 @@ def main() -> None:
                     f.write(row["profile"])
             row.pop("profile")
             save()
+        every[mode] = outputs
         result.setdefault("bits", {})[mode] = compare(outputs)
         result.setdefault("build_and_run_s", {})[mode] = time.perf_counter() - t0
         print(f"{mode} bits across sizes: {json.dumps(result['bits'][mode])[:300]}", flush=True)
@@ -200,6 +205,11 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+    if "detent" in every and "detent-sync" in every:  # steps queued ahead change no bit
+        same = {str(b): every["detent"][b] == every["detent-sync"][b] for b in args.batch_list}
+        result.setdefault("bits", {})["detent_equals_detent_sync"] = same
+        print(f"detent (steps queued ahead) equals detent-sync at each B: {same}", flush=True)
+        save()
     if not args.no_peer and shape is not None:
         for b in args.batch_list:
             t0 = time.perf_counter()
@@ -244,6 +254,8 @@ def main() -> None:
                 print(f"| {b} | {who} | {r['wall_ms']:.3f} | {replay} | {host} | {r['tok_s']:.0f} | "
                       f"{r['floor_ms']:.3f} | {r['floor_ratio_wall']:.2f} |")
     for mode, bits in result.get("bits", {}).items():
+        if mode == "detent_equals_detent_sync":
+            continue
         print(f"{mode}: {bits['tokens_compared']} tokens compared across sizes, "
               f"{bits['num_rows_differing']} (row, size pair)s differ")
     save()

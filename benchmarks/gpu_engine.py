@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--no-graph-check", action="store_true", help="skip the graph-against-eager comparison")
     ap.add_argument("--attention-streaming", action="store_true",
                     help="det/detent: the attention's streaming fold")
+    ap.add_argument("--max-num-seqs", type=int, default=40, help="the engine's seats (graphs up to them)")
     args = ap.parse_args()
     committed = load_tuple(args.tuple) if args.tuple else None
     battery_modes = (args.battery_modes or args.modes).split(",")
@@ -60,8 +61,9 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for mode in args.modes.split(","):
         llm = LLM(EngineConfig(model=model, device="cuda", dtype="bfloat16", mode=mode,
-                               max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
-                               max_model_len=4096, cuda_graphs=not args.eager,
+                               max_num_seqs=args.max_num_seqs, num_kv_blocks=4096, max_model_len=4096,
+                               max_num_batched_tokens=max(1024, args.max_num_seqs),
+                               cuda_graphs=not args.eager,
                                tuple=committed if mode == "detent" else None,
                                attention_streaming=args.attention_streaming and mode != "stock"))
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
@@ -112,7 +114,8 @@ def main() -> None:
                      for i in range(12)]
             graphed = llm.generate(prompts[:12], mixed)
             eager_llm = LLM(EngineConfig(model=model, device="cuda", dtype="bfloat16", mode=mode,
-                                         max_num_seqs=40, max_num_batched_tokens=1024, num_kv_blocks=4096,
+                                         max_num_seqs=args.max_num_seqs, num_kv_blocks=4096,
+                                         max_num_batched_tokens=max(1024, args.max_num_seqs),
                                          max_model_len=4096, cuda_graphs=False, tuple=committed,
                                          attention_streaming=args.attention_streaming))
             eager = eager_llm.generate(prompts[:12], mixed)

@@ -57,16 +57,18 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     return (_shr(bits, 11).double() + 0.5) * 2.0**-53
 
 
-def _kept(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """scaled: [B, V] logits / T -> bool [B, V] of the entries top-k and then top-p keep."""
+def _kept(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, any_k: bool, any_p: bool
+          ) -> torch.Tensor:
+    """scaled: [B, V] logits / T -> bool [B, V] of the entries top-k and then top-p keep (`any_k`, `any_p`:
+    whether some row filters by top-k, by top-p)."""
     vocab = scaled.shape[-1]
-    use_k = (top_k > 0) & (top_k < vocab)
-    if not bool(use_k.any()) and not bool((top_p < 1).any()):
+    if not any_k and not any_p:
         return torch.ones_like(scaled, dtype=torch.bool)
+    use_k = (top_k > 0) & (top_k < vocab)
     sorted_vals, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
     kth = sorted_vals.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])  # [B, 1]
     keep = ~use_k[:, None] | (scaled >= kth)
-    if bool((top_p < 1).any()):
+    if any_p:
         probs = torch.softmax(torch.where(keep, scaled, -torch.inf), dim=-1)
         sorted_probs = probs.gather(1, sorted_ids)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -86,21 +88,27 @@ def sample(
 ) -> torch.Tensor:
     """logits: [B, V] fp32; per-row temperature, top_k (0 = off), top_p (1 = off), seed, position: [B].
 
-    Returns tokens [B] int64. Row b's token depends only on row b's logits and parameters.
+    Returns tokens [B] int64. Row b's token depends only on row b's logits and parameters. The parameters
+    are checked where they are given and then moved to the logits' device: given on the host (pinned), the
+    call never waits for the device.
     """
     batch, vocab = logits.shape
     rows = [torch.as_tensor(t) for t in (temperature, top_k, top_p, seeds, positions)]
     if any(t.shape != (batch,) for t in rows):
         raise BadInput(f"sampling parameters must each have shape [{batch}]")
     temperature, top_k, top_p, seeds, positions = rows
-    temperature, top_p = temperature.float(), top_p.float()
+    temperature, top_p, top_k = temperature.float(), top_p.float(), top_k.to(torch.int64)
     if bool((temperature < 0).any()) or bool(((top_p <= 0) | (top_p > 1)).any()) or bool((top_k < 0).any()):
         raise BadInput("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
     greedy = logits.argmax(dim=-1)
     if bool((temperature == 0).all()):
         return greedy
+    any_k, any_p = bool(((top_k > 0) & (top_k < vocab)).any()), bool((top_p < 1).any())
+    dev = logits.device
+    temperature, top_k, top_p, seeds, positions = (t.to(dev, non_blocking=True) for t in
+                                                    (temperature, top_k, top_p, seeds, positions))
     scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
-    keep = _kept(scaled, top_k.to(torch.int64), top_p)
+    keep = _kept(scaled, top_k, top_p, any_k, any_p)
     # torch's log gives other bits on another CPU (MKL's): the portable setting takes the C one (docs/isa.md)
     log = log64 if logits.device.type == "cpu" and isa.capped() else torch.log
     gumbel = -log(-log(uniform_noise(seeds, positions, vocab)))

@@ -183,6 +183,15 @@ class BlockManager:
         while len(seq.block_table) < self.num_blocks_for(end):
             seq.block_table.append(self._take_block())
 
+    def grow(self, seq: Sequence, num_positions: int) -> None:
+        """Grow `seq.block_table` to cover positions [0, num_positions), past its tokens (a step scheduled
+        ahead writes the KV of a token not yet appended). Raises `ValueError` without free blocks."""
+        self._require_live(seq)
+        if self.num_blocks_for(num_positions) - len(seq.block_table) > self.num_available_blocks:
+            raise ValueError(f"seq {seq.seq_id}: grow({num_positions}) without free blocks")
+        while len(seq.block_table) < self.num_blocks_for(num_positions):
+            seq.block_table.append(self._take_block())
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the full blocks of `seq` whose KV is now computed in the prefix cache.
 

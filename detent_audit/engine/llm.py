@@ -23,8 +23,8 @@ from detent_audit.engine.generated import generate_model
 from detent_audit.engine.loader import load_model
 from detent_audit.engine.model import CausalLM
 from detent_audit.engine.registration import DEFAULT_KV_BLOCKS
-from detent_audit.engine.runner import ModelRunner
-from detent_audit.engine.scheduler import Scheduler, SchedulerConfig
+from detent_audit.engine.runner import ModelRunner, Sampled, SeqResult
+from detent_audit.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from detent_audit.engine.sequence import ScoreSpec, Sequence
 from detent_audit.engine.tensor_parallel import (
     BACKEND,
@@ -68,6 +68,9 @@ class EngineConfig:
     cuda_graphs: bool = True            # GPU: replay captured decode steps (False: always eager)
     # GPU: decode batches up to this many rows replay graphs (None: max_num_seqs)
     graph_max_batch: int | None = None
+    # GPU: a replayed decode step is followed by the next one, queued before its tokens reach the host
+    # (Scheduler.schedule_ahead), so the host's work of one step runs while the device computes the next
+    overlap: bool = True
     mode: str = Mode.DETENT.value                # detent | stock | det
     dtype: str = "float32"
     num_threads: int = 1                # CPU threads, fixed at start (a bit-relevant fact)
@@ -187,6 +190,10 @@ class LLM(EngineBase[Sequence]):
                                               config.block_size, max_len, num_kv_blocks - 1, config.device,
                                               max_size=config.graph_max_batch or config.max_num_seqs)
         self._ids = itertools.count()
+        # a step queued on the device and not recorded yet; the sequences finished when such a step was
+        # recorded outside `step` (the next `step` returns them)
+        self._ahead: tuple[SchedulerOutput, Sampled] | None = None
+        self._finished: list[Sequence] = []
         # steps run, by how many sequences shared them (how much co-batching a workload really got)
         self.step_batch_sizes: Counter[int] = Counter()
         # the in-memory weights' digest once changed after loading (`load_weights`); None: the checkpoint's
@@ -256,8 +263,10 @@ class LLM(EngineBase[Sequence]):
         """Forget every request and the prefix cache (the KV memory is kept: stale slots are never read).
         `max_prefill_chunk`: tokens of one request's prefill per step from now on (None: the configured one).
         Requests still queued or running are an error, unless `drop_unfinished` (after a refused batch)."""
+        self._drain()
         if self.scheduler.has_unfinished() and not drop_unfinished:
             raise RuntimeError("reset() with requests still running")
+        self._finished = []
         chunk = self.config.max_prefill_chunk if max_prefill_chunk is None else max_prefill_chunk
         self.scheduler = Scheduler(dataclasses.replace(self._scheduler_config, max_prefill_chunk=chunk),
                                    decode=self.tokenizer.decode)
@@ -339,19 +348,47 @@ class LLM(EngineBase[Sequence]):
     def abort(self, seq: RequestHandle) -> None:
         """Stop serving `seq` between steps (its client left): its blocks are freed, nothing more is computed
         for it, and it never finishes."""
+        self._drain()
         self.scheduler.abort(self.own(seq))
 
     def step(self) -> list[Sequence]:
-        """Run one scheduled step; returns the sequences that finished in it."""
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
+        """Run one scheduled step; returns the sequences that finished in it. A replayed decode step is
+        followed by the next, queued on the device before this one's tokens are recorded (`overlap`); the
+        next call records that one."""
+        finished, self._finished = self._finished, []
+        sampled: Sampled | None
+        if self._ahead is not None:
+            (out, sampled), self._ahead = self._ahead, None
+        else:
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                return finished
+            sampled = self.runner.replay(out)
         self.step_batch_sizes[len(out.scheduled)] += 1
-        bm = self.scheduler.block_manager
-        results = self.runner.execute(out, lambda e: bm.slot_mapping(e.seq, e.start_pos, e.end_pos))
+        if sampled is None:
+            bm = self.scheduler.block_manager
+            results = self.runner.execute(out, lambda e: bm.slot_mapping(e.seq, e.start_pos, e.end_pos))
+        else:
+            if self.config.overlap:
+                ahead = self.scheduler.schedule_ahead(out)
+                if ahead is not None:
+                    queued = self.runner.replay(ahead)
+                    assert queued is not None, "a step ahead of a replayed one replays"
+                    self._ahead = (ahead, queued)
+            results = {}
+            sampled.into(results)
+        finished += self._record(out, results)
+        if self._ahead is not None and all(e.seq.is_finished for e in self._ahead[0].scheduled):
+            self._drain()  # every sequence of the step ahead finished: nothing of it is kept
+        return finished
+
+    def _record(self, out: SchedulerOutput, results: dict[int, SeqResult]) -> list[Sequence]:
+        """The step's results into its sequences and the scheduler; the sequences it finished."""
         tokens = {sid: r.token for sid, r in results.items()}
         logprobs = {sid: r.logprob for sid, r in results.items() if r.token is not None}
         for e in out.scheduled:
+            if e.seq.is_finished:  # scheduled ahead, then finished (update drops it too)
+                continue
             r = results[e.seq.seq_id]
             if e.seq.score is not None:
                 e.seq.record_scores(e.start_pos, r.scored, r.scored_samples, r.scored_tops)
@@ -359,12 +396,21 @@ class LLM(EngineBase[Sequence]):
                 e.seq.top_logprobs.append(r.top)
         return self.scheduler.update(out, tokens, logprobs)
 
+    def _drain(self) -> None:
+        """Record the step queued ahead, if any (before anything changes the scheduler's state); what it
+        finished is returned by the next `step`."""
+        if self._ahead is not None:
+            (out, sampled), self._ahead = self._ahead, None
+            results: dict[int, SeqResult] = {}
+            sampled.into(results)
+            self._finished += self._record(out, results)
+
     def top_logprobs_so_far(self, seq: RequestHandle) -> TopLogprobs:
         """The top-n alternatives of each token `seq` has sampled so far (for streaming)."""
         return self.own(seq).top_logprobs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._finished)
 
     # ---- offline API (`generate`: EngineBase's)
     def rescore(self, prompt_ids: SequenceOf[int], output_ids: SequenceOf[int]) -> list[float]:

@@ -26,21 +26,68 @@ if TYPE_CHECKING:
     from detent_audit.engine.cuda_graphs import DecodeGraphs
 
 
+def _host(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a host tensor, pinned when they go to a GPU (so the copy there does not wait)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
 def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: Callable[[], list[int]]
           ) -> torch.Tensor:
     """The token each row draws: row-local, seeded by (seed, position) (`positions()`: each row's). All-greedy
-    steps take the argmax without building the parameter tensors (what `sample` returns for them; no device
-    round trips)."""
+    steps take the argmax without building the parameter tensors (what `sample` returns for them). The
+    parameters go to the device from pinned host memory, so nothing here waits for the device."""
     dev = logits.device
     if all(p.temperature == 0 for p in params):
         return logits.argmax(dim=-1)
     return sampling_ops.sample(
-        logits, torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-        torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-        torch.tensor([p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p in params],
-                     dtype=torch.int64, device=dev),  # u64 seeds as their two's-complement int64
-        torch.tensor(positions(), dtype=torch.int64, device=dev))
+        logits, _host([p.temperature for p in params], torch.float32, dev),
+        _host([p.top_k for p in params], torch.int64, dev),
+        _host([p.top_p for p in params], torch.float32, dev),
+        _host([p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p in params],
+              torch.int64, dev),  # u64 seeds as their two's-complement int64
+        _host(positions(), torch.int64, dev))
+
+
+class Sampled:
+    """The tokens, logprobs and top-n alternatives of a step's sampling rows, on their way to the host:
+    `into` waits for them (on a GPU: for this step's copy only, not for work queued after it)."""
+
+    def __init__(self, seqs: list[Sequence], logits: torch.Tensor,
+                 drawn: Callable[[torch.Tensor], None] | None, positions: list[int]) -> None:
+        """Sample row i of `logits` [len(seqs), V] for `seqs[i]`, its new token at `positions[i]`;
+        `drawn(tokens)` sees the tokens on the device before they are copied to the host."""
+        sp = [s.sampling_params for s in seqs]
+        self.seqs = seqs
+        tokens = _draw(logits, sp, lambda: positions)
+        if drawn is not None:
+            drawn(tokens)
+        lps = sampling_ops.token_logprobs(logits, tokens)
+        n_top = max((p.logprobs or 0) for p in sp)
+        top = sampling_ops.top_logprobs(logits, n_top) if n_top else None
+        cuda = logits.device.type == "cuda"
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", non_blocking=True) if cuda else t
+
+        self.values = to_host(torch.stack((tokens.to(torch.float64), lps.to(torch.float64))))
+        self.top = None if top is None else (to_host(top.ids), to_host(top.logprobs))
+        self.event: torch.cuda.Event | None = None
+        if cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def into(self, results: dict[int, SeqResult]) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        host_tokens, host_lps = self.values.tolist()
+        top_ids, top_lps = ([], []) if self.top is None else (self.top[0].tolist(), self.top[1].tolist())
+        for row, (seq, tok, lp) in enumerate(zip(self.seqs, host_tokens, host_lps)):
+            r = results[seq.seq_id] = results.get(seq.seq_id) or SeqResult()
+            r.token, r.logprob = int(tok), lp
+            n = seq.sampling_params.logprobs
+            if top_ids and n:
+                r.top = list(zip(top_ids[row][:n], top_lps[row][:n]))
 
 
 @dataclass(slots=True)
@@ -67,12 +114,15 @@ class ModelRunner:
         self.kv_caches = model.new_kv_caches(num_blocks, block_size, device)
         self.graphs = graphs  # DecodeGraphs (GPU) or None: decode-only steps replay a captured graph
 
-    def _graph_step(self, entries: tuple[ScheduledSeq, ...]) -> dict[int, SeqResult] | None:
-        """A decode-only step replayed (the same kernels, the same bits), sampled; None: run it eagerly."""
+    @torch.inference_mode()
+    def replay(self, step: SchedulerOutput) -> Sampled | None:
+        """Queue a decode-only step as a graph replay (the same kernels, the same bits), sampled on the device
+        and the sampled tokens written into the rows the next replay reads; None: it runs eagerly. Nothing
+        here waits for the device: `Sampled.into` does."""
         if self.graphs is None:
             return None
         seqs, positions = [], []
-        for e in entries:
+        for e in step.scheduled:
             if e.num_new_tokens != 1 or not e.samples_token or e.seq.score is not None:
                 return None
             seqs.append(e.seq)
@@ -80,9 +130,9 @@ class ModelRunner:
         replay = self.graphs.run(seqs, positions)
         if replay is None:
             return None
-        results: dict[int, SeqResult] = {}
-        self._sample_seqs(replay.seqs, replay.logits, results, self.graphs.rows.advance)
-        return results
+        fed = dict(zip((s.seq_id for s in seqs), positions))
+        return Sampled(replay.seqs, replay.logits, self.graphs.rows.advance,
+                       [fed[s.seq_id] + 1 for s in replay.seqs])  # each new token's position
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, slots: Callable[[ScheduledSeq], list[int]]
@@ -92,9 +142,11 @@ class ModelRunner:
         forcing) and the sampling parameters the scored tokens were drawn with (so the draw at each row can
         be checked too)."""
         entries = step.scheduled
-        replayed = self._graph_step(entries)
-        if replayed is not None:
-            return replayed
+        sampled = self.replay(step)
+        if sampled is not None:
+            results: dict[int, SeqResult] = {}
+            sampled.into(results)
+            return results
         ids: list[int] = []
         positions: list[int] = []
         slot_list: list[int] = []
@@ -158,25 +210,7 @@ class ModelRunner:
         return results
 
     def _sample(self, entries, owners, sample_idx, logits, results) -> None:
-        by_id = {e.seq.seq_id: e.seq for e in entries}
-        self._sample_seqs([by_id[owners[j][0]] for j in sample_idx], logits[sample_idx], results)
-
-    @staticmethod
-    def _sample_seqs(seqs: list[Sequence], logits: torch.Tensor, results: dict[int, SeqResult],
-                     drawn: Callable[[torch.Tensor], None] | None = None) -> None:
-        """Sample row i of `logits` [len(seqs), V] for `seqs[i]` into `results`; `drawn(tokens)` sees the
-        tokens on the device before they are copied to the host (once, with their logprobs)."""
-        sp = [s.sampling_params for s in seqs]
-        tokens = _draw(logits, sp, lambda: [s.num_tokens for s in seqs])  # at the new token's position
-        if drawn is not None:
-            drawn(tokens)
-        lps = sampling_ops.token_logprobs(logits, tokens)
-        n_top = max((p.logprobs or 0) for p in sp)
-        top = sampling_ops.top_logprobs(logits, n_top) if n_top else None
-        host_tokens, host_lps = torch.stack((tokens.to(torch.float64), lps.to(torch.float64))).tolist()
-        for row, (seq, tok, lp) in enumerate(zip(seqs, host_tokens, host_lps)):
-            r = results[seq.seq_id] = results.get(seq.seq_id) or SeqResult()
-            r.token, r.logprob = int(tok), lp
-            if top is not None and seq.sampling_params.logprobs:
-                n = seq.sampling_params.logprobs
-                r.top = list(zip(top.ids[row, :n].tolist(), top.logprobs[row, :n].tolist()))
+        by_id = {e.seq.seq_id: e for e in entries}
+        chosen = [by_id[owners[j][0]] for j in sample_idx]
+        # each new token at its chunk's end (the chunk reaches the end of the sequence's tokens)
+        Sampled([e.seq for e in chosen], logits[sample_idx], None, [e.end_pos for e in chosen]).into(results)

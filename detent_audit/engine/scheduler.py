@@ -14,6 +14,12 @@ need new blocks; a decode that crosses a block boundary may. When blocks run out
 running sequence is preempted: its blocks are freed (cached ones stay reusable), `num_computed_tokens` goes
 back to 0, its outputs are kept, and it goes to the front of the waiting queue. The oldest running sequence
 is never preempted for a younger one and always fits alone (checked at `add`), so every request finishes.
+
+A decode-only step may be followed by one scheduled ahead (`schedule_ahead`), before its tokens are known,
+so that the device computes it while the host records the first: the same sequences feed one more token
+each, on the assumption that none finishes. One that does (an end-of-sequence token, a stop string) has its
+step ahead discarded at `update`; one that must finish (max_tokens, max_model_len) is left out. It is taken
+only when nothing waits and no block is short, so it never delays an admission nor preempts.
 """
 
 from __future__ import annotations
@@ -124,7 +130,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._next_arrival = 0
         self._live_ids: set[int] = set()
-        self._pending: SchedulerOutput | None = None
+        self._pending: list[SchedulerOutput] = []  # scheduled, not yet updated: at most two (one ahead)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -161,7 +167,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch (see the module docstring). Mutates block tables, the running set and the
         waiting queue; `num_computed_tokens` advances only in `update`."""
-        if self._pending is not None:
+        if self._pending:
             raise RuntimeError("schedule() called again before update() of the previous step")
         cfg, blocks = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
@@ -213,8 +219,38 @@ class Scheduler:
             scheduled[seq.seq_id] = self._entry(seq, num_new)
             budget -= num_new
 
-        self._pending = SchedulerOutput(tuple(scheduled.values()), tuple(preempted))
-        return self._pending
+        out = SchedulerOutput(tuple(scheduled.values()), tuple(preempted))
+        self._pending.append(out)
+        return out
+
+    def schedule_ahead(self, output: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `output` (scheduled, not yet updated), chosen before its tokens are known: each of
+        its sequences feeds the token `output` samples for it, at the next position. None (nothing
+        scheduled) unless `output` is all decodes, nothing waits, and the blocks the new positions need are
+        free. A sequence that `output` finishes by its length is left out; one it finishes by its token is
+        dropped from the step at `update`."""
+        if self._pending != [output] or self.waiting or not output.scheduled:
+            return None
+        cfg, blocks = self.config, self.block_manager
+        ahead: list[ScheduledSeq] = []
+        for e in output.scheduled:
+            seq = e.seq
+            if e.num_new_tokens != 1 or not e.samples_token or seq.score is not None:
+                return None
+            if seq.status is not SequenceStatus.RUNNING:  # finished by the token of the step before
+                continue
+            outputs, length = seq.num_output_tokens + 1, seq.num_tokens + 1  # after `output`'s token
+            if outputs >= seq.sampling_params.max_tokens or length >= cfg.max_model_len:
+                continue
+            ahead.append(ScheduledSeq(seq, e.end_pos, 1, True))
+        needed = sum(blocks.num_blocks_for(e.end_pos + 1) - len(e.seq.block_table) for e in ahead)
+        if not ahead or needed > blocks.num_available_blocks:
+            return None
+        for e in ahead:
+            blocks.grow(e.seq, e.end_pos + 1)
+        out = SchedulerOutput(tuple(ahead), ())
+        self._pending.append(out)
+        return out
 
     def update(
         self,
@@ -226,8 +262,8 @@ class Scheduler:
         append sampled tokens (and logprobs, keyed by seq_id for the sampling sequences, if given) and finish
         sequences, freeing their blocks. `sampled_tokens` maps every scheduled seq_id to its token, or to
         None where the chunk samples nothing. Returns the sequences finished in this step, in batch order."""
-        if output is not self._pending:
-            raise RuntimeError("update() must receive the output of the last schedule() call")
+        if not self._pending or output is not self._pending[0]:
+            raise RuntimeError("update() must receive the output of the oldest schedule() not updated")
         entries = output.scheduled  # seq_ids unique: the keys match iff as many and each entry's is there
         if len(sampled_tokens) != len(entries) or any(e.seq.seq_id not in sampled_tokens for e in entries):
             expected = sorted(entry.seq.seq_id for entry in entries)
@@ -247,11 +283,13 @@ class Scheduler:
                 )
             if token is not None:
                 check_token_id(token, "sampled tokens")
-        self._pending = None
+        self._pending.pop(0)
         finished: list[Sequence] = []
         size = self.config.block_size
         for entry in output.scheduled:
             seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:  # scheduled ahead, then finished by its last token
+                continue
             seq.num_computed_tokens = entry.end_pos
             if entry.end_pos // size > entry.start_pos // size:  # a block filled (else none to register)
                 self.block_manager.commit_full_blocks(seq)
@@ -272,7 +310,7 @@ class Scheduler:
         """Drop a live sequence between steps (its client left): out of the queues, its blocks freed (cached
         ones stay in the prefix cache), its status FINISHED with no finish reason. It is never returned as
         finished."""
-        if self._pending is not None:
+        if self._pending:
             raise RuntimeError("abort() between schedule() and update()")
         if seq.seq_id not in self._live_ids:
             raise ValueError(f"seq {seq.seq_id} is not live")

@@ -157,3 +157,67 @@ def test_clear_leaves_every_row_padding_in_the_same_buffers() -> None:
     ids, pos, tables = expected_rows(order, {2: 1}, 4, 3)
     assert torch.equal(rows.ids, ids) and torch.equal(rows.positions, pos)
     assert torch.equal(rows.tables, tables)
+
+
+def replaying_engine(config: EngineConfig, **kw) -> LLM:
+    """An engine whose decode-only steps go the replay path (rows, slots on the device, steps queued ahead)
+    with the graph taken out."""
+    llm = LLM(dataclasses.replace(config, **kw))
+    blocks = config.num_kv_blocks  # the last one is the padding rows' scratch block, as on a GPU
+    llm._scheduler_config = dataclasses.replace(llm._scheduler_config, num_blocks=blocks - 1)
+    llm.reset()
+    llm.runner.graphs = RowsReplayedEagerly(llm.model, llm.selection.kernels, llm.runner.kv_caches,
+                                            config.block_size, llm.max_model_len, blocks - 1, "cpu",
+                                            max_size=config.max_num_seqs)
+    return llm
+
+
+def test_steps_queued_ahead_give_the_eager_bits_and_drop_what_finished() -> None:
+    """A replayed decode step is followed by the next one before its tokens are recorded: sequences that its
+    tokens finish (stop tokens, EOS) have their step ahead dropped, the others keep the eager bits; an abort
+    records the step ahead first."""
+    seed = int(torch.randint(0, 1 << 20, ()))
+    rng = random.Random(seed)
+    n = 10
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(2, 30))] for _ in range(n)]
+    stops = tuple(rng.sample(range(256), 24))  # each draw stops a sequence now and then
+    params = [SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=rng.randrange(1 << 30),
+                             logprobs=2 if i % 3 == 1 else None, max_tokens=rng.randint(1, 30),
+                             stop_token_ids=stops if i % 4 else ()) for i in range(n)]
+    config = EngineConfig(model="random:tiny-llama", max_num_seqs=8, max_num_batched_tokens=48, block_size=4,
+                          num_kv_blocks=60, max_model_len=96)
+    eager = LLM(config).generate(prompts, params)
+    assert any(o.finish_reason == "stop" for o in eager)  # some finish by their token, not their length
+    llm = replaying_engine(config)
+    ahead = 0
+    schedule_ahead = llm.scheduler.schedule_ahead
+
+    def counted(out):
+        nonlocal ahead
+        step = schedule_ahead(out)
+        ahead += step is not None
+        return step
+
+    llm.scheduler.schedule_ahead = counted  # type: ignore[method-assign]
+    replayed = llm.generate(prompts, params)
+    for a, b in zip(replayed, eager):
+        assert (a.token_ids, a.logprobs, a.top_logprobs, a.finish_reason) == (
+            b.token_ids, b.logprobs, b.top_logprobs, b.finish_reason), seed
+    assert ahead > 10, seed
+    assert not llm.has_unfinished() and llm._ahead is None
+
+    # an abort while a step is queued ahead: that step is recorded first, the others go on unchanged
+    llm.reset()
+    handles = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    victim = max(range(n), key=lambda i: len(eager[i].token_ids))
+    for _ in range(8):
+        llm.step()
+    assert llm._ahead is not None, seed
+    llm.abort(handles[victim])
+    assert llm._ahead is None
+    cut = handles[victim].output_token_ids
+    assert cut == eager[victim].token_ids[:len(cut)], seed
+    llm.run([h for i, h in enumerate(handles) if i != victim and not h.is_finished])
+    for i, h in enumerate(handles):
+        if i != victim:
+            assert llm.output_of(h).token_ids == eager[i].token_ids, seed

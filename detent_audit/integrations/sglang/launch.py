@@ -26,6 +26,10 @@ MAX_TOTAL_TOKENS = 32768  # the KV pool's tokens (not a bit-relevant fact)
 # SGLang stops its scheduler when one forward takes longer than its watchdog (300 s by default): on a busy
 # CPU the prefill of a long prompt can (a 3,000-token prompt on a 2-core machine at load 18, measured)
 WATCHDOG_S = 3600
+# the share of the memory SGLang may take for weights and the KV pool (the pool is MAX_TOTAL_TOKENS at most):
+# left to SGLang, it is derived from its GPU defaults and comes out below zero on a 24 GiB machine, where
+# the scheduler then refuses to start
+MEM_FRACTION_STATIC = 0.5
 
 
 def server_args(model_path: str, config: PluginConfig, *, chunked_prefill_size: int,
@@ -37,7 +41,7 @@ def server_args(model_path: str, config: PluginConfig, *, chunked_prefill_size: 
             "disable_cuda_graph": True, "page_size": PAGE_SIZE, "chunked_prefill_size": chunked_prefill_size,
             "disable_radix_cache": not prefix_caching, "max_running_requests": config.max_num_seqs,
             "max_total_tokens": max_total_tokens, "context_length": config.max_model_len, "random_seed": 0,
-            "watchdog_timeout": WATCHDOG_S}
+            "watchdog_timeout": WATCHDOG_S, "mem_fraction_static": MEM_FRACTION_STATIC}
 
 
 def plugin_env(config: PluginConfig) -> dict[str, str]:
