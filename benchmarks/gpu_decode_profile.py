@@ -1,0 +1,136 @@
+"""Where a batch-1 decode step's time goes on the GPU: the kernels of one replayed step by total time (the
+profiler sees inside the CUDA graph), their sum against the replay's wall time (the rest is the gaps between
+kernels), each family's share, and for the GEMMs of that step the time of other decode tiles at M = 1 against
+the bytes floor (every tile gives a row the same bits: tests/kernels/test_gpu_gemm.py checks it, and so does
+this script, per tile, against the engine's tile).
+
+Usage (device): python3 benchmarks/gpu_decode_profile.py [--shape llama-3.1-8b] [--batch 1]
+Writes $OUT/gpu_decode_profile_<shape>_b<B>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from collections import defaultdict
+
+import torch
+import triton.testing
+
+from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.kernels.gpu import gemm_tile
+from detent_audit.kernels.triton_gemm import TritonGemmConfig, linear
+from detent_audit.runtime.sampling_params import SamplingParams
+
+PEAK_BW = 4.28e12
+TILES = [TritonGemmConfig(16, n, k, 8, w, s) for n in (16, 32, 64, 128) for k in (128, 256, 512)
+         for w in (2, 4) for s in (3, 4, 6) if n * k <= 128 * 256 * 2]
+
+
+def family(name: str) -> str:
+    lowered = name.lower()
+    for key, fam in (("matmul", "gemm"), ("gemm", "gemm"), ("attention", "attention"), ("attn", "attention"),
+                     ("rms", "rmsnorm"), ("rope", "rope"), ("silu", "silu"), ("softmax", "sampling"),
+                     ("argmax", "sampling"), ("sort", "sampling"), ("copy", "copy"), ("gather", "index"),
+                     ("index", "index"), ("scatter", "index")):
+        if key in lowered:
+            return fam
+    return "other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=512)
+    args = ap.parse_args()
+    b = args.batch
+    llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode="detent",
+                           max_num_seqs=max(b, 8), max_num_batched_tokens=8192, num_kv_blocks=4096,
+                           max_model_len=4096, attention_streaming=True))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 32000) for _ in range(args.prompt)] for _ in range(b)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    seqs = [llm.add_request(p, greedy) for p in prompts]
+    for _ in range(8):
+        llm.step()
+    graphs = llm.runner.graphs
+    assert graphs is not None and seqs
+    replay = graphs.graphs[graphs.size_for(b)].replay
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls = []
+    for _ in range(30):
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        walls.append(start.elapsed_time(end))
+    wall_ms = sorted(walls)[len(walls) // 2]
+    reps = 10
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[ev.name].append(ev.device_time / 1e3)  # ms
+    per_step = {k: sum(v) / reps for k, v in kernels.items()}
+    calls = {k: len(v) / reps for k, v in kernels.items()}
+    total = sum(per_step.values())
+    fams: dict[str, float] = defaultdict(float)
+    for k, v in per_step.items():
+        fams[family(k)] += v
+    top = sorted(per_step.items(), key=lambda kv: -kv[1])[:20]
+    print(f"{args.shape}, batch {b}: replay {wall_ms:.3f} ms, kernels {total:.3f} ms "
+          f"({sum(calls.values()):.0f} launches), gaps {wall_ms - total:.3f} ms", flush=True)
+    print("families: " + ", ".join(f"{f} {v:.3f}" for f, v in sorted(fams.items(), key=lambda kv: -kv[1])))
+    for name, ms in top:
+        print(f"  {ms:7.3f} ms  x{calls[name]:4.0f}  {name[:110]}")
+    # the step's GEMMs at M = b under other tiles
+    c = llm.model.config
+    h, kvd = c.hidden_size, c.num_key_value_heads * c.head_dim
+    qd = c.num_attention_heads * c.head_dim
+    shapes = {"qkv": (h, qd + 2 * kvd), "o": (qd, h),
+              "gate_up": (h, 2 * c.intermediate_size), "down": (c.intermediate_size, h),
+              "lm_head": (h, c.vocab_size)}
+    gemms = {}
+    for label, (k, n) in shapes.items():
+        x = torch.randn(b, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        engine_tile = gemm_tile(b, n, k)
+        ref = linear(x, w, config=engine_tile)
+        floor = n * k * 2 / PEAK_BW * 1e3
+        rows = {}
+        for tile in [engine_tile, *TILES]:
+            try:
+                y = linear(x, w, config=tile)
+                ms = triton.testing.do_bench(lambda tile=tile, x=x, w=w: linear(x, w, config=tile),
+                                             warmup=10, rep=50)
+            except Exception as exc:  # a tile Triton cannot build (shared memory)
+                rows[repr(tile)] = {"error": type(exc).__name__}
+                continue
+            rows[repr(tile)] = {"ms": ms, "floor_ratio": ms / floor, "same_bits": bool(torch.equal(y, ref))}
+        ok = {t: r for t, r in rows.items() if "ms" in r}
+        best = min(ok, key=lambda t: ok[t]["ms"])
+        cublas = triton.testing.do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w), warmup=10, rep=50)
+        gemms[label] = {"floor_ms": floor, "engine_tile": repr(engine_tile),
+                        "engine": rows[repr(engine_tile)],
+                        "best_tile": best, "best": ok[best], "cublas_ms": cublas,
+                        "all_same_bits": all(r["same_bits"] for r in ok.values()), "tiles": rows}
+        print(f"{label} {k}->{n}: floor {floor:.4f} ms, engine {rows[repr(engine_tile)]['ms']:.4f} "
+              f"({rows[repr(engine_tile)]['floor_ratio']:.2f}x), best {ok[best]['ms']:.4f} "
+              f"({ok[best]['floor_ratio']:.2f}x) {best}, cuBLAS {cublas:.4f}, every tile same bits: "
+              f"{gemms[label]['all_same_bits']}", flush=True)
+    out = {"device": torch.cuda.get_device_name(), "shape": args.shape, "batch": b, "replay_ms": wall_ms,
+           "kernel_ms": total, "families_ms": fams, "top": top, "gemms": gemms}
+    path = os.path.join(os.environ.get("OUT", "."), f"gpu_decode_profile_{args.shape}_b{b}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
