@@ -57,6 +57,8 @@ from detent_audit.runtime.stop_strings import output_text
 from detent_audit.runtime.threads import set_threads
 from detent_audit.runtime.tokenizer import Tokenizer
 
+GPU_MAX_NUM_SEQS = 256  # the default on a GPU, where decode graphs are captured up to it
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -80,7 +82,7 @@ class EngineConfig:
     kv_pool_tokens: int = 0
     # prompt + output tokens; None: the model's positions, within the KV pool
     max_model_len: int | None = None
-    max_num_seqs: int = 32
+    max_num_seqs: int = 0               # sequences a step holds at most; 0: 256 on a GPU, 32 on a CPU
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int | None = None
     prefix_caching: bool = True
@@ -95,6 +97,8 @@ class EngineConfig:
     tensor_parallel_init: str = ""
 
     def __post_init__(self) -> None:
+        if self.max_num_seqs == 0:  # the default: a GPU's decode step is memory-bound well past 32 rows
+            object.__setattr__(self, "max_num_seqs", GPU_MAX_NUM_SEQS if self.device == "cuda" else 32)
         if self.mode not in {m.value for m in Mode}:
             raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
         if self.dtype not in RUN_DTYPES:

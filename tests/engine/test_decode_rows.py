@@ -221,3 +221,10 @@ def test_steps_queued_ahead_give_the_eager_bits_and_drop_what_finished() -> None
     for i, h in enumerate(handles):
         if i != victim:
             assert llm.output_of(h).token_ids == eager[i].token_ids, seed
+
+
+def test_a_gpu_engine_holds_256_sequences_by_default() -> None:
+    assert EngineConfig(device="cuda").max_num_seqs == 256  # and its decode graphs go up to them
+    assert EngineConfig().max_num_seqs == 32
+    assert EngineConfig(device="cuda", max_num_seqs=8).max_num_seqs == 8
+    assert dataclasses.replace(EngineConfig(device="cuda"), device="cpu").max_num_seqs == 256  # as resolved
