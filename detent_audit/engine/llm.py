@@ -82,7 +82,8 @@ class EngineConfig:
     kv_pool_tokens: int = 0
     # prompt + output tokens; None: the model's positions, within the KV pool
     max_model_len: int | None = None
-    max_num_seqs: int = 0               # sequences a step holds at most; 0: 256 on a GPU, 32 on a CPU
+    # sequences a step holds; 0: 256 on a GPU (at most max_num_batched_tokens), 32 on a CPU
+    max_num_seqs: int = 0
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int | None = None
     prefix_caching: bool = True
@@ -98,7 +99,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs == 0:  # the default: a GPU's decode step is memory-bound well past 32 rows
-            object.__setattr__(self, "max_num_seqs", GPU_MAX_NUM_SEQS if self.device == "cuda" else 32)
+            seats = min(GPU_MAX_NUM_SEQS, self.max_num_batched_tokens) if self.device == "cuda" else 32
+            object.__setattr__(self, "max_num_seqs", seats)
         if self.mode not in {m.value for m in Mode}:
             raise BadInput(f"mode must be detent, stock or det, got {self.mode!r}")
         if self.dtype not in RUN_DTYPES:
@@ -351,9 +353,14 @@ class LLM(EngineBase[Sequence]):
 
     def abort(self, seq: RequestHandle) -> None:
         """Stop serving `seq` between steps (its client left): its blocks are freed, nothing more is computed
-        for it, and it never finishes."""
+        for it, and it never finishes (also when the step queued ahead, recorded first, was its last)."""
+        own = self.own(seq)
         self._drain()
-        self.scheduler.abort(self.own(seq))
+        if any(s is own for s in self._finished):
+            self._finished = [s for s in self._finished if s is not own]
+            own.finish_reason = None
+            return
+        self.scheduler.abort(own)
 
     def step(self) -> list[Sequence]:
         """Run one scheduled step; returns the sequences that finished in it. A replayed decode step is
@@ -365,7 +372,8 @@ class LLM(EngineBase[Sequence]):
             (out, sampled), self._ahead = self._ahead, None
         else:
             out = self.scheduler.schedule()
-            if not out.scheduled:
+            if not out.scheduled:  # nothing runs or waits (or no block is free yet): nothing to record
+                self.scheduler.update(out, {})
                 return finished
             sampled = self.runner.replay(out)
         self.step_batch_sizes[len(out.scheduled)] += 1

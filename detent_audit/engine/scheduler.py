@@ -229,7 +229,7 @@ class Scheduler:
         scheduled) unless `output` is all decodes, nothing waits, and the blocks the new positions need are
         free. A sequence that `output` finishes by its length is left out; one it finishes by its token is
         dropped from the step at `update`."""
-        if self._pending != [output] or self.waiting or not output.scheduled:
+        if len(self._pending) != 1 or self._pending[0] is not output or self.waiting or not output.scheduled:
             return None
         cfg, blocks = self.config, self.block_manager
         ahead: list[ScheduledSeq] = []

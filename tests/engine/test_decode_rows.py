@@ -227,4 +227,45 @@ def test_a_gpu_engine_holds_256_sequences_by_default() -> None:
     assert EngineConfig(device="cuda").max_num_seqs == 256  # and its decode graphs go up to them
     assert EngineConfig().max_num_seqs == 32
     assert EngineConfig(device="cuda", max_num_seqs=8).max_num_seqs == 8
+    assert EngineConfig(device="cuda", max_num_batched_tokens=128).max_num_seqs == 128  # within the budget
     assert dataclasses.replace(EngineConfig(device="cuda"), device="cpu").max_num_seqs == 256  # as resolved
+
+
+def test_an_abort_while_a_step_is_queued_ahead_leaves_the_engine_serving() -> None:
+    """The step queued ahead is recorded before an abort: a request it finishes ends aborted all the same
+    (never returned as finished), and one finished when nothing else runs is returned by the next step, after
+    which the engine serves on."""
+    seed = int(torch.randint(0, 1 << 20, ()))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(2, 30))] for _ in range(2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 12)]
+    config = EngineConfig(model="random:tiny-llama", max_num_seqs=8, max_num_batched_tokens=48, block_size=4,
+                          num_kv_blocks=60, max_model_len=96)
+    eager = LLM(config).generate(prompts, params)
+    llm = replaying_engine(config)
+
+    def until_ahead_of_last_token(short: Sequence) -> None:
+        for _ in range(10):
+            if llm._ahead is not None and short.num_output_tokens == 2:
+                return
+            llm.step()
+        raise AssertionError(f"no step was queued ahead of the last token (seed {seed})")
+
+    # the step ahead gives the aborted request its last token
+    short, long = (llm.add_request(p, sp) for p, sp in zip(prompts, params))
+    until_ahead_of_last_token(short)
+    llm.abort(short)
+    assert short.finish_reason is None and short.is_finished
+    finished = []
+    while llm.has_unfinished():
+        finished += llm.step()
+    assert finished == [long] and llm.output_of(long).token_ids == eager[1].token_ids
+    # the step ahead finishes the last request still running after the abort
+    llm.reset()
+    short, long = (llm.add_request(p, sp) for p, sp in zip(prompts, params))
+    until_ahead_of_last_token(short)
+    llm.abort(long)
+    assert llm.has_unfinished() and llm.step() == [short] and not llm.has_unfinished()
+    assert llm.output_of(short).token_ids == eager[0].token_ids
+    again = llm.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in eager], seed

@@ -30,9 +30,11 @@ def requests(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(3, 60))] for _ in range(n)]
     # outputs of many lengths: rows finish at different steps, so the batch shrinks through the sizes
+    # and some end by a token: their step queued ahead is dropped
+    stops = tuple(rng.sample(range(256), 12))
     params = [SamplingParams(temperature=0.8 if i % 3 else 0.0, seed=seed * 1000 + i,
                              logprobs=3 if i % 4 == 1 else None, max_tokens=rng.randint(1, 40),
-                             ignore_eos=True) for i in range(n)]
+                             ignore_eos=True, stop_token_ids=stops if i % 5 == 2 else ()) for i in range(n)]
     return prompts, params
 
 
@@ -55,7 +57,7 @@ def test_a_request_gets_its_bits_at_every_batch_size() -> None:
     seed = int(torch.randint(0, 1 << 20, ()))
     prompts, params = requests(SEATS, seed)
     params = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=24, ignore_eos=True)
-              for p in params]
+              for p in params]  # every request runs to 24 tokens
     llm = engine(True)
     alone = llm.generate(prompts[:1], params[:1])[0]
     for n in (5, 33, SEATS):  # replays at sizes 8, 40, 64
@@ -91,3 +93,21 @@ def test_a_graph_keeps_the_inputs_it_was_captured_with() -> None:
     torch.cuda.synchronize()
     assert all(same(a, b) for a, b in zip(again, eager)), f"seed {seed}"
     assert all(bool((t == (1 << 40) + t.numel()).all()) for t in junk)
+
+
+def test_an_abort_while_a_step_is_queued_ahead_keeps_the_others_bits() -> None:
+    seed = int(torch.randint(0, 1 << 20, ()))
+    prompts, params = requests(16, seed)
+    eager = engine(False).generate(prompts, params)
+    llm = engine(True)
+    handles = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    victim = max(range(16), key=lambda i: len(eager[i].token_ids))
+    for _ in range(6):
+        llm.step()
+    assert llm._ahead is not None, f"seed {seed}"
+    llm.abort(handles[victim])
+    llm.run([h for i, h in enumerate(handles) if i != victim and not h.is_finished])
+    assert handles[victim].output_token_ids == eager[victim].token_ids[:handles[victim].num_output_tokens]
+    for i, h in enumerate(handles):
+        if i != victim:
+            assert same(llm.output_of(h), eager[i]), f"request {i}, seed {seed}"
