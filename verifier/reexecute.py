@@ -11,6 +11,7 @@ run's end.
 
 from __future__ import annotations
 
+import multiprocessing.util
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -112,10 +113,22 @@ def _reexecute_isolating(llm: Engine, batch: list[tuple[Path, Receipt]], mode: s
 
 
 _WORKER_ENGINES: dict = {}  # a worker process's engines, kept across its batches
+_worker_exit: list[multiprocessing.util.Finalize] = []  # stops them when the worker exits
+
+
+def stop_engines_at_exit() -> None:
+    """Have this worker stop the engines it keeps when it exits (once registered, before multiprocessing waits
+    for the worker's child processes)."""
+    if not _worker_exit:
+        _worker_exit.append(multiprocessing.util.Finalize(None, release, (_WORKER_ENGINES,), exitpriority=10))
 
 
 def worker_batch(batch: list[tuple[str, bytes]], options: Options) -> list[Outcome]:
-    """A worker's batch: receipts as their payload bytes (already signature-checked by the parent)."""
+    """A worker's batch: receipts as their payload bytes (already signature-checked by the parent). The
+    engines it builds are stopped as the worker exits, before it waits for its child processes: an engine
+    with processes of its own (SGLang's scheduler) left running would keep the worker, and the pool's
+    shutdown, waiting on them for good."""
+    stop_engines_at_exit()
     return run_batch([(Path(p), Receipt.from_bytes(b)) for p, b in batch], options, _WORKER_ENGINES)
 
 

@@ -90,3 +90,35 @@ def test_verify_workers_die_with_their_parent_on_every_signal(receipts: tuple[Pa
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def _keep_an_engine_with_a_child_process(marker: str) -> None:
+    """In a verify worker: keep an engine (as `worker_batch` does) that has a process of its own, as SGLang's
+    has its scheduler, which runs until the engine is shut down."""
+    import multiprocessing
+
+    from detent_audit.verifier import reexecute
+
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,))  # not a daemon
+    child.start()
+
+    class EngineWithAProcess:
+        def shutdown(self) -> None:
+            child.terminate()
+            child.join()
+            Path(marker).write_text("stopped")
+
+    reexecute._WORKER_ENGINES[("deployment", "tuple")] = EngineWithAProcess()
+    reexecute.stop_engines_at_exit()
+
+
+def test_a_worker_stops_the_engines_it_keeps_as_it_exits(tmp_path: Path) -> None:
+    """The pool's shutdown would otherwise wait for the engine's process (a verify of SGLang receipts with two
+    workers never ended)."""
+    from detent_audit.verifier.workers import worker_pool
+
+    marker = tmp_path / "stopped"
+    began = time.monotonic()
+    with worker_pool(1) as pool:
+        pool.submit(_keep_an_engine_with_a_child_process, str(marker)).result()
+    assert time.monotonic() - began < 60 and marker.read_text() == "stopped"
