@@ -1,10 +1,11 @@
-"""Output tokens per second of the embedded engine in detent mode under the portable ISA cap and natively.
+"""Output tokens per second of an engine in detent mode under the portable ISA cap and natively.
 
 Each setting runs in its own process (the caps are read when torch's libraries initialise:
-`detent_audit.isa`), the random-20m model, fp32, a closed batch of requests (mixed prompt lengths, greedy,
-fixed output length) run to completion; the first round warms up and is dropped, the median of the others is
-reported.
-Usage: python benchmarks/isa_speed.py [--runs 3] [--requests 8] [--threads 1]
+`detent_audit.isa`; vLLM's and SGLang's processes inherit them), fp32, a closed batch of requests (mixed
+prompt lengths, greedy, fixed output length) run to completion; the first round warms up and is dropped, the
+median of the others is reported. The embedded engine on random-20m by default; `--engine vllm|sglang` builds
+that engine from the registry (on `--model`, default SmolLM2-135M-Instruct).
+Usage: python benchmarks/isa_speed.py [--engine embedded] [--model M] [--runs 3] [--requests 8] [--threads 1]
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from detent_audit import isa
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from detent_audit.engine.llm import LLM, EngineConfig
+    from detent_audit.runtime import registry
     from detent_audit.runtime.sampling_params import SamplingParams
 
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 160))] for _ in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    llm = LLM(EngineConfig(model="random-20m", mode="detent", num_threads=args.threads))
+    model = args.model or ("random-20m" if args.engine == "embedded" else "smollm2-135m-instruct")
+    llm = registry.build(args.engine, registry.EngineOptions(model=model, threads=args.threads))
     times = []
     for _ in range(args.runs + 1):
         llm.reset()
@@ -39,15 +41,19 @@ def child(args: argparse.Namespace) -> None:
         outs = llm.generate(prompts, params)
         times.append(time.perf_counter() - t0)
     tokens = sum(len(o.token_ids) for o in outs)
-    from detent_audit.engine.deployment_facts import collect_facts
-
-    kernels = collect_facts(llm).get("kernel_params", {})
-    print(json.dumps({"isa": isa.runtime_facts(), "torch": torch.__version__, "kernels": kernels,
+    facts = llm.facts()
+    kernels = facts.get("kernel_params", {}) if isinstance(facts, dict) else {}
+    llm.shutdown()
+    print(json.dumps({"engine": args.engine, "model": model,
+                      "cpu_capability": facts["runtime"].get("cpu_capability"),
+                      "isa": isa.runtime_facts(), "torch": torch.__version__, "kernels": kernels,
                       "tok_s": tokens / statistics.median(times[1:]), "runs_s": times[1:]}))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", default="embedded", help="embedded | vllm | sglang")
+    ap.add_argument("--model", default=None)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--output-tokens", type=int, default=32)
@@ -64,8 +70,10 @@ def main() -> int:
         out = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env, check=True,
                              capture_output=True, text=True).stdout
         rows[choice] = json.loads(out.splitlines()[-1])
-    print(f"device: {platform.processor() or platform.machine()}, {args.threads} thread(s); random-20m fp32 "
-          f"detent; {args.requests} requests x {args.output_tokens} output tokens; median of {args.runs}\n")
+    model = rows["native"]["model"]
+    print(f"device: {platform.processor() or platform.machine()}, {args.threads} thread(s); {args.engine}, "
+          f"{model} fp32 detent; {args.requests} requests x {args.output_tokens} output tokens; median of "
+          f"{args.runs}\n")
     print("| --isa | runtime fact | GEMM form | output tok/s | over native |\n|---|---|---|---|---|")
     for choice, row in rows.items():
         print(f"| {choice} | {row['isa']} | {row['kernels'].get('gemm')} | {row['tok_s']:.1f} "
