@@ -2,7 +2,7 @@
 unless a start-up probe proved another) gives a row the same bits whatever M is and whatever the other rows
 hold, at 1 and 2 threads, on fresh random inputs of the shapes a small llama has, on whatever x86 CPU runs it.
 vLLM's own fp32 oneDNN GEMM (`onednn_mm`, the plugin's opt-in `onednn` form) is not trusted: with the same
-`rows_hold` check its rows held at these shapes on an AVX2 CPU, and on an AVX-512 one (a Xeon, 1 and 2 threads)
+`rows_hold` check its rows held at these shapes on an AVX2 CPU, and on an AVX-512 Xeon (1 and 2 threads)
 the down projection's (K=1536, N=576) did not."""
 
 from __future__ import annotations
