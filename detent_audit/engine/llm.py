@@ -397,7 +397,7 @@ class LLM(EngineBase[Sequence]):
     def _record(self, out: SchedulerOutput, results: dict[int, SeqResult]) -> list[Sequence]:
         """The step's results into its sequences and the scheduler; the sequences it finished."""
         tokens = {sid: r.token for sid, r in results.items()}
-        logprobs = {sid: r.logprob for sid, r in results.items() if r.token is not None}
+        logprobs = {sid: r.logprob for sid, r in results.items() if r.logprob is not None}
         for e in out.scheduled:
             if e.seq.is_finished:  # scheduled ahead, then finished (update drops it too)
                 continue
