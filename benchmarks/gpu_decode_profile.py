@@ -45,10 +45,12 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--no-tiles", action="store_true", help="the profile only, not the GEMM tiles")
     args = ap.parse_args()
     b = args.batch
     llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode="detent",
-                           max_num_seqs=max(b, 8), max_num_batched_tokens=8192, num_kv_blocks=4096,
+                           max_num_seqs=max(b, 8), max_num_batched_tokens=8192,
+                           num_kv_blocks=max(4096, b * (-(-(args.prompt + 80) // 16))),
                            max_model_len=4096, attention_streaming=True))
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 32000) for _ in range(args.prompt)] for _ in range(b)]
@@ -98,7 +100,7 @@ def main() -> None:
               "gate_up": (h, 2 * c.intermediate_size), "down": (c.intermediate_size, h),
               "lm_head": (h, c.vocab_size)}
     gemms = {}
-    for label, (k, n) in shapes.items():
+    for label, (k, n) in ({} if args.no_tiles else shapes).items():
         x = torch.randn(b, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         engine_tile = gemm_tile(b, n, k)
