@@ -56,7 +56,7 @@ def main() -> None:
     prompts = [[rng.randrange(1, 32000) for _ in range(args.prompt)] for _ in range(b)]
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     seqs = [llm.add_request(p, greedy) for p in prompts]
-    for _ in range(8):
+    while not all(s.num_output_tokens >= 4 for s in seqs):  # every prefill done, the size's graph captured
         llm.step()
     graphs = llm.runner.graphs
     assert graphs is not None and seqs
