@@ -441,6 +441,7 @@ def test_verify_json_on_vllm_receipts_prints_one_document_on_stdout(served) -> N
 def test_vllms_log_lines_show_only_with_verbose(checkpoint, tmp_path) -> None:
     """`serve --engine vllm --input` in a process of its own: without --verbose neither stream holds a line of
     vLLM's log (its ~20 WARNING lines at start, one per request on raw prompts); with it they are there."""
+    import os
     import re
     import subprocess
     import sys
@@ -449,6 +450,8 @@ def test_vllms_log_lines_show_only_with_verbose(checkpoint, tmp_path) -> None:
     request = {"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 2}
     (tmp_path / "in.jsonl").write_text(json.dumps(request))
     vllm_line = re.compile(r"\b(WARNING|INFO) \d\d-\d\d [\d:]+ \[")
+    # the levels a quiet command sets in its own environment (an in-process CLI test before this one did)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL")}
     for verbose in (False, True):
         res = subprocess.run([sys.executable, "-m", "detent_audit.cli", *(["--verbose"] if verbose else []),
                               "serve", "--engine", "vllm", "--model", str(checkpoint), "--signing-key",
@@ -456,7 +459,7 @@ def test_vllms_log_lines_show_only_with_verbose(checkpoint, tmp_path) -> None:
                               "--input", str(tmp_path / "in.jsonl"),
                               "--output", str(tmp_path / f"{verbose}.jsonl"),
                               "--cache-dir", str(tmp_path / "jit")],
-                             capture_output=True, text=True, timeout=900)
+                             capture_output=True, text=True, timeout=900, env=env)
         assert res.returncode == 0, res.stderr[-2000:]
         lines = [line for line in (res.stdout + res.stderr).splitlines() if vllm_line.search(line)]
         warnings = [line for line in lines if " WARNING " in line]
