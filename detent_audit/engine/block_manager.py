@@ -180,8 +180,7 @@ class BlockManager:
             )
         if not self.can_append(seq, num_new_tokens):
             raise ValueError(f"seq {seq.seq_id}: append_slots({num_new_tokens}) without free blocks")
-        while len(seq.block_table) < self.num_blocks_for(end):
-            seq.block_table.append(self._take_block())
+        self.grow(seq, end)
 
     def grow(self, seq: Sequence, num_positions: int) -> None:
         """Grow `seq.block_table` to cover positions [0, num_positions), past its tokens (a step scheduled
