@@ -181,8 +181,10 @@ def test_steps_queued_ahead_give_the_eager_bits_and_drop_what_finished() -> None
     n = 10
     prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(2, 30))] for _ in range(n)]
     stops = tuple(rng.sample(range(256), 24))  # each draw stops a sequence now and then
+    # those without stop tokens run long, so that the last steps (nothing waiting) are queued ahead
     params = [SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=rng.randrange(1 << 30),
-                             logprobs=2 if i % 3 == 1 else None, max_tokens=rng.randint(1, 30),
+                             logprobs=2 if i % 3 == 1 else None,
+                             max_tokens=rng.randint(1, 30) if i % 4 else rng.randint(16, 30),
                              stop_token_ids=stops if i % 4 else ()) for i in range(n)]
     config = EngineConfig(model="random:tiny-llama", max_num_seqs=8, max_num_batched_tokens=48, block_size=4,
                           num_kv_blocks=60, max_model_len=96)
@@ -203,16 +205,19 @@ def test_steps_queued_ahead_give_the_eager_bits_and_drop_what_finished() -> None
     for a, b in zip(replayed, eager):
         assert (a.token_ids, a.logprobs, a.top_logprobs, a.finish_reason) == (
             b.token_ids, b.logprobs, b.top_logprobs, b.finish_reason), seed
-    assert ahead > 10, seed
+    assert ahead >= 5, seed
     assert not llm.has_unfinished() and llm._ahead is None
 
     # an abort while a step is queued ahead: that step is recorded first, the others go on unchanged
     llm.reset()
     handles = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
     victim = max(range(n), key=lambda i: len(eager[i].token_ids))
-    for _ in range(8):
+    for _ in range(200):  # until a step is queued ahead with the victim in it
+        if llm._ahead is not None and any(e.seq is handles[victim] for e in llm._ahead[0].scheduled):
+            break
         llm.step()
-    assert llm._ahead is not None, seed
+    else:
+        raise AssertionError(f"no step was queued ahead of the longest request (seed {seed})")
     llm.abort(handles[victim])
     assert llm._ahead is None
     cut = handles[victim].output_token_ids
