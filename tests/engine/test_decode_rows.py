@@ -242,8 +242,9 @@ def test_an_abort_while_a_step_is_queued_ahead_leaves_the_engine_serving() -> No
     which the engine serves on."""
     seed = int(torch.randint(0, 1 << 20, ()))
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(2, 30))] for _ in range(2)]
+    # both prompts prefill in one step (48 tokens), so the second step is a decode that is queued ahead of
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 12)]
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(2, 24))] for _ in range(2)]
     config = EngineConfig(model="random:tiny-llama", max_num_seqs=8, max_num_batched_tokens=48, block_size=4,
                           num_kv_blocks=60, max_model_len=96)
     eager = LLM(config).generate(prompts, params)
