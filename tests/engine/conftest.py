@@ -47,3 +47,18 @@ class PagedKV:
 @pytest.fixture(scope="session")
 def paged_kv() -> type[PagedKV]:
     return PagedKV
+
+
+def _step_until_queued_ahead(llm, handle, seed: int) -> None:
+    """Step `llm` until a step queued ahead (`LLM._ahead`) holds `handle`'s request."""
+    for _ in range(200):
+        if llm._ahead is not None and any(e.seq is handle for e in llm._ahead[0].scheduled):
+            return
+        llm.step()
+    raise AssertionError(f"no step was queued ahead with request {handle.seq_id} in it (seed {seed})")
+
+
+@pytest.fixture(scope="session")
+def until_queued_ahead():
+    """`until_queued_ahead(llm, handle, seed)`: step until a step queued ahead holds that request."""
+    return _step_until_queued_ahead

@@ -172,7 +172,7 @@ def replaying_engine(config: EngineConfig, **kw) -> LLM:
     return llm
 
 
-def test_steps_queued_ahead_give_the_eager_bits_and_drop_what_finished() -> None:
+def test_steps_queued_ahead_give_the_eager_bits_and_drop_what_finished(until_queued_ahead) -> None:
     """A replayed decode step is followed by the next one before its tokens are recorded: sequences that its
     tokens finish (stop tokens, EOS) have their step ahead dropped, the others keep the eager bits; an abort
     records the step ahead first."""
@@ -212,12 +212,7 @@ def test_steps_queued_ahead_give_the_eager_bits_and_drop_what_finished() -> None
     llm.reset()
     handles = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
     victim = max(range(n), key=lambda i: len(eager[i].token_ids))
-    for _ in range(200):  # until a step is queued ahead with the victim in it
-        if llm._ahead is not None and any(e.seq is handles[victim] for e in llm._ahead[0].scheduled):
-            break
-        llm.step()
-    else:
-        raise AssertionError(f"no step was queued ahead of the longest request (seed {seed})")
+    until_queued_ahead(llm, handles[victim], seed)
     llm.abort(handles[victim])
     assert llm._ahead is None
     cut = handles[victim].output_token_ids

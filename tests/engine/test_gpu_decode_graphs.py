@@ -95,19 +95,14 @@ def test_a_graph_keeps_the_inputs_it_was_captured_with() -> None:
     assert all(bool((t == (1 << 40) + t.numel()).all()) for t in junk)
 
 
-def test_an_abort_while_a_step_is_queued_ahead_keeps_the_others_bits() -> None:
+def test_an_abort_while_a_step_is_queued_ahead_keeps_the_others_bits(until_queued_ahead) -> None:
     seed = int(torch.randint(0, 1 << 20, ()))
     prompts, params = requests(16, seed)
     eager = engine(False).generate(prompts, params)
     llm = engine(True)
     handles = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
     victim = max(range(16), key=lambda i: len(eager[i].token_ids))
-    for _ in range(200):  # until a step is queued ahead with the victim in it
-        if llm._ahead is not None and any(e.seq is handles[victim] for e in llm._ahead[0].scheduled):
-            break
-        llm.step()
-    else:
-        raise AssertionError(f"no step was queued ahead of the longest request (seed {seed})")
+    until_queued_ahead(llm, handles[victim], seed)
     llm.abort(handles[victim])
     llm.run([h for i, h in enumerate(handles) if i != victim and not h.is_finished])
     assert handles[victim].output_token_ids == eager[victim].token_ids[:handles[victim].num_output_tokens]
