@@ -387,8 +387,7 @@ class LLM(EngineBase[Sequence]):
                     queued = self.runner.replay(ahead)
                     assert queued is not None, "a step ahead of a replayed one replays"
                     self._ahead = (ahead, queued)
-            results = {}
-            sampled.into(results)
+            results = sampled.results()
         finished += self._record(out, results)
         if self._ahead is not None and all(e.seq.is_finished for e in self._ahead[0].scheduled):
             self._drain()  # every sequence of the step ahead finished: nothing of it is kept
@@ -413,9 +412,7 @@ class LLM(EngineBase[Sequence]):
         finished is returned by the next `step`."""
         if self._ahead is not None:
             (out, sampled), self._ahead = self._ahead, None
-            results: dict[int, SeqResult] = {}
-            sampled.into(results)
-            self._finished += self._record(out, results)
+            self._finished += self._record(out, sampled.results())
 
     def top_logprobs_so_far(self, seq: RequestHandle) -> TopLogprobs:
         """The top-n alternatives of each token `seq` has sampled so far (for streaming)."""

@@ -77,6 +77,12 @@ class Sampled:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def results(self) -> dict[int, SeqResult]:
+        """Each sampling row's result, by sequence id (waits as `into` does)."""
+        results: dict[int, SeqResult] = {}
+        self.into(results)
+        return results
+
     def into(self, results: dict[int, SeqResult]) -> None:
         if self.event is not None:
             self.event.synchronize()
@@ -144,9 +150,7 @@ class ModelRunner:
         entries = step.scheduled
         sampled = self.replay(step)
         if sampled is not None:
-            results: dict[int, SeqResult] = {}
-            sampled.into(results)
-            return results
+            return sampled.results()
         ids: list[int] = []
         positions: list[int] = []
         slot_list: list[int] = []
