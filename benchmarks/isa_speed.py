@@ -42,11 +42,13 @@ def child(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t0)
     tokens = sum(len(o.token_ids) for o in outs)
     facts = llm.facts()
-    kernels = facts.get("kernel_params", {}) if isinstance(facts, dict) else {}
+    gemm = facts.get("tuple", {}).get("embedded.gemm", {})
     llm.shutdown()
     print(json.dumps({"engine": args.engine, "model": model,
                       "cpu_capability": facts["runtime"].get("cpu_capability"),
-                      "isa": isa.runtime_facts(), "torch": torch.__version__, "kernels": kernels,
+                      "isa": isa.runtime_facts(), "torch": torch.__version__,
+                      "gemm_form": gemm.get("embedded.gemm.form"), "gemm_rows": gemm.get("chunk_rows"),
+                      "fixed_order": facts["runtime"].get("fixed_order"),
                       "tok_s": tokens / statistics.median(times[1:]), "runs_s": times[1:]}))
 
 
@@ -74,9 +76,11 @@ def main() -> int:
     print(f"device: {platform.processor() or platform.machine()}, {args.threads} thread(s); {args.engine}, "
           f"{model} fp32 detent; {args.requests} requests x {args.output_tokens} output tokens; median of "
           f"{args.runs}\n")
-    print("| --isa | runtime fact | GEMM form | output tok/s | over native |\n|---|---|---|---|---|")
+    print("| --isa | runtime fact | GEMM form (rows) | fixed-order kernels | output tok/s | over native |\n"
+          "|---|---|---|---|---|---|")
     for choice, row in rows.items():
-        print(f"| {choice} | {row['isa']} | {row['kernels'].get('gemm')} | {row['tok_s']:.1f} "
+        print(f"| {choice} | {row['isa']} | {row['gemm_form']} ({row['gemm_rows']}) | "
+              f"{'yes' if row['fixed_order'] else 'no'} | {row['tok_s']:.1f} "
               f"| {row['tok_s'] / rows['native']['tok_s']:.3f} |")
     print(json.dumps(rows))
     return 0

@@ -103,9 +103,10 @@ def runtime_facts() -> dict[str, Any]:
 
 
 def blas_cpu() -> dict[str, str]:
-    """Under the cap, the CPU model (`{"cpu_model": ...}`) for an engine whose products are oneDNN's or MKL's
-    (vLLM, SGLang): those libraries choose code by the CPU whatever the cap (docs/isa.md), so such a receipt
-    is checked on the same model; natively, and for the embedded engine's fixed-order kernels, nothing."""
+    """Under the cap, the CPU model (`{"cpu_model": ...}`) for an engine whose products are still MKL's or
+    oneDNN's (stock or det mode, bfloat16, a MoE's experts, vLLM's oneDNN GEMM): those libraries choose code
+    by the CPU whatever the cap (docs/isa.md), so such a receipt is checked on the same model; natively
+    nothing. An engine on the fixed-order kernels names those instead (`kernel_select.order_facts`)."""
     if not capped():
         return {}
     try:
@@ -129,8 +130,8 @@ def hint(served: Any, here: Any) -> str | None:
         if served.get("cpu_model") != here.get("cpu_model") and served.get("cpu_model"):
             return ("the receipt was served by an engine whose products are the BLAS's, on a "
                     f"{served.get('cpu_model')}: the BLAS chooses code by the CPU whatever the ISA cap, so "
-                    "it is checked on that CPU model; the embedded engine's --isa portable receipts verify "
-                    "on any")
+                    "it is checked on that CPU model; receipts served with --isa portable in detent mode "
+                    "in float32 (the fixed-order kernels) verify on any")
         return None
     if served.get("isa") == PORTABLE_ISA:
         return (f"the receipt was served under the portable ISA cap ({PORTABLE_ISA}); this verifier runs "

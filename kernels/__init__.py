@@ -23,7 +23,7 @@ import torch
 
 from detent_audit.enums import Mode
 from detent_audit.errors import DetentError
-from detent_audit.kernels import attention, attention_c, gemm, moe, rowlocal, rowlocal_c
+from detent_audit.kernels import attention, attention_c, gemm, gemm_c, moe, rowlocal, rowlocal_c
 from detent_audit.kernels.attention_metadata import AttentionMetadata
 from detent_audit.kernels.params import AttentionParams, BadParams, GemmParams, MoeParams
 from detent_audit.kernels.rowlocal import RopeCache, RotatedQK
@@ -195,6 +195,12 @@ class KernelSet:
         return rowlocal.log_softmax(x)
 
 
+def fixed_order_implementations() -> list[str]:
+    """The versions of the portable setting's fixed-order C kernels (attention, GEMM, SiLU and the sampler's
+    log), as facts record them: an engine that runs all of them names them (`runtime.fixed_order`)."""
+    return [attention_c.IMPLEMENTATION, gemm_c.IMPLEMENTATION, rowlocal_c.IMPLEMENTATION]
+
+
 __all__ = [
     "DET_ATTENTION",
     "DET_GEMM",
@@ -207,6 +213,7 @@ __all__ = [
     "MoeParams",
     "RopeCache",
     "SelectorError",
+    "fixed_order_implementations",
 ]
 
 

@@ -15,6 +15,8 @@ from detent_audit.engine.tensor_parallel import ACCUMULATE, BACKEND, ORDERED
 from detent_audit.enums import Mode
 from detent_audit.runtime.contract import EMBEDDED, Facts
 from detent_audit.runtime.facts import SOURCE_ROOTS, checkpoint_hashes, file_hash, format_facts, source_hash
+from detent_audit.runtime.kernel_select import order_facts
+from detent_audit.runtime.model_config import ModelConfig
 from detent_audit.runtime.named_models import is_generated
 
 if TYPE_CHECKING:
@@ -46,12 +48,11 @@ def static_facts(cfg: EngineConfig) -> dict[str, dict[str, object]]:
                     **isa.runtime_facts(),
                     "num_threads": cfg.num_threads, "dtype": cfg.dtype},
     }
-    if cfg.mode == Mode.DETENT and _device(cfg.device) == "cpu" and isa.capped():
-        # the portable setting's kernels: the project's own, every operation's order written out (docs/isa.md)
-        from detent_audit.kernels import attention_c, gemm_c, rowlocal_c
-
-        facts["runtime"]["fixed_order"] = [attention_c.IMPLEMENTATION, gemm_c.IMPLEMENTATION,
-                                           rowlocal_c.IMPLEMENTATION]
+    if _device(cfg.device) == "cpu":
+        # under the cap in detent mode, the project's kernels, every operation's order written out
+        # (docs/isa.md); else the BLAS's (a MoE's experts too), which choose code by the CPU model
+        moe = ModelConfig.from_pretrained(cfg.model_path).num_experts > 0
+        facts["runtime"].update(order_facts(cfg.mode == Mode.DETENT and cfg.dtype == "float32" and not moe))
     # how the ranks' partial sums meet (tensor_parallel.py); threads are per rank
     if cfg.tensor_parallel_size > 1:
         facts["parallel"] = {"tensor_parallel_size": cfg.tensor_parallel_size,

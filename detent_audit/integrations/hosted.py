@@ -16,7 +16,7 @@ from detent_audit.errors import BadInput
 from detent_audit.runtime.base import EngineBase
 from detent_audit.runtime.contract import RequestHandle, TopLogprobs, TupleValues
 from detent_audit.runtime.facts import checkpoint_hashes, format_facts
-from detent_audit.runtime.kernel_select import Selection
+from detent_audit.runtime.kernel_select import Selection, order_facts, runs_fixed_order
 from detent_audit.runtime.model_config import ModelConfig, served_context
 from detent_audit.runtime.named_models import ResolvedModel, resolve_model
 from detent_audit.runtime.sampling_params import SamplingParams
@@ -79,6 +79,7 @@ class HostedEngine(EngineBase[Request]):
 
     config: HostedSettings
     selection: Selection | None
+    attention: str | None  # detent's attention form (`attention_form`); None outside detent mode
 
     def _load_model(self) -> None:
         """The checkpoint's folder, config and tokenizer; the context: the config's within the model's, or the
@@ -115,15 +116,21 @@ class HostedEngine(EngineBase[Request]):
     def top_logprobs_so_far(self, seq: RequestHandle) -> TopLogprobs:
         return self.own(seq).top
 
+    def fixed_order(self, dtype: str) -> bool:
+        """Whether every product, the attention and SiLU run on the portable setting's fixed-order kernels
+        (`kernel_select.runs_fixed_order`), so that the bits do not depend on the CPU."""
+        return runs_fixed_order(self.selection, dtype, self.attention or "c")
+
     def hosted_facts(self, dtype: str) -> dict[str, dict[str, object]]:
         """The facts every hosted engine records alike: the checkpoint (hashes, name, source, EOS ids), the
-        runtime (torch, the CPU, threads, dtype) and the tuple."""
+        runtime (torch, the CPU's ISA class, the fixed-order kernels or the CPU model, threads, dtype) and
+        the tuple."""
         resolved = self.config.resolved_model
         return {
             "checkpoint": {**checkpoint_hashes(Path(self.model_path)), "name": resolved.name,
                            "source": resolved.source, "eos_token_ids": list(self.tokenizer.eos_token_ids)},
             "runtime": {"torch": str(torch.__version__), "device": "cpu",
-                        **isa.runtime_facts(), **isa.blas_cpu(),
+                        **isa.runtime_facts(), **order_facts(self.fixed_order(dtype)),
                         "num_threads": self.config.num_threads, "dtype": dtype},
             "tuple": dict(self.selection.tuple) if self.selection is not None else {},
             "format": format_facts(),

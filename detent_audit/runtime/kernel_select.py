@@ -41,6 +41,7 @@ from detent_audit.kernels import (
     Kernels,
     KernelSet,
     MoeParams,
+    fixed_order_implementations,
     gemm_probe,
     params_list,
 )
@@ -183,6 +184,26 @@ def proven_deployment(deployment: Deployment, gemm: dict[str, Any] | None, shape
                                  gemm_pad_rows=params.chunk_rows if params.form == "pad" else 0,
                                  gemm_row_form=params.form == "row")
     return dataclasses.replace(deployment, engine=engine), gemm
+
+
+def runs_fixed_order(selection: Selection | None, dtype: str, attention: str = "c") -> bool:
+    """Whether a CPU engine's every product, its attention and SiLU are the portable setting's fixed-order C
+    kernels: under the cap, in detent mode (a selection), in float32, the tuple's GEMM form `fixed`, the C
+    attention and no MoE experts (whose products stay the BLAS's chunk form)."""
+    if selection is None or not isa.capped() or dtype != "float32" or attention != "c":
+        return False
+    gemm = committed_gemm(selection.tuple) or {}
+    return gemm.get(GEMM_FORM_KNOB) == "fixed" and "embedded.moe" not in selection.tuple
+
+
+def order_facts(fixed_order: bool) -> dict[str, Any]:
+    """The runtime facts that say whose order a CPU engine's sums take beyond the ISA: under the portable cap,
+    the fixed-order kernels' versions (`fixed_order`: the same bits on every x86-64 CPU) where the engine runs
+    them all (`runs_fixed_order`), else the CPU model (`cpu_model`: the BLAS chooses its code by the CPU
+    whatever the cap, docs/isa.md); natively nothing (the ISA fact already names the CPU's class)."""
+    if not isa.capped():
+        return {}
+    return {"fixed_order": fixed_order_implementations()} if fixed_order else isa.blas_cpu()
 
 
 def select_kernels(mode: str, deployment: Deployment,

@@ -13,7 +13,10 @@ temperature-scaled probabilities with the global generator. Measured on SmolLM2-
   (kernels/attention.py), whose KV tiles and splits sit at absolute positions, so prefill, chunked prefill,
   decode and a prefix hit reduce in one order;
   SGLang's KV pool has one token per page, so its `req_to_token` rows are the block tables of 1-token blocks;
-- SiLU-and-mul: detent's row-local form (fp32 F.silu's bits depend on the tensor's size, kernels/rowlocal.py);
+- SiLU-and-mul: detent's row-local form (fp32 F.silu's bits depend on the tensor's size, kernels/rowlocal.py),
+  in C under the portable ISA setting (kernels/rowlocal_c.py: torch's exp chooses code by the CPU); with the
+  GEMM's `fixed` form and the C attention, no product or exp of the forward is then the CPU's choice (RMSNorm
+  and RoPE are SGLang's torch forms on a CPU without sgl-kernel, docs/isa.md);
 - the sampler: counter-hash sampling (kernels/sampling.py: the draw depends on seed, position and vocabulary
   index only) and logprobs of the raw logits in fp32; every request's seed reaches the sampler
   (SGLang fills `sampling_seed` only in its deterministic mode, which refuses the CPU backends).
@@ -30,7 +33,7 @@ from detent_audit.kernels import KernelSet, SelectorError, gemm_probe
 from detent_audit.kernels.attention import AttentionMetadata, paged_attention
 from detent_audit.kernels.gemm import linear
 from detent_audit.kernels.params import GemmParams
-from detent_audit.kernels.rowlocal import log_softmax, silu_and_mul
+from detent_audit.kernels.rowlocal import log_softmax
 from detent_audit.kernels.sampling import sample
 
 TARGETS = (
@@ -102,7 +105,8 @@ class CpuHooks:
                             None if embedding_bias is None else embedding_bias.float())
 
     def silu_and_mul(self, op: Any, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        # the C form under the portable setting (`KernelSet.fixed_order`), else the row-local torch form
+        return self.kernels.silu_and_mul(x)
 
     # ---- attention (torch_native backend)
     def init_forward_metadata(self, backend: Any, forward_batch: Any) -> None:

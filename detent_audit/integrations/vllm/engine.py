@@ -266,6 +266,11 @@ class VllmEngine(HostedEngine[VllmRequest]):
             from detent_audit.integrations.vllm.sampler import DetentSampler
 
             kwargs["logits_processors"] = [DetentSampler]
+        if self.fixed_order(cfg.dtype):
+            # the portable setting: RoPE and RMSNorm in torch's vectorized ops, not vLLM's C++ kernels (built
+            # per ISA and loaded by the CPU); SiLU is the plugin's C form (plugin.py)
+            kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+            kwargs["ir_op_priority"] = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
         try:
             return VllmLLM(**kwargs)
         except Exception as exc:
@@ -275,6 +280,10 @@ class VllmEngine(HostedEngine[VllmRequest]):
                                       remedy="it needs Triton's GPU backend; use --mode detent on a CPU"
                                       ) from exc
             raise
+
+    def fixed_order(self, dtype: str) -> bool:
+        """HostedEngine's rule, with the plugin's GEMM (its oneDNN form is the BLAS's)."""
+        return self.config.gemm == "chunked" and super().fixed_order(dtype)
 
     # ---- the engine boundary (its other read-only properties: HostedEngine's)
     @property

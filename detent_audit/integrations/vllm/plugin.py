@@ -14,6 +14,11 @@ the model is built. It installs, without a monkeypatch of any kernel:
   proved on vLLM's fused shapes, this CPU and thread count before it built vLLM); `onednn` keeps vLLM's fp32
   oneDNN GEMM (`torch.ops._C.onednn_mm`), measured row-invariant on an AVX2 CPU only and proven nowhere (on
   an AVX-512 CPU a lone row of the down projection differs from the same row in a batch).
+- under the portable ISA setting (`--isa portable`, detent, float32), vLLM's `SiluAndMul` replaced out of tree
+  (`CustomOp.register_oot`) by the project's C SiLU, and `VllmEngine` runs RoPE and RMSNorm in torch's
+  vectorized ops (`custom_ops: -rotary_embedding`; RMSNorm's IR op on `native`) instead of vLLM's C++ kernels,
+  which vLLM builds once per ISA (`_C`, `_C_AVX512`, `_C_AVX2`) and loads by the CPU: with the GEMM's
+  `fixed` form and the C attention, no sum of the forward then depends on the CPU (docs/isa.md);
 - at tensor-parallel size N > 1, vLLM's CPU all-reduce (`CpuCommunicator.all_reduce`, wrapped) replaced by
   the ordered form: the ranks' partials all-gathered through vLLM's own transport (copies only), then added in
   rank order 0..N-1 in float32 (`kernels.all_reduce.ordered_sum`), so every rank holds the same bits and one
@@ -155,6 +160,33 @@ def _ordered_all_reduce(original: Any) -> Any:
     return all_reduce
 
 
+def _fixed_order_silu() -> type:
+    """vLLM's `SiluAndMul`, registered out of tree (`CustomOp.register_oot`, vLLM's own way to replace a
+    layer): an engine that runs the portable setting's fixed-order kernels (`KernelSet.fixed_order`) takes
+    the project's C SiLU (kernels/rowlocal_c.py), whose bits do not depend on the CPU; any other engine keeps
+    vLLM's. Decided when the layer is made, as the GEMM is."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    class FixedOrderSiluAndMul(SiluAndMul):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            kernels = kernel_set() if active() else None
+            self.detent_kernels = kernels if kernels is not None and kernels.fixed_order else None
+
+        def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            if self.detent_kernels is not None:
+                return self.detent_kernels.silu_and_mul(x)
+            return SiluAndMul.forward_native(x)
+
+        def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+            if self.detent_kernels is not None:
+                return self.detent_kernels.silu_and_mul(x)
+            return super().forward_cpu(x)
+
+    FixedOrderSiluAndMul.__name__ = FixedOrderSiluAndMul.__qualname__ = "FixedOrderSiluAndMul"
+    return FixedOrderSiluAndMul
+
+
 def all_reduce_in_use(worker: Any = None) -> str:
     """What adds this process's tensor-parallel partials: the ordered form (detent), else vLLM's own, named by
     its transport (`gloo` or `vllm-shm`). Callable through vLLM's `collective_rpc` (`worker` unused)."""
@@ -185,6 +217,10 @@ def register() -> None:
     if not hasattr(GPUModelRunner._get_prompt_logprobs_dict, "detent_original"):
         original = GPUModelRunner._get_prompt_logprobs_dict
         GPUModelRunner._get_prompt_logprobs_dict = _with_rescore_scores(original)
+    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+
+    if "SiluAndMul" not in op_registry_oot:
+        CustomOp.register_oot(name="SiluAndMul")(_fixed_order_silu())
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
     if not hasattr(CpuCommunicator.all_reduce, "detent_original"):
