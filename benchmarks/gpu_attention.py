@@ -114,7 +114,7 @@ def _graph_bench(fn) -> float:
 def timings(cfg, mod=ta) -> dict:
     """Decode launches timed replayed from CUDA graphs (as the engine runs them), prefill eagerly."""
     out = {}
-    for b, n in ((64, 4096), (1, 1024), (1, 8192), (8, 4096)):  # decode: one query each
+    for b, n in ((64, 4096), (1, 512), (1, 1024), (1, 8192), (8, 4096)):  # decode: one query each
         lens = [n] * b
         c = Cache(lens, seed=2)
         ours = _graph_bench(_launch_only(c, list(range(b)), [x - 1 for x in lens], lens, cfg, mod))
@@ -162,7 +162,17 @@ def main() -> None:
                "stream-m64n64s512": ta.TritonAttentionConfig(64, 64, 512, 4, 2, streaming=True),
                "stream-m64n64s256": ta.TritonAttentionConfig(64, 64, 256, 4, 2, streaming=True),
                "stream-m64n32s512": ta.TritonAttentionConfig(64, 32, 512, 4, 2, streaming=True),
-               "stream-m64n64s512w8": ta.TritonAttentionConfig(64, 64, 512, 8, 2, streaming=True)}
+               "stream-m64n64s512w8": ta.TritonAttentionConfig(64, 64, 512, 8, 2, streaming=True),
+               # the committed tuple's values (KV tile 64, stride 4096) and launch shapes for decode: a
+               # decode launch fills G = 4 of BLOCK_M's rows, so BLOCK_M 16 does a quarter of the work
+               "stream-m64n64s4096": ta.TritonAttentionConfig(64, 64, 4096, 4, 2, streaming=True),
+               "stream-m64n64s4096st3": ta.TritonAttentionConfig(64, 64, 4096, 4, 3, streaming=True),
+               "stream-m64n64s4096st1": ta.TritonAttentionConfig(64, 64, 4096, 4, 1, streaming=True),
+               "stream-m64n64s4096w8": ta.TritonAttentionConfig(64, 64, 4096, 8, 2, streaming=True),
+               "stream-m16n64s4096w1": ta.TritonAttentionConfig(16, 64, 4096, 1, 2, streaming=True),
+               "stream-m16n64s4096w1st3": ta.TritonAttentionConfig(16, 64, 4096, 1, 3, streaming=True),
+               "stream-m16n64s4096w2": ta.TritonAttentionConfig(16, 64, 4096, 2, 2, streaming=True),
+               "stream-m16n64s4096w4": ta.TritonAttentionConfig(16, 64, 4096, 4, 2, streaming=True)}
     if args.configs:
         unknown = set(args.configs.split(",")) - set(configs)
         if unknown:

@@ -1,7 +1,8 @@
 """Decode-step variants of the embedded engine on the GPU, timed as `gpu_decode_loop.py` times the engine
 (wall per step, graph replay, host work, floor ratio), per batch size: the committed tuple's attention values
-(KV tile, split stride: pinned knobs, so their bits differ from the default's) and the GEMM's decode tile
-(harmless for the bits: a variant that changes only the tile must give the default's outputs exactly).
+(KV tile, split stride: pinned knobs, so their bits differ from the default's), the GEMM's decode tile and
+the decode attention's launch shape (harmless for the bits: a variant that changes neither pinned value must
+give the default's outputs exactly, and the script says whether it does).
 
 Usage (device): python3 benchmarks/gpu_decode_variants.py [--batches 1,32,256]
 Writes $OUT/gpu_decode_variants_<shape>.json.
@@ -15,17 +16,20 @@ import json
 import os
 import random
 import sys
+from typing import NamedTuple
 
 import torch
 
 import detent_audit.kernels.gpu as gpu_kernels
 from detent_audit.engine.llm import LLM, EngineConfig
+from detent_audit.kernels.gpu import AttentionLaunch
 from detent_audit.kernels.triton_gemm import TritonGemmConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_decode_loop import copy_bandwidth, engine_rows, matmul_rate  # noqa: E402
 
 ENGINE_TILE = gpu_kernels.gemm_tile
+ENGINE_DECODE_LAUNCH = gpu_kernels.DECODE_LAUNCH
 
 
 def narrow_tile(m: int, n: int = 0, k: int = 0) -> TritonGemmConfig:
@@ -35,13 +39,35 @@ def narrow_tile(m: int, n: int = 0, k: int = 0) -> TritonGemmConfig:
     return ENGINE_TILE(m, n, k)
 
 
-VARIANTS: dict[str, tuple[dict | None, object]] = {
-    "default": (None, ENGINE_TILE),
-    "gemm-narrow": (None, narrow_tile),
-    "kv128": ({"embedded.attention": {"embedded.attention.kv_tile": 128}}, ENGINE_TILE),
-    "stride256": ({"embedded.attention": {"embedded.attention.split_stride": 256}}, ENGINE_TILE),
-    "kv128-stride512": ({"embedded.attention": {"embedded.attention.kv_tile": 128,
-                                                "embedded.attention.split_stride": 512}}, ENGINE_TILE),
+class Variant(NamedTuple):
+    committed: dict | None = None            # pinned values over the committed tuple's (None: as committed)
+    tile: object = ENGINE_TILE               # gemm_tile
+    decode_launch: AttentionLaunch = ENGINE_DECODE_LAUNCH
+
+
+def previous_tile(m: int, n: int = 0, k: int = 0) -> TritonGemmConfig:
+    """The engine's tiles before the per-projection decode tiles and the 128 x 256 tile at 129-256 rows."""
+    wide = n > 8192
+    if m <= 16:
+        return TritonGemmConfig(16, 128, 128, 8, 4, 4) if wide else TritonGemmConfig(16, 32, 256, 8, 4, 4)
+    if 64 < m <= 256:
+        return TritonGemmConfig(64, 128, 64, 8, 4, 4)
+    return ENGINE_TILE(m, n, k)
+
+
+VARIANTS: dict[str, Variant] = {
+    "default": Variant(),
+    "gemm-narrow": Variant(tile=narrow_tile),
+    "kv128": Variant({"embedded.attention": {"embedded.attention.kv_tile": 128}}),
+    "stride256": Variant({"embedded.attention": {"embedded.attention.split_stride": 256}}),
+    "kv128-stride512": Variant({"embedded.attention": {"embedded.attention.kv_tile": 128,
+                                                       "embedded.attention.split_stride": 512}}),
+    "gemm-previous": Variant(tile=previous_tile),
+    "attn-m64": Variant(decode_launch=AttentionLaunch(64, 4, 2)),
+    "attn-st3": Variant(decode_launch=AttentionLaunch(64, 4, 3)),
+    "attn-m16w1": Variant(decode_launch=AttentionLaunch(16, 1, 2)),
+    "attn-m16w2": Variant(decode_launch=AttentionLaunch(16, 2, 2)),
+    "attn-m16w4": Variant(decode_launch=AttentionLaunch(16, 4, 2)),
 }
 
 
@@ -65,8 +91,9 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name(), "shape": args.shape, "copy_bandwidth": bw}
     outputs: dict[str, dict[int, list]] = {}
     for name in args.variants.split(","):
-        committed, tile = VARIANTS[name]
+        committed, tile, decode_launch = VARIANTS[name]
         gpu_kernels.gemm_tile = tile  # type: ignore[assignment]
+        gpu_kernels.DECODE_LAUNCH = decode_launch
         try:
             llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16",
                                    mode="detent", max_num_seqs=biggest,
@@ -97,9 +124,11 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     gpu_kernels.gemm_tile = ENGINE_TILE  # type: ignore[assignment]
-    if "default" in outputs and "gemm-narrow" in outputs:  # the tile is harmless: the same bits
-        result["gemm_tile_same_bits"] = outputs["default"] == outputs["gemm-narrow"]
-        print("gemm-narrow gives the default's bits:", result["gemm_tile_same_bits"], flush=True)
+    gpu_kernels.DECODE_LAUNCH = ENGINE_DECODE_LAUNCH
+    for name in [n for n in outputs if n != "default" and VARIANTS[n].committed is None]:
+        if "default" in outputs:  # tiles and launch shapes are harmless: the default's bits, every batch
+            result.setdefault("same_bits_as_default", {})[name] = outputs[name] == outputs["default"]
+            print(f"{name} gives the default's bits:", outputs[name] == outputs["default"], flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), f"gpu_decode_variants_{args.shape}.json"), "w") as f:
         json.dump(result, f, indent=1)
 

@@ -11,7 +11,8 @@ construction), so the modes differ only where selection does.
 
 Measured on an H200 (benchmarks/gpu_gemm.py, gpu_attention.py): the GEMM tile does not change a row's bits,
 so its tile follows the shape for speed; the attention's BLOCK_N and split stride do, so they come from the
-selection, and its BLOCK_M stays 64 (16 changes the matrix instruction, and the bits).
+selection, and its BLOCK_M stays 64 (16 on 2 or 4 warps splits a row's sums across warps and changes the
+bits; 16 on one warp keeps them but is slower in the decode graph, as are 3 pipeline stages at batch 1).
 """
 
 from __future__ import annotations
@@ -35,18 +36,33 @@ NO_SPLIT = 1 << 30
 def gemm_tile(m: int, n: int = 0, k: int = 0):
     """The GEMM tile for an [m, k] x [k, n] call: harmless for the bits (every tile gives a row the same bits,
     tests/kernels/test_gpu_gemm.py), so it follows the shape. Fastest measured on the H200 for Llama-3.1-8B's
-    projections (`benchmarks/gpu_gemm.py --decode`): 0.9-1.05x cuBLAS up to 32 rows."""
+    projections, each layer's launch on its own weights in a CUDA graph as the engine runs them
+    (`benchmarks/gpu_decode_profile.py --batch 1`, `--batch 256`)."""
     from detent_audit.kernels.triton_gemm import TritonGemmConfig
 
     wide = n > 8192  # gate_up, the LM head
     if m <= 16:  # decode: memory-bound; one program per narrow tile so every SM streams weights
-        return TritonGemmConfig(16, 128, 128, 8, 4, 4) if wide else TritonGemmConfig(16, 32, 256, 8, 4, 4)
+        if wide:
+            return TritonGemmConfig(16, 128, 128, 8, 4, 4)
+        if k > 8192:  # down: 256 programs of 56 K steps, 6 stages in flight
+            return TritonGemmConfig(16, 16, 256, 8, 2, 6)
+        if n > k:  # qkv: 384 programs
+            return TritonGemmConfig(16, 16, 256, 8, 2, 4)
+        return TritonGemmConfig(16, 32, 256, 8, 4, 4)
     if m <= 32:
         return TritonGemmConfig(64, 128, 64, 8, 4, 4) if wide else TritonGemmConfig(16, 32, 256, 8, 4, 4)
     if m <= 64:
         return TritonGemmConfig(64, 128, 64, 8, 4, 4) if wide else TritonGemmConfig(32, 64, 256, 8, 4, 3)
-    if m <= 256:
+    if m <= 128:
         return TritonGemmConfig(64, 128, 64, 8, 4, 4)
+    if m <= 256:  # two warp groups on 128 x 256 where the tiles still fill the chip (1.4x gate_up's speed)
+        if wide:
+            return TritonGemmConfig(128, 256, 64, 8, 8, 3)
+        if k > 8192:
+            return TritonGemmConfig(64, 128, 128, 8, 4, 3)
+        if n > k:
+            return TritonGemmConfig(128, 128, 64, 8, 8, 4)
+        return TritonGemmConfig(64, 128, 64, 8, 4, 5)
     return TritonGemmConfig(128, 256, 64, 8, 8, 3)
 
 
@@ -60,13 +76,31 @@ def moe_tile(m: int, e: int, h: int, inter: int, top_k: int):
     return stock_config(m, e, h, inter, top_k)
 
 
-def selected_attention_config(params: AttentionParams, streaming: bool = False):
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How an attention launch is shaped: packed query rows per program, warps, pipeline stages. Not a
+    selection point: a launch shape is used only where it gives the default's bits on the device
+    (benchmarks/gpu_attention.py's tile check, tests/kernels/test_gpu_attention.py); decode and prefill
+    launches may differ (benchmarks/gpu_decode_variants.py times decode's)."""
+
+    block_m: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+PREFILL_LAUNCH = AttentionLaunch()
+DECODE_LAUNCH = AttentionLaunch()  # a launch whose every query row is a decode token
+
+
+def selected_attention_config(params: AttentionParams, streaming: bool = False, decode: bool = False):
     """The Triton attention config of selected params (det/detent; the tuner's candidates): the KV tile and
-    split stride they name (0: one split), BLOCK_M 64 (16 changes the bits)."""
+    split stride they name (0: one split), in the launch shape of a decode or a prefill launch."""
     from detent_audit.kernels.triton_attention import TritonAttentionConfig
 
-    return TritonAttentionConfig(block_m=64, block_n=params.kv_tile, split=params.split_stride or NO_SPLIT,
-                                 streaming=streaming)
+    launch = DECODE_LAUNCH if decode else PREFILL_LAUNCH
+    return TritonAttentionConfig(block_m=launch.block_m, block_n=params.kv_tile,
+                                 split=params.split_stride or NO_SPLIT, num_warps=launch.num_warps,
+                                 num_stages=launch.num_stages, streaming=streaming)
 
 
 @dataclass
@@ -81,7 +115,7 @@ class GpuKernelSet:
                          heads_per_group: int):
         """The Triton attention config of a launch, from the mode's selector (stock's reads the batch)."""
         p = self.select_attention(num_seqs=num_seqs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        return selected_attention_config(p, self.streaming)
+        return selected_attention_config(p, self.streaming, decode=max_seqlen_q == 1)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.mode == Mode.STOCK:

@@ -3,6 +3,8 @@ beside other sequences (benchmarks/gpu_attention.py measures speed). Skipped wit
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,3 +93,23 @@ def test_streaming_mode_folds_alike_in_one_program_and_across_programs(cfg, one_
         assert torch.equal(alone, runs[0][s])
         last = _run(k, v, tables, q, [s], [lens[s] - 1], [lens[s]], cfg)[0]
         assert torch.equal(last, alone[-1:])
+
+
+@pytest.mark.parametrize("launch", [{"num_stages": 3}, {"num_stages": 1}], ids=["stages3", "stages1"])
+@pytest.mark.parametrize("split", [64, 4096])
+def test_launch_shape_changes_no_bit(launch, split, monkeypatch) -> None:
+    """Pipeline stages shape a launch, not its arithmetic (benchmarks/gpu_attention.py's tile check on the
+    H200): a token gets the default launch's bits, prefilled whole or decoded, its splits folded in one
+    program or one split."""
+    base = ta.TritonAttentionConfig(64, 32, split, 4, 2, streaming=True)
+    other = dataclasses.replace(base, **launch)
+    lens = [1, 40, 300, 777]
+    k, v, tables, q = _setup(lens, seed=7)
+    n = len(lens)
+    monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", 0)  # every launch folds in one program, as the
+    whole = _run(k, v, tables, q, list(range(n)), [0] * n, lens, base)  # engine's decode graphs do
+    assert all(torch.equal(a, b) for a, b in zip(_run(k, v, tables, q, list(range(n)), [0] * n, lens, other),
+                                                 whole))
+    for s in range(n):
+        last = _run(k, v, tables, q, [s], [lens[s] - 1], [lens[s]], other)[0]
+        assert torch.equal(last, whole[s][-1:])

@@ -41,3 +41,18 @@ def test_bias_and_empty() -> None:
     want = torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
     assert triton_gemm.linear(x[:0], w).shape == (0, 384)
+
+
+@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)])
+def test_every_engine_tile_gives_a_row_the_reference_bits(k: int, n: int) -> None:
+    """The tiles `gemm_tile` picks per shape and row count (Llama-3.1-8B's projections) give the rows of any
+    M the reference tile's bits: the tile follows the shape without touching a bit."""
+    from detent_audit.kernels.gpu import gemm_tile
+
+    g = torch.Generator(device="cuda").manual_seed(k * 3 + n)
+    x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    ref = triton_gemm.linear(x, w, config=CONFIGS[0])
+    for tile in sorted({gemm_tile(m, n, k) for m in (1, 16, 32, 64, 128, 256, 300)}, key=repr):
+        for m in (1, 7, 129, 256, 300):
+            assert torch.equal(triton_gemm.linear(x[:m], w, config=tile), ref[:m]), (tile, m)
