@@ -71,16 +71,29 @@ BLOCK(1, 1)
 """ + JOBS_SOURCE + r"""
 typedef struct { const float *x; const float *w; float *out; int64_t M, K, N, n_begin, n_end; } job_t;
 
+/* the weight columns of one pass over the rows: about 256 KB of them, so that they stay in the core's L2
+   while every block of 4 rows reads them (an even count: 2 columns per block) */
+static int64_t panel_columns(int64_t K) {
+    int64_t cols = (256 * 1024 / 4) / (K > 0 ? K : 1);
+    cols -= cols % 2;
+    return cols < 2 ? 2 : cols;
+}
+
 static void *run(void *arg) {
     const job_t *j = (const job_t *)arg;
     int64_t n = j->n_begin;
     if (j->M >= 4) {
-        for (; n + 2 <= j->n_end; n += 2) {
+        const int64_t panel = panel_columns(j->K);
+        const int64_t even_end = j->n_begin + (j->n_end - j->n_begin) / 2 * 2;
+        for (int64_t p = j->n_begin; p < even_end; p += panel) {
+            const int64_t p_end = p + panel < even_end ? p + panel : even_end;
             int64_t m = 0;
-            for (; m + 4 <= j->M; m += 4) block_4x2(j->x, j->w, j->out, j->K, j->N, m, n);
-            for (; m < j->M; m++) { block_1x1(j->x, j->w, j->out, j->K, j->N, m, n);
-                                    block_1x1(j->x, j->w, j->out, j->K, j->N, m, n + 1); }
+            for (; m + 4 <= j->M; m += 4)
+                for (int64_t c = p; c < p_end; c += 2) block_4x2(j->x, j->w, j->out, j->K, j->N, m, c);
+            for (; m < j->M; m++)
+                for (int64_t c = p; c < p_end; c++) block_1x1(j->x, j->w, j->out, j->K, j->N, m, c);
         }
+        n = even_end;
     } else {
         for (; n + 4 <= j->n_end; n += 4)
             for (int64_t m = 0; m < j->M; m++) block_1x4(j->x, j->w, j->out, j->K, j->N, m, n);

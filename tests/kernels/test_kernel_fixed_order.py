@@ -21,7 +21,7 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))  # fresh inputs per run
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (5, 64, 37), (9, 13, 11), (17, 1536, 64)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (5, 64, 37), (9, 13, 11), (17, 1536, 64), (6, 2048, 77)])
 def test_gemm_equals_its_elementwise_oracle(gen: torch.Generator, m: int, k: int, n: int) -> None:
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     assert torch.equal(gemm_c.linear(x, w), gemm_c.reference(x, w))
