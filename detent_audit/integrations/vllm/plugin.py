@@ -166,11 +166,12 @@ def _fixed_order_silu() -> type:
     the project's C SiLU (kernels/rowlocal_c.py), whose bits do not depend on the CPU; any other engine keeps
     vLLM's. Decided when the layer is made, as the GEMM is."""
     from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.platforms import current_platform
 
     class FixedOrderSiluAndMul(SiluAndMul):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            kernels = kernel_set() if active() else None
+            kernels = kernel_set() if active() and current_platform.is_cpu() else None
             self.detent_kernels = kernels if kernels is not None and kernels.fixed_order else None
 
         def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -220,7 +221,8 @@ def register() -> None:
     from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 
     if "SiluAndMul" not in op_registry_oot:
-        CustomOp.register_oot(name="SiluAndMul")(_fixed_order_silu())
+        silu = CustomOp.register_oot(name="SiluAndMul")(_fixed_order_silu())
+        silu.name = "silu_and_mul"  # vLLM's name for the op, so `custom_ops` settings still reach it
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
     if not hasattr(CpuCommunicator.all_reduce, "detent_original"):
