@@ -130,8 +130,9 @@ def hint(served: Any, here: Any) -> str | None:
         if served.get("cpu_model") != here.get("cpu_model") and served.get("cpu_model"):
             return ("the receipt was served by an engine whose products are the BLAS's, on a "
                     f"{served.get('cpu_model')}: the BLAS chooses code by the CPU whatever the ISA cap, so "
-                    "it is checked on that CPU model; receipts served with --isa portable in detent mode "
-                    "in float32 (the fixed-order kernels) verify on any")
+                    "it is checked on that CPU model, by an engine whose products are the BLAS's too; "
+                    "receipts served with --isa portable in detent mode in float32 (the fixed-order "
+                    "kernels) verify on any")
         return None
     if served.get("isa") == PORTABLE_ISA:
         return (f"the receipt was served under the portable ISA cap ({PORTABLE_ISA}); this verifier runs "

@@ -15,7 +15,7 @@ from detent_audit.engine.tensor_parallel import ACCUMULATE, BACKEND, ORDERED
 from detent_audit.enums import Mode
 from detent_audit.runtime.contract import EMBEDDED, Facts
 from detent_audit.runtime.facts import SOURCE_ROOTS, checkpoint_hashes, file_hash, format_facts, source_hash
-from detent_audit.runtime.kernel_select import order_facts
+from detent_audit.runtime.kernel_select import GEMM_FORM_KNOB, committed_gemm, order_facts
 from detent_audit.runtime.model_config import ModelConfig
 from detent_audit.runtime.named_models import is_generated
 
@@ -52,7 +52,10 @@ def static_facts(cfg: EngineConfig) -> dict[str, dict[str, object]]:
         # under the cap in detent mode, the project's kernels, every operation's order written out
         # (docs/isa.md); else the BLAS's (a MoE's experts too), which choose code by the CPU model
         moe = ModelConfig.from_pretrained(cfg.model_path).num_experts > 0
-        facts["runtime"].update(order_facts(cfg.mode == Mode.DETENT and cfg.dtype == "float32" and not moe))
+        gemm = committed_gemm(cfg.tuple)  # None: the cap's choice, the fixed form; a committed form is kept
+        fixed_gemm = gemm is None or gemm.get(GEMM_FORM_KNOB) == "fixed"
+        facts["runtime"].update(order_facts(cfg.mode == Mode.DETENT and cfg.dtype == "float32" and not moe
+                                            and fixed_gemm))
     # how the ranks' partial sums meet (tensor_parallel.py); threads are per rank
     if cfg.tensor_parallel_size > 1:
         facts["parallel"] = {"tensor_parallel_size": cfg.tensor_parallel_size,

@@ -200,10 +200,15 @@ def order_facts(fixed_order: bool) -> dict[str, Any]:
     """The runtime facts that say whose order a CPU engine's sums take beyond the ISA: under the portable cap,
     the fixed-order kernels' versions (`fixed_order`: the same bits on every x86-64 CPU) where the engine runs
     them all (`runs_fixed_order`), else the CPU model (`cpu_model`: the BLAS chooses its code by the CPU
-    whatever the cap, docs/isa.md); natively nothing (the ISA fact already names the CPU's class)."""
+    whatever the cap, docs/isa.md); natively nothing (the ISA fact already names the CPU's class). Under the
+    cap also the C library (`libc`): torch's log_softmax takes its scalar log of each row's sum."""
     if not isa.capped():
         return {}
-    return {"fixed_order": fixed_order_implementations()} if fixed_order else isa.blas_cpu()
+    import platform
+
+    name, version = platform.libc_ver()
+    libc = {"libc": f"{name} {version}".strip() or "unknown"}
+    return {**({"fixed_order": fixed_order_implementations()} if fixed_order else isa.blas_cpu()), **libc}
 
 
 def select_kernels(mode: str, deployment: Deployment,

@@ -9,8 +9,9 @@ a child process (the libraries read their caps once, when they load):
   (`MKL_CBWR=AVX`, below the cap's AVX2: its products and its vector math take other code) and, for vLLM, the
   kernels it builds for AVX2 CPUs (`_C_AVX2`, which it loads on a CPU without AVX-512) in place of this CPU's.
 
-The two must agree bit for bit, and the facts must name the cap and the fixed-order kernels (not the CPU
-model).
+The two must agree bit for bit, the first's receipts must verify where the libraries moved, and the facts
+must name the cap and the fixed-order kernels (not the CPU model). The RoPE tables, whose angles reach past
+1e4 only in long contexts, are checked directly: each hosted engine's hook rewrites them in the C order.
 The control: natively, the same moves change the served bits wherever they take effect on this CPU (MKL's
 reproducibility branches are Intel's; vLLM's library choice is only a move on an AVX-512 CPU), so the moves
 reach the products the engine would otherwise make.
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,6 +116,13 @@ def test_under_the_cap_the_bits_do_not_follow_the_libraries_code(engine: str, tm
     moved, _ = _serve(engine, tmp_path / "moved", avx2_kernels=engine == "vllm", **CAP, **MOVED)
     assert len(portable) == 4 and all(r["token_ids"] for r in portable)
     assert _bits(portable) == _bits(moved)
+    # the receipts served with the option verify where the libraries moved (bits equal on re-execution)
+    done = subprocess.run([sys.executable, "-c", CHILD, "avx2" if engine == "vllm" else "-", "verify",
+                           *map(str, receipts), "--key", str(KEY.with_suffix(".key.pub")),
+                           "--model", "random-20m", "--json"],
+                          env={**_clean_env(), **CAP, **MOVED}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert [o["status"] for o in json.loads(done.stdout)["outcomes"]] == ["OK"] * len(receipts)
     trusted = load_trusted_keys(KEY.with_suffix(".key.pub"))
     for path in receipts:
         runtime = open_receipt(path, trusted).deployment_facts["runtime"]
@@ -130,3 +139,50 @@ def test_under_the_cap_the_bits_do_not_follow_the_libraries_code(engine: str, tm
                              avx2_kernels=engine == "vllm", **MOVED)
     assert _bits(native) != _bits(native_moved), "the moves did not reach the native engine's products"
 
+
+
+def _table_check(rope: torch.nn.Module, replace: Any) -> None:
+    """`replace` (the engine's hook) rewrites the RoPE table in the C order (cos then sin of each position
+    times each frequency) and leaves it within 1 ULP of torch's."""
+    from detent_audit.kernels.rowlocal import fixed_order_cos_sin
+
+    before = rope.cos_sin_cache.clone()
+    replace(rope)
+    positions = torch.arange(before.shape[0], dtype=torch.float32)
+    assert torch.equal(rope.cos_sin_cache, fixed_order_cos_sin(positions, rope._compute_inv_freq(rope.base)))
+    slip = (rope.cos_sin_cache.view(torch.int32).long() - before.view(torch.int32).long()).abs()
+    assert int(slip.max()) <= 1
+
+
+@pytest.mark.skipif(not _engine_installed("vllm"), reason="vllm is not installed")
+def test_vllms_rope_tables_are_rewritten_in_the_c_order() -> None:
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from detent_audit.integrations.vllm import plugin
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, max_position=16384, is_neox_style=True, dtype=torch.float32,
+                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+
+    def replace(module: torch.nn.Module) -> None:
+        model = torch.nn.ModuleList([module, module])  # one table, shared by the layers, rewritten once
+        assert plugin.fixed_order_rope(SimpleNamespace(model_runner=SimpleNamespace(model=model))) == 1
+    _table_check(rope, replace)
+
+
+@pytest.mark.skipif(not _engine_installed("sglang"), reason="sglang is not installed")
+def test_sglangs_rope_tables_are_rewritten_in_the_c_order() -> None:
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.rotary_embedding import get_rope
+
+    from detent_audit.integrations.sglang.cpu_kernels import fixed_order_rope_tables
+
+    rope = get_rope(64, rotary_dim=64, max_position=16384, base=500000, is_neox_style=True,
+                    dtype=torch.float32)
+    _table_check(rope, lambda module: fixed_order_rope_tables(None, SimpleNamespace(model=module)))
+    with pytest.raises(RuntimeError, match="no RoPE table"):
+        fixed_order_rope_tables(None, SimpleNamespace(model=torch.nn.Linear(2, 2)))

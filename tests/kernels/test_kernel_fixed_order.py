@@ -71,3 +71,55 @@ def test_log64_is_close_to_torchs_everywhere_it_is_used(gen: torch.Generator) ->
     got = rowlocal_c.log64(specials)
     assert got[0] == -torch.inf and got[1].isnan() and got[3] == 0.0
     torch.testing.assert_close(got[2], torch.log(specials[2]))
+
+
+def test_sincos_rounds_the_double_result_once(gen: torch.Generator) -> None:
+    """RoPE's angles up to a 131,072-token context: the float32 rounding of the double-precision cos and sin
+    (a 1-ULP slip is allowed only where the double result sits on a float32 rounding boundary), the same bits
+    without -mavx2, NaN passed through, angles past 2^19 refused."""
+    x = torch.cat([torch.rand(40_000, generator=gen) * 20 - 10, torch.rand(40_000, generator=gen) * 131_072,
+                   torch.tensor([0.0, -0.0, 1e-30, 3.1415927, 1.5707964, 524_287.9])])
+    cos, sin = rowlocal_c.sincos(x)
+    for got, ref in ((cos, torch.cos(x.double()).float()), (sin, torch.sin(x.double()).float())):
+        slip = (got.view(torch.int32).long() - ref.view(torch.int32).long()).abs()
+        assert int(slip.max()) <= 1 and int((slip > 0).sum()) <= 2, int((slip > 0).sum())
+    plain_cos, plain_sin = rowlocal_c.sincos(x, arch_flags=())
+    assert torch.equal(cos, plain_cos) and torch.equal(sin, plain_sin)
+    nan_cos, nan_sin = rowlocal_c.sincos(torch.tensor([float("nan")]))
+    assert nan_cos.isnan().all() and nan_sin.isnan().all()
+    with pytest.raises(BadInput):
+        rowlocal_c.sincos(torch.tensor([524_288.0]))
+
+
+# a Llama-3 table's angles (head 128, base 500,000, 131,072 positions): hashes of torch's and the C cos/sin
+TABLE = """
+import hashlib, torch
+from detent_audit.kernels import rowlocal_c
+inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128))
+angles = torch.outer(torch.arange(131072, dtype=torch.float32), inv)
+h = lambda *ts: hashlib.sha256(b"".join(t.numpy().tobytes() for t in ts)).hexdigest()
+print(h(angles.cos(), angles.sin()), h(*rowlocal_c.sincos(angles)))
+"""
+
+
+def test_the_c_table_does_not_move_with_mkl_where_torchs_does() -> None:
+    """Under the cap, MKL on its AVX branch (as an older CPU runs it) moves torch's float32 sin and cos of
+    large angles on an Intel CPU (MKL's branches are Intel's; elsewhere nothing moves and only the C table's
+    stability is checked); the C table's bits stay."""
+    import os
+    import subprocess
+    import sys
+
+    from detent_audit import isa
+
+    def run(**env: str) -> list[str]:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MKL_CBWR")}
+        done = subprocess.run([sys.executable, "-c", TABLE], env={**clean, **isa.PORTABLE_ENV, **env},
+                              capture_output=True, text=True, timeout=300, check=True)
+        return done.stdout.split()
+
+    here, moved = run(), run(MKL_CBWR="AVX")
+    assert here[1] == moved[1]
+    vendor = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if "GenuineIntel" in vendor:
+        assert here[0] != moved[0], "MKL's AVX branch left torch's sin and cos as they were: no control"

@@ -48,6 +48,36 @@ TARGETS = (
 )
 
 
+# after the model is loaded: its RoPE tables in the C order (the portable setting)
+ROPE_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+
+
+def fixed_order_rope_tables(result: Any, runner: Any) -> Any:
+    """After `ModelRunner.load_model`: every RoPE table of the model recomputed with the C cos and sin
+    (torch's are MKL's, which choose code by the CPU past angles of about 1e4). A RoPE whose class builds its
+    table its own way (scaled variants) is refused: the scheduler stops before it serves."""
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+    from detent_audit.kernels.rowlocal import fixed_order_cos_sin
+
+    done: set[int] = set()
+    for module in runner.model.modules():
+        if not isinstance(module, RotaryEmbedding) or id(module) in done:
+            continue
+        if type(module)._compute_cos_sin_cache is not RotaryEmbedding._compute_cos_sin_cache:
+            raise NotImplementedError(f"{type(module).__name__} builds its RoPE table its own way: the "
+                                      "portable setting covers the plain and llama3 RoPE")
+        start = getattr(module, "position_start", 0)
+        rows = module.cos_sin_cache.shape[0]  # SGLang's table may run past the model's positions
+        positions = torch.arange(start, start + rows, dtype=torch.float32)
+        table = fixed_order_cos_sin(positions, module._compute_inv_freq(module.base))
+        module.cos_sin_cache.copy_(table.to(module.cos_sin_cache.dtype))
+        done.add(id(module))
+    if not done:
+        raise RuntimeError("the portable setting found no RoPE table to replace in SGLang's model")
+    return result
+
+
 class CpuHooks:
     """The hook functions, closed over one KernelSet (the compiled selectors with the committed tuple)."""
 
@@ -68,11 +98,14 @@ class CpuHooks:
             self._proven.update((params, n, k, torch.float32, threads) for n, k in proven_shapes)
 
     def hooks(self) -> dict[str, tuple[str, Any]]:
-        """target -> (hook type name, hook)."""
+        """target -> (hook type name, hook); under the portable setting, the RoPE tables' (`ROPE_TARGET`)."""
         fns = (self.linear_apply, self.lm_head, self.init_forward_metadata, self.forward_extend,
                self.forward_decode, self.silu_and_mul, self.sampler_forward, self.with_seeds)
         kinds = ("REPLACE",) * 7 + ("AFTER",)
-        return {t: (k, f) for t, k, f in zip(TARGETS, kinds, fns, strict=True)}
+        out = {t: (k, f) for t, k, f in zip(TARGETS, kinds, fns, strict=True)}
+        if self.kernels.fixed_order:
+            out[ROPE_TARGET] = ("AFTER", fixed_order_rope_tables)
+        return out
 
     # ---- GEMM
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

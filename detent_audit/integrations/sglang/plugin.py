@@ -74,6 +74,8 @@ def hooks_for(config: PluginConfig) -> dict[str, tuple[str, Any]]:
     out = control.hooks()
     if config.mode != Mode.DETENT:
         return out
+    from sglang.srt.utils import cpu_has_amx_support
+
     from detent_audit.integrations.sglang.cpu_kernels import CpuHooks
     from detent_audit.integrations.sglang.guard import ContextGuard
     from detent_audit.integrations.sglang.selection import (
@@ -84,6 +86,11 @@ def hooks_for(config: PluginConfig) -> dict[str, tuple[str, Any]]:
     )
     from detent_audit.runtime.threads import set_threads
 
+    if cpu_has_amx_support():
+        # sgl-kernel's CPU kernels (RMSNorm, RoPE, SiLU through `forward_cpu`) would run where the hooks cover
+        # SGLang's torch forms: refused rather than served with kernels nothing here proved
+        raise RuntimeError("sgl-kernel's CPU kernels are installed on this AMX CPU: detent's SGLang hooks "
+                           "cover SGLang's torch path on a CPU; uninstall sgl-kernel to serve in detent mode")
     set_threads(config.num_threads)
     # the GEMM form proven on every shape of the model here, before the scheduler serves its first request
     kernels = cpu_kernel_set(config)

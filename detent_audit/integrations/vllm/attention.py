@@ -22,6 +22,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from detent_audit.integrations.vllm import plugin
+from detent_audit.kernels.attention import paged_attention
 from detent_audit.kernels.attention_metadata import AttentionMetadata
 
 
@@ -81,8 +82,8 @@ class DetentCPUAttentionImpl(CPUAttentionBackendImpl):
         k_cache, v_cache = kv_views(kv_cache)
         meta, params, positions = self._step(attn_metadata, k_cache.shape[1])
         q = query[:n].reshape(n, self.num_heads, self.head_size)
-        if self.c_attention is None:
-            out = self.kernels.attention(q, k_cache, v_cache, meta, scale=self.scale)
+        if self.c_attention is None:  # the torch form the facts name, under the portable setting too
+            out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale, params=params)
         else:
             out = self.c_attention(q, k_cache, v_cache, meta, scale=self.scale, params=params,
                                    positions=positions)
@@ -102,12 +103,12 @@ class DetentCPUAttentionImpl(CPUAttentionBackendImpl):
             cu_seqlens_q=cu, context_lens=seq_lens - cu.diff(), seq_lens=seq_lens,
             block_tables=attn_metadata.block_table, slot_mapping=attn_metadata.slot_mapping[:n],
             max_seqlen_q=attn_metadata.max_query_len, max_seqlen_k=attn_metadata.max_seq_len)
-        params = positions = None
+        params = self.kernels.select_attention(num_seqs=meta.num_seqs, max_seqlen_q=meta.max_seqlen_q,
+                                               max_seqlen_k=meta.max_seqlen_k)
+        positions = None
         if self.c_attention is not None:
             from detent_audit.kernels import attention_c
 
-            params = self.kernels.select_attention(num_seqs=meta.num_seqs, max_seqlen_q=meta.max_seqlen_q,
-                                                   max_seqlen_k=meta.max_seqlen_k)
             positions = attention_c.token_positions(meta, block_size)
         # the metadata object is held with its derived values, so its id cannot be reused while cached
         _STEP[0] = (attn_metadata, block_size, (meta, params, positions))

@@ -210,6 +210,11 @@ class VllmEngine(HostedEngine[VllmRequest]):
         set_threads(config.num_threads)
         self.llm = self._build()
         self.engine = self.llm.llm_engine
+        if self.fixed_order(config.dtype):  # RoPE's tables in the C order before the first request
+            tables = self.llm.collective_rpc(plugin.fixed_order_rope)
+            if not tables or not all(tables):
+                raise RuntimeError(f"the portable setting found no RoPE table to replace in vLLM's model "
+                                   f"(per worker: {tables})")
         # vLLM's CPU worker (in this process) leaves torch at its import-time count (the machine's cores) when
         # OMP_NUM_THREADS is set, then replaces `torch.set_num_threads` by a no-op: the count the facts record
         # is set through torch's own function, which it does not replace
@@ -267,8 +272,9 @@ class VllmEngine(HostedEngine[VllmRequest]):
 
             kwargs["logits_processors"] = [DetentSampler]
         if self.fixed_order(cfg.dtype):
-            # the portable setting: RoPE and RMSNorm in torch's vectorized ops, not vLLM's C++ kernels (built
-            # per ISA and loaded by the CPU); SiLU is the plugin's C form (plugin.py)
+            # the portable setting: RoPE in torch's ops, not vLLM's C++ kernel (built per ISA and loaded by
+            # the CPU), its tables replaced after the build; RMSNorm on vLLM's torch IR op (a CPU's default,
+            # made explicit); SiLU is the plugin's C form (plugin.py)
             kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
             kwargs["ir_op_priority"] = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
         try:

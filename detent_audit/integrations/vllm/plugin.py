@@ -14,11 +14,13 @@ the model is built. It installs, without a monkeypatch of any kernel:
   proved on vLLM's fused shapes, this CPU and thread count before it built vLLM); `onednn` keeps vLLM's fp32
   oneDNN GEMM (`torch.ops._C.onednn_mm`), measured row-invariant on an AVX2 CPU only and proven nowhere (on
   an AVX-512 CPU a lone row of the down projection differs from the same row in a batch).
-- under the portable ISA setting (`--isa portable`, detent, float32), vLLM's `SiluAndMul` replaced out of tree
-  (`CustomOp.register_oot`) by the project's C SiLU, and `VllmEngine` runs RoPE and RMSNorm in torch's
-  vectorized ops (`custom_ops: -rotary_embedding`; RMSNorm's IR op on `native`) instead of vLLM's C++ kernels,
-  which vLLM builds once per ISA (`_C`, `_C_AVX512`, `_C_AVX2`) and loads by the CPU: with the GEMM's
-  `fixed` form and the C attention, no sum of the forward then depends on the CPU (docs/isa.md);
+- under the portable ISA setting (`--isa portable`, detent, float32): vLLM's `SiluAndMul` replaced out of tree
+  (`CustomOp.register_oot`) by the project's C SiLU (the form the other engines run; vLLM's own on x86 is
+  torch's `F.silu`); `VllmEngine` runs RoPE in torch's ops (`custom_ops: -rotary_embedding`) instead of
+  vLLM's C++ kernel, which vLLM builds once per ISA (`_C`, `_C_AVX512`, `_C_AVX2`) and loads by the CPU, and
+  replaces the RoPE tables by the C cos and sin (`fixed_order_rope`); RMSNorm is vLLM's torch IR op on a CPU
+  (made explicit). With the GEMM's `fixed` form and the C attention, no product, exp or table of the forward
+  then depends on the CPU (docs/isa.md);
 - at tensor-parallel size N > 1, vLLM's CPU all-reduce (`CpuCommunicator.all_reduce`, wrapped) replaced by
   the ordered form: the ranks' partials all-gathered through vLLM's own transport (copies only), then added in
   rank order 0..N-1 in float32 (`kernels.all_reduce.ordered_sum`), so every rank holds the same bits and one
@@ -186,6 +188,29 @@ def _fixed_order_silu() -> type:
 
     FixedOrderSiluAndMul.__name__ = FixedOrderSiluAndMul.__qualname__ = "FixedOrderSiluAndMul"
     return FixedOrderSiluAndMul
+
+
+def fixed_order_rope(worker: Any) -> int:
+    """Under the portable setting, after vLLM built the model (through its `collective_rpc`, in every worker):
+    each RoPE table recomputed with the C cos and sin (`kernels.rowlocal.fixed_order_cos_sin`; torch's are
+    MKL's, whose float32 results move with the CPU past angles of about 1e4). The number of tables; a RoPE
+    whose class builds its table its own way (scaled variants) is refused."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    from detent_audit.kernels.rowlocal import fixed_order_cos_sin
+
+    done: set[int] = set()
+    for module in worker.model_runner.model.modules():
+        if not isinstance(module, RotaryEmbeddingBase) or id(module) in done:
+            continue
+        if type(module)._compute_cos_sin_cache is not RotaryEmbeddingBase._compute_cos_sin_cache:
+            raise NotImplementedError(f"{type(module).__name__} builds its RoPE table its own way: the "
+                                      "portable setting covers the plain and llama3 RoPE")
+        positions = torch.arange(module.cos_sin_cache.shape[0], dtype=torch.float32)
+        table = fixed_order_cos_sin(positions, module._compute_inv_freq(module.base))
+        module.cos_sin_cache.copy_(table.to(module.cos_sin_cache.dtype))
+        done.add(id(module))
+    return len(done)
 
 
 def all_reduce_in_use(worker: Any = None) -> str:
