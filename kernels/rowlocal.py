@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from detent_audit import isa
 from detent_audit.errors import BadInput
-from detent_audit.kernels import rowlocal_c
+from detent_audit.kernels.rowlocal_c import sincos
 
 # Below torch's GRAIN_SIZE (32768): one output of width <= this is always reduced by a single thread.
 _SUM_BLOCK = 4096
@@ -111,7 +111,7 @@ class RopeCache:
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         if isa.capped():  # torch's sin and cos are MKL's, which choose code by the CPU (docs/isa.md)
-            cos, sin = rowlocal_c.sincos(emb)
+            cos, sin = sincos(emb)
             return cls(cos=cos, sin=sin)
         return cls(cos=emb.cos(), sin=emb.sin())
 
@@ -124,7 +124,7 @@ def fixed_order_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> torc
     """A hosted engine's RoPE table, [positions, 2 * len(inv_freq)]: cos then sin of each position times each
     frequency (one float32 product, as vLLM's and SGLang's `einsum("i,j -> ij")` makes it), in the C order
     (`rowlocal_c.sincos`): what replaces their torch cos and sin (MKL's) under the portable setting."""
-    cos, sin = rowlocal_c.sincos(torch.outer(positions.float(), inv_freq.float()))
+    cos, sin = sincos(torch.outer(positions.float(), inv_freq.float()))
     return torch.cat((cos, sin), dim=-1)
 
 

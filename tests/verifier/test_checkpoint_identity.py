@@ -78,7 +78,8 @@ def test_hosted_engines_record_every_prompt_file(make_checkpoint, tmp_path: Path
     def facts(folder: Path) -> dict:
         engine = SimpleNamespace(  # what hosted_facts reads of a built engine
             config=SimpleNamespace(resolved_model=ResolvedModel("m", str(folder), folder), num_threads=1),
-            model_path=str(folder), selection=None, tokenizer=Tokenizer.from_pretrained(folder))
+            model_path=str(folder), selection=None, tokenizer=Tokenizer.from_pretrained(folder),
+            fixed_order=lambda dtype: False)
         return HostedEngine.hosted_facts(engine, "float32")["checkpoint"]  # type: ignore[arg-type]
 
     ours, theirs = facts(honest), facts(copy)
