@@ -128,6 +128,32 @@ def fixed_order_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> torc
     return torch.cat((cos, sin), dim=-1)
 
 
+def rewrite_rope_tables(model: torch.nn.Module, rope_class: type[torch.nn.Module], engine: str) -> int:
+    """Every RoPE table of a hosted engine's `model` (its modules of `rope_class`, vLLM's or SGLang's, each
+    once: layers share one) rewritten in place by `fixed_order_cos_sin`, over the table's own rows from the
+    module's `position_start` (0 where it has none), with the module's own frequencies. A class that builds
+    its table its own way (a scaled variant overrides `_compute_cos_sin_cache`) is refused, and so is a model
+    without a table. The number of tables rewritten."""
+    done: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, rope_class) or id(module) in done:
+            continue
+        # class attributes the engines' classes have and nn.Module's type does not declare (hence getattr)
+        own_table = getattr(type(module), "_compute_cos_sin_cache")  # noqa: B009
+        if own_table is not getattr(rope_class, "_compute_cos_sin_cache"):  # noqa: B009
+            raise NotImplementedError(f"{type(module).__name__} builds its RoPE table its own way: the "
+                                      "portable setting covers the plain and llama3 RoPE")
+        start = getattr(module, "position_start", 0)
+        rows = module.cos_sin_cache.shape[0]  # SGLang's table may run past the model's positions
+        positions = torch.arange(start, start + rows, dtype=torch.float32)
+        table = fixed_order_cos_sin(positions, module._compute_inv_freq(module.base))
+        module.cos_sin_cache.copy_(table.to(module.cos_sin_cache.dtype))
+        done.add(id(module))
+    if not done:
+        raise RuntimeError(f"the portable setting found no RoPE table to replace in {engine}'s model")
+    return len(done)
+
+
 class RotatedQK(NamedTuple):
     q: torch.Tensor  # [T, H, D]
     k: torch.Tensor  # [T, Hkv, D]

@@ -58,23 +58,9 @@ def fixed_order_rope_tables(result: Any, runner: Any) -> Any:
     table its own way (scaled variants) is refused: the scheduler stops before it serves."""
     from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
 
-    from detent_audit.kernels.rowlocal import fixed_order_cos_sin
+    from detent_audit.kernels.rowlocal import rewrite_rope_tables
 
-    done: set[int] = set()
-    for module in runner.model.modules():
-        if not isinstance(module, RotaryEmbedding) or id(module) in done:
-            continue
-        if type(module)._compute_cos_sin_cache is not RotaryEmbedding._compute_cos_sin_cache:
-            raise NotImplementedError(f"{type(module).__name__} builds its RoPE table its own way: the "
-                                      "portable setting covers the plain and llama3 RoPE")
-        start = getattr(module, "position_start", 0)
-        rows = module.cos_sin_cache.shape[0]  # SGLang's table may run past the model's positions
-        positions = torch.arange(start, start + rows, dtype=torch.float32)
-        table = fixed_order_cos_sin(positions, module._compute_inv_freq(module.base))
-        module.cos_sin_cache.copy_(table.to(module.cos_sin_cache.dtype))
-        done.add(id(module))
-    if not done:
-        raise RuntimeError("the portable setting found no RoPE table to replace in SGLang's model")
+    rewrite_rope_tables(runner.model, RotaryEmbedding, "SGLang")
     return result
 
 

@@ -210,11 +210,9 @@ class VllmEngine(HostedEngine[VllmRequest]):
         set_threads(config.num_threads)
         self.llm = self._build()
         self.engine = self.llm.llm_engine
-        if self.fixed_order(config.dtype):  # RoPE's tables in the C order before the first request
-            tables = self.llm.collective_rpc(plugin.fixed_order_rope)
-            if not tables or not all(tables):
-                raise RuntimeError(f"the portable setting found no RoPE table to replace in vLLM's model "
-                                   f"(per worker: {tables})")
+        if self.fixed_order(config.dtype):  # RoPE's tables in the C order before the first request (a worker
+            # without one raises)
+            self.llm.collective_rpc(plugin.fixed_order_rope)
         # vLLM's CPU worker (in this process) leaves torch at its import-time count (the machine's cores) when
         # OMP_NUM_THREADS is set, then replaces `torch.set_num_threads` by a no-op: the count the facts record
         # is set through torch's own function, which it does not replace

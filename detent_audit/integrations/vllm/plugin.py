@@ -192,25 +192,14 @@ def _fixed_order_silu() -> type:
 
 def fixed_order_rope(worker: Any) -> int:
     """Under the portable setting, after vLLM built the model (through its `collective_rpc`, in every worker):
-    each RoPE table recomputed with the C cos and sin (`kernels.rowlocal.fixed_order_cos_sin`; torch's are
+    each RoPE table recomputed with the C cos and sin (`kernels.rowlocal.rewrite_rope_tables`; torch's are
     MKL's, whose float32 results move with the CPU past angles of about 1e4). The number of tables; a RoPE
     whose class builds its table its own way (scaled variants) is refused."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
-    from detent_audit.kernels.rowlocal import fixed_order_cos_sin
+    from detent_audit.kernels.rowlocal import rewrite_rope_tables
 
-    done: set[int] = set()
-    for module in worker.model_runner.model.modules():
-        if not isinstance(module, RotaryEmbeddingBase) or id(module) in done:
-            continue
-        if type(module)._compute_cos_sin_cache is not RotaryEmbeddingBase._compute_cos_sin_cache:
-            raise NotImplementedError(f"{type(module).__name__} builds its RoPE table its own way: the "
-                                      "portable setting covers the plain and llama3 RoPE")
-        positions = torch.arange(module.cos_sin_cache.shape[0], dtype=torch.float32)
-        table = fixed_order_cos_sin(positions, module._compute_inv_freq(module.base))
-        module.cos_sin_cache.copy_(table.to(module.cos_sin_cache.dtype))
-        done.add(id(module))
-    return len(done)
+    return rewrite_rope_tables(worker.model_runner.model, RotaryEmbeddingBase, "vLLM")
 
 
 def all_reduce_in_use(worker: Any = None) -> str:
