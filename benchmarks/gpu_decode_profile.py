@@ -60,12 +60,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--no-tiles", action="store_true", help="the profile only, not the GEMM tiles")
+    ap.add_argument("--split-stride", type=int, default=None,
+                    help="commit this attention split stride (a pinned value: other bits than the default's)")
     args = ap.parse_args()
+    committed = (None if args.split_stride is None else
+                 {"embedded.attention": {"embedded.attention.split_stride": args.split_stride}})
     b = args.batch
     llm = LLM(EngineConfig(model=f"random:{args.shape}", device="cuda", dtype="bfloat16", mode="detent",
                            max_num_seqs=max(b, 8), max_num_batched_tokens=8192,
                            num_kv_blocks=max(4096, b * (-(-(args.prompt + 80) // 16))),
-                           max_model_len=4096, attention_streaming=True))
+                           max_model_len=4096, attention_streaming=True, tuple=committed))
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 32000) for _ in range(args.prompt)] for _ in range(b)]
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

@@ -24,8 +24,9 @@ I32 = "i32"
 # argument types by name; scalars not listed in UNALIGNED are divisible by 16 at every launch the engine makes
 ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "tile_seq_ptr": "*i32",
              "tile_row_ptr": "*i32", "tile_len_ptr": "*i32", "cu_ptr": "*i32", "ctx_ptr": "*i32",
-             "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16", "qk_scale": "fp32",
-             "stride_bt": I32, "num_rows": I32, "SPLIT": I32, "num_splits": I32}
+             "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "n_ptr": "*i32", "count_ptr": "*i32",
+             "out_ptr": "*bf16", "qk_scale": "fp32", "stride_bt": I32, "num_rows": I32, "SPLIT": I32,
+             "num_splits": I32}
 GEMM = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16",
         **{n: I32 for n in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
                             "stride_cn", "num_programs")}}

@@ -39,14 +39,23 @@ class TritonAttentionConfig:
 
 @triton.jit
 def _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk,
-               H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr):
+               H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+               DECODE: tl.constexpr):
     """A tile's packed rows: row j = (query row j // G, head hk * G + j % G); their queries and positions,
-    and the positions of the tile's first and last query rows."""
-    s = tl.load(tile_seq_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)      # first query row of this tile (global row index)
-    n_rows = tl.load(tile_len_ptr + tile)    # at most BLOCK_M // G query rows
+    and the positions of the tile's first and last query rows. DECODE: a launch of one query row per
+    sequence, so tile, sequence and row are one index (the same values without reading them: the query and
+    the block table are read at once, not after the tile's lookups)."""
+    if DECODE:
+        s = tile
+        row0 = tile
+        n_rows = 1
+        seq_row0 = tile
+    else:
+        s = tl.load(tile_seq_ptr + tile)
+        row0 = tl.load(tile_row_ptr + tile)      # first query row of this tile (global row index)
+        n_rows = tl.load(tile_len_ptr + tile)    # at most BLOCK_M // G query rows
+        seq_row0 = tl.load(cu_ptr + s)
     ctx = tl.load(ctx_ptr + s)               # absolute position of the sequence's first query row
-    seq_row0 = tl.load(cu_ptr + s)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     qi = offs_m // G
@@ -63,9 +72,11 @@ def _tile_rows(q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
 
 @triton.jit
 def _block_ids(bt_ptr, s, stride_bt, page_size, max_pos, kv0, BLOCK_N: tl.constexpr):
-    """The cache block of each KV position of the tile at kv0 (0 past the sequence's last position)."""
+    """The cache block of each KV position of the tile at kv0, read within the sequence's table row (an id
+    past the sequence's last position is never used: its K/V loads are masked), so the read waits on no
+    position."""
     kv = kv0 + tl.arange(0, BLOCK_N)
-    return tl.load(bt_ptr + s * stride_bt + kv // page_size, mask=kv <= max_pos, other=0)
+    return tl.load(bt_ptr + s * stride_bt + kv // page_size, mask=kv // page_size < stride_bt, other=0)
 
 
 @triton.jit
@@ -147,43 +158,52 @@ def _fold(M, L, ACC, m, lsum, acc):
 # compile in the middle of serving stalls every request in flight. The page size is a compile-time constant.
 @triton.jit(do_not_specialize=["stride_bt", "num_rows", "SPLIT"])
 def _attn_partial(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
-                  o_ptr, m_ptr, l_ptr, out_ptr, qk_scale, stride_bt, num_rows, SPLIT, PAGE: tl.constexpr,
-                  H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
+                  o_ptr, m_ptr, l_ptr, n_ptr, out_ptr, qk_scale, stride_bt, num_rows, SPLIT,
+                  PAGE: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+                  DECODE: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)   # a sequence's last (longest) tiles start first
     hk = tl.program_id(1)                    # one KV head; its G query heads are packed into the tile's rows
     sp = tl.program_id(2)
-    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(
-        q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
     start = sp * SPLIT
-    m_i, l_i, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, PAGE, hk, pos, row_ok, min_pos,
-                                   max_pos, start, tl.minimum(start + SPLIT, max_pos + 1), qk_scale, HKV, D,
-                                   BLOCK_M, BLOCK_N)
+    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(
+        q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M, DECODE)
     offs_d = tl.arange(0, D)
     if DIRECT:
         # one split: the combine of one partial is num / den with weight exp(0) = 1, so normalising here
         # gives the combine's bits (an empty split in a longer step adds exact zeros to both)
+        m_i, l_i, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, PAGE, hk, pos, row_ok, min_pos,
+                                       max_pos, start, tl.minimum(start + SPLIT, max_pos + 1), qk_scale, HKV,
+                                       D, BLOCK_M, BLOCK_N)
         out = (rows * H + heads)[:, None] * D + offs_d[None, :]
         tl.store(out_ptr + out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # every (row, head, split) is written here, empty splits as (0, -inf, 0): no buffer needs clearing
-        out = (sp * num_rows + rows) * H + heads
-        tl.store(o_ptr + out[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
-        tl.store(m_ptr + out, m_i, mask=row_ok)
-        tl.store(l_ptr + out, l_i, mask=row_ok)
+        if (sp == 0) & (hk == 0):  # each row's split count: the combine reads no split past its position
+            tl.store(n_ptr + rows, pos // SPLIT + 1, mask=row_ok)
+        if start <= max_pos:  # a split past every row of the tile is written by no one and read by no one
+            m_i, l_i, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, PAGE, hk, pos, row_ok,
+                                           min_pos, max_pos, start, tl.minimum(start + SPLIT, max_pos + 1),
+                                           qk_scale, HKV, D, BLOCK_M, BLOCK_N)
+            # a row of the tile whose position is before this split stores the empty partial (0, -inf, 0)
+            # here, which its combine does not read
+            out = (sp * num_rows + rows) * H + heads
+            tl.store(o_ptr + out[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+            tl.store(m_ptr + out, m_i, mask=row_ok)
+            tl.store(l_ptr + out, l_i, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "SPLIT"])
 def _attn_folded(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
                  out_ptr, qk_scale, stride_bt, SPLIT, PAGE: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
-                 D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DECODE: tl.constexpr):
     """Streaming mode, one program per (tile, KV head) over all its splits: each split's partial computed as
-    `_attn_partial` computes it, folded in split order as `_attn_fold_combine` folds the stored partials.
+    `_attn_partial` computes it, folded in split order as `_attn_split_fold` folds the stored partials.
     No partials in memory, no second launch: for tiles with many query rows (prefill)."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     hk = tl.program_id(1)
     s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(
-        q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
+        q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M, DECODE)
     M, L, ACC = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, PAGE, hk, pos, row_ok, min_pos, max_pos,
                                0, tl.minimum(SPLIT, max_pos + 1), qk_scale, HKV, D, BLOCK_M, BLOCK_N)
     for start in range(SPLIT, max_pos + 1, SPLIT):
@@ -215,7 +235,7 @@ def _one_pass_step(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, hk, pos, row_ok, max_p
 def _attn_folded_one_pass(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr,
                           ctx_ptr, out_ptr, qk_scale, stride_bt, SPLIT, PAGE: tl.constexpr, H: tl.constexpr,
                           HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, DECODE: tl.constexpr):
     """`_attn_folded` in one pass over the KV tiles: the same steps in the same order (each split's partial
     from a fresh state, the unmasked and masked paths as `_split_partial` assigns them) and the same folds,
     done where a split ends instead of by a loop per split, so the software pipeline is not restarted at
@@ -224,7 +244,7 @@ def _attn_folded_one_pass(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_pt
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     hk = tl.program_id(1)
     s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(
-        q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M)
+        q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M, DECODE)
     M, L, ACC = _empty_state(BLOCK_M, D)
     m_i, l_i, acc = _empty_state(BLOCK_M, D)
     end = max_pos + 1
@@ -244,27 +264,63 @@ def _attn_folded_one_pass(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_pt
     tl.store(out_ptr + out, (ACC / L[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_splits"])
-def _attn_fold_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.constexpr, D: tl.constexpr):
-    """Streaming mode's combine of stored partials: split 0, then `_fold` of each next split, in order."""
-    r = tl.program_id(0)
-    h = tl.program_id(1)
+@triton.jit(do_not_specialize=["stride_bt", "num_rows", "SPLIT"])
+def _attn_split_fold(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr,
+                     o_ptr, m_ptr, l_ptr, count_ptr, out_ptr, qk_scale, stride_bt, num_rows, SPLIT,
+                     PAGE: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr):
+    """Streaming mode in parallel splits, one launch: the programs of a (tile, KV head) take its splits in
+    turn (program p: splits p, p + P, ...), each split's partial computed as `_attn_folded` computes it and
+    stored; the program that stores the tile's last partial (a counter per (tile, KV head), which it sets
+    back to 0) folds every split in split order, as `_attn_folded` folds them, and writes the output. Which
+    program folds, and when, changes no bit: the fold reads the stored fp32 partials in a fixed order."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    hk = tl.program_id(1)
+    p = tl.program_id(2)
+    s, rows, heads, pos, row_ok, min_pos, max_pos, q = _tile_rows(
+        q_ptr, tile_seq_ptr, tile_row_ptr, tile_len_ptr, cu_ptr, ctx_ptr, tile, hk, H, D, G, BLOCK_M, DECODE)
+    n_split = max_pos // SPLIT + 1       # the tile's splits; a row before a split's start stores it empty
     offs_d = tl.arange(0, D)
-    idx = r * H + h + tl.zeros([1], tl.int32)
-    M = tl.load(m_ptr + idx)
-    L = tl.load(l_ptr + idx)
-    ACC = tl.load(o_ptr + idx[:, None] * D + offs_d[None, :])         # [1, D]
-    for sp in range(1, num_splits):
-        idx = (sp * num_rows + r) * H + h + tl.zeros([1], tl.int32)
-        M, L, ACC = _fold(M, L, ACC, tl.load(m_ptr + idx), tl.load(l_ptr + idx),
-                          tl.load(o_ptr + idx[:, None] * D + offs_d[None, :]))
-    tl.store(out_ptr + (r * H + h) * D + offs_d[None, :], (ACC / L[:, None]).to(out_ptr.dtype.element_ty))
+    idx = rows * H + heads
+    mine = 0
+    for sp in range(p, n_split, tl.num_programs(2)):
+        start = sp * SPLIT
+        m_i, l_i, acc = _split_partial(q, k_ptr, v_ptr, bt_ptr, s, stride_bt, PAGE, hk, pos, row_ok, min_pos,
+                                       max_pos, start, tl.minimum(start + SPLIT, max_pos + 1), qk_scale, HKV,
+                                       D, BLOCK_M, BLOCK_N)
+        at = sp * num_rows * H + idx
+        tl.store(o_ptr + at[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(m_ptr + at, m_i, mask=row_ok)
+        tl.store(l_ptr + at, l_i, mask=row_ok)
+        mine += 1
+    if mine > 0:
+        tl.debug_barrier()  # every thread's partials stored before the counter (released at GPU scope) moves
+        counter = count_ptr + tile * HKV + hk
+        if tl.atomic_add(counter, mine, sem="acq_rel", scope="gpu") + mine == n_split:
+            tl.store(counter, 0)  # for the next launch (a kernel boundary orders it)
+            # the others' partials are read from L2 (".cg"): this SM's L1 holds none of them
+            M = tl.load(m_ptr + idx, mask=row_ok, other=0.0, cache_modifier=".cg")
+            L = tl.load(l_ptr + idx, mask=row_ok, other=0.0, cache_modifier=".cg")
+            ACC = tl.load(o_ptr + idx[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                          cache_modifier=".cg")
+            for sp in range(1, n_split):
+                at = sp * num_rows * H + idx
+                m = tl.load(m_ptr + at, mask=row_ok, other=0.0, cache_modifier=".cg")
+                lsum = tl.load(l_ptr + at, mask=row_ok, other=0.0, cache_modifier=".cg")
+                acc = tl.load(o_ptr + at[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                              cache_modifier=".cg")
+                M, L, ACC = _fold(M, L, ACC, m, lsum, acc)
+            out = idx[:, None] * D + offs_d[None, :]
+            tl.store(out_ptr + out, (ACC / L[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_splits"])
-def _attn_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.constexpr, D: tl.constexpr):
+@triton.jit(do_not_specialize=["num_rows"])
+def _attn_combine(o_ptr, m_ptr, l_ptr, n_ptr, out_ptr, num_rows, H: tl.constexpr, D: tl.constexpr):
+    """The combine of stored partials up to the row's last split: an empty split changes neither the maximum
+    nor the sums (its weight is exp2(-inf) = 0 on zeros)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
+    num_splits = tl.load(n_ptr + r)
     offs_d = tl.arange(0, D)
     m_all = tl.full([1], float("-inf"), tl.float32)
     for sp in range(0, num_splits):          # the running maximum, in split order
@@ -281,7 +337,16 @@ def _attn_combine(o_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_splits, H: tl.cons
 
 
 LOG2E = 1.4426950408889634
-IN_PROGRAM_MIN_PROGRAMS = 264  # streaming: fold in one program per tile once the launch has 2 per SM (H200)
+# Streaming: a launch of this many (tile, KV head) programs or more folds each tile's splits in one program
+# (`_attn_folded_one_pass`); a smaller one runs the splits in parallel programs (`_attn_split_fold`), as many
+# per (tile, KV head) as make up SPLIT_PROGRAMS (two per SM of an H200), where its partials fit
+# SPLIT_BUFFER_BYTES. The two give a token the same bits, so the choice is speed alone: on the H200,
+# Llama-3.1-8B decode from CUDA graphs at stride 64, the parallel splits are the faster below 16 rows
+# (benchmarks/gpu_decode_variants.py).
+IN_PROGRAM_MIN_PROGRAMS = 128
+SPLIT_PROGRAMS = 264
+SPLIT_BUFFER_BYTES = 64 << 20
+SPLIT_COUNTERS = 256
 # streaming's in-program fold as one pass over the KV tiles (`_attn_folded_one_pass`) rather than a loop per
 # split (`_attn_folded`): the same bits; on the H200 prefill 1 x 8192 at stride 256 takes 1.79 ms where the
 # loop per split takes 2.22, and 1.78 against 1.82 at stride 2048 (benchmarks/gpu_attention.py --one-pass;
@@ -291,7 +356,8 @@ FOLD_IN_ONE_PASS = True
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What every layer's call of one step shares: the query tiles and the split count (built once)."""
+    """What every layer's call of one step shares: the query tiles and the split count (built once), and
+    the split fold's counters (`counters`; zero between launches)."""
 
     tile_seq: torch.Tensor
     tile_row: torch.Tensor
@@ -301,6 +367,14 @@ class StepPlan:
     block_tables: torch.Tensor
     num_tiles: int
     num_splits: int
+    counters: torch.Tensor
+
+
+def split_counters(device: torch.device | str) -> torch.Tensor:
+    """Zeroed counters for `_attn_split_fold`, one per (tile, KV head) of a launch (a launch of more programs
+    folds in one program per tile). Allocated outside any CUDA-graph capture, with the plan; every launch
+    leaves them at zero."""
+    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
 
 def plan_step(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -321,7 +395,7 @@ def plan_step(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tabl
     return StepPlan(tile_seq, tile_row, tile_len, torch.tensor(cu, dtype=torch.int32, device=device),
                     torch.tensor(ctx, dtype=torch.int32, device=device),
                     block_tables.to(device=device, dtype=torch.int32).contiguous(), len(tiles),
-                    triton.cdiv(max_len, config.split))
+                    triton.cdiv(max_len, config.split), split_counters(device))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -341,26 +415,36 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     direct = num_splits == 1
     bt = plan.block_tables
-    if config.streaming and (direct or plan.num_tiles * hkv >= IN_PROGRAM_MIN_PROGRAMS):
+    decode = plan.num_tiles == t == plan.cu.numel() - 1  # one query row per sequence
+    shape = dict(PAGE=page, H=h, HKV=hkv, D=d, G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 DECODE=decode, num_warps=config.num_warps, num_stages=config.num_stages)
+    programs = plan.num_tiles * hkv
+    in_program = (direct or programs >= IN_PROGRAM_MIN_PROGRAMS or programs > plan.counters.numel()
+                  or num_splits * t * h * d * 4 > SPLIT_BUFFER_BYTES)
+    if config.streaming and in_program:
         folded = _attn_folded_one_pass if FOLD_IN_ONE_PASS else _attn_folded
         folded[(plan.num_tiles, hkv)](
             q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len, plan.cu,
-            plan.context_lens, out, qk_scale, bt.stride(0), config.split, PAGE=page, H=h, HKV=hkv, D=d,
-            G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
-            num_stages=config.num_stages)
+            plan.context_lens, out, qk_scale, bt.stride(0), config.split, **shape)
         return out
-    if direct:
-        o = m = l_ = out  # unused
-    else:
+    if not direct:
         o = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=dev)
         m = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
         l_ = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
+    if config.streaming:
+        per_tile = min(num_splits, triton.cdiv(SPLIT_PROGRAMS, programs))
+        _attn_split_fold[(plan.num_tiles, hkv, per_tile)](
+            q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len, plan.cu,
+            plan.context_lens, o, m, l_, plan.counters, out, qk_scale, bt.stride(0), t, config.split, **shape)
+        return out
+    if direct:
+        o = m = l_ = n = out  # unused
+    else:
+        n = torch.empty(t, dtype=torch.int32, device=dev)  # each row's split count
     _attn_partial[(plan.num_tiles, hkv, num_splits)](
         q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len,
-        plan.cu, plan.context_lens, o, m, l_, out, qk_scale, bt.stride(0), t, config.split, PAGE=page, H=h,
-        HKV=hkv, D=d, G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, DIRECT=direct,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        plan.cu, plan.context_lens, o, m, l_, n, out, qk_scale, bt.stride(0), t, config.split, DIRECT=direct,
+        **shape)
     if not direct:
-        combine = _attn_fold_combine if config.streaming else _attn_combine
-        combine[(t, h)](o, m, l_, out, t, num_splits, H=h, D=d)
+        _attn_combine[(t, h)](o, m, l_, n, out, t, H=h, D=d)
     return out

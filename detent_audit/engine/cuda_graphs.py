@@ -198,7 +198,7 @@ class DecodeGraphs:
 
     def _step_at(self, b: int) -> Callable[[], torch.Tensor]:
         """The decode step of rows [0, b): the function a graph captures."""
-        from detent_audit.kernels.triton_attention import StepPlan
+        from detent_audit.kernels.triton_attention import StepPlan, split_counters
 
         dev, rows, size = self.device, self.rows, self.block_size
         ids, pos, tables = rows.ids[:b], rows.positions[:b], rows.tables[:b]
@@ -214,7 +214,8 @@ class DecodeGraphs:
         plan = StepPlan(tile_seq=r, tile_row=r, tile_len=torch.ones(b, dtype=torch.int32, device=dev),
                         cu=cu.to(torch.int32), context_lens=torch.zeros(b, dtype=torch.int32, device=dev),
                         block_tables=torch.zeros((b, self.max_blocks), dtype=torch.int32, device=dev),
-                        num_tiles=b, num_splits=-(-self.max_model_len // cfg.split))
+                        num_tiles=b, num_splits=-(-self.max_model_len // cfg.split),
+                        counters=split_counters(dev))
 
         def step() -> torch.Tensor:
             # the views the kernels read, refreshed inside the graph from the rows

@@ -63,6 +63,22 @@ EMBEDDED_PREFERENCES: dict[str, dict[str, Any]] = {
                            "tiles_per_split": 64},
     "embedded.moe": {"chunk_rows": 16, "embedded.moe.chunk_rows": 16},
 }
+# On a GPU with the streaming fold: splits of 64 tokens (the smallest the deployment's split bound allows,
+# the nearest legal stride where it does not). A batch of a few rows then reads its KV in parallel programs:
+# on the H200, Llama-3.1-8B decode at batch 1 from a CUDA graph is 3.6% faster than at 4096, and at 8-256
+# rows 0.5-2% slower (benchmarks/gpu_decode_variants.py; RESULTS.md, "GPU decode loop").
+GPU_STREAMING_PREFERENCES: dict[str, dict[str, Any]] = {
+    "embedded.attention": {"embedded.attention.kv_tile": 64, "embedded.attention.split_stride": 64,
+                           "tiles_per_split": 1},
+}
+
+
+def preferences(deployment: Deployment) -> dict[str, dict[str, Any]]:
+    """What the embedded engine commits when no tuple is given, per family: EMBEDDED_PREFERENCES, with the
+    streaming GPU kernel's own stride (only the GPU kernel has the streaming fold)."""
+    if deployment.engine.attention_backend == "detent-streaming":
+        return {**EMBEDDED_PREFERENCES, **GPU_STREAMING_PREFERENCES}
+    return EMBEDDED_PREFERENCES
 
 
 def cpu_capability() -> str:
@@ -241,11 +257,12 @@ def select_kernels(mode: str, deployment: Deployment,
         raise IllegalAssignment(f"the tuple names families {unknown} this deployment does not run",
                                 remedy=f"families: {sorted(results)}")
     chosen: dict[str, dict[str, Any]] = {}
+    prefs = preferences(deployment)
     for family, result in results.items():
         if family in committed:
-            chosen[family] = _complete(result, family, dict(committed[family]))
+            chosen[family] = _complete(result, family, dict(committed[family]), prefs.get(family, {}))
         else:
-            chosen[family] = nearest_legal(result, EMBEDDED_PREFERENCES.get(family, {}))
+            chosen[family] = nearest_legal(result, prefs.get(family, {}))
     selectors = {family: results[family].selector(chosen[family]) for family in results}
     probe = probe_inputs(deployment)
     used = used_axes(results, chosen, selectors, probe)
@@ -254,7 +271,8 @@ def select_kernels(mode: str, deployment: Deployment,
                      probe_params(_kernel_set(selectors), probe))
 
 
-def _complete(result: SolveResult, family: str, given: dict[str, Any]) -> dict[str, Any]:
+def _complete(result: SolveResult, family: str, given: dict[str, Any], preferred: Mapping[str, Any]
+              ) -> dict[str, Any]:
     """A committed assignment made whole: as given when it names every axis, else the legal assignment that
     agrees with every axis given and is nearest the preferences on the others (a receipt's tuple names only
     the axes the kernels read); `BadInput` when none is legal."""
@@ -264,7 +282,7 @@ def _complete(result: SolveResult, family: str, given: dict[str, Any]) -> dict[s
             if result.is_legal(given):
                 return given
         else:
-            prefs = {**EMBEDDED_PREFERENCES.get(family, {}), **given}
+            prefs = {**preferred, **given}
             matching = [a for a in result.legal_assignments() if all(a[k] == v and type(a[k]) is type(v)
                                                                       for k, v in given.items())]
             if matching:

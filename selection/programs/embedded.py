@@ -21,7 +21,10 @@ from __future__ import annotations
 from detent_audit.manifests.deployment import DTYPE_BYTES, Deployment
 from detent_audit.selection.lang import Request, Runtime, assume, cdiv, clamp, knob, program, record, require
 
-MAX_SPLITS = 16          # most KV splits per sequence the embedded attention kernel combines
+MAX_SPLITS = 16          # most KV splits per sequence the embedded attention kernel combines (CPU)
+# on a GPU (kernels/triton_attention.py): the bound that keeps a decode launch's fp32 partials small (a
+# sequence's splits x rows x heads x head dim), not a limit of the kernel
+GPU_MAX_SPLITS = 64
 # A collective backend picks its algorithm per message: NCCL's tuner between tree and ring by size
 # (src/enqueue.cc, topoGetAlgoInfo), gloo between its ring and halving-doubling forms. Any such switch makes
 # the order of a token's additions a function of the step's size; 256 KiB stands for it here.
@@ -82,12 +85,19 @@ def all_reduce_facts(dep: Deployment) -> EmbeddedAllReduceFacts:
                                   backend_switch_bytes=BACKEND_SWITCH_BYTES)
 
 
+def max_splits(dep: Deployment) -> int:
+    """The most KV splits per sequence: the GPU kernel's bound where the deployment runs it (a GPU, or the
+    streaming fold, which only the GPU kernel has), else the CPU kernel's."""
+    gpu_kernel = dep.gpu is not None or dep.engine.attention_backend == "detent-streaming"
+    return GPU_MAX_SPLITS if gpu_kernel else MAX_SPLITS
+
+
 def facts(dep: Deployment) -> EmbeddedFacts:
     """The embedded engine's view of a deployment (plain Python, not SelIR)."""
     e = dep.engine
     return EmbeddedFacts(num_cores=dep.compute_units, max_num_batched_tokens=e.max_num_batched_tokens,
                          max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len,
-                         num_kv_heads=dep.num_kv_heads_per_rank, max_splits=MAX_SPLITS,
+                         num_kv_heads=dep.num_kv_heads_per_rank, max_splits=max_splits(dep),
                          gemm_pad_rows=e.gemm_pad_rows, gemm_row_form=e.gemm_row_form)
 
 
@@ -125,7 +135,7 @@ def embedded_attention(d: EmbeddedFacts, num_seqs: Runtime[int], max_seqlen_k: R
     assume(1 <= max_seqlen_k <= d.max_model_len, "a sequence fits the model's context")
     assume(1 <= seqlen_k <= d.max_model_len, "the sequence fits the model's context")
     kv_tile = knob("embedded.attention.kv_tile", (16, 32, 64, 128, 256), 64)
-    stride = knob("embedded.attention.split_stride", (0, 256, 512, 1024, 2048, 4096), 0)
+    stride = knob("embedded.attention.split_stride", (0, 64, 128, 256, 512, 1024, 2048, 4096), 0)
     n_tiles = cdiv(seqlen_k, kv_tile)
     if stride > 0:
         require(stride % kv_tile == 0, "split_stride is a whole number of KV tiles")

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 ta = pytest.importorskip("detent_audit.kernels.triton_attention")
 IN_PROGRAM_DEFAULT = ta.IN_PROGRAM_MIN_PROGRAMS
+SPLIT_PROGRAMS_DEFAULT = ta.SPLIT_PROGRAMS
 
 H, HKV, D, PAGE = 8, 2, 64, 16
 
@@ -83,16 +84,39 @@ def test_streaming_mode_folds_alike_in_one_program_and_across_programs(cfg, one_
     n = len(lens)
     runs = []
     monkeypatch.setattr(ta, "FOLD_IN_ONE_PASS", one_pass)
-    for threshold in (0, 1 << 30):  # always in one program per tile; never
+    # always in one program per tile; in parallel splits (the launch's 144 (tile, KV head) pairs), all of a
+    # tile's in one program, up to two to a program and one each
+    for threshold, split_programs in ((0, 1), (1 << 30, 1), (1 << 30, 288), (1 << 30, 1 << 30)):
         monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", threshold)
+        monkeypatch.setattr(ta, "SPLIT_PROGRAMS", split_programs)
         runs.append(_run(k, v, tables, q, list(range(n)), [0] * n, lens, cfg))
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
     monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", IN_PROGRAM_DEFAULT)
+    monkeypatch.setattr(ta, "SPLIT_PROGRAMS", SPLIT_PROGRAMS_DEFAULT)
     for s in range(n):
         alone = _run(k, v, tables, q, [s], [0], [lens[s]], cfg)[0]
         assert torch.equal(alone, runs[0][s])
         last = _run(k, v, tables, q, [s], [lens[s] - 1], [lens[s]], cfg)[0]
         assert torch.equal(last, alone[-1:])
+
+
+def test_the_split_fold_is_the_same_at_every_launch_and_leaves_its_counters_at_zero() -> None:
+    """Decode rows in parallel splits: whichever program stores a tile's last partial folds them, a race at
+    every launch; 50 launches of one plan give the same bits, and every counter is back at 0 after each."""
+    lens = [1, 63, 64, 65, 700, 1500, 2049, 4000]
+    k, v, tables, q = _setup(lens, seed=9)
+    cfg = ta.TritonAttentionConfig(64, 64, 64, 4, 2, streaming=True)
+    qq = torch.cat([x[-1:] for x in q])
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
+    ctx = torch.tensor([n - 1 for n in lens], dtype=torch.int32, device="cuda")
+    plan = ta.plan_step(cu, ctx, tables, cfg, qq.device, H // HKV)
+    assert plan.num_tiles * HKV < ta.IN_PROGRAM_MIN_PROGRAMS < plan.num_tiles * HKV * plan.num_splits
+    first = ta.paged_attention(qq, k, v, cu, ctx, tables, D ** -0.5, cfg, plan=plan)
+    for _ in range(50):
+        assert torch.equal(ta.paged_attention(qq, k, v, cu, ctx, tables, D ** -0.5, cfg, plan=plan), first)
+        assert not plan.counters.any()
+    for s, n in enumerate(lens):  # each row as the last token of its own prefill
+        assert torch.equal(_run(k, v, tables, q, [s], [0], [n], cfg)[0][-1], first[s])
 
 
 @pytest.mark.parametrize("launch", [{"num_stages": 3}, {"num_stages": 1}], ids=["stages3", "stages1"])

@@ -83,10 +83,14 @@ def test_the_two_streaming_paths_agree_bit_for_bit(monkeypatch) -> None:
     k, v, tables, q = _cache(lens, seed=11)
     cfg = ta.TritonAttentionConfig(block_m=16, block_n=4, split=8, num_warps=1, num_stages=1, streaming=True)
     outs = []
-    for threshold in (0, 1 << 30):  # in one program per tile; in parallel splits and the streaming combine
+    # in one program per tile; in parallel splits (the launch's 12 (tile, KV head) pairs of up to 4 splits):
+    # all four in one program, two to a program and one each, the program that stores the last partial
+    # folding them
+    for threshold, split_programs in ((0, 1), (1 << 30, 1), (1 << 30, 24), (1 << 30, 1 << 30)):
         monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", threshold)
+        monkeypatch.setattr(ta, "SPLIT_PROGRAMS", split_programs)
         outs.append(_run(k, v, tables, q, [0, 1], [0, 0], lens, cfg))
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert all(torch.equal(a, b) for run in outs[1:] for a, b in zip(outs[0], run))
 
 
 @pytest.mark.parametrize(("block_n", "split"), [(4, 8), (4, 4), (8, 24)])

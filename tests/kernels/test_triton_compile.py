@@ -30,13 +30,15 @@ def _compile(fn, types: dict[str, str], constexprs: dict[str, object], **options
 
 @pytest.mark.parametrize(("d", "g", "block_n"), [(128, 4, 64), (64, 4, 32), (128, 8, 128)])
 def test_attention_kernels_compile(d: int, g: int, block_n: int) -> None:
-    shape = dict(H=8 * g, HKV=8, D=d, G=g, BLOCK_M=64, BLOCK_N=block_n, PAGE=16)
-    for direct in (True, False):
-        _compile(ta._attn_partial, ATTENTION, {**shape, "DIRECT": direct}, num_warps=4, num_stages=2)
-    _compile(ta._attn_folded, ATTENTION, shape, num_warps=4, num_stages=2)
-    _compile(ta._attn_folded_one_pass, ATTENTION, shape, num_warps=4, num_stages=2)
+    shape: dict[str, object] = dict(H=8 * g, HKV=8, D=d, G=g, BLOCK_M=64, BLOCK_N=block_n, PAGE=16)
+    for decode in (True, False):
+        shape["DECODE"] = decode
+        for direct in (True, False):
+            _compile(ta._attn_partial, ATTENTION, {**shape, "DIRECT": direct}, num_warps=4, num_stages=2)
+        _compile(ta._attn_folded, ATTENTION, shape, num_warps=4, num_stages=2)
+        _compile(ta._attn_folded_one_pass, ATTENTION, shape, num_warps=4, num_stages=2)
+        _compile(ta._attn_split_fold, ATTENTION, shape, num_warps=4, num_stages=2)
     _compile(ta._attn_combine, ATTENTION, dict(H=8 * g, D=d))
-    _compile(ta._attn_fold_combine, ATTENTION, dict(H=8 * g, D=d))
 
 
 def test_gemm_compiles_for_every_tile_the_engine_picks() -> None:
