@@ -368,6 +368,7 @@ class StepPlan:
     num_tiles: int
     num_splits: int
     counters: torch.Tensor
+    one_row_each: bool = False  # every sequence has one query row (decode): tile, sequence and row coincide
 
 
 def split_counters(device: torch.device | str) -> torch.Tensor:
@@ -395,7 +396,8 @@ def plan_step(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tabl
     return StepPlan(tile_seq, tile_row, tile_len, torch.tensor(cu, dtype=torch.int32, device=device),
                     torch.tensor(ctx, dtype=torch.int32, device=device),
                     block_tables.to(device=device, dtype=torch.int32).contiguous(), len(tiles),
-                    triton.cdiv(max_len, config.split), split_counters(device))
+                    triton.cdiv(max_len, config.split), split_counters(device),
+                    all(b - a == 1 for a, b in zip(cu, cu[1:])))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -415,9 +417,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     direct = num_splits == 1
     bt = plan.block_tables
-    decode = plan.num_tiles == t == plan.cu.numel() - 1  # one query row per sequence
     shape = dict(PAGE=page, H=h, HKV=hkv, D=d, G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 DECODE=decode, num_warps=config.num_warps, num_stages=config.num_stages)
+                 DECODE=plan.one_row_each, num_warps=config.num_warps, num_stages=config.num_stages)
     programs = plan.num_tiles * hkv
     in_program = (direct or programs >= IN_PROGRAM_MIN_PROGRAMS or programs > plan.counters.numel()
                   or num_splits * t * h * d * 4 > SPLIT_BUFFER_BYTES)

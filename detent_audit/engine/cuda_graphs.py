@@ -215,7 +215,7 @@ class DecodeGraphs:
                         cu=cu.to(torch.int32), context_lens=torch.zeros(b, dtype=torch.int32, device=dev),
                         block_tables=torch.zeros((b, self.max_blocks), dtype=torch.int32, device=dev),
                         num_tiles=b, num_splits=-(-self.max_model_len // cfg.split),
-                        counters=split_counters(dev))
+                        counters=split_counters(dev), one_row_each=True)
 
         def step() -> torch.Tensor:
             # the views the kernels read, refreshed inside the graph from the rows

@@ -53,6 +53,7 @@ from detent_audit.selection.compiler import SolveResult, solve
 from detent_audit.selection.errors import IllegalAssignment
 from detent_audit.selection.lang import cdiv
 from detent_audit.selection.programs import fa3, families_for
+from detent_audit.selection.programs.embedded import GPU_MAX_SPLITS
 
 # What the embedded engine commits when no tuple is given: chosen by `benchmarks/engine_cpu.py` on CPU
 # (a fixed 16-row GEMM chunk costs little over stock at decode batch sizes; 64-token KV tiles; splits of
@@ -63,22 +64,32 @@ EMBEDDED_PREFERENCES: dict[str, dict[str, Any]] = {
                            "tiles_per_split": 64},
     "embedded.moe": {"chunk_rows": 16, "embedded.moe.chunk_rows": 16},
 }
-# On a GPU with the streaming fold: splits of 64 tokens (the smallest the deployment's split bound allows,
-# the nearest legal stride where it does not). A batch of a few rows then reads its KV in parallel programs:
-# on the H200, Llama-3.1-8B decode at batch 1 from a CUDA graph is 3.6% faster than at 4096, and at 8-256
-# rows 0.5-2% slower (benchmarks/gpu_decode_variants.py; RESULTS.md, "GPU decode loop").
-GPU_STREAMING_PREFERENCES: dict[str, dict[str, Any]] = {
-    "embedded.attention": {"embedded.attention.kv_tile": 64, "embedded.attention.split_stride": 64,
-                           "tiles_per_split": 1},
-}
+# On a GPU with the streaming fold: splits of 64 tokens, or of the shortest power-of-two multiple of that
+# which keeps a sequence of the deployment's longest context within the GPU kernel's split bound. A batch of
+# a few rows then reads its KV in parallel programs: on the H200, Llama-3.1-8B decode at batch 1 from a CUDA
+# graph is 3.6% faster than at 4096, and at 8-256 rows 0.5-2% slower (benchmarks/gpu_attention_strides.py;
+# RESULTS.md, "GPU decode loop").
+GPU_STREAMING_KV_TILE, GPU_STREAMING_STRIDE = 64, 64
+
+
+def streaming_stride(max_model_len: int) -> int:
+    """The streaming GPU kernel's default split stride for a deployment of `max_model_len`."""
+    stride = GPU_STREAMING_STRIDE
+    while cdiv(max_model_len, stride) > GPU_MAX_SPLITS:
+        stride *= 2
+    return stride
 
 
 def preferences(deployment: Deployment) -> dict[str, dict[str, Any]]:
     """What the embedded engine commits when no tuple is given, per family: EMBEDDED_PREFERENCES, with the
     streaming GPU kernel's own stride (only the GPU kernel has the streaming fold)."""
-    if deployment.engine.attention_backend == "detent-streaming":
-        return {**EMBEDDED_PREFERENCES, **GPU_STREAMING_PREFERENCES}
-    return EMBEDDED_PREFERENCES
+    if deployment.engine.attention_backend != "detent-streaming":
+        return EMBEDDED_PREFERENCES
+    stride = streaming_stride(deployment.engine.max_model_len)
+    tile = GPU_STREAMING_KV_TILE
+    attention = {"embedded.attention.kv_tile": tile, "embedded.attention.split_stride": stride,
+                 "tiles_per_split": stride // tile}
+    return {**EMBEDDED_PREFERENCES, "embedded.attention": attention}
 
 
 def cpu_capability() -> str:

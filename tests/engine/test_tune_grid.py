@@ -8,6 +8,7 @@ import random
 
 from detent_audit.engine.tune_search import (
     GPU_KV_TILES,
+    GPU_SHORT_STRIDES,
     GPU_STRIDE_MAX,
     GPU_STRIDE_STEP,
     family_grid,
@@ -18,10 +19,10 @@ from detent_audit.runtime.model_config import NAMED_SHAPES
 from detent_audit.selection.tuner import Workload
 
 
-def _selection():
+def _selection(attention_backend: str = "detent", max_model_len: int = 8320):
     d = engine_deployment(NAMED_SHAPES["llama-3.1-8b"], dtype="bfloat16", num_threads=1, block_size=16,
-                          max_model_len=8320, max_num_seqs=32, max_num_batched_tokens=2048,
-                          prefix_caching=True)
+                          max_model_len=max_model_len, max_num_seqs=32, max_num_batched_tokens=2048,
+                          prefix_caching=True, attention_backend=attention_backend)
     return select_kernels("detent", d)
 
 
@@ -31,10 +32,21 @@ def test_gpu_grids() -> None:
     assert len(attn.legal) > 100
     for a in attn.legal:
         assert a["kv_tile"] in GPU_KV_TILES
-        assert a["split_stride"] % GPU_STRIDE_STEP == 0 and a["split_stride"] <= GPU_STRIDE_MAX
+        stride = a["split_stride"]
+        assert (stride % GPU_STRIDE_STEP == 0 or stride in GPU_SHORT_STRIDES) and stride <= GPU_STRIDE_MAX
         assert s.results["embedded.attention"].is_legal(reps[a])  # the tuple committed for it is legal
     gemm, _ = family_grid(s.results["embedded.gemm"], s.tuple["embedded.gemm"], "cuda")
     assert len(gemm.legal) == 1
+
+
+def test_a_streaming_deployment_tunes_from_its_default_tuple() -> None:
+    """The streaming GPU kernel's default stride (64 where the split bound allows it) is on the grid, so
+    `tune --attention-streaming` starts from the default tuple; so are the shorter strides' neighbours."""
+    for length, stride in ((4096, 64), (8192, 128), (8320, 256)):
+        s = _selection("detent-streaming", length)
+        grid, _ = family_grid(s.results["embedded.attention"], s.tuple["embedded.attention"], "cuda")
+        assert grid.default["split_stride"] == stride and grid.default in grid.legal
+        assert {a["split_stride"] for a in grid.legal} >= {stride, 256, 512}
 
 
 def test_launch_classes_merge_exactly_the_identical_launches() -> None:
