@@ -298,12 +298,10 @@ def _attn_split_fold(q_ptr, k_ptr, v_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, ti
         counter = count_ptr + tile * HKV + hk
         if tl.atomic_add(counter, mine, sem="acq_rel", scope="gpu") + mine == n_split:
             tl.store(counter, 0)  # for the next launch (a kernel boundary orders it)
-            # the others' partials are read from L2 (".cg"): this SM's L1 holds none of them
-            M = tl.load(m_ptr + idx, mask=row_ok, other=0.0, cache_modifier=".cg")
-            L = tl.load(l_ptr + idx, mask=row_ok, other=0.0, cache_modifier=".cg")
-            ACC = tl.load(o_ptr + idx[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                          cache_modifier=".cg")
-            for sp in range(1, n_split):
+            # from the empty state, every split folded in, split 0 too: `_attn_folded_one_pass`'s folds, one
+            # for one (the others' partials read from L2, ".cg": this SM's L1 holds none of them)
+            M, L, ACC = _empty_state(BLOCK_M, D)
+            for sp in range(0, n_split):
                 at = sp * num_rows * H + idx
                 m = tl.load(m_ptr + at, mask=row_ok, other=0.0, cache_modifier=".cg")
                 lsum = tl.load(l_ptr + at, mask=row_ok, other=0.0, cache_modifier=".cg")
@@ -342,7 +340,7 @@ LOG2E = 1.4426950408889634
 # per (tile, KV head) as make up SPLIT_PROGRAMS (two per SM of an H200), where its partials fit
 # SPLIT_BUFFER_BYTES. The two give a token the same bits, so the choice is speed alone: on the H200,
 # Llama-3.1-8B decode from CUDA graphs at stride 64, the parallel splits are the faster below 16 rows
-# (benchmarks/gpu_decode_variants.py).
+# (benchmarks/gpu_attention_strides.py).
 IN_PROGRAM_MIN_PROGRAMS = 128
 SPLIT_PROGRAMS = 264
 SPLIT_BUFFER_BYTES = 64 << 20
@@ -397,7 +395,7 @@ def plan_step(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tabl
                     torch.tensor(ctx, dtype=torch.int32, device=device),
                     block_tables.to(device=device, dtype=torch.int32).contiguous(), len(tiles),
                     triton.cdiv(max_len, config.split), split_counters(device),
-                    all(b - a == 1 for a, b in zip(cu, cu[1:])))
+                    cu[0] == 0 and all(b - a == 1 for a, b in zip(cu, cu[1:])))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,

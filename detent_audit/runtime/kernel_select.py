@@ -67,7 +67,7 @@ EMBEDDED_PREFERENCES: dict[str, dict[str, Any]] = {
 # On a GPU with the streaming fold: splits of 64 tokens, or of the shortest power-of-two multiple of that
 # which keeps a sequence of the deployment's longest context within the GPU kernel's split bound. A batch of
 # a few rows then reads its KV in parallel programs: on the H200, Llama-3.1-8B decode at batch 1 from a CUDA
-# graph is 3.6% faster than at 4096, and at 8-256 rows 0.5-2% slower (benchmarks/gpu_attention_strides.py;
+# graph is 3.6% faster than at 4096, and at 8-256 rows 1.2-1.9% slower (benchmarks/gpu_attention_strides.py;
 # RESULTS.md, "GPU decode loop").
 GPU_STREAMING_KV_TILE, GPU_STREAMING_STRIDE = 64, 64
 
@@ -288,6 +288,7 @@ def _complete(result: SolveResult, family: str, given: dict[str, Any], preferred
     agrees with every axis given and is nearest the preferences on the others (a receipt's tuple names only
     the axes the kernels read); `BadInput` when none is legal."""
     unknown = sorted(set(given) - set(result.axes))
+    given = _attention_pin(family, given, preferred, result.axes)
     if not unknown:
         if set(given) == set(result.axes):
             if result.is_legal(given):
@@ -301,6 +302,20 @@ def _complete(result: SolveResult, family: str, given: dict[str, Any], preferred
     raise IllegalAssignment(f"the tuple's {family} assignment {given} is not legal" +
                             (f" (no axes {unknown})" if unknown else ""),
                             remedy="run `detent-audit solve` for the legal values")
+
+
+def _attention_pin(family: str, given: dict[str, Any], preferred: Mapping[str, Any], axes: Any
+                   ) -> dict[str, Any]:
+    """A committed attention assignment that names the split stride (the knob) but not the pinned tiles per
+    split, with the pin that stride means (stride / KV tile): the kernels read the pin, so a pin taken from
+    the preferences would run another stride than the one named."""
+    stride_knob, tile_knob = "embedded.attention.split_stride", "embedded.attention.kv_tile"
+    if family != "embedded.attention" or "tiles_per_split" not in axes or "tiles_per_split" in given:
+        return given
+    stride, tile = given.get(stride_knob), given.get(tile_knob, preferred.get(tile_knob))
+    if not isinstance(stride, int) or not isinstance(tile, int) or stride <= 0 or stride % tile:
+        return given
+    return {**given, "tiles_per_split": stride // tile}
 
 
 def probe_inputs(deployment: Deployment) -> dict[str, list[dict[str, int]]]:

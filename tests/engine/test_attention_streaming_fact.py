@@ -53,5 +53,18 @@ def test_the_streaming_kernel_commits_the_smallest_stride_its_split_bound_allows
         return a["tiles_per_split"] * a["embedded.attention.kv_tile"]
 
     assert committed("detent-streaming", max_model_len) == stride
-    assert max_model_len // stride <= GPU_MAX_SPLITS
+    assert -(-max_model_len // stride) <= GPU_MAX_SPLITS
     assert committed("detent", max_model_len) == max(4096, max_model_len // MAX_SPLITS)
+
+
+@pytest.mark.parametrize("backend", ["detent", "detent-streaming"])
+def test_a_tuple_that_names_the_stride_alone_runs_that_stride(backend: str) -> None:
+    """The kernels read the pinned tiles per split: a committed stride without it gets the pin it means,
+    not the preferences' (which would run the default stride under the named one)."""
+    dep = engine_deployment(NAMED_SHAPES["llama-3.1-8b"], dtype="bfloat16", num_threads=1, block_size=16,
+                            max_model_len=4096, max_num_seqs=32, max_num_batched_tokens=2048,
+                            prefix_caching=True, attention_backend=backend)
+    for stride in (256, 512, 4096):
+        named = {"embedded.attention": {"embedded.attention.split_stride": stride}}
+        a = select_kernels(Mode.DETENT, dep, named).tuple["embedded.attention"]
+        assert a["tiles_per_split"] * a["embedded.attention.kv_tile"] == stride

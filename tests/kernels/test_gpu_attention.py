@@ -100,23 +100,40 @@ def test_streaming_mode_folds_alike_in_one_program_and_across_programs(cfg, one_
         assert torch.equal(last, alone[-1:])
 
 
-def test_the_split_fold_is_the_same_at_every_launch_and_leaves_its_counters_at_zero() -> None:
+def test_the_split_fold_is_the_same_at_every_launch_and_leaves_its_counters_at_zero(monkeypatch) -> None:
     """Decode rows in parallel splits: whichever program stores a tile's last partial folds them, a race at
-    every launch; 50 launches of one plan give the same bits, and every counter is back at 0 after each."""
+    every launch. Two different sets of queries alternate over 50 launches of one plan (so a fold that read
+    a partial before it was stored would read the other set's, left in the same buffers): each launch gives
+    its set's bits, every counter is back at 0 after it, and each row equals its own prefill's last token
+    (the fold in one program)."""
     lens = [1, 63, 64, 65, 700, 1500, 2049, 4000]
     k, v, tables, q = _setup(lens, seed=9)
     cfg = ta.TritonAttentionConfig(64, 64, 64, 4, 2, streaming=True)
-    qq = torch.cat([x[-1:] for x in q])
+    sets = [torch.cat([x[-1:] for x in q]), torch.randn(len(lens), H, D, device="cuda", dtype=torch.bfloat16)]
     cu = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
     ctx = torch.tensor([n - 1 for n in lens], dtype=torch.int32, device="cuda")
-    plan = ta.plan_step(cu, ctx, tables, cfg, qq.device, H // HKV)
-    assert plan.num_tiles * HKV < ta.IN_PROGRAM_MIN_PROGRAMS < plan.num_tiles * HKV * plan.num_splits
-    first = ta.paged_attention(qq, k, v, cu, ctx, tables, D ** -0.5, cfg, plan=plan)
-    for _ in range(50):
-        assert torch.equal(ta.paged_attention(qq, k, v, cu, ctx, tables, D ** -0.5, cfg, plan=plan), first)
+    plan = ta.plan_step(cu, ctx, tables, cfg, sets[0].device, H // HKV)
+    assert plan.one_row_each and plan.num_tiles * HKV < ta.IN_PROGRAM_MIN_PROGRAMS < plan.num_tiles * HKV * 63
+    launched = []
+
+    class Counted:  # the split fold's launches, counted
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return split_fold[grid]
+
+    split_fold = ta._attn_split_fold
+    monkeypatch.setattr(ta, "_attn_split_fold", Counted())
+
+    def attend(x: torch.Tensor) -> torch.Tensor:
+        return ta.paged_attention(x, k, v, cu, ctx, tables, D ** -0.5, cfg, plan=plan)
+
+    first = [attend(x) for x in sets]
+    assert not torch.equal(first[0], first[1]) and len(launched) == 2  # the split fold ran
+    for i in range(50):
+        assert torch.equal(attend(sets[i % 2]), first[i % 2])
         assert not plan.counters.any()
-    for s, n in enumerate(lens):  # each row as the last token of its own prefill
-        assert torch.equal(_run(k, v, tables, q, [s], [0], [n], cfg)[0][-1], first[s])
+    for s, n in enumerate(lens):
+        assert torch.equal(_run(k, v, tables, q, [s], [0], [n], cfg)[0][-1], first[0][s])
 
 
 @pytest.mark.parametrize("launch", [{"num_stages": 3}, {"num_stages": 1}], ids=["stages3", "stages1"])
@@ -131,7 +148,7 @@ def test_launch_shape_changes_no_bit(launch, split, monkeypatch) -> None:
     k, v, tables, q = _setup(lens, seed=7)
     n = len(lens)
     monkeypatch.setattr(ta, "IN_PROGRAM_MIN_PROGRAMS", 0)  # every launch folds in one program, as the
-    whole = _run(k, v, tables, q, list(range(n)), [0] * n, lens, base)  # engine's decode graphs do
+    whole = _run(k, v, tables, q, list(range(n)), [0] * n, lens, base)  # decode graphs of 16+ rows do
     assert all(torch.equal(a, b) for a, b in zip(_run(k, v, tables, q, list(range(n)), [0] * n, lens, other),
                                                  whole))
     for s in range(n):
