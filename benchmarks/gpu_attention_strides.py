@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import random
 import sys
 
@@ -24,6 +25,9 @@ import detent_audit.kernels.gpu as gpu_kernels
 import detent_audit.kernels.triton_attention as ta
 from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.runtime.sampling_params import SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_decode_loop import event_ms  # noqa: E402
 
 ENGINE_CONFIG = gpu_kernels.selected_attention_config
 
@@ -37,19 +41,11 @@ def replay_ms(llm: LLM, b: int) -> tuple[float, list[tuple[int, ...]]]:
         llm.step()
     graphs = llm.runner.graphs
     assert graphs is not None
-    replay = graphs.graphs[graphs.size_for(b)].replay
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    walls = []
-    for _ in range(60):
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        walls.append(start.elapsed_time(end))
+    ms = event_ms(graphs.graphs[graphs.size_for(b)].replay, 60)
     while llm.has_unfinished():
         llm.step()
-    return sorted(walls)[30], [tuple(s.output_token_ids) for s in seqs]
+    return ms, [tuple(s.output_token_ids) for s in seqs]
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import sys
 from collections import defaultdict
 
 import torch
@@ -24,6 +25,9 @@ from detent_audit.engine.llm import LLM, EngineConfig
 from detent_audit.kernels.gpu import gemm_tile
 from detent_audit.kernels.triton_gemm import TritonGemmConfig, linear
 from detent_audit.runtime.sampling_params import SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_decode_loop import event_ms  # noqa: E402
 
 PEAK_BW = 4.28e12
 PEAK_FLOPS = 790e12
@@ -80,15 +84,7 @@ def main() -> None:
     assert graphs is not None and seqs
     replay = graphs.graphs[graphs.size_for(b)].replay
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    walls = []
-    for _ in range(30):
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        walls.append(start.elapsed_time(end))
-    wall_ms = sorted(walls)[len(walls) // 2]
+    wall_ms = event_ms(replay, 30)
     reps = 10
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):

@@ -398,6 +398,14 @@ def plan_step(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tabl
                     cu[0] == 0 and all(b - a == 1 for a, b in zip(cu, cu[1:])))
 
 
+def _partials(num_splits: int, t: int, h: int, d: int, dev: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each (split, row, head)'s unnormalised partial: acc [splits, T, H, D], m and l [splits, T, H], fp32."""
+    return (torch.empty((num_splits, t, h, d), dtype=torch.float32, device=dev),
+            torch.empty((num_splits, t, h), dtype=torch.float32, device=dev),
+            torch.empty((num_splits, t, h), dtype=torch.float32, device=dev))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     config: TritonAttentionConfig = TritonAttentionConfig(), plan: StepPlan | None = None
@@ -418,27 +426,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     shape = dict(PAGE=page, H=h, HKV=hkv, D=d, G=h // hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  DECODE=plan.one_row_each, num_warps=config.num_warps, num_stages=config.num_stages)
     programs = plan.num_tiles * hkv
-    in_program = (direct or programs >= IN_PROGRAM_MIN_PROGRAMS or programs > plan.counters.numel()
-                  or num_splits * t * h * d * 4 > SPLIT_BUFFER_BYTES)
-    if config.streaming and in_program:
-        folded = _attn_folded_one_pass if FOLD_IN_ONE_PASS else _attn_folded
-        folded[(plan.num_tiles, hkv)](
-            q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len, plan.cu,
-            plan.context_lens, out, qk_scale, bt.stride(0), config.split, **shape)
-        return out
-    if not direct:
-        o = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=dev)
-        m = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
-        l_ = torch.empty((num_splits, t, h), dtype=torch.float32, device=dev)
     if config.streaming:
-        per_tile = min(num_splits, triton.cdiv(SPLIT_PROGRAMS, programs))
-        _attn_split_fold[(plan.num_tiles, hkv, per_tile)](
-            q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len, plan.cu,
-            plan.context_lens, o, m, l_, plan.counters, out, qk_scale, bt.stride(0), t, config.split, **shape)
+        if (direct or programs >= IN_PROGRAM_MIN_PROGRAMS or programs > plan.counters.numel()
+                or num_splits * t * h * d * 4 > SPLIT_BUFFER_BYTES):
+            folded = _attn_folded_one_pass if FOLD_IN_ONE_PASS else _attn_folded
+            folded[(plan.num_tiles, hkv)](
+                q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len, plan.cu,
+                plan.context_lens, out, qk_scale, bt.stride(0), config.split, **shape)
+        else:
+            per_tile = min(num_splits, triton.cdiv(SPLIT_PROGRAMS, programs))
+            _attn_split_fold[(plan.num_tiles, hkv, per_tile)](
+                q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len, plan.cu,
+                plan.context_lens, *_partials(num_splits, t, h, d, dev), plan.counters, out, qk_scale,
+                bt.stride(0), t, config.split, **shape)
         return out
     if direct:
         o = m = l_ = n = out  # unused
     else:
+        o, m, l_ = _partials(num_splits, t, h, d, dev)
         n = torch.empty(t, dtype=torch.int32, device=dev)  # each row's split count
     _attn_partial[(plan.num_tiles, hkv, num_splits)](
         q.contiguous(), k_cache, v_cache, bt, plan.tile_seq, plan.tile_row, plan.tile_len,

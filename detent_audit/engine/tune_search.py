@@ -44,7 +44,7 @@ MAX_CALLS = 48
 # step up to the maximum (the CPU kernel's grid is coarser).
 GPU_KV_TILES = (16, 32, 64, 128)
 # split strides on the GPU grid: legal multiples of 256 up to 16k, and the short strides a streaming
-# deployment commits by default (runtime/kernel_select.py GPU_STREAMING_PREFERENCES)
+# deployment commits by default (runtime/kernel_select.py `preferences`)
 GPU_STRIDE_STEP, GPU_STRIDE_MAX = 256, 16384
 GPU_SHORT_STRIDES = (64, 128)
 GPU_SAME_KERNEL = "the tile follows the shape"
@@ -88,7 +88,7 @@ def _effective(family: str, a: Mapping[str, Hashable], device: str = "cpu") -> E
             if device != "cpu":  # the Triton kernel takes any stride that is a whole number of tiles
                 stride = params.split_stride
                 ok = tile in GPU_KV_TILES and (stride % GPU_STRIDE_STEP == 0 or stride in GPU_SHORT_STRIDES)
-                return params if ok and params.split_stride <= GPU_STRIDE_MAX else None
+                return params if ok and stride <= GPU_STRIDE_MAX else None
             return params if params.split_stride in ATTENTION_SPLIT_STRIDE_SPACE else None
     except (BadParams, KeyError):
         return None
